@@ -1,0 +1,425 @@
+"""The plan: where every token of a micro-batch goes. Frozen data that checks itself.
+
+A plan answers three questions for one micro-batch:
+
+* **attention layout**: for each document (``SequencePlan``), which ranks compute which query
+  ranges, and the ring those ranks form (``ring``; ring step ``s`` sends a K/V block from
+  ``ring[i]`` to ``ring[(i + 1) % g]``). A rank's K/V block for a document is the same tokens as
+  its query ranges. A rank's attention buffer is its ranges in canonical order: documents by id,
+  then the document's spans in the order listed (zigzag: chunk ``i`` then chunk ``2g-1-i``).
+* **linear layout**: per rank, the token ranges it holds for embedding, QKV, projections, MLP and
+  loss; its buffer is the ranges in the order listed.
+* **routing**: for every ring edge that crosses nodes, how its messages are split over proxy
+  GPUs so that every NIC carries a share (``Route``). Edges with no route go direct.
+
+The runtime only executes a plan; it never decides. Every builder (the Zeppelin planner and every
+baseline) produces this one type so one simulator and one engine serve them all.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from megatron_zeppelin.topology.model import Topology
+
+PLAN_FORMAT = "zeppelin-plan/1"
+
+
+class Tier(str, Enum):
+    """Where a document's attention runs."""
+
+    LOCAL = "local"  # whole document on one GPU, no communication
+    INTRA = "intra"  # ring of GPUs inside one node (NVLink)
+    INTER = "inter"  # ring spanning several nodes (NICs)
+
+
+class AttentionComm(str, Enum):
+    """How K/V reach the query holders of a split document."""
+
+    RING = "ring"  # P2P ring, one K/V block per step (TE ring CP, Zeppelin)
+    ALLGATHER = "allgather"  # all-gather K/V once over the group (LLaMA-3 CP)
+
+
+@dataclass(frozen=True)
+class Span:
+    """Query tokens ``[start, end)`` of one document computed on ``rank``."""
+
+    rank: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class TokenRange:
+    """Tokens ``[start, end)`` of document ``seq``."""
+
+    seq: int
+    start: int
+    end: int
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class SequencePlan:
+    """One document's attention placement."""
+
+    id: int
+    length: int
+    tier: Tier
+    ring: tuple[int, ...]
+    """Ranks of the document's ring in ring order; one rank for a local document."""
+    attention: tuple[Span, ...]
+    """Query ranges per rank; they partition ``[0, length)``. Empty spans are not listed."""
+
+    @property
+    def ring_size(self) -> int:
+        return len(self.ring)
+
+    def spans_of(self, rank: int) -> tuple[Span, ...]:
+        return tuple(s for s in self.attention if s.rank == rank)
+
+
+@dataclass(frozen=True)
+class RoutePart:
+    """One part of a routed message: ``src -> src_proxy`` (NVLink, skipped when equal),
+    ``src_proxy -> dst_proxy`` (the proxies' rail, across nodes), ``dst_proxy -> dst`` (NVLink,
+    skipped when equal). ``weight`` is its share; see ``split_by_weights``."""
+
+    src_proxy: int
+    dst_proxy: int
+    weight: int
+
+
+@dataclass(frozen=True)
+class Route:
+    """How every message on the ring edge ``src -> dst`` (different nodes) is split."""
+
+    src: int
+    dst: int
+    parts: tuple[RoutePart, ...]
+
+
+def split_by_weights(num_tokens: int, weights: tuple[int, ...] | list[int]) -> list[int]:
+    """Split ``num_tokens`` into integer parts proportional to ``weights`` (largest remainder,
+    ties to the lower index). Deterministic, so sender, proxies and receiver agree."""
+    total = sum(weights)
+    assert total > 0 and all(w >= 0 for w in weights), weights
+    base = [num_tokens * w // total for w in weights]
+    rest = num_tokens - sum(base)
+    order = sorted(range(len(weights)), key=lambda i: (-(num_tokens * weights[i] % total), i))
+    for i in order[:rest]:
+        base[i] += 1
+    return base
+
+
+def zigzag_bounds(length: int, ring_size: int) -> list[tuple[int, int]]:
+    """The ``2g`` chunk bounds of a causal document cut for a ring of ``g``: ``round(j*L/2g)``."""
+    num_chunks = 2 * ring_size
+    cuts = [round(j * length / num_chunks) for j in range(num_chunks + 1)]
+    return [(cuts[j], cuts[j + 1]) for j in range(num_chunks)]
+
+
+def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
+    """Zigzag attention spans: ring position ``i`` holds chunks ``i`` and ``2g-1-i``.
+    Empty chunks (documents shorter than ``2g``) are left out."""
+    g = len(ring)
+    bounds = zigzag_bounds(length, g)
+    spans = []
+    for i, rank in enumerate(ring):
+        for j in (i, 2 * g - 1 - i):
+            start, end = bounds[j]
+            if end > start:
+                spans.append(Span(rank, start, end))
+    return tuple(spans)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated placement of one micro-batch. See the module docstring."""
+
+    topology: Topology
+    sequences: tuple[SequencePlan, ...]
+    linear: tuple[tuple[TokenRange, ...], ...]
+    """Per rank (index = rank), the token ranges held in the linear layout."""
+    routes: tuple[Route, ...] = ()
+    capacity: int | None = None
+    """Per-GPU token capacity the plan respects in both layouts; ``None``: unchecked."""
+    attention_comm: AttentionComm = AttentionComm.RING
+    name: str = "zeppelin"
+    """Which builder made it (``zeppelin``, ``te-ring-cp``, ...)."""
+    meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Free-form facts from the builder (thresholds used, group sizes); serialized as is."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "sequences", tuple(self.sequences))
+        object.__setattr__(self, "linear", tuple(tuple(r) for r in self.linear))
+        object.__setattr__(self, "routes", tuple(self.routes))
+        self.validate()
+
+    # --- invariants ------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise ``AssertionError`` on a broken invariant (a builder bug) and ``ValueError`` on
+        a plan read from a file that does not fit its topology."""
+        world = self.topology.world_size
+        if len(self.linear) != world:
+            raise ValueError(
+                f"plan lists linear ranges for {len(self.linear)} ranks but its topology has "
+                f"{world} GPUs"
+            )
+        ids = [s.id for s in self.sequences]
+        if ids != sorted(ids) or len(set(ids)) != len(ids):
+            raise ValueError("sequence ids must be unique and listed in increasing order")
+        lengths = {}
+        for seq in self.sequences:
+            if seq.length < 1:
+                raise ValueError(f"sequence {seq.id} has length {seq.length}; lengths must be >= 1")
+            lengths[seq.id] = seq.length
+            if not seq.ring or len(set(seq.ring)) != len(seq.ring):
+                raise ValueError(f"sequence {seq.id}: its ring must list distinct ranks")
+            for rank in seq.ring:
+                if not 0 <= rank < world:
+                    raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
+            ring = set(seq.ring)
+            spans = sorted(seq.attention, key=lambda s: s.start)
+            pos = 0
+            for span in spans:
+                if span.rank not in ring:
+                    raise ValueError(
+                        f"sequence {seq.id}: span on rank {span.rank} outside its ring {seq.ring}"
+                    )
+                if span.start != pos or span.end <= span.start:
+                    raise ValueError(
+                        f"sequence {seq.id}: attention spans must partition [0, {seq.length}) "
+                        f"with non-empty ranges (gap or overlap at token {pos})"
+                    )
+                pos = span.end
+            if pos != seq.length:
+                raise ValueError(
+                    f"sequence {seq.id}: attention spans cover [0, {pos}) of [0, {seq.length})"
+                )
+            nodes = {self.topology.node_of(r) for r in seq.ring}
+            expected = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+            if Tier(seq.tier) != expected:
+                raise ValueError(f"sequence {seq.id}: tier {seq.tier} but its ring is {expected}")
+        covered: dict[int, list[tuple[int, int]]] = {i: [] for i in lengths}
+        for rank, ranges in enumerate(self.linear):
+            for r in ranges:
+                if r.seq not in lengths:
+                    raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
+                if not 0 <= r.start < r.end <= lengths[r.seq]:
+                    raise ValueError(
+                        f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
+                        f"{r.seq} is empty or outside [0, {lengths[r.seq]})"
+                    )
+                covered[r.seq].append((r.start, r.end))
+        for seq_id, ranges in covered.items():
+            pos = 0
+            for start, end in sorted(ranges):
+                if start != pos:
+                    raise ValueError(
+                        f"linear layout does not partition sequence {seq_id} (token {pos})"
+                    )
+                pos = end
+            if pos != lengths[seq_id]:
+                raise ValueError(f"linear layout covers [0, {pos}) of sequence {seq_id}")
+        for route in self.routes:
+            if self.topology.same_node(route.src, route.dst):
+                raise ValueError(f"route {route.src}->{route.dst} does not cross nodes")
+            if not route.parts or any(p.weight < 0 for p in route.parts):
+                raise ValueError(f"route {route.src}->{route.dst} needs parts with weights >= 0")
+            if sum(p.weight for p in route.parts) <= 0:
+                raise ValueError(f"route {route.src}->{route.dst} has zero total weight")
+            for p in route.parts:
+                if not (
+                    self.topology.same_node(p.src_proxy, route.src)
+                    and self.topology.same_node(p.dst_proxy, route.dst)
+                ):
+                    raise ValueError(
+                        f"route {route.src}->{route.dst}: proxies {p.src_proxy}->{p.dst_proxy} "
+                        "must sit on the source and destination nodes"
+                    )
+        if len({(r.src, r.dst) for r in self.routes}) != len(self.routes):
+            raise ValueError("a ring edge is routed twice")
+        if self.capacity is not None:
+            for rank in range(world):
+                for label, n in (
+                    ("attention", self.num_attention_tokens(rank)),
+                    ("linear", self.num_linear_tokens(rank)),
+                ):
+                    if n > self.capacity:
+                        raise ValueError(
+                            f"rank {rank} holds {n} tokens in the {label} layout, over its "
+                            f"capacity of {self.capacity}"
+                        )
+
+    # --- views -----------------------------------------------------------------------------
+    @property
+    def world_size(self) -> int:
+        return self.topology.world_size
+
+    @property
+    def lengths(self) -> list[int]:
+        return [s.length for s in self.sequences]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.length for s in self.sequences)
+
+    def attention_ranges(self, rank: int) -> list[TokenRange]:
+        """Rank's attention buffer in canonical order (documents by id, spans as listed)."""
+        return [
+            TokenRange(seq.id, s.start, s.end)
+            for seq in self.sequences
+            for s in seq.attention
+            if s.rank == rank
+        ]
+
+    def linear_ranges(self, rank: int) -> list[TokenRange]:
+        return list(self.linear[rank])
+
+    def num_attention_tokens(self, rank: int) -> int:
+        return sum(r.num_tokens for r in self.attention_ranges(rank))
+
+    def num_linear_tokens(self, rank: int) -> int:
+        return sum(r.num_tokens for r in self.linear[rank])
+
+    def sequence(self, seq_id: int) -> SequencePlan:
+        for s in self.sequences:
+            if s.id == seq_id:
+                return s
+        raise KeyError(seq_id)
+
+    def route_of(self, src: int, dst: int) -> Route | None:
+        for r in self.routes:
+            if r.src == src and r.dst == dst:
+                return r
+        return None
+
+    def tier_counts(self) -> dict[str, int]:
+        counts = {t.value: 0 for t in Tier}
+        for s in self.sequences:
+            counts[Tier(s.tier).value] += 1
+        return counts
+
+    # --- serialization (DESIGN.md, "The plan file") ----------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": PLAN_FORMAT,
+            "name": self.name,
+            "topology": self.topology.to_dict(),
+            "capacity": self.capacity,
+            "attention_comm": AttentionComm(self.attention_comm).value,
+            "sequences": [
+                {
+                    "id": s.id,
+                    "length": s.length,
+                    "tier": Tier(s.tier).value,
+                    "ring": list(s.ring),
+                    "attention": [
+                        {"rank": a.rank, "start": a.start, "end": a.end} for a in s.attention
+                    ],
+                }
+                for s in self.sequences
+            ],
+            "linear": {
+                str(rank): [{"seq": r.seq, "start": r.start, "end": r.end} for r in ranges]
+                for rank, ranges in enumerate(self.linear)
+            },
+            "routes": [
+                {
+                    "src": r.src,
+                    "dst": r.dst,
+                    "parts": [[p.src_proxy, p.dst_proxy, p.weight] for p in r.parts],
+                }
+                for r in self.routes
+            ],
+            "meta": self.meta,
+        }
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), separators=(",", ":"))
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text)
+        return text
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            got = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise ValueError(f"not a plan file: expected format {PLAN_FORMAT!r}, got {got!r}")
+        try:
+            topology = Topology.from_dict(data["topology"])
+            world = topology.world_size
+            sequences = []
+            for s in data["sequences"]:
+                ring = tuple(s.get("ring") or sorted({a["rank"] for a in s["attention"]}))
+                nodes = {topology.node_of(r) for r in ring}
+                tier = s.get("tier") or (
+                    "local" if len(ring) == 1 else "intra" if len(nodes) == 1 else "inter"
+                )
+                sequences.append(
+                    SequencePlan(
+                        id=int(s["id"]),
+                        length=int(s["length"]),
+                        tier=Tier(tier),
+                        ring=ring,
+                        attention=tuple(
+                            Span(int(a["rank"]), int(a["start"]), int(a["end"]))
+                            for a in s["attention"]
+                        ),
+                    )
+                )
+            linear_map = data["linear"]
+            unknown = set(linear_map) - {str(r) for r in range(world)}
+            if unknown:
+                raise ValueError(f"linear layout names ranks {sorted(unknown)} outside 0..{world - 1}")
+            linear = tuple(
+                tuple(
+                    TokenRange(int(r["seq"]), int(r["start"]), int(r["end"]))
+                    for r in linear_map.get(str(rank), [])
+                )
+                for rank in range(world)
+            )
+            routes = tuple(
+                Route(
+                    int(r["src"]),
+                    int(r["dst"]),
+                    tuple(RoutePart(int(a), int(b), int(w)) for a, b, w in r["parts"]),
+                )
+                for r in data.get("routes", [])
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed plan file: missing or mistyped field ({exc!r})") from exc
+        return cls(
+            topology=topology,
+            sequences=tuple(sequences),
+            linear=linear,
+            routes=routes,
+            capacity=data.get("capacity"),
+            attention_comm=AttentionComm(data.get("attention_comm", "ring")),
+            name=data.get("name", "zeppelin"),
+            meta=dict(data.get("meta") or {}),
+        )
+
+    @classmethod
+    def from_json(cls, text_or_path: str) -> Plan:
+        text = text_or_path
+        if not text_or_path.lstrip().startswith("{"):
+            with open(text_or_path) as f:
+                text = f.read()
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"plan file is not valid JSON: {exc}") from exc
+        return cls.from_dict(data)
