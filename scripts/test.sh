@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Set up (scripts/setup.sh) and run the test suite; extra arguments go to pytest.
+# pytest exits 5 when it collected no test: that is a failure here, never a silent pass.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh || exit 1
+. .venv/bin/activate
+ruff check megatron_zeppelin tests scripts || exit 1
+python -m pytest -q "$@"
+status=$?
+if [ "$status" -eq 5 ]; then
+  echo "no tests were collected: failing" >&2
+  exit 1
+fi
+exit "$status"
