@@ -1,0 +1,24 @@
+"""The only place torch.distributed is called: groups, ring P2P with routing, remapping, counters.
+
+- ``groups.ZeppelinGroups``: node, rail and world groups, created once at start-up;
+- ``exchange.DistExchanger``: one ring step's messages, direct or over proxy GPUs;
+- ``remap``: all-to-all between the linear and the attention layout (autograd);
+- ``counters.LinkCounters``: bytes per link class, from the sends actually made.
+"""
+
+from megatron_zeppelin.comm.counters import LinkCounters, comparable
+from megatron_zeppelin.comm.exchange import DistExchanger, Exchanger, Pending, ZeppelinCommError
+from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
+
+__all__ = [
+    "DistExchanger",
+    "Exchanger",
+    "LinkCounters",
+    "Pending",
+    "ZeppelinCommError",
+    "ZeppelinGroups",
+    "attention_to_linear",
+    "comparable",
+    "linear_to_attention",
+]

@@ -143,6 +143,10 @@ def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
     return tuple(spans)
 
 
+def _span_start(span: Span) -> int:
+    return span.start
+
+
 @dataclass(frozen=True)
 class Plan:
     """A validated placement of one micro-batch. See the module docstring."""
@@ -179,21 +183,28 @@ class Plan:
         ids = [s.id for s in self.sequences]
         if ids != sorted(ids) or len(set(ids)) != len(ids):
             raise ValueError("sequence ids must be unique and listed in increasing order")
-        lengths = {}
+        # One pass over spans and ranges (plans of thousands of documents on a thousand GPUs
+        # are validated every step): per-rank token counts are gathered on the way.
+        gpus_per_node = self.topology.gpus_per_node
+        lengths: dict[int, int] = {}
+        attention_tokens = [0] * world
         for seq in self.sequences:
+            ring = seq.ring
             if seq.length < 1:
                 raise ValueError(f"sequence {seq.id} has length {seq.length}; lengths must be >= 1")
             lengths[seq.id] = seq.length
-            if not seq.ring or len(set(seq.ring)) != len(seq.ring):
+            ring_set = set(ring)
+            if not ring or len(ring_set) != len(ring):
                 raise ValueError(f"sequence {seq.id}: its ring must list distinct ranks")
-            for rank in seq.ring:
-                if not 0 <= rank < world:
-                    raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
-            ring = set(seq.ring)
-            spans = sorted(seq.attention, key=lambda s: s.start)
+            if min(ring) < 0 or max(ring) >= world:
+                rank = next(r for r in ring if not 0 <= r < world)
+                raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
+            spans = seq.attention
+            if len(spans) > 1:
+                spans = sorted(spans, key=_span_start)
             pos = 0
             for span in spans:
-                if span.rank not in ring:
+                if span.rank not in ring_set:
                     raise ValueError(
                         f"sequence {seq.id}: span on rank {span.rank} outside its ring {seq.ring}"
                     )
@@ -203,35 +214,53 @@ class Plan:
                         f"with non-empty ranges (gap or overlap at token {pos})"
                     )
                 pos = span.end
+                attention_tokens[span.rank] += span.end - span.start
             if pos != seq.length:
                 raise ValueError(
                     f"sequence {seq.id}: attention spans cover [0, {pos}) of [0, {seq.length})"
                 )
-            nodes = {self.topology.node_of(r) for r in seq.ring}
-            expected = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
-            if Tier(seq.tier) != expected:
+            if len(ring) == 1:
+                expected = Tier.LOCAL
+            else:
+                node = ring[0] // gpus_per_node
+                same = all(r // gpus_per_node == node for r in ring)
+                expected = Tier.INTRA if same else Tier.INTER
+            if seq.tier != expected:  # Tier is a str enum: "local" == Tier.LOCAL
                 raise ValueError(f"sequence {seq.id}: tier {seq.tier} but its ring is {expected}")
-        covered: dict[int, list[tuple[int, int]]] = {i: [] for i in lengths}
+        pieces: list[tuple[int, int, int]] = []
+        linear_tokens = [0] * world
         for rank, ranges in enumerate(self.linear):
+            num = 0
             for r in ranges:
-                if r.seq not in lengths:
+                length = lengths.get(r.seq)
+                if length is None:
                     raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
-                if not 0 <= r.start < r.end <= lengths[r.seq]:
+                if not 0 <= r.start < r.end <= length:
                     raise ValueError(
                         f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
-                        f"{r.seq} is empty or outside [0, {lengths[r.seq]})"
+                        f"{r.seq} is empty or outside [0, {length})"
                     )
-                covered[r.seq].append((r.start, r.end))
-        for seq_id, ranges in covered.items():
-            pos = 0
-            for start, end in sorted(ranges):
-                if start != pos:
-                    raise ValueError(
-                        f"linear layout does not partition sequence {seq_id} (token {pos})"
-                    )
-                pos = end
-            if pos != lengths[seq_id]:
-                raise ValueError(f"linear layout covers [0, {pos}) of sequence {seq_id}")
+                pieces.append((r.seq, r.start, r.end))
+                num += r.end - r.start
+            linear_tokens[rank] = num
+        pieces.sort()
+        current, pos, num_seen = None, 0, 0
+        for seq_id, start, end in pieces:
+            if seq_id != current:
+                if current is not None and pos != lengths[current]:
+                    raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
+                current, pos, num_seen = seq_id, 0, num_seen + 1
+            if start != pos:
+                raise ValueError(
+                    f"linear layout does not partition sequence {seq_id} (token {pos})"
+                )
+            pos = end
+        if current is not None and pos != lengths[current]:
+            raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
+        if num_seen != len(lengths):
+            named = {piece[0] for piece in pieces}
+            missing = next(i for i in ids if i not in named)
+            raise ValueError(f"linear layout covers [0, 0) of sequence {missing}")
         for route in self.routes:
             if self.topology.same_node(route.src, route.dst):
                 raise ValueError(f"route {route.src}->{route.dst} does not cross nodes")
@@ -253,8 +282,8 @@ class Plan:
         if self.capacity is not None:
             for rank in range(world):
                 for label, n in (
-                    ("attention", self.num_attention_tokens(rank)),
-                    ("linear", self.num_linear_tokens(rank)),
+                    ("attention", attention_tokens[rank]),
+                    ("linear", linear_tokens[rank]),
                 ):
                     if n > self.capacity:
                         raise ValueError(

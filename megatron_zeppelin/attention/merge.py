@@ -1,0 +1,106 @@
+"""Online-softmax merge of partial attention results (pure maths, no communication).
+
+Attention of one query over a set of keys can be computed in pieces. Each piece (a block of
+keys) yields a partial output ``o_i``, softmax-weighted over that block's keys only, and the
+log-sum-exp ``lse_i`` of the block's scaled scores. The exact result over the union is
+
+    lse = log(sum_i exp(lse_i))
+    o   = sum_i exp(lse_i - lse) * o_i
+
+A piece in which the query sees no key at all (fully masked or empty) has ``lse_i = -inf`` and
+weight zero; merging it changes nothing, and a query that saw no key anywhere keeps
+``o = 0, lse = -inf`` instead of turning into NaN. Partial outputs must be finite (kernels write
+zeros for rows without keys), because ``0 * NaN`` would still be NaN.
+
+Shapes: ``out`` is ``(..., d)`` and ``lse`` is ``(...)``, e.g. ``out_tnd`` ``(t, n, d)`` with
+``lse_tn`` ``(t, n)``: t query rows, n heads, d head dim. Merges run in the dtype of their inputs;
+callers accumulate in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["merge", "merge_rows", "merge_rows_"]
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    # A running maximum of -inf means "no key seen yet"; shifting by 0 keeps exp() at 0, not NaN.
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def merge(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two partial results of the same queries elementwise; returns ``(out, lse)``."""
+    if out_a.shape != out_b.shape or lse_a.shape != lse_b.shape:
+        raise ValueError(
+            f"cannot merge partial results of shapes {tuple(out_a.shape)} and "
+            f"{tuple(out_b.shape)}: both pieces must cover the same query rows and heads"
+        )
+    lse = torch.logaddexp(lse_a, lse_b)
+    shift = _finite_or_zero(lse)
+    weight_a = torch.exp(lse_a - shift).unsqueeze(-1)
+    weight_b = torch.exp(lse_b - shift).unsqueeze(-1)
+    return weight_a * out_a + weight_b * out_b, lse
+
+
+def merge_rows(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge pieces into the rows ``rows`` of a running result; returns new ``(out, lse)``.
+
+    ``part_out[i]`` / ``part_lse[i]`` belong to row ``rows[i]``; a row may be named several times
+    (several key blocks of one query in one call) and all of its pieces are merged at once.
+    Rows not named keep their values.
+    """
+    if rows.dim() != 1 or rows.shape[0] != part_out.shape[0] or part_lse.shape[0] != rows.shape[0]:
+        raise ValueError(
+            f"rows ({tuple(rows.shape)}) must be a 1-D index with one entry per piece row "
+            f"({part_out.shape[0]})"
+        )
+    index = rows.view(-1, *([1] * (lse.dim() - 1))).expand_as(part_lse)
+    # The row-wise maximum over the old value and every piece keeps each exp() <= 1.
+    peak = lse.scatter_reduce(0, index, part_lse, reduce="amax", include_self=True)
+    shift = _finite_or_zero(peak)
+    weight_old = torch.exp(lse - shift)
+    weight_part = torch.exp(part_lse - shift[rows])
+    total = weight_old.index_add(0, rows, weight_part)
+    numer = (out * weight_old.unsqueeze(-1)).index_add(0, rows, part_out * weight_part.unsqueeze(-1))
+    safe_total = torch.where(total > 0, total, torch.ones_like(total))
+    return numer / safe_total.unsqueeze(-1), shift + torch.log(total)
+
+
+def merge_rows_(
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    rows: torch.Tensor | None,
+    part_out: torch.Tensor,
+    part_lse: torch.Tensor,
+    *,
+    unique: bool,
+) -> None:
+    """In-place ``merge_rows`` that only touches the named rows.
+
+    ``rows=None`` means the pieces cover every row in order. ``unique`` says whether ``rows``
+    names each row at most once (the caller knows it from the layout); then the merge is a
+    gather, an elementwise ``merge`` and a scatter. Otherwise the named rows are merged in a
+    compact copy so the cost follows the piece size, not the size of ``out``.
+    """
+    if rows is None:
+        new_out, new_lse = merge(out, lse, part_out, part_lse)
+        out.copy_(new_out)
+        lse.copy_(new_lse)
+        return
+    if unique:
+        new_out, new_lse = merge(out[rows], lse[rows], part_out, part_lse)
+    else:
+        touched, inverse = torch.unique(rows, return_inverse=True)
+        new_out, new_lse = merge_rows(out[touched], lse[touched], inverse, part_out, part_lse)
+        rows = touched
+    out.index_copy_(0, rows, new_out.to(out.dtype))
+    lse.index_copy_(0, rows, new_lse.to(lse.dtype))

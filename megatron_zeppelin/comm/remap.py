@@ -1,0 +1,94 @@
+"""Remapping between the linear layout and the attention layout: one all-to-all each way.
+
+The whole Megatron layer runs in the linear layout (equal tokens per GPU); only core attention
+runs in the attention layout (DESIGN.md section 4). ``linear_to_attention`` and
+``attention_to_linear`` move the rows of a ``(t, ...)`` tensor between the two with
+``all_to_all_single``; the split sizes and row orders come from the pure
+``planner.remap_layout``. Each is an autograd function whose backward is the other direction's
+all-to-all applied to the gradient: a permutation's gradient is its inverse permutation.
+
+``group``: the process group of the plan's ranks, group rank ``i`` being plan rank ``i``
+(``None``: the world). Under tensor parallelism that is the group of one TP index.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.remap_layout import (
+    RemapLayout,
+    attention_to_linear_layout,
+    linear_to_attention_layout,
+)
+
+__all__ = ["all_to_all_rows", "attention_to_linear", "linear_to_attention", "remap_rows"]
+
+
+def all_to_all_rows(
+    x_t: torch.Tensor, layout: RemapLayout, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Move rows of ``x_t`` as ``layout`` says (no autograd)."""
+    if x_t.shape[0] != layout.num_src_rows:
+        raise ValueError(
+            f"rank {layout.rank} holds {layout.num_src_rows} tokens in the source layout but the "
+            f"tensor has {x_t.shape[0]} rows: pass the rank's tokens in that layout's buffer order"
+        )
+    device = x_t.device
+    send = x_t.index_select(0, torch.as_tensor(layout.send_index, device=device)).contiguous()
+    recv = x_t.new_empty((layout.num_dst_rows, *x_t.shape[1:]))
+    dist.all_to_all_single(
+        recv,
+        send,
+        output_split_sizes=list(layout.recv_counts),
+        input_split_sizes=list(layout.send_counts),
+        group=group,
+    )
+    return recv.index_select(0, torch.as_tensor(layout.recv_index, device=device))
+
+
+class _RemapFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_t, layout, group):  # type: ignore[override]
+        ctx.layout = layout
+        ctx.group = group
+        return all_to_all_rows(x_t, layout, group)
+
+    @staticmethod
+    def backward(ctx, grad_t):  # type: ignore[override]
+        return all_to_all_rows(grad_t.contiguous(), ctx.layout.inverse(), ctx.group), None, None
+
+
+def _check_group(plan: Plan, rank: int, group: dist.ProcessGroup | None) -> None:
+    size, me = dist.get_world_size(group), dist.get_rank(group)
+    if size != plan.world_size:
+        raise ValueError(
+            f"the plan is for {plan.world_size} ranks but the remap group has {size}: pass the "
+            "group of the plan's ranks"
+        )
+    if me != rank:
+        raise ValueError(f"rank {rank} given but this process is rank {me} of the remap group")
+
+
+def remap_rows(
+    x_t: torch.Tensor, layout: RemapLayout, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    """Autograd-enabled move of ``x_t``'s rows as ``layout`` says; backward uses its inverse."""
+    return _RemapFunction.apply(x_t, layout, group)
+
+
+def linear_to_attention(
+    x_t: torch.Tensor, plan: Plan, rank: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Rows in ``rank``'s linear buffer order -> rows in its attention buffer order."""
+    _check_group(plan, rank, group)
+    return remap_rows(x_t, linear_to_attention_layout(plan, rank), group)
+
+
+def attention_to_linear(
+    x_t: torch.Tensor, plan: Plan, rank: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """Rows in ``rank``'s attention buffer order -> rows in its linear buffer order."""
+    _check_group(plan, rank, group)
+    return remap_rows(x_t, attention_to_linear_layout(plan, rank), group)

@@ -1,0 +1,272 @@
+"""``zeppelin plan``: plan one batch, print a summary, optionally write the plan and a chart.
+
+Examples::
+
+    zeppelin plan --lengths lengths.txt --nodes 2 --gpus-per-node 8 --nics-per-node 8 \\
+        --capacity 16384 --model llama-7b --json plan.json
+    zeppelin plan --topology zeppelin-C --nodes 4 --dist prolong --tokens 500000 --seed 0 \\
+        --plot load.png
+
+The input helpers here (batch, topology, cost model, planner options) are shared with
+``zeppelin simulate`` and ``zeppelin compare``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Any
+
+DEFAULT_MODEL = "llama-7b"
+DEFAULT_TOKENS = 262144
+NEVER = 1 << 40
+"""A threshold no document reaches (``off``)."""
+CAPACITY_HEADROOM = 1.25
+"""Automatic capacity: the even share of tokens per GPU times this, rounded up to 1024."""
+
+
+# --- shared arguments ----------------------------------------------------------------------
+def add_input_arguments(parser: argparse.ArgumentParser) -> None:
+    """Batch, cluster, model and cost-model flags (shared by plan, simulate and compare)."""
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("--lengths", metavar="FILE", help="document lengths, one per line")
+    batch.add_argument(
+        "--dist", metavar="NAME", help="draw lengths from an embedded distribution instead "
+        "(wikipedia, prolong, wlbllm, magi_realworld)",
+    )  # fmt: skip
+    batch.add_argument(
+        "--tokens", type=int, default=DEFAULT_TOKENS, help="tokens per batch (--dist)"
+    )
+    batch.add_argument("--seed", type=int, default=0, help="seed of the first batch (--dist)")
+    batch.add_argument(
+        "--max-length", type=int, default=None, help="cut drawn documents longer than this"
+    )
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--topology", metavar="PRESET", help="node design: zeppelin-A, ...")
+    cluster.add_argument("--topology-file", metavar="YAML", help="node design from a YAML file")
+    cluster.add_argument("--nodes", type=int, default=None, help="number of nodes")
+    cluster.add_argument("--gpus-per-node", type=int, default=None)
+    cluster.add_argument("--nics-per-node", type=int, default=None)
+    cluster.add_argument("--nic-gbit", type=float, default=None, help="NIC line rate, Gbit/s")
+    cluster.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
+    cluster.add_argument(
+        "--capacity", type=int, default=None, help="tokens one GPU may hold; default: "
+        f"the even share times {CAPACITY_HEADROOM}, rounded up to 1024",
+    )  # fmt: skip
+    model = parser.add_argument_group("model and cost model")
+    model.add_argument("--model", default=DEFAULT_MODEL, help="preset: llama-3b, llama-7b, ...")
+    model.add_argument("--tp", type=int, default=1, help="tensor-parallel size inside a rank")
+    model.add_argument("--cost-model", metavar="FILE", help="calibration file of measured figures")
+
+
+def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
+    """Zeppelin planner flags (thresholds, routing, remapping)."""
+    group = parser.add_argument_group("zeppelin planner")
+    group.add_argument(
+        "--intra-threshold", default=None, help="shortest document split inside a node, "
+        "in tokens, or auto/off (default: the planner's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--inter-threshold", default=None, help="shortest document split across nodes, "
+        "in tokens, or auto/off (default: the planner's)",
+    )  # fmt: skip
+    group.add_argument(
+        "--no-routing", action="store_true", help="send inter-node messages directly"
+    )
+    group.add_argument(
+        "--no-remap", action="store_true", help="run linear modules on the attention layout"
+    )
+    group.add_argument(
+        "--no-split", action="store_true", help="split only documents that capacity forces"
+    )
+
+
+# --- shared readers --------------------------------------------------------------------------
+def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[int]]:
+    """``num_batches`` batches of document lengths: the lengths file (one batch, repeated) or
+    draws from ``--dist`` with seeds ``seed, seed+1, ...``."""
+    if (args.lengths is None) == (args.dist is None):
+        raise ValueError("give the batch with exactly one of --lengths FILE or --dist NAME")
+    if args.lengths is not None:
+        from megatron_zeppelin.planner.distributions import read_lengths_file
+
+        return [read_lengths_file(args.lengths)] * num_batches
+    from megatron_zeppelin.planner.distributions import sample_lengths
+
+    return [
+        sample_lengths(
+            args.dist, num_tokens=args.tokens, seed=args.seed + i, max_length=args.max_length
+        )  # fmt: skip
+        for i in range(num_batches)
+    ]
+
+
+def read_topology(args: argparse.Namespace):
+    """The ``Topology`` the cluster flags describe."""
+    from megatron_zeppelin.topology.presets import topology_from_args
+
+    if args.topology is None and args.topology_file is None and args.gpus_per_node is None:
+        raise ValueError(
+            "describe the cluster: --topology PRESET --nodes N, or --nodes N --gpus-per-node G "
+            "--nics-per-node K"
+        )
+    return topology_from_args(
+        preset=args.topology,
+        yaml_path=args.topology_file,
+        num_nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        nics_per_node=args.nics_per_node,
+        nic_gbit=args.nic_gbit,
+        nvlink_gbps=args.nvlink_gbps,
+    )
+
+
+def read_cost_model(args: argparse.Namespace, topology):
+    """Default cost model of ``--model`` on ``topology``, with ``--cost-model``'s figures."""
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.models import get_model
+
+    cost = CostModel.default(get_model(args.model, tensor_parallel=args.tp), topology)
+    if args.cost_model:
+        from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
+
+        cost = apply_calibration(cost, load_calibration(args.cost_model), source=args.cost_model)
+    return cost
+
+
+def capacity_for(args: argparse.Namespace, batches: list[list[int]], topology) -> int:
+    """``--capacity`` or the automatic one (see ``CAPACITY_HEADROOM``)."""
+    if args.capacity is not None:
+        if args.capacity < 1:
+            raise ValueError(f"--capacity must be a positive number of tokens, got {args.capacity}")
+        return args.capacity
+    most = max(sum(b) for b in batches)
+    return int(math.ceil(most / topology.world_size * CAPACITY_HEADROOM / 1024) * 1024)
+
+
+def planner_options(args: argparse.Namespace, cost_model) -> Any:
+    """``PlannerOptions`` from the planner flags (``None`` when all are at their defaults).
+
+    A threshold left out or ``auto`` comes from the cost model; ``off`` never splits over that
+    tier unless capacity forces it."""
+    intra = getattr(args, "intra_threshold", None)
+    inter = getattr(args, "inter_threshold", None)
+    wanted: dict[str, Any] = {}
+    if intra not in (None, "auto") or inter not in (None, "auto"):
+        from megatron_zeppelin.planner.thresholds import tier_thresholds
+
+        auto = tier_thresholds(cost_model)
+        chosen = []
+        for i, (value, flag) in enumerate(((intra, "intra"), (inter, "inter"))):
+            if value in (None, "auto"):
+                chosen.append(auto[i])
+            else:
+                chosen.append(NEVER if value == "off" else _tokens(value, flag))
+        wanted["thresholds"] = (chosen[0], max(chosen))
+    if getattr(args, "no_routing", False):
+        wanted["routing"] = False
+    if getattr(args, "no_remap", False):
+        wanted["remap"] = False
+    if getattr(args, "no_split", False):
+        wanted["allow_split"] = False
+    if not wanted:
+        return None
+    from megatron_zeppelin.planner.partition import PlannerOptions
+
+    return PlannerOptions(**wanted)
+
+
+def _tokens(text: str, flag: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"--{flag}-threshold takes tokens, auto or off, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"--{flag}-threshold must be positive, got {value}")
+    return value
+
+
+def zeppelin_plan(lengths: list[int], *, topology, cost_model, capacity: int, options=None):
+    """Zeppelin's plan of one batch."""
+    from megatron_zeppelin.planner.partition import plan_batch
+
+    return plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
+                      options=options)  # fmt: skip
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if num_bytes >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def cost_sources_line(cost_model) -> str:
+    """Which cost figures are measured and which are datasheet defaults."""
+    items = ", ".join(f"{k}={v}" for k, v in sorted(cost_model.sources.items()))
+    return f"cost figures: {items}"
+
+
+# --- the command -------------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    add_planner_arguments(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", metavar="OUT", help="write the plan file (zeppelin-plan/1)")
+    out.add_argument("--plot", metavar="PNG", help="chart of per-rank attention, linear and comm")
+
+
+def summary_lines(plan, result, cost_model) -> list[str]:
+    """A short human summary of one plan and its simulation."""
+    from megatron_zeppelin.planner.plan import Tier
+
+    world = plan.world_size
+    lines = [f"{plan.name}: {len(plan.sequences)} documents, {plan.num_tokens} tokens on "
+             f"{world} GPUs ({plan.topology.num_nodes} x {plan.topology.gpus_per_node}), "
+             f"capacity {plan.capacity}"]  # fmt: skip
+    for tier in Tier:
+        seqs = [s for s in plan.sequences if Tier(s.tier) == tier]
+        tokens = sum(s.length for s in seqs)
+        longest = max((s.length for s in seqs), default=0)
+        lines.append(f"  {tier.value:>5}: {len(seqs):5d} documents {tokens:9d} tokens "
+                     f"(longest {longest})")  # fmt: skip
+    attention = [r.attention_s for r in result.per_rank]
+    linear = [plan.num_linear_tokens(r) for r in range(world)]
+    lines.append(f"  imbalance (max/mean): attention {_imbalance(attention):.3f}, "
+                 f"linear tokens {_imbalance(linear):.3f}")  # fmt: skip
+    lines.append("  bytes per layer (forward): " + ", ".join(
+        f"{k} {format_bytes(v)}" for k, v in sorted(result.link_bytes.items()) if ":" not in k
+    ) + f" (remapping: {format_bytes(sum(result.remap_bytes.values()))})")  # fmt: skip
+    lines.append(f"  predicted step {result.step_time_s * 1e3:.1f} ms, lower bound "
+                 f"{result.lower_bound_s * 1e3:.1f} ms, efficiency {result.efficiency:.3f}, "
+                 f"MFU {result.mfu:.3f}")  # fmt: skip
+    lines.append("  " + cost_sources_line(cost_model))
+    return lines
+
+
+def _imbalance(values: list[float]) -> float:
+    mean = sum(values) / len(values)
+    return max(values) / mean if mean > 0 else 1.0
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.planner.simulator import simulate
+
+    topology = read_topology(args)
+    cost = read_cost_model(args, topology)
+    (lengths,) = read_batches(args, 1)
+    capacity = capacity_for(args, [lengths], topology)
+    plan = zeppelin_plan(lengths, topology=topology, cost_model=cost, capacity=capacity,
+                         options=planner_options(args, cost))  # fmt: skip
+    result = simulate(plan, cost, remap=not args.no_remap)
+    print("\n".join(summary_lines(plan, result, cost)))
+    if args.json:
+        plan.to_json(args.json)
+        print(f"plan written to {args.json}")
+    if args.plot:
+        from megatron_zeppelin.viz import plot_plan_load
+
+        plot_plan_load(plan, result, cost, args.plot)
+        print(f"chart written to {args.plot}", file=sys.stderr)
+    return 0

@@ -1,0 +1,274 @@
+"""``zeppelin simulate`` (one builder) and ``zeppelin compare`` (Zeppelin against every baseline).
+
+Examples::
+
+    zeppelin simulate --topology zeppelin-A --nodes 4 --dist prolong --tokens 524288 --steps 4
+    zeppelin simulate --plan plan.json --model llama-7b
+    zeppelin compare --topology zeppelin-C --nodes 4 --dist wikipedia --tokens 1048576 \\
+        --capacity 32768 --model llama-7b --steps 5 --plot compare.png --json compare.json
+
+Every builder plans the same batches (``--steps`` batches drawn with seeds ``seed, seed+1, ...``)
+and the simulator times them with the same cost model. Speedups are ratios of mean step times.
+``compare_batches`` and ``summarize`` are the library form, used by ``scripts/compare_sweep.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable, Sequence
+from types import SimpleNamespace
+
+from megatron_zeppelin.commands.plan import (
+    add_input_arguments,
+    add_planner_arguments,
+    capacity_for,
+    cost_sources_line,
+    format_bytes,
+    planner_options,
+    read_batches,
+    read_cost_model,
+    read_topology,
+    summary_lines,
+    zeppelin_plan,
+)
+
+ZEPPELIN = "zeppelin"
+TE_RING_CP = "te-ring-cp"
+MEGATRON = "megatron-dynamic-cp"
+
+
+def builder_names() -> tuple[str, ...]:
+    from megatron_zeppelin.planner.baselines import BASELINES
+
+    return (ZEPPELIN, *BASELINES)
+
+
+def build_plans(name: str, lengths: list[int], *, topology, cost_model, capacity: int,
+                options=None) -> list:  # fmt: skip
+    """The plans (one per round) of builder ``name`` for one batch."""
+    if name == ZEPPELIN:
+        return [zeppelin_plan(lengths, topology=topology, cost_model=cost_model,
+                              capacity=capacity, options=options)]  # fmt: skip
+    from megatron_zeppelin.planner.baselines import build_baseline
+
+    return build_baseline(name, lengths, topology=topology, capacity=capacity,
+                          cost_model=cost_model)  # fmt: skip
+
+
+def compare_batches(
+    batches: Sequence[list[int]],
+    *,
+    topology,
+    cost_model,
+    capacity: int,
+    builders: Sequence[str] | None = None,
+    options=None,
+    remap: bool = True,
+    on_result: Callable[[], None] | None = None,
+) -> dict[str, list]:
+    """Per builder, one ``SimResult`` per batch, or the ``ValueError`` text where it could not
+    plan the batch (a baseline's capacity rule, say)."""
+    from megatron_zeppelin.planner.simulator import simulate_rounds
+
+    builders = tuple(builders or builder_names())
+    results: dict[str, list] = {name: [] for name in builders}
+    for lengths in batches:
+        for name in builders:
+            try:
+                plans = build_plans(name, lengths, topology=topology, cost_model=cost_model,
+                                    capacity=capacity, options=options)  # fmt: skip
+                # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
+                results[name].append(simulate_rounds(plans, cost_model, remap=remap))
+            except ValueError as exc:
+                results[name].append(str(exc))
+            if on_result is not None:
+                on_result()
+    return results
+
+
+def summarize(results: dict[str, list]) -> list[dict]:
+    """One row per builder: mean step time, speedups, efficiency, bytes, rounds."""
+
+    def mean_step(name: str) -> float | None:
+        runs = results.get(name, [])
+        if not runs or any(isinstance(r, str) for r in runs):
+            return None
+        return sum(r.step_time_s for r in runs) / len(runs)
+
+    te, megatron = mean_step(TE_RING_CP), mean_step(MEGATRON)
+    rows = []
+    for name, runs in results.items():
+        errors = [r for r in runs if isinstance(r, str)]
+        if errors:
+            rows.append({"builder": name, "error": errors[0]})
+            continue
+        step = mean_step(name)
+        bound = sum(r.lower_bound_s for r in runs) / len(runs)
+        link: dict[str, float] = {}
+        for r in runs:
+            for k, v in r.link_bytes.items():
+                if ":" not in k:
+                    link[k] = link.get(k, 0.0) + v / len(runs)
+        rows.append({
+            "builder": name,
+            "step_time_s": step,
+            "lower_bound_s": bound,
+            "efficiency": bound / step,
+            "speedup_vs_te": te / step if te else None,
+            "speedup_vs_megatron": megatron / step if megatron else None,
+            "mfu": sum(r.mfu for r in runs) / len(runs),
+            "rounds": sum(r.num_rounds for r in runs) / len(runs),
+            "link_bytes": link,
+            "step_times_s": [r.step_time_s for r in runs],
+        })  # fmt: skip
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    """The comparison as a plain-text table."""
+
+    def ratio(x: float | None) -> str:
+        return f"{x:.2f}x" if x is not None else "-"
+
+    header = (f"{'builder':<21} {'step ms':>10} {'vs TE':>7} {'vs Mcore':>8} {'eff':>6} "
+              f"{'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}")  # fmt: skip
+    lines = [header, "-" * len(header)]
+    for row in rows:
+        if "error" in row:
+            lines.append(f"{row['builder']:<21} cannot plan: {row['error']}")
+            continue
+        link = row["link_bytes"]
+        lines.append(
+            f"{row['builder']:<21} {row['step_time_s'] * 1e3:10.1f} "
+            f"{ratio(row['speedup_vs_te']):>7} {ratio(row['speedup_vs_megatron']):>8} "
+            f"{row['efficiency']:6.3f} {row['mfu']:6.3f} {row['rounds']:6.2f}  "
+            f"{format_bytes(link.get('nvlink', 0)):>12} {format_bytes(link.get('nic', 0)):>12}"
+        )
+    return "\n".join(lines)
+
+
+def _progress(total: int, quiet: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, file=sys.stderr, disable=quiet or not sys.stderr.isatty(),
+                unit="plan", leave=False)  # fmt: skip
+
+
+# --- zeppelin compare --------------------------------------------------------------------------
+def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    add_planner_arguments(parser)
+    parser.add_argument("--steps", type=int, default=3, help="batches (one per seed)")
+    parser.add_argument(
+        "--builders", default=None, help="comma-separated builders (default: zeppelin and "
+        "every baseline: te-ring-cp, llama3-allgather-cp, hybrid-dp, megatron-dynamic-cp, flexsp)",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="OUT", help="write the rows and per-step results")
+    parser.add_argument("--plot", metavar="PNG", help="bar chart of step times")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
+    builders = builder_names()
+    if args.builders:
+        builders = tuple(b.strip() for b in args.builders.split(",") if b.strip())
+        unknown = sorted(set(builders) - set(builder_names()))
+        if unknown:
+            raise ValueError(
+                f"unknown builders {unknown}; choose from {', '.join(builder_names())}"
+            )
+    topology = read_topology(args)
+    cost = read_cost_model(args, topology)
+    batches = read_batches(args, args.steps)
+    capacity = capacity_for(args, batches, topology)
+    options = planner_options(args, cost)
+    with _progress(len(batches) * len(builders), args.quiet) as bar:
+        results = compare_batches(batches, topology=topology, cost_model=cost, capacity=capacity,
+                                  builders=builders, options=options, remap=not args.no_remap,
+                                  on_result=bar.update)  # fmt: skip
+    rows = summarize(results)
+    tokens = sum(len(b) for b in batches) / len(batches)
+    print(f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "
+          f"{cost.model.name} on {topology.world_size} GPUs ({topology.name}), "
+          f"capacity {capacity} tokens/GPU")  # fmt: skip
+    print(cost_sources_line(cost))
+    print(format_table(rows))
+    if args.json:
+        payload = {"rows": rows, "capacity": capacity, "topology": topology.to_dict(),
+                   "model": cost.model.name, "cost_sources": cost.sources,
+                   "results": {k: [r if isinstance(r, str) else r.to_dict() for r in v]
+                               for k, v in results.items()}}  # fmt: skip
+        with open(args.json, "w") as f:
+            json.dump(payload, f, indent=1)
+    if args.plot:
+        from megatron_zeppelin.viz import plot_comparison
+
+        plot_comparison(rows, args.plot)
+    return 0
+
+
+compare = SimpleNamespace(add_arguments=_add_compare_arguments, run=_run_compare)
+"""The ``zeppelin compare`` subcommand (``add_arguments``, ``run``)."""
+
+
+# --- zeppelin simulate -------------------------------------------------------------------------
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_input_arguments(parser)
+    add_planner_arguments(parser)
+    parser.add_argument("--builder", default=ZEPPELIN, help="zeppelin or a baseline's name")
+    parser.add_argument("--plan", metavar="FILE", help="simulate a saved plan file instead")
+    parser.add_argument("--steps", type=int, default=1, help="batches (one per seed)")
+    parser.add_argument(
+        "--routing", choices=("auto", "on", "off"), default="auto",
+        help="time inter-node messages over the plan's routes (auto: when it has any)",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="OUT", help="write the simulation results")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.planner.plan import Plan
+    from megatron_zeppelin.planner.simulator import simulate_rounds
+
+    routing = {"auto": None, "on": True, "off": False}[args.routing]
+    remap = not args.no_remap
+    if args.plan:
+        plan = Plan.from_json(args.plan)
+        cost = read_cost_model(args, plan.topology)
+        result = simulate_rounds([plan], cost, routing=routing, remap=remap)
+        print("\n".join(summary_lines(plan, result, cost)))
+        outcomes = [result]
+    else:
+        if args.builder not in builder_names():
+            raise ValueError(
+                f"unknown builder {args.builder!r}; choose from {', '.join(builder_names())}"
+            )
+        topology = read_topology(args)
+        cost = read_cost_model(args, topology)
+        batches = read_batches(args, max(1, args.steps))
+        capacity = capacity_for(args, batches, topology)
+        options = planner_options(args, cost)
+        outcomes = []
+        with _progress(len(batches), args.quiet) as bar:
+            for step, lengths in enumerate(batches):
+                plans = build_plans(args.builder, lengths, topology=topology, cost_model=cost,
+                                    capacity=capacity, options=options)  # fmt: skip
+                result = simulate_rounds(plans, cost, routing=routing, remap=remap)
+                outcomes.append(result)
+                bar.update()
+                if step == 0:
+                    print("\n".join(summary_lines(plans[0], result, cost)))
+                    if len(plans) > 1:
+                        print(f"  ({len(plans)} rounds; the lines above describe the first)")
+        mean = sum(r.step_time_s for r in outcomes) / len(outcomes)
+        bound = sum(r.lower_bound_s for r in outcomes) / len(outcomes)
+        print(f"{args.builder}: mean step {mean * 1e3:.1f} ms over {len(outcomes)} batches, "
+              f"efficiency {bound / mean:.3f}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.to_dict() for r in outcomes], f, indent=1)
+    return 0

@@ -1,0 +1,185 @@
+"""Document-level view of a Megatron indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``).
+
+Megatron's ``IndexedDataset`` stores *sequences* (``sequence_lengths``, ``sequence_pointers``)
+grouped into *documents* by ``document_indices``: document ``d`` is sequences
+``document_indices[d]`` to ``document_indices[d + 1]``. ``preprocess_data.py`` writes one
+sequence per document unless ``--split-sentences`` is given; either way the sequences of a
+document sit back to back in the ``.bin``, so a document is one contiguous run of tokens and
+any ``[start, end)`` of it is one read.
+
+Zeppelin plans documents, not fixed-length samples, so this module exposes exactly that:
+``lengths`` (tokens per document, what every rank plans from) and ``read(doc, start, end)``
+(the tokens one rank needs). Reads go through megatron-core's own ``IndexedDataset.get`` so the
+memory-mapped ``.bin`` is shared with everything else Megatron does.
+
+A missing or damaged file raises ``ValueError`` naming the file and what is wrong, checked here
+before megatron-core opens it (its own checks are bare asserts deep in the reader).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import warnings
+from types import ModuleType
+
+import numpy as np
+
+# The .idx layout (megatron/core/datasets/indexed_dataset.py): a 9-byte magic, a u64 version
+# (1), a u8 dtype code, u64 sequence count, u64 document count, then int32 sequence lengths,
+# int64 sequence pointers (byte offsets into the .bin) and int64 document indices.
+_IDX_MAGIC = b"MMIDIDX\x00\x00"
+_IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
+"""Item size of each megatron-core ``DType`` code (uint8 .. uint16)."""
+
+
+def indexed_dataset_module() -> ModuleType:
+    """megatron-core's ``indexed_dataset`` module, imported on first use.
+
+    Imported lazily because megatron-core pulls in torch and most of its own package; its
+    warnings about missing TransformerEngine/Apex kernels say nothing about reading a dataset,
+    so they are silenced for this import only.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import indexed_dataset
+    return indexed_dataset
+
+
+def _check_files(path_prefix: str) -> None:
+    """Validate ``PREFIX.idx`` against ``PREFIX.bin`` with plain reads; raise ``ValueError``."""
+    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+    for path in (idx_path, bin_path):
+        if not os.path.isfile(path):
+            raise ValueError(
+                f"dataset file {path} does not exist: pass the path prefix of a Megatron "
+                "indexed dataset (PREFIX.bin and PREFIX.idx, as written by preprocess_data.py "
+                "or `zeppelin make-dataset`)"
+            )
+    idx_size = os.path.getsize(idx_path)
+    with open(idx_path, "rb") as f:
+        header = f.read(_IDX_HEADER_BYTES)
+    if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
+        raise ValueError(
+            f"{idx_path} is not a Megatron index file (missing the MMIDIDX header): "
+            "rebuild it with preprocess_data.py or `zeppelin make-dataset`"
+        )
+    (version,) = struct.unpack("<Q", header[9:17])
+    (code,) = struct.unpack("<B", header[17:18])
+    num_sequences, num_doc_indices = struct.unpack("<QQ", header[18:34])
+    if version != 1:
+        raise ValueError(f"{idx_path} has index version {version}; only version 1 is supported")
+    if code not in _DTYPE_SIZES:
+        raise ValueError(f"{idx_path} names an unknown token dtype code {code}")
+    if num_doc_indices < 1:
+        raise ValueError(f"{idx_path} has no document index table: the file is damaged")
+    needed = _IDX_HEADER_BYTES + 4 * num_sequences + 8 * num_sequences + 8 * num_doc_indices
+    if idx_size < needed:
+        raise ValueError(
+            f"{idx_path} is truncated: its header promises {num_sequences} sequences and "
+            f"{num_doc_indices - 1} documents ({needed} bytes) but the file has {idx_size} bytes"
+        )
+    lengths = np.fromfile(idx_path, dtype=np.int32, count=num_sequences, offset=_IDX_HEADER_BYTES)
+    doc_index = np.fromfile(
+        idx_path,
+        dtype=np.int64,
+        count=num_doc_indices,
+        offset=_IDX_HEADER_BYTES + 12 * num_sequences,
+    )
+    if (lengths < 0).any():
+        raise ValueError(f"{idx_path} lists a negative sequence length: the file is damaged")
+    if doc_index[0] != 0 or doc_index[-1] != num_sequences or (np.diff(doc_index) < 0).any():
+        raise ValueError(
+            f"{idx_path} has a document index that does not cover its {num_sequences} "
+            "sequences in order: the file is damaged"
+        )
+    expected_bin = int(lengths.sum(dtype=np.int64)) * _DTYPE_SIZES[code]
+    bin_size = os.path.getsize(bin_path)
+    if bin_size != expected_bin:
+        raise ValueError(
+            f"{bin_path} has {bin_size} bytes but {idx_path} describes {expected_bin}: the two "
+            "files do not belong together or one was cut short; rebuild the dataset"
+        )
+
+
+class DocumentDataset:
+    """Documents of a Megatron indexed dataset: their lengths and token reads by range.
+
+    ``lengths[d]`` is the token count of document ``d``. ``read(d, start, end)`` returns tokens
+    ``[start, end)`` of document ``d`` as ``int64``. ``num_tokens_read`` counts the tokens read
+    so far, so callers (and tests) can check that a rank reads only its own share.
+    """
+
+    def __init__(self, path_prefix: str, *, mmap: bool = True) -> None:
+        IndexedDataset = indexed_dataset_module().IndexedDataset  # noqa: N806
+
+        path_prefix = os.fspath(path_prefix)
+        for suffix in (".bin", ".idx"):
+            if path_prefix.endswith(suffix):
+                path_prefix = path_prefix[: -len(suffix)]
+        _check_files(path_prefix)
+        try:
+            self._indexed = IndexedDataset(path_prefix, mmap=mmap)
+        except (AssertionError, OSError, ValueError) as exc:
+            raise ValueError(
+                f"megatron-core could not open the dataset {path_prefix}.bin/.idx: {exc}"
+            ) from exc
+        self.path_prefix = path_prefix
+        seq_lengths = self._indexed.sequence_lengths.astype(np.int64)
+        doc_index = self._indexed.document_indices.astype(np.int64)
+        seq_cumsum = np.concatenate(([0], np.cumsum(seq_lengths)))
+        self.lengths: np.ndarray = seq_cumsum[doc_index[1:]] - seq_cumsum[doc_index[:-1]]
+        """Tokens per document, ``int64``."""
+        self._first_sequence = doc_index[:-1]
+        self.num_tokens_read = 0
+
+    # --- shape -----------------------------------------------------------------------------
+    @property
+    def num_documents(self) -> int:
+        return int(self.lengths.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.lengths.sum())
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Token dtype on disk (``uint16`` for vocabularies under 65500, else ``int32``)."""
+        return np.dtype(self._indexed.index.dtype)
+
+    def __len__(self) -> int:
+        return self.num_documents
+
+    def document_length(self, doc: int) -> int:
+        self._check_doc(doc)
+        return int(self.lengths[doc])
+
+    # --- reads -----------------------------------------------------------------------------
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        """Tokens ``[start, end)`` of document ``doc`` (``end`` defaults to its length)."""
+        length = self.document_length(doc)
+        end = length if end is None else end
+        if not 0 <= start <= end <= length:
+            raise ValueError(
+                f"cannot read tokens [{start}, {end}) of document {doc}: it has {length} tokens"
+            )
+        self.num_tokens_read += end - start
+        if end == start:
+            return np.zeros(0, dtype=np.int64)
+        # The sequences of a document are contiguous in the .bin, so a read that starts in the
+        # first sequence may run on through the following ones.
+        tokens = self._indexed.get(int(self._first_sequence[doc]), offset=start, length=end - start)
+        return np.asarray(tokens, dtype=np.int64)
+
+    def _check_doc(self, doc: int) -> None:
+        if not 0 <= doc < self.num_documents:
+            raise ValueError(
+                f"document {doc} is outside 0..{self.num_documents - 1} of {self.path_prefix}"
+            )
+
+    def __repr__(self) -> str:
+        return (
+            f"DocumentDataset({self.path_prefix!r}, documents={self.num_documents}, "
+            f"tokens={self.num_tokens})"
+        )

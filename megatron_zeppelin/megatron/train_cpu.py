@@ -1,0 +1,321 @@
+"""Train a small Megatron GPT with Zeppelin on CPU processes that emulate a GPU cluster.
+
+    torchrun --nproc-per-node 4 -m megatron_zeppelin.megatron.train_cpu      # or: zeppelin train
+
+Four gloo processes stand for 2 nodes x 2 GPUs. The model is megatron-core's own ``GPTModel``
+(2 layers, hidden 64, vocabulary 512) with Zeppelin's layer spec; the data is a synthetic
+variable-length corpus (``synthetic.py``, patterned tokens so the loss can fall) written into
+the run directory on first use. Every step the sampler draws whole documents, every rank plans
+the same plan, reads its own tokens, runs forward and backward with the per-token loss; the
+gradients are summed over the Zeppelin ranks and Adam steps. Rank 0 shows progress, the loss,
+tokens/s and the plan (tiers, imbalance, ring bytes per link class); ``--json`` writes the
+per-step figures; ``--save`` / ``--load`` checkpoint model, optimizer and sampler.
+
+The ``--zeppelin-*`` flags are the same as in Megatron-LM; their defaults here suit the tiny
+emulated cluster (thresholds of a few hundred tokens, so all three tiers show up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron.args import resolve_topology
+from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss
+from megatron_zeppelin.megatron.runtime import (
+    ModelDims,
+    build_cost_model,
+    build_gpt,
+    create_transport,
+    forward_micro_batch,
+    init_megatron_parallel,
+    plan_micro_batch,
+    plan_summary,
+)
+
+CPU_DEFAULTS = {
+    "zeppelin": True,
+    "zeppelin_topology": "custom",
+    "zeppelin_nodes": 2,
+    "zeppelin_capacity": 2048,
+    "zeppelin_intra_threshold": "256",
+    "zeppelin_inter_threshold": "1024",
+    "zeppelin_kernel": "torch",
+    "zeppelin_log_plan_every": 5,
+    "zeppelin_max_document_length": 2048,
+    "zeppelin_comm_timeout_s": 120.0,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The CPU job's flags (also used by ``zeppelin train``)."""
+    job = parser.add_argument_group("CPU training job")
+    job.add_argument("--run-dir", default="runs/cpu", help="Where the synthetic data lives.")
+    job.add_argument("--steps", type=int, default=24, help="Total optimizer steps.")
+    job.add_argument("--tokens-per-step", type=int, default=4096, help="Token budget of a step.")
+    job.add_argument("--micro-batches", type=int, default=1, help="Micro-batches per step.")
+    job.add_argument("--tensor-parallel", type=int, default=1, help="Megatron TP size.")
+    job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
+    job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
+    job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
+    job.add_argument("--distribution", default="wikipedia", help="Lengths of synthetic data.")
+    job.add_argument("--dataset-tokens", type=int, default=300_000, help="Synthetic data size.")
+    job.add_argument("--save", default=None, help="Checkpoint directory to write.")
+    job.add_argument("--save-every", type=int, default=0, help="Also save every N steps.")
+    job.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
+    job.add_argument("--json", default=None, help="Write per-step figures to this file.")
+    job.add_argument("--quiet", action="store_true", help="No progress bar or plan lines.")
+    dims = parser.add_argument_group("model")
+    for name, default in vars(ModelDims()).items():
+        kind = type(default)
+        dims.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
+    ZeppelinConfig.add_arguments(parser)
+    parser.set_defaults(**CPU_DEFAULTS)
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m megatron_zeppelin.megatron.train_cpu", description=__doc__.split("\n")[0]
+    )
+    return add_arguments(parser)
+
+
+def _dims(args: argparse.Namespace) -> ModelDims:
+    return ModelDims(**{name: getattr(args, name) for name in vars(ModelDims())})
+
+
+def _dataset(args: argparse.Namespace, rank: int):
+    """Open the dataset; write the synthetic one first (rank 0) when it is missing."""
+    from megatron_zeppelin.megatron.data import DocumentDataset
+    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+
+    prefix = args.dataset or os.path.join(args.run_dir, "data", f"synthetic-{args.seed}")
+    if args.dataset is None and rank == 0 and not os.path.exists(prefix + ".idx"):
+        write_synthetic_dataset(
+            prefix,
+            distribution=args.distribution,
+            num_tokens=args.dataset_tokens,
+            max_length=args.zeppelin_max_document_length,
+            vocab_size=args.vocab_size,
+            seed=args.seed,
+        )
+    dist.barrier()
+    return DocumentDataset(prefix)
+
+
+def _checkpoint_path(directory: str) -> str:
+    return os.path.join(directory, f"rank{dist.get_rank():03d}.pt")
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the job on an initialized gloo world; returns the run's figures (every rank)."""
+    from tqdm import tqdm
+
+    from megatron_zeppelin.megatron.batch import build_linear_batch
+    from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
+
+    config = ZeppelinConfig.from_args(args)
+    ctx = init_megatron_parallel(args.tensor_parallel)
+    topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
+    dims = _dims(args)
+    cost_model = build_cost_model(
+        dims, topology, tensor_parallel=ctx.tensor_parallel, calibration=_calibration(args, config)
+    )
+    _, exchanger, counters = create_transport(topology, ctx, config)
+    dataset = _dataset(args, dist.get_rank())
+    sampler = DocumentSampler(
+        dataset.lengths,
+        tokens_per_step=args.tokens_per_step,
+        num_micro_batches=args.micro_batches,
+        seed=args.seed,
+        max_length=config.max_document_length,
+        long_documents=config.long_documents,
+        cost=DocumentCost.from_model(cost_model.model),
+    )
+    model = build_gpt(dims, seed=args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    start = 0
+    if args.load:
+        state = torch.load(_checkpoint_path(args.load), weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sampler.load_state_dict(state["sampler"])
+        start = int(state["step"])
+    is_main = dist.get_rank() == 0
+    show = is_main and not args.quiet
+    records: list[dict[str, Any]] = []
+    bar = tqdm(total=args.steps, initial=start, disable=not show, unit="step", file=sys.stdout)
+    begin = time.perf_counter()
+    for step in range(start, args.steps):
+        t0 = time.perf_counter()
+        step_batch = sampler.next_step()
+        counters.reset()
+        loss_sum, loss_count, summaries = torch.zeros(()), torch.zeros((), dtype=torch.long), []
+        for mb, slices in enumerate(step_batch.micro_batches):
+            if not slices:
+                continue
+            plan = plan_micro_batch(
+                step_batch.lengths(mb), topology=topology, cost_model=cost_model, config=config
+            )
+            batch = build_linear_batch(plan, ctx.zeppelin_rank, slices, dataset)
+            params = ZeppelinPackedSeqParams(
+                plan=plan,
+                rank=ctx.zeppelin_rank,
+                exchanger=exchanger.set_plan(plan),
+                remap_group=ctx.dp_group,
+                positions=batch.position_ids_t,
+                kernel=config.kernel,
+            )
+            total, count = forward_micro_batch(model, batch, params)
+            total.backward()  # the sum: dividing by the global count comes after the all-reduce
+            loss_sum, loss_count = loss_sum + total.detach(), loss_count + count
+            summaries.append(plan_summary(plan, cost_model.model, routing=config.routing))
+        loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group)
+        finish_gradients(model.parameters(), num_tokens, ctx.dp_group)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        measured = counters.all_reduce(ctx.dp_group)
+        seconds = time.perf_counter() - t0
+        step_tokens = step_batch.num_tokens
+        records.append(
+            {
+                "step": step,
+                "loss": loss,
+                "loss_tokens": num_tokens,
+                "tokens": step_tokens,
+                "seconds": seconds,
+                "tokens_per_s": step_tokens / seconds,
+                "documents": [
+                    [[s.doc, s.start, s.end] for s in mb] for mb in step_batch.micro_batches
+                ],
+                "plans": summaries,
+                "measured_link_bytes": measured,
+            }
+        )
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{step_tokens / seconds:,.0f}")
+        if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
+            bar.write(_plan_line(step, summaries[0]))
+        if args.save and args.save_every and (step + 1) % args.save_every == 0:
+            _save(args.save, model, optimizer, sampler, step + 1)
+    bar.close()
+    if args.save:
+        _save(args.save, model, optimizer, sampler, args.steps)
+    result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
+    if is_main:
+        if not args.quiet:
+            print(_summary_text(result["summary"]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return result
+
+
+def _calibration(args: argparse.Namespace, config: ZeppelinConfig) -> str | None:
+    """The calibration file to plan with: the flag's, else ``RUN_DIR/calibration.json``."""
+    if config.calibration:
+        return config.calibration
+    found = os.path.join(args.run_dir, "calibration.json")
+    return found if os.path.exists(found) else None
+
+
+def _save(directory: str, model, optimizer, sampler, step: int) -> None:
+    os.makedirs(directory, exist_ok=True)
+    state = {
+        "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(),
+        "sampler": sampler.state_dict(),
+        "step": step,
+    }
+    torch.save(state, _checkpoint_path(directory))
+    dist.barrier()  # a checkpoint is complete only once every rank has written its file
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _plan_line(step: int, summary: dict) -> str:
+    tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
+    links = summary["link_bytes"]
+    nics = " ".join(f"{k[4:]}={_fmt_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
+    return (
+        f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
+        f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
+        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
+        f"{_fmt_bytes(links['nvlink'])} nic {_fmt_bytes(links['nic'])} [{nics}]"
+    )
+
+
+def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
+    head = [r["loss"] for r in records[:3]]
+    tail = [r["loss"] for r in records[-3:]]
+    tiers: dict[str, int] = {}
+    for r in records:
+        for s in r["plans"]:
+            for k, v in s["tiers"].items():
+                tiers[k] = tiers.get(k, 0) + v
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "summary": {
+            "steps": len(records),
+            "first_loss": sum(head) / len(head) if head else None,
+            "last_loss": sum(tail) / len(tail) if tail else None,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds else 0.0,
+            "documents_per_tier": tiers,
+            "zeppelin_world": ctx.zeppelin_world,
+            "tensor_parallel": ctx.tensor_parallel,
+        },
+        "config": config.to_dict(),
+        "model": vars(dims),
+        "steps": records,
+    }
+
+
+def _summary_text(s: dict) -> str:
+    if not s["steps"]:
+        return "nothing to do: the checkpoint is already at --steps"
+    tiers = ", ".join(f"{k} {v}" for k, v in s["documents_per_tier"].items())
+    return (
+        f"{s['steps']} steps in {s['seconds']:.1f} s ({s['tokens_per_s']:,.0f} tokens/s) on "
+        f"{s['zeppelin_world']} Zeppelin ranks x TP {s['tensor_parallel']}; loss "
+        f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}; documents per tier: {tiers}"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if "RANK" not in os.environ:
+        print(
+            "train_cpu runs under torchrun: torchrun --nproc-per-node 4 -m "
+            "megatron_zeppelin.megatron.train_cpu (or simply: zeppelin train)",
+            file=sys.stderr,
+        )
+        return 2
+    torch.set_num_threads(1)  # several processes share few cores
+    dist.init_process_group("gloo")
+    try:
+        train(args)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

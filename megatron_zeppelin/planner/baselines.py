@@ -1,0 +1,478 @@
+"""Baseline layouts that Zeppelin is compared against, each expressed as ``Plan`` objects.
+
+Every builder takes the documents of one batch (their lengths), a topology and a per-GPU token
+capacity and returns a list of plans, one per *round*: rounds run one after another (micro-batches
+of gradient accumulation, or Megatron's scheduling groups separated by barriers). Zeppelin fits a
+batch in one plan; a baseline that cannot hold every document at once needs more rounds, and the
+simulator adds their times. Sequence ids are the documents' indices in the batch.
+
+Assumptions, one per baseline:
+
+* ``te-ring-cp``: TransformerEngine ring context parallelism with a static CP size. Documents are
+  packed, longest first, into fixed-length samples of ``cp_size * capacity`` tokens (first fit;
+  a document never straddles two samples). Each sample goes to one CP group of ``cp_size``
+  consecutive ranks (data parallel across groups) and every document of the sample is split zigzag
+  over the whole group, in group-rank order (TE's THD format). Default ``cp_size``: the smallest
+  power of two whose group holds the longest document.
+* ``llama3-allgather-cp``: the same layout; K/V are all-gathered once over the group before the
+  attention kernel instead of travelling around a ring (``AttentionComm.ALLGATHER``).
+* ``hybrid-dp``: documents longer than ``threshold`` (default: the capacity) are split zigzag over
+  a fixed CP group (``cp_size`` consecutive ranks, the least loaded group by attention cost); every
+  shorter document stays whole on the GPU holding the fewest tokens (data parallel).
+* ``megatron-dynamic-cp``: Megatron-LM's hybrid/dynamic CP scheduler. ``BalancedCPScheduler`` from
+  megatron-core is called as is (``get_groups_and_subsamples``): each document gets a power-of-two
+  CP group holding at most ``capacity`` tokens per rank, documents are grouped into scheduling
+  groups separated by barriers, and inside a group every document is its own forward/backward pass
+  (so its plans carry ``meta["execution"] = "sequential"``). Where megatron-core is missing, a
+  re-derivation is used: the same power-of-two sizes, one document per rank group, groups filled
+  longest first onto the least loaded aligned rank block (``meta["scheduler"]`` says which ran).
+* ``flexsp``: FlexSP-style heterogeneous sequence-parallel groups, greedy instead of a MILP. Each
+  document needs a power-of-two group holding it; longest first, a document opens a new aligned
+  group of its size while free ranks remain and the least loaded existing group of that size
+  would pass the average load, else it joins the least loaded group that is large enough. Groups
+  run concurrently, each packing its documents into one ring-attention pass (FlexSP uses
+  all-to-all sequence parallelism; the ring keeps one communication model across baselines).
+
+Every baseline runs its linear modules where its attention tokens are (no remapping) and has no
+routes: cross-node traffic leaves through each sender's own NIC.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.plan import (
+    AttentionComm,
+    Plan,
+    SequencePlan,
+    Tier,
+    TokenRange,
+    zigzag_bounds,
+    zigzag_spans,
+)
+from megatron_zeppelin.topology.model import Topology
+
+Doc = tuple[int, int]  # (sequence id, length)
+Group = tuple[tuple[int, ...], list[int], list[float]]  # ring, tokens per position, cost per rank
+
+BASELINES = ("te-ring-cp", "llama3-allgather-cp", "hybrid-dp", "megatron-dynamic-cp", "flexsp")
+
+
+# --- shared pieces ---------------------------------------------------------------------------
+def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> list[int]:
+    lengths = [int(n) for n in lengths]
+    if capacity < 1:
+        raise ValueError(f"capacity must be a positive number of tokens, got {capacity}")
+    if not lengths or any(n < 1 for n in lengths):
+        raise ValueError("give at least one document, every length >= 1")
+    longest = max(lengths)
+    if longest > capacity * topology.world_size:
+        raise ValueError(
+            f"a document of {longest} tokens does not fit {topology.world_size} GPUs of "
+            f"{capacity} tokens each: raise --capacity or add GPUs"
+        )
+    return lengths
+
+
+def _pow2_at_least(n: float) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+def zigzag_loads(length: int, ring_size: int) -> list[int]:
+    """Tokens each ring position holds when a document is split zigzag over ``ring_size``."""
+    bounds = zigzag_bounds(length, ring_size)
+    g = ring_size
+    return [bounds[i][1] - bounds[i][0] + bounds[2 * g - 1 - i][1] - bounds[2 * g - 1 - i][0]
+            for i in range(g)]  # fmt: skip
+
+
+def group_size_for(length: int, capacity: int, world_size: int) -> int:
+    """Smallest power-of-two ring whose zigzag split keeps every rank within ``capacity``."""
+    size = _pow2_at_least(length / capacity)
+    while max(zigzag_loads(length, size)) > capacity:
+        size *= 2
+    if size > world_size:
+        raise ValueError(
+            f"a document of {length} tokens needs a group of {size} GPUs of {capacity} tokens "
+            f"but the cluster has {world_size}: raise --capacity"
+        )
+    return size
+
+
+def sequence_on(
+    seq_id: int, length: int, ring: tuple[int, ...], topology: Topology
+) -> SequencePlan:
+    """A document split zigzag over ``ring`` (kept whole for a ring of one)."""
+    nodes = {topology.node_of(r) for r in ring}
+    tier = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+    return SequencePlan(seq_id, length, tier, ring, zigzag_spans(length, ring))
+
+
+def plan_without_remap(
+    sequences: list[SequencePlan],
+    topology: Topology,
+    *,
+    name: str,
+    capacity: int | None,
+    attention_comm: AttentionComm = AttentionComm.RING,
+    meta: dict | None = None,
+) -> Plan:
+    """A plan whose linear layout is its attention layout (no remapping, no routes)."""
+    sequences = sorted(sequences, key=lambda s: s.id)
+    linear: list[list[TokenRange]] = [[] for _ in range(topology.world_size)]
+    for seq in sequences:
+        for span in seq.attention:
+            linear[span.rank].append(TokenRange(seq.id, span.start, span.end))
+    return Plan(
+        topology=topology,
+        sequences=tuple(sequences),
+        linear=tuple(tuple(r) for r in linear),
+        capacity=capacity,
+        attention_comm=attention_comm,
+        name=name,
+        meta=dict(meta or {}),
+    )
+
+
+def _in_rounds(
+    docs: list[tuple[int, int]],
+    build_round: Callable[
+        [list[tuple[int, int]]], tuple[list[SequencePlan], list[tuple[int, int]]]
+    ],
+) -> list[list[SequencePlan]]:
+    """Call ``build_round`` on the documents left over until none are."""
+    rounds = []
+    while docs:
+        placed, docs = build_round(docs)
+        assert placed, "a round placed no document although every document fits one round"
+        rounds.append(placed)
+    return rounds
+
+
+# --- TransformerEngine ring CP and LLaMA-3 all-gather CP ---------------------------------------
+def _packed_cp(
+    lengths: list[int],
+    topology: Topology,
+    capacity: int,
+    cp_size: int | None,
+    name: str,
+    comm: AttentionComm,
+) -> list[Plan]:
+    world = topology.world_size
+    if cp_size is None:
+        cp_size = group_size_for(max(lengths), capacity, world)
+    if cp_size < 1 or cp_size > world:
+        raise ValueError(f"cp_size must be between 1 and the {world} GPUs, got {cp_size}")
+    for n in lengths:
+        if max(zigzag_loads(n, cp_size)) > capacity:
+            raise ValueError(
+                f"a document of {n} tokens does not fit a CP group of {cp_size} GPUs of "
+                f"{capacity} tokens: raise cp_size or capacity"
+            )
+    num_groups = world // cp_size
+    # First fit decreasing into samples; a sample's per-rank load must stay within capacity.
+    samples: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        add = zigzag_loads(lengths[seq_id], cp_size)
+        for loads, docs in samples:  # noqa: B007 (the loop leaves the chosen sample bound)
+            if all(a + b <= capacity for a, b in zip(loads, add)):
+                break
+        else:
+            loads, docs = [0] * cp_size, []
+            samples.append((loads, docs))
+        for i, b in enumerate(add):
+            loads[i] += b
+        docs.append((seq_id, lengths[seq_id]))
+    plans = []
+    num_rounds = -(-len(samples) // num_groups)
+    for k in range(num_rounds):
+        sequences = []
+        for group, (_, docs) in enumerate(samples[k * num_groups : (k + 1) * num_groups]):
+            ring = tuple(range(group * cp_size, (group + 1) * cp_size))
+            sequences += [sequence_on(i, n, ring, topology) for i, n in docs]
+        meta = {"cp_size": cp_size, "round": k, "num_rounds": num_rounds, "sample_tokens":
+                cp_size * capacity, "execution": "concurrent"}  # fmt: skip
+        plans.append(plan_without_remap(sequences, topology, name=name, capacity=capacity,
+                                        attention_comm=comm, meta=meta))  # fmt: skip
+    return plans
+
+
+def te_ring_cp(
+    lengths: Sequence[int], *, topology: Topology, capacity: int, cp_size: int | None = None
+) -> list[Plan]:
+    """TransformerEngine ring CP over packed fixed-length samples (module docstring)."""
+    lengths = _check_inputs(lengths, topology, capacity)
+    return _packed_cp(lengths, topology, capacity, cp_size, "te-ring-cp", AttentionComm.RING)
+
+
+def llama3_allgather_cp(
+    lengths: Sequence[int], *, topology: Topology, capacity: int, cp_size: int | None = None
+) -> list[Plan]:
+    """LLaMA-3 all-gather CP: TE's layout, K/V all-gathered once per group."""
+    lengths = _check_inputs(lengths, topology, capacity)
+    return _packed_cp(
+        lengths, topology, capacity, cp_size, "llama3-allgather-cp", AttentionComm.ALLGATHER
+    )
+
+
+# --- hybrid DP ---------------------------------------------------------------------------------
+def hybrid_dp(
+    lengths: Sequence[int],
+    *,
+    topology: Topology,
+    capacity: int,
+    cost_model: CostModel | None = None,
+    cp_size: int | None = None,
+    threshold: int | None = None,
+) -> list[Plan]:
+    """Short documents whole on one GPU, long ones over a fixed CP group (module docstring)."""
+    lengths = _check_inputs(lengths, topology, capacity)
+    world = topology.world_size
+    threshold = capacity if threshold is None else int(threshold)
+    long_docs = [n for n in lengths if n > threshold]
+    if cp_size is None:
+        cp_size = group_size_for(max(long_docs), capacity, world) if long_docs else 1
+        cp_size = max(cp_size, 2) if long_docs else 1
+    if cp_size > world:
+        raise ValueError(f"cp_size {cp_size} exceeds the {world} GPUs")
+
+    def attn_cost(n: int) -> float:
+        return cost_model.document_attention_time(n) if cost_model else float(n) * n
+
+    def build_round(docs: list[tuple[int, int]]):
+        tokens = [0] * world
+        group_cost = [0.0] * (world // cp_size)
+        placed, left = [], []
+        for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
+            if n > threshold:
+                add = zigzag_loads(n, cp_size)
+                order = sorted(range(len(group_cost)), key=lambda g: (group_cost[g], g))
+                for g in order:
+                    ring = tuple(range(g * cp_size, (g + 1) * cp_size))
+                    if all(tokens[r] + a <= capacity for r, a in zip(ring, add)):
+                        for r, a in zip(ring, add):
+                            tokens[r] += a
+                        group_cost[g] += attn_cost(n) / cp_size
+                        placed.append(sequence_on(seq_id, n, ring, topology))
+                        break
+                else:
+                    left.append((seq_id, n))
+            else:
+                rank = min(range(world), key=lambda r: (tokens[r], r))
+                if tokens[rank] + n <= capacity:
+                    tokens[rank] += n
+                    placed.append(sequence_on(seq_id, n, (rank,), topology))
+                else:
+                    left.append((seq_id, n))
+        return placed, left
+
+    rounds = _in_rounds(list(enumerate(lengths)), build_round)
+    return [
+        plan_without_remap(
+            seqs,
+            topology,
+            name="hybrid-dp",
+            capacity=capacity,
+            meta={
+                "cp_size": cp_size,
+                "threshold": threshold,
+                "round": k,
+                "num_rounds": len(rounds),
+                "execution": "concurrent",
+            },
+        )  # fmt: skip
+        for k, seqs in enumerate(rounds)
+    ]
+
+
+# --- FlexSP (greedy) ---------------------------------------------------------------------------
+def _fits(
+    group: tuple[tuple[int, ...], list[int], list[float]], length: int, capacity: int
+) -> bool:
+    ring, tokens, _ = group
+    return all(t + a <= capacity for t, a in zip(tokens, zigzag_loads(length, len(ring))))
+
+
+def flexsp(
+    lengths: Sequence[int],
+    *,
+    topology: Topology,
+    capacity: int,
+    cost_model: CostModel | None = None,
+) -> list[Plan]:
+    """FlexSP-style heterogeneous SP groups, greedy (module docstring)."""
+    lengths = _check_inputs(lengths, topology, capacity)
+    world = topology.world_size
+
+    def doc_cost(n: int) -> float:
+        if cost_model is None:
+            return float(n) * n
+        return cost_model.document_attention_time(n) + cost_model.linear_time(n)
+
+    def build_round(docs: list[tuple[int, int]]):
+        target = sum(doc_cost(n) for _, n in docs) / world
+        free = [True] * world
+        groups: list[Group] = []
+        placed, left = [], []
+        for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
+            size = group_size_for(n, capacity, world)
+            per_rank = doc_cost(n) / size
+            same = [g for g in groups if len(g[0]) == size and _fits(g, n, capacity)]
+            best = min(same, key=lambda g: g[2][0], default=None)
+            block = next(
+                (b for b in range(0, world - size + 1, size) if all(free[b : b + size])), None
+            )
+            if block is not None and (best is None or best[2][0] + per_rank > target):
+                ring = tuple(range(block, block + size))
+                for r in ring:
+                    free[r] = False
+                best = (ring, [0] * size, [0.0])
+                groups.append(best)
+            elif best is None:
+                larger = [g for g in groups if len(g[0]) > size and _fits(g, n, capacity)]
+                best = min(larger, key=lambda g: g[2][0], default=None)
+                if best is None:
+                    left.append((seq_id, n))
+                    continue
+            ring, tokens, cost = best
+            add = zigzag_loads(n, len(ring))
+            for i, a in enumerate(add):
+                tokens[i] += a
+            cost[0] += doc_cost(n) / len(ring)
+            placed.append(sequence_on(seq_id, n, ring, topology))
+        return placed, left
+
+    rounds = _in_rounds(list(enumerate(lengths)), build_round)
+    return [
+        plan_without_remap(
+            seqs,
+            topology,
+            name="flexsp",
+            capacity=capacity,
+            meta={
+                "round": k,
+                "num_rounds": len(rounds),
+                "execution": "concurrent",
+                "group_sizes": sorted({len(s.ring) for s in seqs}, reverse=True),
+            },
+        )  # fmt: skip
+        for k, seqs in enumerate(rounds)
+    ]
+
+
+# --- Megatron-LM dynamic (hybrid) CP -----------------------------------------------------------
+class _GroupOfSize:
+    """What ``BalancedCPScheduler`` reads of its DPxCP process group: only ``size()``."""
+
+    def __init__(self, size: int) -> None:
+        self._size = size
+
+    def size(self) -> int:
+        return self._size
+
+
+def megatron_groups_from_core(
+    lengths: list[int], world: int, capacity: int
+) -> list[list[tuple[int, tuple[int, ...]]]] | None:
+    """Scheduling groups from megatron-core's ``BalancedCPScheduler``: per group, the documents
+    as ``(seq_id, ranks)``. ``None`` when megatron-core is not importable."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # megatron-core warns about missing TE/apex
+            from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
+    except ImportError:
+        return None
+    scheduler = BalancedCPScheduler(capacity, _GroupOfSize(world))
+    _, sample_id_groups = scheduler.get_groups_and_subsamples(
+        [(i, n) for i, n in enumerate(lengths)],
+        None,  # the config argument is unused
+    )
+    groups = []
+    for per_rank in sample_id_groups:
+        ranks_of: dict[int, list[int]] = {}
+        for rank, ids in enumerate(per_rank):
+            for seq_id in ids:
+                ranks_of.setdefault(seq_id, []).append(rank)
+        groups.append([(i, tuple(ranks)) for i, ranks in sorted(ranks_of.items())])
+    return groups
+
+
+def megatron_groups_fallback(
+    lengths: list[int], world: int, capacity: int
+) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """Re-derivation used without megatron-core: power-of-two groups (``ceil(L/capacity)``
+    rounded up), longest first onto the least loaded aligned block of ranks, one scheduling
+    group per batch; load is ``L^2 / size`` as in megatron-core's estimator."""
+    load = [0.0] * world
+    docs = []
+    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        n = lengths[seq_id]
+        size = min(_pow2_at_least(n / capacity), world)
+        blocks = range(0, world - size + 1, size)
+        start = min(blocks, key=lambda b: (max(load[b : b + size]), b))
+        ranks = tuple(range(start, start + size))
+        for r in ranks:
+            load[r] += n * n / size
+        docs.append((seq_id, ranks))
+    return [sorted(docs)]
+
+
+def megatron_dynamic_cp(
+    lengths: Sequence[int], *, topology: Topology, capacity: int, use_core: bool = True
+) -> list[Plan]:
+    """Megatron-LM's hybrid/dynamic CP schedule, one plan per scheduling group."""
+    lengths = _check_inputs(lengths, topology, capacity)
+    world = topology.world_size
+    for n in lengths:
+        if _pow2_at_least(n / capacity) > world:
+            raise ValueError(
+                f"a document of {n} tokens needs a power-of-two CP group larger than the "
+                f"{world} GPUs at {capacity} tokens per GPU: raise --capacity"
+            )
+    groups = megatron_groups_from_core(lengths, world, capacity) if use_core else None
+    scheduler = "megatron-core BalancedCPScheduler"
+    if groups is None:
+        groups, scheduler = megatron_groups_fallback(lengths, world, capacity), "fallback"
+    seen = sorted(i for group in groups for i, _ in group)
+    assert seen == list(range(len(lengths))), "the scheduler dropped or repeated a document"
+    plans = []
+    for k, group in enumerate(groups):
+        seqs = [sequence_on(i, lengths[i], ranks, topology) for i, ranks in group]
+        # Each document is its own forward/backward pass, so only one of them is resident at a
+        # time: capacity holds per document, not for the sum the plan would check.
+        meta = {"round": k, "num_rounds": len(groups), "execution": "sequential",
+                "scheduler": scheduler, "capacity_per_document": capacity}  # fmt: skip
+        plans.append(plan_without_remap(seqs, topology, name="megatron-dynamic-cp",
+                                        capacity=None, meta=meta))  # fmt: skip
+    return plans
+
+
+# --- registry ----------------------------------------------------------------------------------
+def build_baseline(
+    name: str,
+    lengths: Sequence[int],
+    *,
+    topology: Topology,
+    capacity: int,
+    cost_model: CostModel | None = None,
+    cp_size: int | None = None,
+) -> list[Plan]:
+    """Plans (one per round) of baseline ``name`` for one batch; see ``BASELINES``."""
+    if name == "te-ring-cp":
+        return te_ring_cp(lengths, topology=topology, capacity=capacity, cp_size=cp_size)
+    if name == "llama3-allgather-cp":
+        return llama3_allgather_cp(lengths, topology=topology, capacity=capacity, cp_size=cp_size)
+    if name == "hybrid-dp":
+        return hybrid_dp(
+            lengths, topology=topology, capacity=capacity, cost_model=cost_model, cp_size=cp_size
+        )
+    if name == "megatron-dynamic-cp":
+        return megatron_dynamic_cp(lengths, topology=topology, capacity=capacity)
+    if name == "flexsp":
+        return flexsp(lengths, topology=topology, capacity=capacity, cost_model=cost_model)
+    raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")

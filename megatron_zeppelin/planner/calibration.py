@@ -1,0 +1,349 @@
+"""Calibration files: measured kernel and link speeds that replace the cost model's defaults.
+
+A profiler measures, on one machine, attention and linear kernels at several token counts and
+transfers over NVLink, NICs and the all-to-all at several message sizes, then fits the cost
+model's curve forms to the points (``fit_efficiency``, ``fit_link``). The file keeps the points
+and the fits, and says what was measured, so a file from another model, dtype or device is
+refused rather than silently mis-planning. Format (JSON, every section but the header optional)::
+
+    {"format": "zeppelin-calibration/1", "device": "NVIDIA H100 80GB HBM3", "machine": "node-17",
+     "dtype": "bf16", "model": {"hidden_size": 4096, "num_heads": 32, ...} or null,
+     "versions": {"torch": "2.5.1"}, "date": "2025-06-01T12:00:00Z",
+     "attention": {"points": [[num_tokens, flops, seconds], ...],
+                   "fit": {"flops_per_s": ..., "half_tokens": ..., "overhead_s": ...}},
+     "linear": {...same...},
+     "links": {"nvlink": {"points": [[num_bytes, seconds], ...],
+                          "fit": {"bytes_per_s": ..., "latency_s": ...}},
+               "nic": {...}, "alltoall": {...}}}
+
+``model: null`` means the figures do not depend on the model (a FLOP-rate measurement).
+``alltoall`` is kept for reports; the cost model has no all-to-all figure yet, so it is not applied.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
+
+CALIBRATION_FORMAT = "zeppelin-calibration/1"
+LINK_NAMES = ("nvlink", "nic", "alltoall")
+# Model dimensions that change per-layer kernel shapes; a file measured with other values is
+# refused. num_layers and vocab_size do not enter per-layer figures.
+MODEL_DIMS = (
+    "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "tensor_parallel",
+)  # fmt: skip
+_DTYPE_ALIASES = {
+    "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
+    "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
+    "fp32": "fp32", "float32": "fp32", "float": "fp32", "torch.float32": "fp32",
+}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ComputeFigure:
+    """Measured kernel calls ``(num_tokens, flops, seconds)`` and the fitted curve."""
+
+    points: tuple[tuple[int, float, float], ...]
+    fit: Efficiency
+
+
+@dataclass(frozen=True)
+class LinkFigure:
+    """Measured transfers ``(num_bytes, seconds)`` and the fitted line."""
+
+    points: tuple[tuple[int, float], ...]
+    fit: LinkCost
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """One machine's measured figures; see the module docstring for the file format."""
+
+    device: str
+    machine: str
+    dtype: str
+    model: dict[str, int] | None
+    versions: dict[str, str] = field(default_factory=dict)
+    date: str = ""
+    attention: ComputeFigure | None = None
+    linear: ComputeFigure | None = None
+    links: dict[str, LinkFigure] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        def compute(fig: ComputeFigure | None) -> dict | None:
+            if fig is None:
+                return None
+            fit = {"flops_per_s": fig.fit.flops_per_s, "half_tokens": fig.fit.half_tokens,
+                   "overhead_s": fig.fit.overhead_s}  # fmt: skip
+            return {"points": [list(p) for p in fig.points], "fit": fit}
+
+        return {
+            "format": CALIBRATION_FORMAT,
+            "device": self.device,
+            "machine": self.machine,
+            "dtype": self.dtype,
+            "model": self.model,
+            "versions": dict(self.versions),
+            "date": self.date,
+            "attention": compute(self.attention),
+            "linear": compute(self.linear),
+            "links": {
+                name: {
+                    "points": [list(p) for p in fig.points],
+                    "fit": {"bytes_per_s": fig.fit.bytes_per_s, "latency_s": fig.fit.latency_s},
+                }
+                for name, fig in self.links.items()
+            },
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, *, where: str = "calibration file") -> Calibration:
+        """Parse and check a calibration; ``ValueError`` names the field that is wrong."""
+        if not isinstance(data, dict):
+            raise ValueError(f"{where}: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != CALIBRATION_FORMAT:
+            got = data.get("format")
+            raise ValueError(f"{where}: field 'format' must be {CALIBRATION_FORMAT!r}, got {got!r}")
+        strings = {}
+        for key in ("device", "machine", "dtype"):
+            strings[key] = _field(data, key, str, where)
+        model = data.get("model")
+        if model is not None:
+            if not isinstance(model, dict):
+                raise ValueError(f"{where}: field 'model' must be an object of dimensions or null")
+            for key in MODEL_DIMS:
+                if key in model and not (isinstance(model[key], int) and model[key] >= 1):
+                    raise ValueError(f"{where}: field 'model.{key}' must be a positive integer")
+        versions = data.get("versions") or {}
+        if not isinstance(versions, dict):
+            raise ValueError(f"{where}: field 'versions' must be an object")
+        links_data = data.get("links") or {}
+        if not isinstance(links_data, dict):
+            raise ValueError(f"{where}: field 'links' must be an object")
+        unknown = sorted(set(links_data) - set(LINK_NAMES))
+        if unknown:
+            raise ValueError(f"{where}: field 'links' names unknown links {unknown}")
+        return cls(
+            device=strings["device"],
+            machine=strings["machine"],
+            dtype=strings["dtype"],
+            model=dict(model) if model is not None else None,
+            versions={str(k): str(v) for k, v in versions.items()},
+            date=str(data.get("date") or ""),
+            attention=_compute_figure(data.get("attention"), "attention", where),
+            linear=_compute_figure(data.get("linear"), "linear", where),
+            links={
+                name: _link_figure(links_data[name], f"links.{name}", where)
+                for name in LINK_NAMES
+                if links_data.get(name) is not None
+            },
+        )
+
+
+def _field(data: dict, key: str, kind: type, where: str) -> Any:
+    if key not in data:
+        raise ValueError(f"{where}: missing field '{key}'")
+    if not isinstance(data[key], kind):
+        raise ValueError(f"{where}: field '{key}' must be a {kind.__name__}")
+    return data[key]
+
+
+def _numbers(row: Any, size: int, label: str, where: str) -> tuple[float, ...]:
+    ok = isinstance(row, (list, tuple)) and len(row) == size
+    ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
+    if not ok or not all(np.isfinite(row)) or min(row) < 0:
+        raise ValueError(
+            f"{where}: field '{label}' must hold {size} non-negative numbers, got {row!r}"
+        )
+    return tuple(row)
+
+
+def _fit_values(fit: Any, keys: tuple[str, ...], label: str, where: str) -> list[float]:
+    if not isinstance(fit, dict):
+        raise ValueError(f"{where}: field '{label}.fit' must be an object with {list(keys)}")
+    values = []
+    for key in keys:
+        value = fit.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{where}: field '{label}.fit.{key}' must be a number >= 0")
+        values.append(float(value))
+    if not values[0] > 0:
+        raise ValueError(f"{where}: field '{label}.fit.{keys[0]}' must be positive")
+    return values
+
+
+def _compute_figure(data: Any, label: str, where: str) -> ComputeFigure | None:
+    if data is None:
+        return None
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: field '{label}' must be an object with points and fit")
+    points = tuple(
+        _numbers(p, 3, f"{label}.points[{i}]", where) for i, p in enumerate(data.get("points", []))
+    )
+    flops_per_s, half, overhead = _fit_values(
+        data.get("fit"), ("flops_per_s", "half_tokens", "overhead_s"), label, where
+    )
+    points = tuple((int(n), float(f), float(s)) for n, f, s in points)
+    return ComputeFigure(points, Efficiency(flops_per_s, half, overhead))
+
+
+def _link_figure(data: Any, label: str, where: str) -> LinkFigure:
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: field '{label}' must be an object with points and fit")
+    points = tuple(
+        _numbers(p, 2, f"{label}.points[{i}]", where) for i, p in enumerate(data.get("points", []))
+    )
+    bytes_per_s, latency = _fit_values(data.get("fit"), ("bytes_per_s", "latency_s"), label, where)
+    return LinkFigure(tuple((int(b), float(s)) for b, s in points), LinkCost(bytes_per_s, latency))
+
+
+def load_calibration(path: str) -> Calibration:
+    """Read and check a calibration file."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise ValueError(f"cannot read calibration file {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"calibration file {path} is not valid JSON: {exc}") from exc
+    return Calibration.from_dict(data, where=f"calibration file {path}")
+
+
+def save_calibration(cal: Calibration, path: str) -> None:
+    """Write ``cal`` atomically: a reader sees the old file or the whole new one, never a part."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(cal.to_dict(), f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def normalize_dtype(dtype: str) -> str:
+    """``bf16``, ``fp16`` or ``fp32`` for the usual spellings (``bfloat16``, ``torch.half``...)."""
+    key = str(dtype).strip().lower()
+    return _DTYPE_ALIASES.get(key, key)
+
+
+def apply_calibration(
+    cost: CostModel,
+    cal: Calibration,
+    *,
+    source: str,
+    expected_device: str | None = None,
+    expected_dtype: str | None = None,
+) -> CostModel:
+    """``cost`` with the figures ``cal`` measures replaced (``sources`` records ``source``).
+
+    Refuses a file measured for other model dimensions, or for another device or dtype than the
+    caller plans for (when it says so), because its speeds would describe other kernels.
+    """
+    if cal.model is not None:
+        planned = cost.model.to_dict()
+        differ = [
+            f"{key} {cal.model[key]} (file) vs {planned[key]} (model {cost.model.name})"
+            for key in MODEL_DIMS
+            if key in cal.model and cal.model[key] != planned[key]
+        ]
+        if differ:
+            raise ValueError(
+                f"calibration {source} was measured for another model: {'; '.join(differ)}. "
+                "Profile this model or drop the calibration."
+            )
+    if (
+        expected_device is not None
+        and cal.device.strip().lower() != expected_device.strip().lower()
+    ):
+        raise ValueError(
+            f"calibration {source} was measured on {cal.device!r}, not on {expected_device!r}; "
+            "profile this device or drop the calibration"
+        )
+    if expected_dtype is not None and normalize_dtype(cal.dtype) != normalize_dtype(expected_dtype):
+        raise ValueError(
+            f"calibration {source} was measured in {cal.dtype}, not in {expected_dtype}; "
+            "profile this dtype or drop the calibration"
+        )
+    figures: dict[str, Efficiency | LinkCost] = {}
+    if cal.attention is not None:
+        figures["attention"] = cal.attention.fit
+    if cal.linear is not None:
+        figures["linear"] = cal.linear.fit
+    for name in ("nvlink", "nic"):
+        if name in cal.links:
+            figures[name] = cal.links[name].fit
+    return cost.with_figures(source, **figures) if figures else cost
+
+
+# --- fits ------------------------------------------------------------------------------------
+def _relative_lstsq(columns: np.ndarray, seconds: np.ndarray, free: Sequence[int]) -> np.ndarray:
+    """Least squares on relative error (times span decades) over the columns in ``free``."""
+    coef = np.zeros(columns.shape[1])
+    weights = 1.0 / seconds
+    a = columns[:, free] * weights[:, None]
+    solution, *_ = np.linalg.lstsq(a, seconds * weights, rcond=None)
+    coef[list(free)] = solution
+    return coef
+
+
+def _best_nonnegative(columns: np.ndarray, seconds: np.ndarray) -> np.ndarray:
+    """Fit with every coefficient >= 0 and the first > 0: try the subsets of optional terms
+    (column 0 is always fitted) and keep the feasible one with the smallest relative error."""
+    best, best_err = None, np.inf
+    optional = range(1, columns.shape[1])
+    for r in range(len(optional), -1, -1):
+        for subset in itertools.combinations(optional, r):
+            coef = _relative_lstsq(columns, seconds, (0, *subset))
+            if coef[0] <= 0 or (coef < 0).any():
+                continue
+            err = float((((columns @ coef) - seconds) / seconds) ** 2 @ np.ones(len(seconds)))
+            if err < best_err - 1e-15:
+                best, best_err = coef, err
+    if best is None:
+        raise ValueError("measured times do not grow with the work; check the measurements")
+    return best
+
+
+def fit_efficiency(points: Iterable[Sequence[float]]) -> Efficiency:
+    """Fit ``Efficiency`` to ``(num_tokens, flops, seconds)`` points.
+
+    ``seconds = overhead + flops * (n + half) / (peak * n)`` is linear in ``1/peak``,
+    ``half/peak`` and ``overhead``: ``seconds = a*flops + b*flops/n + c``.
+    """
+    rows = np.asarray([tuple(p) for p in points], dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != 3 or len(rows) < 3:
+        raise ValueError("fit_efficiency needs at least 3 (num_tokens, flops, seconds) points")
+    if (rows <= 0).any():
+        raise ValueError("fit_efficiency: token counts, FLOPs and seconds must all be positive")
+    n, flops, seconds = rows.T
+    coef = _best_nonnegative(np.stack([flops, flops / n, np.ones_like(n)], axis=1), seconds)
+    a, b, c = (float(x) for x in coef)
+    return Efficiency(flops_per_s=1.0 / a, half_tokens=b / a, overhead_s=c)
+
+
+def fit_link(points: Iterable[Sequence[float]]) -> LinkCost:
+    """Fit ``LinkCost`` to ``(num_bytes, seconds)`` points: ``seconds = latency + bytes / bw``."""
+    rows = np.asarray([tuple(p) for p in points], dtype=np.float64)
+    if rows.ndim != 2 or rows.shape[1] != 2 or len(rows) < 2:
+        raise ValueError("fit_link needs at least 2 (num_bytes, seconds) points")
+    if (rows <= 0).any():
+        raise ValueError("fit_link: message sizes and seconds must all be positive")
+    num_bytes, seconds = rows.T
+    coef = _best_nonnegative(np.stack([num_bytes, np.ones_like(num_bytes)], 1), seconds)
+    inv_bw, latency = (float(x) for x in coef)
+    return LinkCost(bytes_per_s=1.0 / inv_bw, latency_s=latency)

@@ -1,0 +1,137 @@
+"""Document-length distributions: the embedded histograms, sampling, and lengths files.
+
+The histograms (``data/length_distributions.json``) give bin edges in tokens (length ``L`` falls
+in bin ``i`` when ``edges[i] <= L < edges[i+1]``) and a document count per bin. A length is drawn
+by picking a bin by count, then a length uniformly in log space inside the bin, floored to an
+integer. ``magi_realworld`` uses the same two fields but its first edge is 0 (its first bin is
+"0 to 10 tokens"); lengths are at least 1, so that bin is drawn from ``[1, 11)``.
+
+``sample_lengths`` draws documents until their total reaches ``num_tokens`` and trims the last
+one so the total is exact: a micro-batch of a fixed token budget filled with whole documents.
+``max_length`` cuts documents longer than it into pieces of ``max_length`` (and a remainder), as a
+data pipeline with a context window does, so the tokens' share of long documents is kept.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from importlib import resources
+
+import numpy as np
+
+_DATA_FILE = "data/length_distributions.json"
+
+
+@lru_cache(maxsize=1)
+def _histograms() -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]]:
+    """Per distribution: bin lower bounds, upper bounds (exclusive) and probabilities."""
+    text = resources.files("megatron_zeppelin").joinpath(_DATA_FILE).read_text()
+    data = json.loads(text)
+    out = {}
+    for name, hist in data["distributions"].items():
+        edges = np.asarray(hist["bin_edges"], dtype=np.float64)
+        counts = np.asarray(hist["counts"], dtype=np.float64)
+        assert len(edges) == len(counts) + 1, name
+        lo, hi = np.maximum(edges[:-1], 1.0), edges[1:]
+        keep = (counts > 0) & (hi > lo)
+        out[name] = (lo[keep], hi[keep], counts[keep] / counts[keep].sum())
+    return out
+
+
+DISTRIBUTIONS: tuple[str, ...] = tuple(_histograms())
+"""Names of the embedded histograms."""
+
+
+def distribution_mean(name: str) -> float:
+    """Mean document length of a distribution under the in-bin log-uniform rule (tokens)."""
+    lo, hi, prob = _get(name)
+    # Mean of exp(U) for U uniform on [log lo, log hi): (hi - lo) / log(hi / lo).
+    means = np.where(hi > lo, (hi - lo) / np.log(hi / lo), lo)
+    return float((prob * means).sum())
+
+
+def _get(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    hists = _histograms()
+    if name not in hists:
+        raise ValueError(f"unknown length distribution {name!r}; known: {', '.join(hists)}")
+    return hists[name]
+
+
+def _draw(rng: np.random.Generator, lo, hi, prob, count: int) -> np.ndarray:
+    bins = rng.choice(len(prob), size=count, p=prob)
+    u = rng.random(count)
+    log_lo, log_hi = np.log(lo[bins]), np.log(hi[bins])
+    lengths = np.floor(np.exp(log_lo + u * (log_hi - log_lo)))
+    # Keep inside [lo, hi): floating-point rounding may land exactly on the upper edge.
+    return np.clip(lengths, lo[bins], hi[bins] - 1).astype(np.int64)
+
+
+def sample_lengths(
+    name: str, *, num_tokens: int, seed: int, max_length: int | None = None
+) -> list[int]:
+    """Document lengths from distribution ``name`` summing to exactly ``num_tokens``."""
+    lo, hi, prob = _get(name)
+    if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
+        raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    if max_length is not None and max_length < 1:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    rng = np.random.default_rng(seed)
+    mean = distribution_mean(name)
+    chunks, total = [], 0
+    while total < num_tokens:
+        # Draw a batch expected to cover what is missing; more batches only if unlucky.
+        count = int((num_tokens - total) / mean * 1.2) + 16
+        batch = _draw(rng, lo, hi, prob, count)
+        if max_length is not None:
+            batch = _cut(batch, max_length)
+        chunks.append(batch)
+        total += int(batch.sum())
+    lengths = np.concatenate(chunks)
+    ends = np.cumsum(lengths)
+    last = int(np.searchsorted(ends, num_tokens))  # first document reaching the budget
+    lengths = lengths[: last + 1].copy()
+    lengths[last] -= int(ends[last]) - num_tokens
+    assert lengths[last] >= 1 and int(lengths.sum()) == num_tokens
+    return [int(x) for x in lengths]
+
+
+def _cut(lengths: np.ndarray, max_length: int) -> np.ndarray:
+    """Cut every length over ``max_length`` into full pieces and a remainder, in place order."""
+    if int(lengths.max(initial=0)) <= max_length:
+        return lengths
+    pieces = []
+    for length in lengths.tolist():
+        while length > max_length:
+            pieces.append(max_length)
+            length -= max_length
+        pieces.append(length)
+    return np.asarray(pieces, dtype=np.int64)
+
+
+def read_lengths_file(path: str) -> list[int]:
+    """Document lengths from a text file: one positive integer per line; ``#`` starts a comment;
+    blank lines are skipped."""
+    try:
+        with open(path) as f:
+            lines = f.readlines()
+    except OSError as exc:
+        raise ValueError(f"cannot read lengths file {path}: {exc.strerror}") from exc
+    lengths = []
+    for number, line in enumerate(lines, start=1):
+        text = line.split("#", 1)[0].strip()
+        if not text:
+            continue
+        try:
+            value = int(text)
+        except ValueError:
+            raise ValueError(
+                f"{path}, line {number}: {text!r} is not an integer; give one document "
+                "length per line"
+            ) from None
+        if value < 1:
+            raise ValueError(f"{path}, line {number}: length {value} must be at least 1 token")
+        lengths.append(value)
+    if not lengths:
+        raise ValueError(f"lengths file {path} lists no document lengths")
+    return lengths

@@ -1,0 +1,349 @@
+"""``profile(...)``: measure this machine, fit the cost model's curves, write a calibration file.
+
+Three ways to run, picked from the situation:
+
+* **emulated cluster** (``emulate=(nodes, gpus_per_node)``, CPU): ``nodes x gpus_per_node`` gloo
+  processes start on this host, one per emulated GPU. Every process measures the kernels at the
+  same time, in lockstep, because that is how the validation and the engine run them: the
+  emulated GPUs share the host's cores, so a kernel measured alone would look faster than it is.
+* **under torchrun** (``torch.distributed`` already initialized): every rank measures its kernels
+  at once, then the links of the cluster; rank 0 writes the file.
+* **one process**: kernels and linear modules only; the file has no link figures, so the cost
+  model keeps its datasheet link speeds.
+
+Points are combined over ranks by the median, fitted with ``fit_efficiency`` / ``fit_link`` and
+written atomically: the file appears whole at the very end, so an interrupted profile (Ctrl-C, an
+exception halfway) leaves no file, or the previous one untouched.
+
+Besides the fields ``Calibration`` reads, the file carries a ``profile`` section (settings, the
+forward/backward split of every point, per-rail link points) for reports; readers ignore it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import tempfile
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from datetime import datetime, timezone
+from importlib import metadata
+
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.planner.calibration import (
+    MODEL_DIMS,
+    Calibration,
+    ComputeFigure,
+    LinkFigure,
+    fit_efficiency,
+    fit_link,
+    normalize_dtype,
+)
+from megatron_zeppelin.planner.costmodel import Efficiency
+from megatron_zeppelin.planner.models import ModelSpec, get_model
+from megatron_zeppelin.profile import kernels as kernel_profile
+from megatron_zeppelin.profile import linear as linear_profile
+from megatron_zeppelin.profile import links as link_profile
+from megatron_zeppelin.profile.timing import (
+    TimingOptions,
+    dtype_name,
+    resolve_device,
+    resolve_dtype,
+)
+from megatron_zeppelin.topology.model import Topology
+
+Progress = Callable[[str], None]
+"""Called with a short message before every measurement stage (and may raise to abort)."""
+
+
+@dataclass(frozen=True)
+class ProfileSettings:
+    """What to measure and how; picklable, so emulated ranks receive it whole."""
+
+    model: str = "tiny"
+    """Model preset whose layer shapes are measured."""
+    tensor_parallel: int = 1
+    device: str = "auto"
+    """``auto`` (CUDA where present), ``cpu`` or ``cuda[:i]``."""
+    dtype: str = "float32"
+    kernel: str = "auto"
+    """Attention kernel of the engine's registry (``torch``, ``flash``, ``auto``)."""
+    emulate: tuple[int, int] | None = None
+    """``(nodes, gpus_per_node)``: start that many gloo processes on this host (CPU)."""
+    grid: kernel_profile.AttentionGrid = field(default_factory=kernel_profile.AttentionGrid.quick)
+    linear_tokens: tuple[int, ...] = linear_profile.DEFAULT_CPU_TOKENS
+    link_sizes: tuple[int, ...] = link_profile.DEFAULT_CPU_SIZES
+    timing: TimingOptions = TimingOptions()
+    link_timing: TimingOptions = TimingOptions(warmup=3, repeats=15)
+    threads: int | None = 1
+    """CPU intra-op threads per process (``None``: torch's default); one per emulated GPU keeps
+    the processes from fighting over cores."""
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        get_model(self.model, tensor_parallel=self.tensor_parallel)  # raises on a bad preset
+        resolve_dtype(self.dtype)
+        if self.emulate is not None:
+            nodes, gpus = self.emulate
+            if nodes < 1 or gpus < 1:
+                raise ValueError(
+                    f"emulate needs positive nodes and GPUs per node, got {self.emulate}"
+                )
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return get_model(self.model, tensor_parallel=self.tensor_parallel)
+
+
+@dataclass
+class RankMeasurements:
+    """What one rank measured."""
+
+    attention: list[kernel_profile.AttentionPoint]
+    linear: list[linear_profile.LinearPoint]
+    links: list[link_profile.LinkPoint]
+    device_name: str
+
+
+def device_name(device: torch.device) -> str:
+    """The GPU model, or the CPU model, as written into calibration files and checked against."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return "cpu: " + line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "cpu: " + (platform.processor() or platform.machine() or "unknown")
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None
+
+
+def _versions() -> dict[str, str]:
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    for label, dist_name in (
+        ("megatron-core", "megatron-core"),
+        ("flash-attn", "flash-attn"),
+        ("megatron-zeppelin", "megatron-zeppelin"),
+    ):
+        try:
+            versions[label] = metadata.version(dist_name)
+        except metadata.PackageNotFoundError:
+            versions[label] = "absent"
+    if torch.version.cuda:
+        versions["cuda"] = str(torch.version.cuda)
+    return versions
+
+
+def measure_rank(
+    settings: ProfileSettings,
+    *,
+    topology: Topology | None,
+    progress: Progress | None = None,
+) -> RankMeasurements:
+    """Measure on this process; with a ``topology`` (and an initialized world) the kernels run in
+    lockstep with the other ranks and the links are measured too."""
+    if settings.threads is not None:
+        torch.set_num_threads(settings.threads)
+    device = resolve_device(settings.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dtype = resolve_dtype(settings.dtype)
+    model = settings.model_spec
+    distributed = topology is not None and dist.is_initialized()
+    lockstep = dist.barrier if distributed else None
+    say = progress or (lambda message: None)
+    say(f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes")
+    attention = kernel_profile.measure_attention(
+        model, grid=settings.grid, device=device, dtype=dtype, kernel=settings.kernel,
+        timing=settings.timing, before_point=lockstep,
+    )  # fmt: skip
+    say(f"linear modules, {len(settings.linear_tokens)} token counts")
+    linear = linear_profile.measure_linear(
+        model, token_counts=settings.linear_tokens, device=device, dtype=dtype,
+        timing=settings.timing, before_point=lockstep,
+    )  # fmt: skip
+    links: list[link_profile.LinkPoint] = []
+    if distributed and topology.world_size > 1:
+        say(f"links, {len(settings.link_sizes)} message sizes")
+        links = link_profile.measure_links(
+            topology, sizes=settings.link_sizes, device=device, timing=settings.link_timing
+        )
+    return RankMeasurements(attention, linear, links, device_name(device))
+
+
+def _emulated_rank(rank: int, world_size: int, settings: ProfileSettings) -> RankMeasurements:
+    nodes, gpus = settings.emulate  # type: ignore[misc]
+    topology = Topology(num_nodes=nodes, gpus_per_node=gpus, nics_per_node=gpus, name="cpu-gloo")
+    return measure_rank(settings, topology=topology)
+
+
+def _median_compute(per_rank: list[list], key: Callable) -> list:
+    """Per measured shape, the point whose seconds is the median over ranks."""
+    merged = []
+    for points in zip(*per_rank):
+        assert len({key(p) for p in points}) == 1, "ranks measured different grids"
+        ordered = sorted(points, key=lambda p: p.seconds)
+        merged.append(ordered[len(ordered) // 2])
+    return merged
+
+
+def build_calibration(
+    settings: ProfileSettings, results: list[RankMeasurements]
+) -> tuple[Calibration, dict]:
+    """Fit the measured points (median over ranks); returns the calibration and the file's extra
+    ``profile`` section."""
+    attention = _median_compute(
+        [r.attention for r in results], lambda p: (p.num_docs, p.num_q, p.num_k, p.causal)
+    )
+    linear = _median_compute([r.linear for r in results], lambda p: p.num_tokens)
+    links = [p for r in results for p in r.links]
+    attention_rows = tuple(kernel_profile.fit_rows(attention))
+    linear_rows = tuple((p.num_tokens, p.flops, p.seconds) for p in linear)
+    link_figures = {}
+    for name, kind in (("nvlink", "nvlink"), ("nic", "nic"), ("alltoall", "a2a-world")):
+        rows = tuple(link_profile.points_of(links, kind))
+        if len(rows) >= 2:
+            link_figures[name] = LinkFigure(rows, fit_link(rows))
+    model = settings.model_spec
+    calibration = Calibration(
+        device=results[0].device_name,
+        machine=socket.gethostname(),
+        dtype=normalize_dtype(dtype_name(resolve_dtype(settings.dtype))),
+        model={key: getattr(model, key) for key in MODEL_DIMS},
+        versions=_versions(),
+        date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        attention=ComputeFigure(attention_rows, fit_efficiency(attention_rows)),
+        linear=ComputeFigure(linear_rows, fit_efficiency(linear_rows)),
+        links=link_figures,
+    )
+    extra = {
+        "settings": _settings_dict(settings),
+        "model_name": model.name,
+        "num_ranks": len(results),
+        "attention": [
+            {**asdict(p), "predicted_s": _packed_time(calibration.attention.fit, p)}
+            for p in attention
+        ],
+        "linear": [
+            {**asdict(p), "predicted_s": calibration.linear.fit.time(p.flops, p.num_tokens)}
+            for p in linear
+        ],
+        "links": [asdict(p) for p in links],
+    }
+    return calibration, extra
+
+
+def _packed_time(fit: Efficiency, point: kernel_profile.AttentionPoint) -> float:
+    """What the simulator charges for the call: every document at its own efficiency, the call
+    overhead once (``simulator.phase_compute_time``)."""
+    per_doc = fit.time(point.flops / point.num_docs, point.num_q) - fit.overhead_s
+    return point.num_docs * per_doc + fit.overhead_s
+
+
+def _settings_dict(settings: ProfileSettings) -> dict:
+    data = asdict(settings)
+    data["emulate"] = list(settings.emulate) if settings.emulate else None
+    return data
+
+
+def write_calibration(calibration: Calibration, path: str, *, extra: dict | None = None) -> None:
+    """Write the calibration (plus the ``profile`` section) atomically: a temporary file in the
+    same directory, fsync, then rename; on any failure the temporary file is removed."""
+    data = calibration.to_dict()
+    if extra is not None:
+        data["profile"] = extra
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def profile(
+    settings: ProfileSettings = ProfileSettings(),
+    *,
+    output: str | None = None,
+    progress: Progress | None = None,
+) -> Calibration:
+    """Measure, fit and (with ``output``) write a calibration; see the module docstring."""
+    say = progress or (lambda message: None)
+    load_before = _load_average()
+    if settings.emulate is not None:
+        if resolve_device(settings.device).type != "cpu":
+            raise ValueError("emulated nodes run gloo processes on the CPU: pass device='cpu'")
+        nodes, gpus = settings.emulate
+        say(f"starting {nodes * gpus} gloo processes ({nodes} nodes x {gpus} GPUs)")
+        from megatron_zeppelin.testing.dist import run_distributed
+
+        results = run_distributed(
+            _emulated_rank, nodes * gpus, timeout_s=settings.timeout_s, args=(settings,)
+        )
+    elif dist.is_initialized():
+        from megatron_zeppelin.topology.probe import detect_topology
+
+        topology = detect_topology()
+        mine = measure_rank(settings, topology=topology, progress=progress)
+        results = [None] * dist.get_world_size()
+        dist.all_gather_object(results, mine)
+    else:
+        results = [measure_rank(settings, topology=None, progress=progress)]
+    say("fitting")
+    calibration, extra = build_calibration(settings, results)
+    # Timings on a shared host are only as good as its idleness: say how busy it was.
+    extra["load_average"] = {"before": load_before, "after": _load_average()}
+    if output is not None and (not dist.is_initialized() or dist.get_rank() == 0):
+        write_calibration(calibration, output, extra=extra)
+        say(f"wrote {output}")
+    return calibration
+
+
+def quick_settings(**overrides) -> ProfileSettings:
+    """Settings for a fast CPU profile (well under a minute on two cores)."""
+    base = ProfileSettings(
+        device="cpu",
+        grid=kernel_profile.AttentionGrid.quick(),
+        timing=TimingOptions(warmup=1, repeats=3),
+    )
+    return replace(base, **overrides)
+
+
+def summary_lines(calibration: Calibration) -> list[str]:
+    """A short human-readable account of the fitted figures."""
+    lines = [f"device {calibration.device} ({calibration.machine}), dtype {calibration.dtype}"]
+    for label, figure in (("attention", calibration.attention), ("linear", calibration.linear)):
+        if figure is not None:
+            fit = figure.fit
+            lines.append(
+                f"{label:9s} {fit.flops_per_s / 1e12:8.4f} TFLOP/s peak, half at "
+                f"{fit.half_tokens:7.0f} tokens, {fit.overhead_s * 1e6:7.1f} us per call "
+                f"({len(figure.points)} points)"
+            )
+    for name, link in calibration.links.items():
+        lines.append(
+            f"{name:9s} {link.fit.bytes_per_s / 1e9:8.3f} GB/s, {link.fit.latency_s * 1e6:7.1f} us "
+            f"latency ({len(link.points)} sizes)"
+        )
+    if not calibration.links:
+        lines.append("links     not measured (one process): datasheet figures stay in use")
+    return lines

@@ -1,0 +1,300 @@
+"""Cost model against reality: run planned batches with the engine and compare with the simulator.
+
+For every batch (document lengths drawn from an embedded distribution) the Zeppelin planner
+makes a plan with the calibrated cost model; then every rank of the cluster runs one layer of it
+for real and measures, from a common barrier:
+
+* ``linear``: the GEMMs of one layer (``profile.linear.LayerGemms``) on the rank's tokens,
+  forward and backward;
+* ``attention``: ``ZeppelinAttention`` forward and backward on random Q, K, V of the rank's
+  attention buffer, rings, routing and waiting for peers included.
+
+The prediction is the simulator's (``planner.simulator.simulate``) for the same plan and cost
+model, per rank ``(compute + exposed communication) / num_layers``: linear plus attention wall
+time of one layer. Linear modules run in the attention layout (``remap=False`` on both sides),
+so the remapping all-to-all is left out of this comparison.
+
+Where: on a CUDA machine one GPU (a one-rank cluster, all documents local); elsewhere gloo
+processes on this host emulating ``nodes x gpus_per_node`` GPUs (``testing.dist``).
+
+Errors are relative, ``(predicted - measured) / measured``; the report gives their median and
+worst (largest magnitude) per rank over the batches.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.profile.linear import LayerGemms
+from megatron_zeppelin.profile.timing import resolve_device, resolve_dtype, synchronize
+from megatron_zeppelin.topology.model import Topology
+
+
+@dataclass(frozen=True)
+class ValidationSettings:
+    """What to run; picklable, so emulated ranks receive it whole."""
+
+    calibration: str | None = None
+    """Calibration file; ``None`` keeps the datasheet defaults (expect large errors on CPU)."""
+    model: str = "tiny"
+    dtype: str = "float32"
+    device: str = "auto"
+    kernel: str = "auto"
+    emulate: tuple[int, int] = (2, 2)
+    """``(nodes, gpus_per_node)`` of the emulated cluster (CPU only)."""
+    dist: str = "prolong"
+    tokens: int = 8192
+    """Tokens per batch (the whole cluster's)."""
+    num_batches: int = 4
+    seed: int = 0
+    capacity: int | None = None
+    """Tokens per GPU; ``None``: the even share times 1.25."""
+    thresholds: str | tuple[int, int] = "auto"
+    routing: bool = True
+    warmup: int = 1
+    repeats: int = 3
+    threads: int = 1
+    timeout_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        get_model(self.model)
+        resolve_dtype(self.dtype)
+        if self.num_batches < 1 or self.tokens < 1 or self.repeats < 1:
+            raise ValueError("num_batches, tokens and repeats must all be at least 1")
+
+
+def validation_topology(settings: ValidationSettings) -> Topology:
+    """One GPU on CUDA, else the emulated cluster; link figures are placeholders the
+    calibration replaces."""
+    if resolve_device(settings.device).type == "cuda":
+        return Topology(num_nodes=1, gpus_per_node=1, nics_per_node=1, name="one-gpu")
+    nodes, gpus = settings.emulate
+    return Topology(num_nodes=nodes, gpus_per_node=gpus, nics_per_node=gpus, name="cpu-gloo")
+
+
+def calibrated_cost_model(settings: ValidationSettings, topology: Topology) -> CostModel:
+    """Datasheet defaults, then the calibration (refused if measured elsewhere)."""
+    from megatron_zeppelin.profile.runner import device_name
+
+    cost = CostModel.default(get_model(settings.model), topology)
+    if settings.calibration is None:
+        return cost
+    return apply_calibration(
+        cost,
+        load_calibration(settings.calibration),
+        source=settings.calibration,
+        expected_device=device_name(resolve_device(settings.device)),
+        expected_dtype=settings.dtype,
+    )
+
+
+def make_plans(settings: ValidationSettings, topology: Topology, cost: CostModel) -> list[Plan]:
+    """The planner's plan for each batch."""
+    from megatron_zeppelin.planner.distributions import sample_lengths
+    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+
+    capacity = settings.capacity or -(-settings.tokens * 5 // (4 * topology.world_size))
+    options = PlannerOptions(thresholds=settings.thresholds, routing=settings.routing, remap=False)
+    plans = []
+    for i in range(settings.num_batches):
+        lengths = sample_lengths(settings.dist, num_tokens=settings.tokens, seed=settings.seed + i)
+        plans.append(plan_batch(lengths, topology=topology, cost_model=cost, capacity=capacity,
+                                options=options))  # fmt: skip
+    return plans
+
+
+# --- measuring: runs on every rank ---------------------------------------------------------------
+def _median_time(step, barrier, device: torch.device, settings: ValidationSettings) -> float:  # noqa: ANN001
+    samples = []
+    for i in range(settings.warmup + settings.repeats):
+        barrier()  # every rank starts together, as in a training step
+        synchronize(device)
+        begin = time.perf_counter()
+        step()
+        synchronize(device)
+        if i >= settings.warmup:
+            samples.append(time.perf_counter() - begin)
+    return statistics.median(samples)
+
+
+def measure_plan(
+    plan: Plan,
+    rank: int,
+    exchanger: Any,
+    barrier,
+    settings: ValidationSettings,  # noqa: ANN001
+) -> dict[str, float]:
+    """Seconds of one layer's linear modules and attention on ``rank`` (module docstring)."""
+    from megatron_zeppelin.attention.engine import ZeppelinAttention
+
+    device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
+    model = get_model(settings.model)
+    num_tokens = plan.num_attention_tokens(rank)
+    engine = ZeppelinAttention(plan, rank, exchanger, kernel=settings.kernel)
+    gen = torch.Generator().manual_seed(settings.seed * 1009 + rank)
+
+    def rand(heads: int) -> torch.Tensor:
+        x = torch.randn(num_tokens, heads, model.head_dim, generator=gen)
+        return x.to(device=device, dtype=dtype).requires_grad_()
+
+    q, k, v = rand(model.num_heads), rand(model.num_kv_heads), rand(model.num_kv_heads)
+    dout = torch.randn(q.shape, generator=gen).to(device=device, dtype=dtype)
+
+    def attention_step() -> None:
+        engine(q, k, v).backward(dout)
+        q.grad = k.grad = v.grad = None
+
+    gemms = LayerGemms(model, max(1, num_tokens), device=device, dtype=dtype)
+
+    def linear_step() -> None:
+        if num_tokens:
+            gemms.forward()
+            gemms.backward()
+
+    return {
+        "linear_s": _median_time(linear_step, barrier, device, settings),
+        "attention_s": _median_time(attention_step, barrier, device, settings),
+    }
+
+
+def _rank_worker(rank: int, world_size: int, plans: list[Plan], settings: ValidationSettings):  # noqa: ANN202
+    """Entry point of each gloo process (``testing.dist.run_distributed``)."""
+    import torch.distributed as dist
+
+    from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
+
+    torch.set_num_threads(settings.threads)
+    groups = ZeppelinGroups.create(plans[0].topology)
+    results = []
+    for plan in plans:
+        exchanger = DistExchanger(groups, plan=plan, routing=settings.routing,
+                                  timeout_s=settings.timeout_s)  # fmt: skip
+        results.append(measure_plan(plan, rank, exchanger, dist.barrier, settings))
+    return results
+
+
+def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[str, float]]]:
+    """``[rank][batch]`` measurements: gloo processes, or this process on one GPU."""
+    world = plans[0].world_size
+    if world == 1:
+        from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
+
+        torch.set_num_threads(settings.threads)
+        hub = ThreadHub(1)
+        return [
+            [
+                measure_plan(p, 0, ThreadExchanger(hub, 0, plan=p), lambda: None, settings)
+                for p in plans
+            ]  # fmt: skip
+        ]
+    from megatron_zeppelin.testing.dist import run_distributed
+
+    return run_distributed(
+        _rank_worker, world, timeout_s=settings.timeout_s, args=(plans, settings)
+    )
+
+
+# --- comparing ---------------------------------------------------------------------------------
+def predict(plan: Plan, cost: CostModel, *, routing: bool) -> tuple[list[dict[str, float]], float]:
+    """Per rank ``linear_s`` and ``attention_s`` of one layer, and the layer's step time."""
+    from megatron_zeppelin.planner.simulator import simulate
+
+    sim = simulate(plan, cost, routing=routing, remap=False)
+    layers = cost.model.num_layers
+    per_rank = []
+    for rank, t in enumerate(sim.per_rank):
+        busy = (t.compute_s + t.comm_exposed_s) / layers
+        linear = cost.linear_time(plan.num_attention_tokens(rank))
+        per_rank.append({"linear_s": linear, "attention_s": busy - linear})
+    return per_rank, sim.step_time_s / layers
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured if measured > 0 else 0.0
+
+
+def compare(
+    plans: list[Plan], measured: list[list[dict]], cost: CostModel, settings: ValidationSettings
+) -> dict[str, Any]:
+    """The report: per batch and rank, predicted and measured seconds and errors; per rank,
+    median and worst error of the rank's total over the batches."""
+    batches = []
+    for b, plan in enumerate(plans):
+        predicted, step_pred = predict(plan, cost, routing=settings.routing)
+        ranks = []
+        for rank in range(plan.world_size):
+            meas, pred = measured[rank][b], predicted[rank]
+            total_meas = meas["linear_s"] + meas["attention_s"]
+            total_pred = pred["linear_s"] + pred["attention_s"]
+            ranks.append({
+                "rank": rank,
+                "tokens": plan.num_attention_tokens(rank),
+                "predicted": {**pred, "total_s": total_pred},
+                "measured": {**meas, "total_s": total_meas},
+                "error": relative_error(total_pred, total_meas),
+                "attention_error": relative_error(pred["attention_s"], meas["attention_s"]),
+                "linear_error": relative_error(pred["linear_s"], meas["linear_s"]),
+            })  # fmt: skip
+        step_meas = max(r["measured"]["total_s"] for r in ranks)
+        batches.append({
+            "batch": b,
+            "num_documents": len(plan.sequences),
+            "tiers": plan.tier_counts(),
+            "ranks": ranks,
+            "step": {"predicted_s": step_pred, "measured_s": step_meas,
+                     "error": relative_error(step_pred, step_meas)},
+        })  # fmt: skip
+    world = plans[0].world_size
+    per_rank = []
+    for rank in range(world):
+        errors = [batch["ranks"][rank]["error"] for batch in batches]
+        per_rank.append({
+            "rank": rank,
+            "median_error": statistics.median(errors),
+            "median_abs_error": statistics.median(abs(e) for e in errors),
+            "worst_error": max(errors, key=abs),
+        })  # fmt: skip
+    every = [r["error"] for batch in batches for r in batch["ranks"]]
+    steps = [batch["step"]["error"] for batch in batches]
+    return {
+        "settings": {**asdict(settings), "emulate": list(settings.emulate)},
+        "cost_model_sources": dict(cost.sources),
+        "batches": batches,
+        "per_rank": per_rank,
+        "overall": {
+            "median_abs_error": statistics.median(abs(e) for e in every),
+            "worst_error": max(every, key=abs),
+            "step_median_abs_error": statistics.median(abs(e) for e in steps),
+            "step_worst_error": max(steps, key=abs),
+        },
+    }
+
+
+def validate(settings: ValidationSettings) -> dict[str, Any]:
+    """Plan, run, predict and compare; returns the report (see ``compare``)."""
+    topology = validation_topology(settings)
+    cost = calibrated_cost_model(settings, topology)
+    plans = make_plans(settings, topology, cost)
+    load_before = _load_average()
+    measured = measure(plans, settings)
+    report = compare(plans, measured, cost, settings)
+    # Timings on a shared host are only as good as its idleness: say how busy it was.
+    report["load_average"] = {"before": load_before, "after": _load_average()}
+    return report
+
+
+def _load_average() -> float | None:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return None

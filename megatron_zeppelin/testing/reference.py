@@ -1,0 +1,122 @@
+"""Dense reference attention and layout helpers: the oracle every engine test compares with.
+
+``reference_attention`` computes causal attention inside each document of a packed batch in
+float64, one dense score matrix per document, with autograd: slow, obviously right, and only for
+small test inputs. The packed ("global") layout lists the documents back to back in the order
+given (for a plan: ``plan.sequences``, ids increasing); ``attention_rows`` / ``linear_rows`` say
+which packed rows make up a rank's attention or linear buffer, so a test can cut a global tensor
+into per-rank inputs and glue per-rank outputs back together.
+
+Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)``, ``lse_tn`` ``(t, nq)``;
+t packed tokens, n heads (query heads ``nq`` grouped over ``nkv`` K/V heads), d head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from megatron_zeppelin.planner.plan import Plan, TokenRange
+
+__all__ = [
+    "attention_rows",
+    "linear_rows",
+    "packed_offsets",
+    "random_qkv",
+    "reference_attention",
+    "rows_of_ranges",
+]
+
+
+def packed_offsets(lengths: Sequence[int]) -> list[int]:
+    """Start row of every document in the packed layout, plus the total at the end."""
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + int(n))
+    return offsets
+
+
+def reference_attention(
+    q_tnd: torch.Tensor,
+    k_tnd: torch.Tensor,
+    v_tnd: torch.Tensor,
+    lengths: Sequence[int],
+    *,
+    softmax_scale: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Causal attention within each document, in float64 (gradients flow to the inputs).
+
+    Returns ``out_tnd`` in float64, and ``lse_tn`` too with ``return_lse``.
+    """
+    t, nq, d = q_tnd.shape
+    nkv = k_tnd.shape[1]
+    if sum(lengths) != t or k_tnd.shape[0] != t or v_tnd.shape != k_tnd.shape:
+        raise ValueError(
+            f"documents of {sum(lengths)} tokens do not match q {tuple(q_tnd.shape)}, "
+            f"k {tuple(k_tnd.shape)}, v {tuple(v_tnd.shape)}"
+        )
+    if nq % nkv:
+        raise ValueError(f"{nq} query heads do not group over {nkv} K/V heads")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
+    q, k, v = (x.to(torch.float64) for x in (q_tnd, k_tnd, v_tnd))
+    # Grouped-query attention: query head h reads K/V head h // (nq // nkv).
+    k = k.repeat_interleave(nq // nkv, dim=1)
+    v = v.repeat_interleave(nq // nkv, dim=1)
+    outs, lses = [], []
+    offsets = packed_offsets(lengths)
+    for start, end in zip(offsets[:-1], offsets[1:]):
+        n = end - start
+        scores_nqk = torch.einsum("qnd,knd->nqk", q[start:end], k[start:end]) * scale
+        future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), diagonal=1)
+        scores_nqk = scores_nqk.masked_fill(future, float("-inf"))
+        lses.append(torch.logsumexp(scores_nqk, dim=-1).transpose(0, 1))
+        outs.append(torch.einsum("nqk,knd->qnd", torch.softmax(scores_nqk, dim=-1), v[start:end]))
+    empty = q.new_zeros((0, nq, d))
+    out = torch.cat(outs) if outs else empty
+    if not return_lse:
+        return out
+    return out, (torch.cat(lses) if lses else q.new_zeros((0, nq)))
+
+
+def rows_of_ranges(plan: Plan, ranges: Sequence[TokenRange]) -> torch.Tensor:
+    """Packed rows (int64) of ``ranges``, in their order."""
+    offsets = packed_offsets(plan.lengths)
+    start_of = {seq.id: offsets[i] for i, seq in enumerate(plan.sequences)}
+    parts = [
+        torch.arange(start_of[r.seq] + r.start, start_of[r.seq] + r.end, dtype=torch.int64)
+        for r in ranges
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+
+
+def attention_rows(plan: Plan, rank: int) -> torch.Tensor:
+    """Packed rows that form ``rank``'s attention buffer (``plan.attention_ranges`` order)."""
+    return rows_of_ranges(plan, plan.attention_ranges(rank))
+
+
+def linear_rows(plan: Plan, rank: int) -> torch.Tensor:
+    """Packed rows that form ``rank``'s linear buffer (``plan.linear_ranges`` order)."""
+    return rows_of_ranges(plan, plan.linear_ranges(rank))
+
+
+def random_qkv(
+    num_tokens: int,
+    *,
+    num_heads: int,
+    num_kv_heads: int | None = None,
+    head_dim: int,
+    dtype: torch.dtype = torch.float64,
+    seed: int = 0,
+    requires_grad: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Seeded random packed ``q_tnd, k_tnd, v_tnd`` (CPU) for tests and benchmarks."""
+    gen = torch.Generator().manual_seed(seed)
+    nkv = num_kv_heads or num_heads
+    shapes = ((num_tokens, num_heads, head_dim), (num_tokens, nkv, head_dim))
+    q = torch.randn(shapes[0], generator=gen, dtype=torch.float64)
+    k = torch.randn(shapes[1], generator=gen, dtype=torch.float64)
+    v = torch.randn(shapes[1], generator=gen, dtype=torch.float64)
+    return tuple(x.to(dtype).requires_grad_(requires_grad) for x in (q, k, v))  # type: ignore[return-value]

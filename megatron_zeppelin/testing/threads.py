@@ -1,0 +1,224 @@
+"""N ranks as N threads of one process: a ring transport and a runner for fast tests.
+
+``ThreadExchanger`` implements the engine's exchanger protocol (``comm.exchange.Exchanger``)
+with in-process mailboxes instead of torch.distributed, so ring-attention tests run N ranks in
+one process without starting processes. It behaves like the real transport where a test can
+tell: payloads are checked the same way, the receiver gets its own copy, ``wait`` twice raises,
+a missing message times out with ``ZeppelinCommError`` naming the tag, and with routing on a
+routed message is cut over its route's parts with ``split_by_weights`` and glued back together
+(so a test sees that routing leaves results unchanged). ``counters`` (a ``LinkCounters``) counts
+every hop the real transport would make.
+
+``run_ranks(fn, world_size)`` runs ``fn(rank, exchanger)`` on one thread per rank and returns
+the results by rank; a rank that raises stops the others and the error names the rank; ranks
+still running after ``timeout_s`` fail the call instead of hanging it.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, TypeVar
+
+import torch
+
+from megatron_zeppelin.comm.exchange import ZeppelinCommError
+from megatron_zeppelin.planner.plan import Plan, split_by_weights
+from megatron_zeppelin.planner.schedule import Message
+
+__all__ = ["ThreadExchanger", "ThreadHub", "run_ranks"]
+
+T = TypeVar("T")
+_POLL_S = 0.05
+
+
+class ThreadHub:
+    """Mailboxes shared by the ranks of one run: one FIFO queue per (tag, src, dst, part)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.aborted = threading.Event()
+        self._boxes: dict[tuple, queue.Queue] = defaultdict(queue.Queue)
+        self._lock = threading.Lock()
+
+    def box(self, key: tuple) -> queue.Queue:
+        with self._lock:
+            return self._boxes[key]
+
+
+class ThreadPending:
+    """One ``start``'s receipts; ``wait`` once."""
+
+    def __init__(self, exchanger: ThreadExchanger, expected: list[tuple[Message, int]],
+                 row_shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> None:  # fmt: skip
+        self._ex = exchanger
+        self._expected = expected  # (message, number of parts) for each message to this rank
+        self._row_shape = row_shape
+        self._dtype = dtype
+        self.tag = tag
+        self._done = False
+
+    def wait(self) -> dict[tuple[int, int], torch.Tensor]:
+        if self._done:
+            raise ZeppelinCommError(f"exchange {self.tag!r}: wait() called twice")
+        self._done = True
+        ex = self._ex
+        deadline = time.monotonic() + ex.timeout_s
+        received = {}
+        for msg, num_parts in self._expected:
+            parts = []
+            for part in range(num_parts):
+                box = ex.hub.box((self.tag, msg.src, msg.dst, part))
+                while True:
+                    if ex.hub.aborted.is_set():
+                        raise ZeppelinCommError(f"exchange {self.tag!r}: another rank failed")
+                    try:
+                        parts.append(box.get(timeout=_POLL_S))
+                        break
+                    except queue.Empty:
+                        if time.monotonic() > deadline:
+                            raise ZeppelinCommError(
+                                f"exchange {self.tag!r} timed out on rank {ex.rank} waiting for "
+                                f"{msg.src}->{msg.dst} after {ex.timeout_s:g} s"
+                            ) from None
+            tensor = torch.cat(parts) if len(parts) != 1 else parts[0]
+            expected = (msg.num_tokens, *self._row_shape)
+            assert tuple(tensor.shape) == expected, (self.tag, tuple(tensor.shape), expected)
+            received[(msg.src, msg.dst)] = tensor
+        return received
+
+
+class ThreadExchanger:
+    """The exchanger of one thread-rank; see the module docstring."""
+
+    def __init__(
+        self,
+        hub: ThreadHub,
+        rank: int,
+        *,
+        plan: Plan | None = None,
+        routing: bool = True,
+        counters: Any = None,
+        timeout_s: float = 60.0,
+    ) -> None:
+        if not 0 <= rank < hub.world_size:
+            raise ValueError(f"rank {rank} outside 0..{hub.world_size - 1}")
+        self.hub = hub
+        self.rank = rank
+        self.world_size = hub.world_size
+        self.routing = routing
+        self.counters = counters
+        self.timeout_s = timeout_s
+        self.plan: Plan | None = None
+        self._routes: dict = {}
+        if plan is not None:
+            self.set_plan(plan)
+
+    def set_plan(self, plan: Plan) -> ThreadExchanger:
+        """Use ``plan``'s routes from now on; returns ``self``."""
+        if plan.world_size != self.world_size:
+            raise ValueError(f"plan for {plan.world_size} ranks, exchanger for {self.world_size}")
+        self.plan = plan
+        self._routes = {(r.src, r.dst): r for r in plan.routes}
+        return self
+
+    with_plan = set_plan
+
+    def _parts(self, msg: Message) -> list[tuple[int, tuple[int, ...]]]:
+        """``(num_tokens, path)`` of each part of ``msg``, in order."""
+        route = self._routes.get((msg.src, msg.dst)) if self.routing else None
+        if route is None:
+            return [(msg.num_tokens, (msg.src, msg.dst))]
+        sizes = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
+        parts = []
+        for part, n in zip(route.parts, sizes):
+            path = [msg.src]
+            for r in (part.src_proxy, part.dst_proxy, msg.dst):
+                if r != path[-1]:
+                    path.append(r)
+            parts.append((n, tuple(path)))
+        return parts
+
+    def start(
+        self,
+        messages: Sequence[Message],
+        payload: Mapping[tuple[int, int], torch.Tensor],
+        *,
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: str,
+    ) -> ThreadPending:
+        """Deliver this rank's sends of one ring step; see ``comm.exchange.Exchanger``."""
+        row_shape = tuple(int(d) for d in row_shape)
+        sends = {(m.src, m.dst): m for m in messages if m.src == self.rank}
+        extra = set(payload) - set(sends)
+        if extra:
+            raise ZeppelinCommError(f"exchange {tag!r}: payload for {sorted(extra)} not sent here")
+        for key, msg in sends.items():
+            tensor = payload.get(key)
+            if tensor is None:
+                if msg.num_tokens:
+                    raise ZeppelinCommError(f"exchange {tag!r}: no payload for message {key}")
+                tensor = torch.empty((0, *row_shape), dtype=dtype)
+            if tuple(tensor.shape) != (msg.num_tokens, *row_shape) or tensor.dtype != dtype:
+                raise ZeppelinCommError(
+                    f"exchange {tag!r}: payload {key} is {tuple(tensor.shape)} {tensor.dtype}, "
+                    f"the message needs {(msg.num_tokens, *row_shape)} {dtype}"
+                )
+            offset = 0
+            for index, (n, path) in enumerate(self._parts(msg)):
+                rows = tensor[offset : offset + n].clone()
+                offset += n
+                if self.counters is not None and n:
+                    for a, b in zip(path[:-1], path[1:]):
+                        self.counters.record(a, b, rows.numel() * rows.element_size())
+                self.hub.box((tag, msg.src, msg.dst, index)).put(rows)
+        expected = [(m, len(self._parts(m))) for m in messages if m.dst == self.rank]
+        return ThreadPending(self, expected, row_shape, dtype, tag)
+
+
+def run_ranks(
+    fn: Callable[[int, ThreadExchanger], T],
+    world_size: int,
+    *,
+    plan: Plan | None = None,
+    routing: bool = True,
+    counters: Sequence[Any] | None = None,
+    timeout_s: float = 60.0,
+) -> list[T]:
+    """Run ``fn(rank, exchanger)`` for every rank on its own thread; results by rank."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be at least 1, got {world_size}")
+    hub = ThreadHub(world_size)
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def body(rank: int) -> None:
+        exchanger = ThreadExchanger(
+            hub, rank, plan=plan, routing=routing, timeout_s=timeout_s,
+            counters=counters[rank] if counters is not None else None,
+        )  # fmt: skip
+        try:
+            results[rank] = fn(rank, exchanger)
+        except BaseException as exc:  # noqa: BLE001 - reported to the caller below
+            errors[rank] = exc
+            hub.aborted.set()
+
+    threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout_s
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    if any(t.is_alive() for t in threads):
+        hub.aborted.set()
+        alive = [r for r, t in enumerate(threads) if t.is_alive()]
+        raise TimeoutError(f"ranks {alive} still running after {timeout_s:g} s")
+    if errors:
+        # The first rank to fail is the cause; the others stopped because of it.
+        rank = min(errors, key=lambda r: isinstance(errors[r], ZeppelinCommError))
+        raise RuntimeError(f"rank {rank} failed: {errors[rank]!r}") from errors[rank]
+    return results

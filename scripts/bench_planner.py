@@ -1,0 +1,94 @@
+"""Planner latency: median and p90 over seeds, in one process, for a grid of cluster sizes,
+micro-batch sizes and length distributions.
+
+Topology preset zeppelin-C (8 GPUs per node), model llama-7b, capacity per GPU
+``max(65536, ceil(1.25 * tokens / GPUs))`` so every batch fits. Each measurement samples a fresh
+batch (``sample_lengths`` with the seed) and times ``plan_batch`` alone, including the plan's own
+validation.
+
+    python scripts/bench_planner.py                 # full grid
+    python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
+    python scripts/bench_planner.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import statistics
+import time
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.topology.presets import get_topology
+
+GPUS = (16, 64, 256, 1024)
+TOKENS = (1 << 20, 1 << 22, 1 << 24)
+
+
+def capacity_for(num_tokens: int, world_size: int) -> int:
+    return max(65536, math.ceil(1.25 * num_tokens / world_size))
+
+
+def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> dict:
+    topology = get_topology("zeppelin-C", num_nodes=num_gpus // 8)
+    cost_model = CostModel.default(get_model("llama-7b"), topology)
+    capacity = capacity_for(num_tokens, num_gpus)
+    times, cpu_times, docs = [], [], []
+    for seed in range(seeds):
+        lengths = sample_lengths(distribution, num_tokens=num_tokens, seed=seed)
+        gc.collect()  # start every run from the same collector state
+        start, cpu_start = time.perf_counter(), time.process_time()
+        plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity)
+        times.append(time.perf_counter() - start)
+        cpu_times.append(time.process_time() - cpu_start)
+        docs.append(len(lengths))
+    times.sort()
+    return {
+        "gpus": num_gpus,
+        "tokens": num_tokens,
+        "distribution": distribution,
+        "capacity": capacity,
+        "documents": round(statistics.mean(docs)),
+        "median_ms": 1e3 * statistics.median(times),
+        "p90_ms": 1e3 * times[min(len(times) - 1, math.ceil(0.9 * len(times)) - 1)],
+        # CPU time of this process: a fairer figure on a machine shared with other jobs.
+        "cpu_median_ms": 1e3 * statistics.median(cpu_times),
+        "imbalance": plan.meta["attention_imbalance"],
+        "tiers": plan.meta["tier_counts"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="only 1024 GPUs x 4M tokens")
+    parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
+    parser.add_argument("--json", help="also write the rows to this JSON file")
+    args = parser.parse_args()
+    grid = [(1024, 1 << 22)] if args.quick else [(g, t) for g in GPUS for t in TOKENS]
+    rows = []
+    print(
+        "| GPUs | tokens | distribution | docs | capacity | median ms | p90 ms | CPU ms | imbal. |"
+    )
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|")
+    for num_gpus, num_tokens in grid:
+        for distribution in DISTRIBUTIONS:
+            row = measure(num_gpus, num_tokens, distribution, args.seeds)
+            rows.append(row)
+            print(
+                f"| {num_gpus} | {num_tokens >> 20}M | {distribution} | {row['documents']} | "
+                f"{row['capacity']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
+                f"{row['cpu_median_ms']:.1f} | {row['imbalance']:.3f} |",
+                flush=True,
+            )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

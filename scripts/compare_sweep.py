@@ -1,0 +1,143 @@
+"""Sweep the planner comparison over models, clusters, GPU counts and length distributions.
+
+Every configuration draws ``--steps`` batches (seeds 0, 1, ...) of ``fill * GPUs * capacity``
+tokens with documents cut at ``--max-length``, plans them with Zeppelin and every baseline, and
+simulates the step with the default (datasheet) cost model. Prints a markdown table of mean step
+time, Zeppelin's speedup over ``te-ring-cp`` and ``megatron-dynamic-cp``, every builder's
+efficiency (lower bound / step time), and the average speedups.
+
+    python scripts/compare_sweep.py                 # the sweep in docs/BENCHMARKS.md
+    python scripts/compare_sweep.py --quick         # a few configurations, for a smoke test
+    python scripts/compare_sweep.py --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from megatron_zeppelin.commands.simulate import compare_batches, summarize
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.topology.presets import get_topology
+
+DISTS = ("wikipedia", "prolong", "wlbllm", "magi_realworld")
+CLUSTERS = ("zeppelin-A", "zeppelin-B", "zeppelin-C")
+
+
+def configurations(quick: bool) -> list[dict]:
+    """(model, cluster, GPUs, distribution, capacity) points, as in the paper's evaluation:
+    every cluster and distribution at 32 GPUs with LLaMA-7B, GPU scaling 16 -> 128 with
+    LLaMA-3B on cluster A, and the three model sizes on cluster C."""
+    if quick:
+        return [
+            dict(model="llama-7b", cluster="zeppelin-A", gpus=16, dist="prolong", capacity=16384),
+            dict(model="llama-3b", cluster="zeppelin-C", gpus=32, dist="wikipedia", capacity=16384),
+        ]
+    points = []
+    for cluster in CLUSTERS:
+        for dist in DISTS:
+            points.append(dict(model="llama-7b", cluster=cluster, gpus=32, dist=dist,
+                               capacity=16384))  # fmt: skip
+    for gpus in (16, 64, 128):
+        for dist in ("wikipedia", "prolong"):
+            points.append(dict(model="llama-3b", cluster="zeppelin-A", gpus=gpus, dist=dist,
+                               capacity=16384))  # fmt: skip
+    for model, capacity in (("llama-3b", 32768), ("llama-13b", 16384)):
+        for dist in ("wikipedia", "prolong"):
+            points.append(dict(model=model, cluster="zeppelin-C", gpus=64, dist=dist,
+                               capacity=capacity))  # fmt: skip
+    return points
+
+
+def run_point(point: dict, *, steps: int, fill: float, max_length: int) -> dict:
+    topology = get_topology(point["cluster"], num_nodes=point["gpus"] // 8)
+    cost = CostModel.default(get_model(point["model"]), topology)
+    tokens = int(fill * topology.world_size * point["capacity"])
+    batches = [sample_lengths(point["dist"], num_tokens=tokens, seed=s, max_length=max_length)
+               for s in range(steps)]  # fmt: skip
+    results = compare_batches(batches, topology=topology, cost_model=cost,
+                              capacity=point["capacity"])  # fmt: skip
+    rows = {r["builder"]: r for r in summarize(results)}
+    longest = max(max(b) for b in batches)
+    return {**point, "tokens": tokens, "longest": longest, "rows": rows}
+
+
+def _fmt(x, spec: str) -> str:
+    return format(x, spec) if x is not None else "-"
+
+
+def markdown(records: list[dict]) -> str:
+    lines = [
+        "| model | cluster | GPUs | data | cap/GPU | tokens | longest | Zeppelin ms | TE ring ms "
+        "| Mcore ms | best other | vs TE | vs Mcore | vs best | eff Z | eff TE | eff Mcore |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        rows = rec["rows"]
+        z, te, mc = rows["zeppelin"], rows["te-ring-cp"], rows["megatron-dynamic-cp"]
+        others = [r for name, r in rows.items() if name != "zeppelin" and "error" not in r]
+        best = min(others, key=lambda r: r["step_time_s"])
+        if "error" in z:
+            lines.append(f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
+                         f"| zeppelin failed: {z['error']} |")  # fmt: skip
+            continue
+        lines.append(
+            f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
+            f"| {rec['capacity']} | {rec['tokens']} | {rec['longest']} "
+            f"| {z['step_time_s'] * 1e3:.0f} | {_fmt(te.get('step_time_s', None) and te['step_time_s'] * 1e3, '.0f')} "  # noqa: E501
+            f"| {_fmt(mc.get('step_time_s', None) and mc['step_time_s'] * 1e3, '.0f')} "
+            f"| {best['builder']} "
+            f"| {_fmt(z['speedup_vs_te'], '.2f')} | {_fmt(z['speedup_vs_megatron'], '.2f')} "
+            f"| {best['step_time_s'] / z['step_time_s']:.2f} "
+            f"| {z['efficiency']:.3f} | {_fmt(te.get('efficiency'), '.3f')} "
+            f"| {_fmt(mc.get('efficiency'), '.3f')} |"
+        )
+    return "\n".join(lines)
+
+
+def averages(records: list[dict]) -> dict[str, float]:
+    """Arithmetic and geometric means of Zeppelin's speedups, and its mean efficiency."""
+    out = {}
+    ok = [r["rows"]["zeppelin"] for r in records if "error" not in r["rows"]["zeppelin"]]
+    for key in ("speedup_vs_te", "speedup_vs_megatron"):
+        values = [z[key] for z in ok if z.get(key)]
+        if values:
+            out[f"mean {key}"] = sum(values) / len(values)
+            out[f"geomean {key}"] = math.exp(sum(math.log(v) for v in values) / len(values))
+            out[f"max {key}"] = max(values)
+    out["mean zeppelin efficiency"] = sum(z["efficiency"] for z in ok) / max(1, len(ok))
+    out["min zeppelin efficiency"] = min((z["efficiency"] for z in ok), default=float("nan"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=3, help="batches (seeds) per configuration")
+    parser.add_argument("--fill", type=float, default=0.9, help="batch tokens / total capacity")
+    parser.add_argument("--max-length", type=int, default=131072, help="cut longer documents")
+    parser.add_argument("--quick", action="store_true", help="two configurations only")
+    parser.add_argument("--json", metavar="OUT", help="write every row")
+    args = parser.parse_args(argv)
+    records = []
+    start = time.monotonic()
+    for point in configurations(args.quick):
+        records.append(run_point(point, steps=args.steps, fill=args.fill,
+                                 max_length=args.max_length))  # fmt: skip
+        print(f"done {point} after {time.monotonic() - start:.0f} s", file=sys.stderr)
+    print(markdown(records))
+    print()
+    for key, value in averages(records).items():
+        print(f"- {key}: {value:.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

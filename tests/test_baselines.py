@@ -1,0 +1,131 @@
+"""Baseline builders produce valid plans that follow each system's rules.
+
+Tier: pure (no torch.distributed; megatron-core's scheduler is plain Python).
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from megatron_zeppelin.planner.baselines import (
+    BASELINES,
+    build_baseline,
+    megatron_dynamic_cp,
+    zigzag_loads,
+)
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.plan import AttentionComm, Tier
+from megatron_zeppelin.topology.model import Topology
+
+TOPO = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
+CAPACITY = 4096
+COST = CostModel.default(get_model("llama-7b"), TOPO)
+
+batches = st.lists(st.integers(1, 3 * CAPACITY), min_size=1, max_size=40)
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def _check_common(name: str, plans, lengths: list[int]) -> None:
+    assert plans and all(p.name == name for p in plans)
+    seen = sorted(s.id for p in plans for s in p.sequences)
+    assert seen == list(range(len(lengths))), "every document placed exactly once"
+    for plan in plans:
+        assert not plan.routes
+        for seq in plan.sequences:
+            assert seq.length == lengths[seq.id]
+        for rank in range(plan.world_size):  # no remapping: linear layout = attention layout
+            assert plan.linear_ranges(rank) == plan.attention_ranges(rank)
+        if plan.meta.get("execution") == "sequential":
+            for seq in plan.sequences:  # one document resident at a time
+                for rank in seq.ring:
+                    held = sum(s.num_tokens for s in seq.spans_of(rank))
+                    assert held <= CAPACITY
+        else:
+            assert plan.capacity == CAPACITY  # Plan checks both layouts on construction
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lengths=batches, name=st.sampled_from(BASELINES))
+def test_baselines_make_valid_plans(lengths: list[int], name: str) -> None:
+    plans = build_baseline(name, lengths, topology=TOPO, capacity=CAPACITY, cost_model=COST)
+    _check_common(name, plans, lengths)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=batches)
+def test_te_ring_cp_splits_every_document_over_its_whole_group(lengths: list[int]) -> None:
+    plans = build_baseline("te-ring-cp", lengths, topology=TOPO, capacity=CAPACITY)
+    cp = plans[0].meta["cp_size"]
+    assert _is_pow2(cp)
+    assert max(zigzag_loads(max(lengths), cp)) <= CAPACITY
+    if cp > 1:  # the smallest power of two that holds the longest document
+        assert max(zigzag_loads(max(lengths), cp // 2)) > CAPACITY
+    for plan in plans:
+        assert plan.attention_comm == AttentionComm.RING
+        for seq in plan.sequences:
+            assert len(seq.ring) == cp and seq.ring[0] % cp == 0
+            assert list(seq.ring) == list(range(seq.ring[0], seq.ring[0] + cp))
+    allgather = build_baseline("llama3-allgather-cp", lengths, topology=TOPO, capacity=CAPACITY)
+    assert [p.sequences for p in allgather] == [p.sequences for p in plans]
+    assert all(p.attention_comm == AttentionComm.ALLGATHER for p in allgather)
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=batches)
+def test_hybrid_dp_keeps_short_documents_whole(lengths: list[int]) -> None:
+    plans = build_baseline("hybrid-dp", lengths, topology=TOPO, capacity=CAPACITY)
+    for plan in plans:
+        for seq in plan.sequences:
+            if seq.length <= CAPACITY:
+                assert Tier(seq.tier) == Tier.LOCAL
+            else:
+                assert len(seq.ring) == plan.meta["cp_size"] >= 2
+
+
+@settings(max_examples=30, deadline=None)
+@given(lengths=batches)
+def test_flexsp_groups_are_disjoint_power_of_two_blocks(lengths: list[int]) -> None:
+    for plan in build_baseline("flexsp", lengths, topology=TOPO, capacity=CAPACITY):
+        group_of: dict[int, tuple[int, ...]] = {}
+        for seq in plan.sequences:
+            assert _is_pow2(len(seq.ring)) and seq.ring[0] % len(seq.ring) == 0
+            for rank in seq.ring:
+                assert group_of.setdefault(rank, seq.ring) == seq.ring
+
+
+def test_megatron_baseline_calls_megatron_core() -> None:
+    pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+    lengths = [3 * CAPACITY, 2 * CAPACITY, 900, 300, 5000, 17, 4096, 1200]
+    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)
+    assert {p.meta["scheduler"] for p in plans} == {"megatron-core BalancedCPScheduler"}
+    _check_common("megatron-dynamic-cp", plans, lengths)
+    for plan in plans:
+        for seq in plan.sequences:
+            assert _is_pow2(len(seq.ring))
+            # Megatron sizes a document's group by ceil(L / capacity), rounded to a power of 2.
+            assert len(seq.ring) >= seq.length / CAPACITY
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=batches)
+def test_megatron_fallback_makes_valid_plans(lengths: list[int]) -> None:
+    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY, use_core=False)
+    assert plans[0].meta["scheduler"] == "fallback"
+    _check_common("megatron-dynamic-cp", plans, lengths)
+
+
+@pytest.mark.parametrize("name", BASELINES)
+def test_too_long_a_document_is_a_clear_error(name: str) -> None:
+    with pytest.raises(ValueError, match="capacity"):
+        build_baseline(name, [TOPO.world_size * CAPACITY + 1], topology=TOPO, capacity=CAPACITY)
+
+
+def test_unknown_baseline_names_the_known_ones() -> None:
+    with pytest.raises(ValueError, match="te-ring-cp"):
+        build_baseline("ring-magic", [10], topology=TOPO, capacity=CAPACITY)

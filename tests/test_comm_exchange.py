@@ -1,0 +1,244 @@
+"""Ring exchanges, routing over proxies, byte counters, timeouts and the gloo harness.
+
+Tier: processes (gloo, 2 to 4 ranks on CPU via ``testing.dist.run_distributed``), plus pure checks
+of how messages are cut into legs. Plans are built by hand here so the exchanger is tested apart
+from the planner: 2 nodes x 2 GPUs, one NIC per GPU, documents spanning both nodes (rings that
+cross nodes between different local indices, so routed parts take all three hops), documents in
+one node, a local one, and one shorter than its ring's 2g chunks (empty blocks).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from megatron_zeppelin.comm.counters import LinkCounters, comparable
+from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError, plan_legs
+from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.planner.plan import (
+    Plan,
+    Route,
+    RoutePart,
+    SequencePlan,
+    Tier,
+    TokenRange,
+    zigzag_spans,
+)
+from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes, ring_schedule
+from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
+from megatron_zeppelin.topology.model import Topology
+
+ROW_SHAPE = (2, 3)
+TIMEOUT_S = 60.0
+
+
+def balanced_linear(lengths: list[int], world: int) -> list[list[TokenRange]]:
+    """Concatenate the documents and cut the stream into ``world`` near-equal pieces."""
+    total = sum(lengths)
+    cuts = [round(r * total / world) for r in range(world + 1)]
+    linear: list[list[TokenRange]] = [[] for _ in range(world)]
+    pos = 0
+    for seq, length in enumerate(lengths):
+        for rank in range(world):
+            lo, hi = max(cuts[rank], pos), min(cuts[rank + 1], pos + length)
+            if hi > lo:
+                linear[rank].append(TokenRange(seq, lo - pos, hi - pos))
+        pos += length
+    return linear
+
+
+def hand_plan() -> Plan:
+    topo = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
+    docs = [  # (length, ring)
+        (23, (0, 1, 2, 3)),  # spans both nodes; edges 1->2 and 3->0 cross rails
+        (9, (2, 0)),  # two nodes, one rail
+        (7, (0, 1)),  # one node
+        (5, (3, 2)),
+        (1, (3,)),  # local, one token
+        (3, (0, 1, 2, 3)),  # shorter than 2g = 8 chunks: some blocks are empty
+    ]
+    sequences = []
+    for seq, (length, ring) in enumerate(docs):
+        nodes = {topo.node_of(r) for r in ring}
+        tier = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+        sequences.append(SequencePlan(seq, length, tier, ring, zigzag_spans(length, ring)))
+    routes = (
+        Route(1, 2, (RoutePart(1, 3, 2), RoutePart(0, 2, 1))),
+        Route(3, 0, (RoutePart(3, 1, 1), RoutePart(2, 0, 1))),
+        Route(0, 2, (RoutePart(1, 3, 1), RoutePart(0, 2, 3))),  # part 0 takes all three hops
+        Route(2, 0, (RoutePart(2, 0, 1), RoutePart(3, 1, 0))),  # zero weight: never used
+    )
+    linear = balanced_linear([d[0] for d in docs], topo.world_size)
+    return Plan(topology=topo, sequences=tuple(sequences), linear=linear, routes=routes)
+
+
+def payload_rows(step: int, msg: Message) -> torch.Tensor:
+    """Rows that identify their step, edge and row index, so a misrouted row shows."""
+    rows = torch.arange(msg.num_tokens * 6, dtype=torch.float64).reshape(msg.num_tokens, *ROW_SHAPE)
+    return rows + 1000.0 * step + 100.0 * msg.src + 10.0 * msg.dst
+
+
+# --- pure -----------------------------------------------------------------------------------
+
+
+def test_legs_cover_every_message_row_once_and_skip_same_gpu_hops():
+    plan = hand_plan()
+    routes = {(r.src, r.dst): r for r in plan.routes}
+    for step in ring_schedule(plan):
+        legs = plan_legs(step, routes)
+        for index, msg in enumerate(step):
+            mine = [leg for leg in legs if leg.message == index]
+            covered = sorted((leg.offset, leg.offset + leg.num_tokens) for leg in mine)
+            pos = 0
+            for lo, hi in covered:
+                assert lo == pos and hi > lo
+                pos = hi
+            assert pos == msg.num_tokens
+            for leg in mine:
+                assert leg.path[0] == msg.src and leg.path[-1] == msg.dst
+                assert all(a != b for a, b in leg.hops)
+                crossings = [h for h in leg.hops if not plan.topology.same_node(*h)]
+                assert len(crossings) == (0 if plan.topology.same_node(msg.src, msg.dst) else 1)
+
+
+def test_counters_classify_like_the_prediction():
+    topo = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
+    counters = LinkCounters(topo)
+    counters.record(0, 3, 10)
+    counters.record(3, 5, 7)  # GPU 3 sits next to NIC 1 of node 0
+    counters.record(6, 1, 5)
+    assert counters.to_dict() == {"nvlink": 10, "nic": 12, "nic:0.1": 7, "nic:1.1": 5}
+    assert comparable({"nvlink": 0, "nic": 0, "nic:0.0": 0}) == {"nvlink": 0, "nic": 0}
+    with pytest.raises(ValueError, match="unknown link class"):
+        counters.add({"pcie": 1})
+
+
+# --- processes ------------------------------------------------------------------------------
+
+
+def _exchange_worker(rank: int, world_size: int) -> dict:
+    plan = hand_plan()
+    groups = ZeppelinGroups.create(plan.topology)
+    steps = ring_schedule(plan)
+    measured = {}
+    for routing in (False, True):
+        counters = LinkCounters(plan.topology)
+        ex = DistExchanger(groups, plan=plan, routing=routing, counters=counters, timeout_s=30)
+        for s, msgs in enumerate(steps):
+            payload = {(m.src, m.dst): payload_rows(s, m) for m in msgs if m.src == rank}
+            pending = ex.start(
+                msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64, tag=f"step {s}"
+            )
+            got = pending.wait()
+            assert set(got) == {(m.src, m.dst) for m in msgs if m.dst == rank}
+            for m in msgs:
+                if m.dst == rank:
+                    assert torch.equal(got[(m.src, m.dst)], payload_rows(s, m)), (routing, s, m)
+            with pytest.raises(ZeppelinCommError, match="called twice"):
+                pending.wait()
+        measured[routing] = counters.all_reduce()
+
+    # Inter- and intra-node queues in flight together, waited in the reverse order.
+    ex = DistExchanger(groups, plan=plan, routing=True, timeout_s=30)
+    inter = ring_schedule(plan, tiers=(Tier.INTER,))[0]
+    intra = ring_schedule(plan, tiers=(Tier.INTRA,))[0]
+    pending = [
+        ex.start(
+            msgs,
+            {(m.src, m.dst): payload_rows(k, m) for m in msgs if m.src == rank},
+            row_shape=ROW_SHAPE,
+            dtype=torch.float64,
+            tag=tag,
+        )
+        for k, (msgs, tag) in enumerate(((inter, "inter"), (intra, "intra")))
+    ]
+    for k in (1, 0):
+        got = pending[k].wait()
+        for (src, dst), rows in got.items():
+            msg = next(m for m in (inter, intra)[k] if (m.src, m.dst) == (src, dst))
+            assert torch.equal(rows, payload_rows(k, msg))
+
+    # Misuse is reported before anything is posted, so every rank can check it alone.
+    msgs = steps[0]
+    mine = [m for m in msgs if m.src == rank and m.num_tokens]
+    if mine:
+        m = mine[0]
+        bad = {(m.src, m.dst): payload_rows(0, m).float()}
+        with pytest.raises(ZeppelinCommError, match="the message needs"):
+            ex.start(msgs, bad, row_shape=ROW_SHAPE, dtype=torch.float64, tag="bad dtype")
+        with pytest.raises(ZeppelinCommError, match="no payload"):
+            ex.start(msgs, {}, row_shape=ROW_SHAPE, dtype=torch.float64, tag="missing")
+    with pytest.raises(ZeppelinCommError, match="sends no such message"):
+        ex.start(msgs, {(rank, rank): torch.zeros(1)}, row_shape=(), dtype=torch.float32, tag="x")
+    return measured
+
+
+def test_exchange_routed_and_direct_deliver_the_same_rows_and_count_the_predicted_bytes():
+    plan = hand_plan()
+    results = run_distributed(_exchange_worker, plan.world_size, timeout_s=TIMEOUT_S)
+    steps = ring_schedule(plan)
+    bytes_per_token = 6 * 8
+    for routing in (False, True):
+        predicted = comparable(
+            link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
+        )
+        for measured in results:
+            assert measured[routing] == predicted
+    direct, routed = results[0][False], results[0][True]
+    assert routed["nic"] == direct["nic"]  # routing moves NIC bytes, it never adds any
+    assert routed["nvlink"] > direct["nvlink"]
+    # Direct sends use only the senders' NICs; routing spreads them over every NIC of both nodes.
+    nics = [f"nic:{n}.{k}" for n in range(2) for k in range(2)]
+    assert all(routed.get(key, 0) > 0 for key in nics)
+
+
+def _failure_worker(rank: int, world_size: int) -> dict:
+    topo = Topology(num_nodes=2, gpus_per_node=1, nics_per_node=1)
+    ring = (0, 1)
+    seq = SequencePlan(0, 8, Tier.INTER, ring, zigzag_spans(8, ring))
+    plan = Plan(topology=topo, sequences=(seq,), linear=balanced_linear([8], 2))
+    groups = ZeppelinGroups.create(topo)
+    if rank == 1:
+        time.sleep(3.0)  # never sends; then leaves, which closes its connections
+        return {}
+    msg = Message(1, 0, (Segment(0, 1, 4),))
+    out = {}
+    ex = DistExchanger(groups, plan=plan, routing=False, timeout_s=1.0)
+    for tag in ("fwd step 0 (slow peer)", "fwd step 1 (dead peer)"):
+        t0 = time.monotonic()
+        try:
+            ex.start([msg], {}, row_shape=(3,), dtype=torch.float32, tag=tag).wait()
+            out[tag] = None
+        except ZeppelinCommError as exc:
+            out[tag] = (str(exc), time.monotonic() - t0)
+        ex.timeout_s = 20.0  # the dead peer must be noticed long before this
+    return out
+
+
+def test_slow_or_dead_peer_raises_an_error_naming_the_tag_within_the_timeout():
+    out = run_distributed(_failure_worker, 2, timeout_s=TIMEOUT_S)[0]
+    message, elapsed = out["fwd step 0 (slow peer)"]
+    assert "fwd step 0 (slow peer)" in message and "recv 1->0" in message
+    assert elapsed < 5.0
+    message, elapsed = out["fwd step 1 (dead peer)"]
+    assert "fwd step 1 (dead peer)" in message
+    assert elapsed < 15.0
+
+
+def _world_mismatch_worker(rank: int, world_size: int) -> str:
+    if rank == 1:
+        raise KeyError("rank one fails on purpose")
+    with pytest.raises(ValueError, match="process group has 2"):
+        ZeppelinGroups.create(Topology(num_nodes=2, gpus_per_node=2, nics_per_node=1))
+    time.sleep(60)  # a straggler: the harness must kill it soon after rank 1 failed
+    return "unreachable"
+
+
+def test_harness_names_the_failing_rank_and_kills_stragglers():
+    t0 = time.monotonic()
+    with pytest.raises(DistributedRunError, match="rank 1 of 2 raised KeyError") as info:
+        run_distributed(_world_mismatch_worker, 2, timeout_s=TIMEOUT_S)
+    assert info.value.rank == 1
+    assert time.monotonic() - t0 < 30.0

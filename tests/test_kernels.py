@@ -1,0 +1,183 @@
+"""Tier: pure (CPU), plus gpu-marked tests comparing flash-attn with the torch kernel.
+
+The torch varlen kernel against the dense float64 reference: causal documents, grouped-query
+attention, pairs cut into many tiles, one-token documents, unmasked and bottom-right causal
+pairs of unequal sizes, and rows that see no key at all.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megatron_zeppelin.attention.kernels import (
+    TorchKernel,
+    VarlenBatch,
+    _tile_chunks,
+    flash_available,
+    get_kernel,
+    register_kernel,
+)
+from megatron_zeppelin.testing.reference import random_qkv, reference_attention
+from megatron_zeppelin.testing.tolerances import assert_close
+
+
+def _dense_pairs(q, k, v, lengths_q, lengths_k, *, causal: bool, scale: float):  # noqa: ANN001
+    """Float64 dense attention of every pair with the bottom-right mask: (out, lse)."""
+    outs, lses = [], []
+    group = q.shape[1] // k.shape[1]
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        qp = q[q0 : q0 + lq].double()
+        kp = k[k0 : k0 + lk].double().repeat_interleave(group, 1)
+        vp = v[k0 : k0 + lk].double().repeat_interleave(group, 1)
+        scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
+        if causal:
+            hidden = torch.ones(lq, lk, dtype=torch.bool).triu(diagonal=lk - lq + 1)
+            scores = scores.masked_fill(hidden, float("-inf"))
+        lse = scores.logsumexp(-1)
+        probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+        outs.append(torch.einsum("nqk,knd->qnd", probs, vp))
+        lses.append(lse.transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("block_size", [8, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])
+def test_causal_documents_match_reference(block_size: int, heads: tuple[int, int]) -> None:
+    lengths = [1, 7, 33, 1, 100, 16]
+    nq, nkv = heads
+    q, k, v = random_qkv(sum(lengths), num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=1,
+                         requires_grad=True)  # fmt: skip
+    kernel = TorchKernel(block_size=block_size)
+    batch = VarlenBatch(lengths, lengths, causal=True)
+    scale = 1 / math.sqrt(8)
+    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), batch, softmax_scale=scale)
+    ref, ref_lse = reference_attention(q, k, v, lengths, return_lse=True)
+    assert_close(out, ref, dtype=torch.float64, name="out")
+    assert_close(lse, ref_lse, dtype=torch.float64, name="lse")
+    dout = torch.randn_like(ref)
+    ref.backward(dout)
+    dq, dk, dv = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, batch,
+                                 softmax_scale=scale)  # fmt: skip
+    for name, got, want in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
+        assert_close(got, want, dtype=torch.float64, name=name)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_unequal_pairs_match_dense(causal: bool) -> None:
+    # Causal pairs with more keys than queries (a chunk against its prefix), with fewer keys
+    # (first queries see nothing), and single rows.
+    lengths_q, lengths_k = [5, 20, 1, 9, 30], [12, 20, 4, 3, 70]
+    q, _, _ = random_qkv(sum(lengths_q), num_heads=4, num_kv_heads=2, head_dim=4, seed=2)
+    _, k, v = random_qkv(sum(lengths_k), num_heads=4, num_kv_heads=2, head_dim=4, seed=3)
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    out, lse = TorchKernel(block_size=8).forward(q, k, v, batch, softmax_scale=0.7)
+    want_out, want_lse = _dense_pairs(q, k, v, lengths_q, lengths_k, causal=causal, scale=0.7)
+    assert torch.isfinite(out).all()
+    assert_close(out, want_out, dtype=torch.float64, name="out")
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_close(lse[finite], want_lse[finite], dtype=torch.float64, name="lse")
+    if causal:  # pair (9 queries, 3 keys): the first 6 queries see no key
+        rows = slice(5 + 20 + 1, 5 + 20 + 1 + 6)
+        assert torch.isneginf(lse[rows]).all() and torch.equal(out[rows], torch.zeros_like(out[rows]))
+
+
+def test_rows_without_keys_get_zero_gradients() -> None:
+    lengths_q, lengths_k = [6], [2]  # causal: queries 0..3 see nothing, 4 sees one key
+    q, _, _ = random_qkv(6, num_heads=2, head_dim=4, seed=4)
+    _, k, v = random_qkv(2, num_heads=2, head_dim=4, seed=5)
+    batch = VarlenBatch(lengths_q, lengths_k, causal=True)
+    kernel = TorchKernel(block_size=8)
+    out, lse = kernel.forward(q, k, v, batch, softmax_scale=0.5)
+    dq, dk, dv = kernel.backward(torch.ones_like(out), q, k, v, out, lse, batch, softmax_scale=0.5)
+    assert torch.isfinite(dq).all() and torch.isfinite(dk).all() and torch.isfinite(dv).all()
+    assert torch.equal(dq[:4], torch.zeros_like(dq[:4]))
+    assert dq[4:].abs().sum() > 0
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
+    lengths_q, lengths_k = [1, 40, 300, 17], [1, 64, 300, 17]
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    chunks = _tile_chunks(batch, block_size=32, min_tile=8, tiles_per_chunk=lambda s: 5)
+    seen = torch.zeros(batch.total_q, batch.total_k, dtype=torch.int64)
+    for c in chunks:
+        assert c.size <= 32  # no score matrix larger than one tile per pair
+        for w in range(c.q_start.shape[0]):
+            for i in range(int(c.q_len[w])):
+                for j in range(int(c.k_len[w])):
+                    if j - i <= int(c.diag[w]):
+                        seen[int(c.q_start[w]) + i, int(c.k_start[w]) + j] += 1
+    want = torch.zeros_like(seen)
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        block = torch.ones(lq, lk, dtype=torch.int64)
+        want[q0 : q0 + lq, k0 : k0 + lk] = block.tril(lk - lq) if causal else block
+        q0, k0 = q0 + lq, k0 + lk
+    assert torch.equal(seen, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
+    lengths = [3, 50, 20]
+    q, k, v = random_qkv(sum(lengths), num_heads=4, num_kv_heads=2, head_dim=16, seed=6)
+    batch = VarlenBatch(lengths, lengths, causal=True)
+    out, lse = TorchKernel(block_size=16).forward(q.to(dtype), k.to(dtype), v.to(dtype), batch,
+                                                  softmax_scale=0.25)  # fmt: skip
+    assert out.dtype == torch.float32 and lse.dtype == torch.float32
+    ref = reference_attention(q.to(dtype), k.to(dtype), v.to(dtype), lengths, softmax_scale=0.25)
+    assert_close(out, ref, dtype=dtype, name="out")
+
+
+def test_registry_resolves_and_rejects() -> None:
+    assert get_kernel("auto", device="cpu", dtype=torch.bfloat16).name == "torch"
+    assert get_kernel("torch").name == "torch"
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        get_kernel("no-such-kernel")
+    with pytest.raises(ValueError, match="reserved"):
+        register_kernel("auto", TorchKernel)
+    register_kernel("torch-small-tiles", lambda: TorchKernel(block_size=8))
+    assert get_kernel("torch-small-tiles").block_size == 8
+    if not flash_available():
+        with pytest.raises(ValueError, match="flash-attn"):
+            get_kernel("flash")
+
+
+def test_batch_rejects_bad_lengths() -> None:
+    with pytest.raises(ValueError):
+        VarlenBatch([1, 2], [1], causal=True)
+    with pytest.raises(ValueError):
+        VarlenBatch([0], [1], causal=True)
+    kernel = TorchKernel()
+    q, k, v = random_qkv(4, num_heads=2, head_dim=4)
+    with pytest.raises(ValueError, match="needs 5 query rows"):
+        kernel.forward(q, k, v, VarlenBatch([5], [4], causal=True), softmax_scale=1.0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not flash_available(), reason="needs CUDA and flash-attn")
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_matches_torch_kernel(causal: bool) -> None:
+    lengths_q, lengths_k = [1, 128, 77, 300], [1, 200, 77, 300]
+    if not causal:
+        lengths_k = [5, 64, 77, 10]
+    dev, dtype = torch.device("cuda"), torch.bfloat16
+    q, _, _ = random_qkv(sum(lengths_q), num_heads=8, num_kv_heads=2, head_dim=64, seed=7)
+    _, k, v = random_qkv(sum(lengths_k), num_heads=8, num_kv_heads=2, head_dim=64, seed=8)
+    q, k, v = (x.to(dev, dtype) for x in (q, k, v))
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    flash, torch_kernel = get_kernel("flash"), get_kernel("torch")
+    out_f, lse_f = flash.forward(q, k, v, batch, softmax_scale=0.125)
+    out_t, lse_t = torch_kernel.forward(q, k, v, batch, softmax_scale=0.125)
+    assert_close(out_f.float(), out_t, dtype=dtype, name="out")
+    assert_close(lse_f, lse_t, dtype=torch.float32, name="lse")
+    dout = torch.randn_like(q)
+    grads_f = flash.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
+    grads_t = torch_kernel.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
+    for got, want in zip(grads_f, grads_t):
+        assert_close(got.float(), want, dtype=dtype, name="grad")

@@ -1,0 +1,229 @@
+"""Properties of the Zeppelin planner over random batches and topologies.
+
+Tier: pure (no torch, no processes). Hypothesis draws 1-4 nodes x 1-8 GPUs with NIC counts that
+divide the GPUs, document lengths from 1 token to several GPUs' capacity, and capacities from
+tight to loose.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch, tier_thresholds
+from megatron_zeppelin.planner.plan import Plan, Tier
+from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.topology.model import Topology
+from megatron_zeppelin.topology.presets import PRESETS, get_topology
+
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@st.composite
+def topologies(draw) -> Topology:
+    gpus = draw(st.integers(1, 8))
+    nics = draw(st.sampled_from([n for n in range(1, gpus + 1) if gpus % n == 0]))
+    return Topology(num_nodes=draw(st.integers(1, 4)), gpus_per_node=gpus, nics_per_node=nics)
+
+
+@st.composite
+def batches(draw, slack=(1.3, 3.0)):
+    """(lengths, topology, capacity) with room: capacity >= slack x the even share."""
+    topo = draw(topologies())
+    lengths = draw(
+        st.lists(
+            st.one_of(st.integers(1, 300), st.integers(300, 20_000), st.integers(20_000, 90_000)),
+            min_size=1,
+            max_size=40,
+        )
+    )
+    share = sum(lengths) / topo.world_size
+    factor = draw(st.floats(*slack))
+    capacity = max(int(share * factor) + 8, 64)
+    return lengths, topo, capacity
+
+
+def _cost(topo: Topology, model: str = "llama-7b") -> CostModel:
+    return CostModel.default(get_model(model), topo)
+
+
+def _plan(lengths, topo, capacity, **options) -> Plan:
+    return plan_batch(
+        lengths,
+        topology=topo,
+        cost_model=_cost(topo),
+        capacity=capacity,
+        options=PlannerOptions(**options),
+    )
+
+
+def _covered_once(ranges_by_doc: dict[int, list[tuple[int, int]]], lengths: list[int]) -> None:
+    assert sorted(ranges_by_doc) == list(range(len(lengths)))
+    for doc, ranges in ranges_by_doc.items():
+        pos = 0
+        for start, end in sorted(ranges):
+            assert start == pos and end > start, (doc, ranges)
+            pos = end
+        assert pos == lengths[doc]
+
+
+@SETTINGS
+@given(batches(slack=(1.05, 3.0)))
+def test_every_token_once_and_capacity_respected(batch):
+    lengths, topo, capacity = batch
+    try:
+        plan = _plan(lengths, topo, capacity)
+    except ValueError as exc:  # documented outcome under tight capacity, never a bad plan
+        assert "capacity" in str(exc)
+        return
+    attention, linear = defaultdict(list), defaultdict(list)
+    for rank in range(topo.world_size):
+        for r in plan.attention_ranges(rank):
+            attention[r.seq].append((r.start, r.end))
+        for r in plan.linear_ranges(rank):
+            linear[r.seq].append((r.start, r.end))
+        assert plan.num_attention_tokens(rank) <= capacity
+        assert plan.num_linear_tokens(rank) <= capacity
+    _covered_once(attention, lengths)
+    _covered_once(linear, lengths)
+
+
+@SETTINGS
+@given(batches())
+def test_zigzag_chunks_even_and_linear_layout_balanced(batch):
+    lengths, topo, capacity = batch
+    plan = _plan(lengths, topo, capacity)
+    for seq in plan.sequences:
+        if seq.ring_size > 1:
+            chunks = [s.num_tokens for s in seq.attention]
+            if seq.length >= 2 * seq.ring_size:
+                assert len(chunks) == 2 * seq.ring_size
+            assert max(chunks) - min(chunks) <= 1, seq
+            assert [s.rank for s in seq.attention[::2]] == list(seq.ring)
+    counts = [plan.num_linear_tokens(r) for r in range(topo.world_size)]
+    assert max(counts) - min(counts) <= 1
+
+
+@SETTINGS
+@given(batches())
+def test_deterministic_and_json_round_trip(batch):
+    lengths, topo, capacity = batch
+    first = _plan(lengths, topo, capacity)
+    again = _plan(list(lengths), topo, capacity)
+    assert first == again
+    assert first.to_json() == again.to_json()
+    restored = Plan.from_json(first.to_json())
+    assert restored == first
+    assert restored.meta == first.meta
+
+
+@SETTINGS
+@given(batches(slack=(1.5, 4.0)))
+def test_longer_document_never_in_lower_tier(batch):
+    """Guaranteed unless capacity fragmentation turned a local document into a ring, which the
+    plan reports in ``meta["capacity_promotions"]``."""
+    lengths, topo, capacity = batch
+    plan = _plan(lengths, topo, capacity)
+    assume(plan.meta["capacity_promotions"] == 0)
+    rank = {Tier.LOCAL: 0, Tier.INTRA: 1, Tier.INTER: 2}
+    by_length = sorted(plan.sequences, key=lambda s: s.length)
+    for shorter, longer in zip(by_length, by_length[1:]):
+        assert rank[Tier(longer.tier)] >= rank[Tier(shorter.tier)], (shorter, longer)
+
+
+@SETTINGS
+@given(batches())
+def test_inter_node_rings_use_fewest_crossings(batch):
+    lengths, topo, capacity = batch
+    plan = _plan(lengths, topo, capacity)
+    for seq in plan.sequences:
+        if seq.tier != Tier.INTER:
+            continue
+        nodes = [topo.node_of(r) for r in seq.ring]
+        crossings = sum(nodes[i] != nodes[(i + 1) % len(nodes)] for i in range(len(nodes)))
+        assert crossings == len(set(nodes))  # visited node by node
+        assert sorted(set(nodes)) == list(range(min(nodes), max(nodes) + 1))  # consecutive
+
+
+def _nic_step_loads(plan: Plan, routing: bool) -> list[dict[int, list[int]]]:
+    """Per ring step, per node: bytes on each of its NICs (1 byte per token)."""
+    topo = plan.topology
+    loads = []
+    for step in ring_schedule(plan, (Tier.INTER,)):
+        counts = link_bytes(plan, [step], bytes_per_token=1, routing=routing)
+        per_node = {
+            node: [counts.get(f"nic:{node}.{nic}", 0) for nic in range(topo.nics_per_node)]
+            for node in range(topo.num_nodes)
+        }
+        loads.append(per_node)
+    return loads
+
+
+@SETTINGS
+@given(batches(slack=(1.3, 2.0)), st.sampled_from(["zeppelin-A", "zeppelin-C"]))
+def test_routing_balances_nics_in_every_step(batch, preset):
+    lengths, _, _ = batch
+    topo = get_topology(preset, num_nodes=3)
+    lengths = [*lengths, 300_000, 200_000]  # long documents, so inter-node rings exist
+    capacity = max(20_000, int(sum(lengths) / topo.world_size * 1.5))
+    plan = _plan(lengths, topo, capacity)
+    edges: set[tuple[int, int]] = set()
+    for step in ring_schedule(plan, (Tier.INTER,)):
+        for msg in step:
+            if not topo.same_node(msg.src, msg.dst):
+                edges.add((msg.src, msg.dst))
+    assert edges == {(r.src, r.dst) for r in plan.routes}
+    for per_node in _nic_step_loads(plan, routing=True):
+        for node, nic_bytes in per_node.items():
+            total = sum(nic_bytes)
+            if total == 0:
+                continue
+            # Tolerance: 1% of the node's step traffic plus rounding of a few tokens per part.
+            assert max(nic_bytes) - min(nic_bytes) <= 0.01 * total + 4 * len(plan.routes), (
+                node,
+                nic_bytes,
+            )
+    unrouted = _plan(lengths, topo, capacity, routing=False)
+    assert unrouted.routes == ()
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("model", ["llama-7b", "llama3-8b", "tiny"])
+def test_thresholds_order(preset, model):
+    topo = get_topology(preset, num_nodes=2)
+    intra, inter = tier_thresholds(CostModel.default(get_model(model), topo))
+    assert 1 <= intra < inter
+
+
+def test_explicit_thresholds_override_auto():
+    topo = get_topology("zeppelin-C", num_nodes=2)
+    lengths = [20_000] + [100] * 200
+    auto = _plan(lengths, topo, 100_000)
+    assert auto.sequences[0].tier != Tier.LOCAL  # far above the auto thresholds
+    kept = _plan(lengths, topo, 100_000, thresholds=(30_000, 50_000))
+    assert kept.tier_counts() == {"local": len(lengths), "intra": 0, "inter": 0}
+    assert kept.meta["thresholds"] == [30_000, 50_000]
+
+
+def test_capacity_forces_splits_across_gpus_and_nodes():
+    topo = get_topology("zeppelin-A", num_nodes=4)
+    capacity = 4096
+    plan = _plan([3 * capacity, 9 * capacity, 100], topo, capacity, allow_split=False)
+    tiers = [Tier(s.tier) for s in plan.sequences]
+    assert tiers == [Tier.INTRA, Tier.INTER, Tier.LOCAL]
+    assert len({topo.node_of(r) for r in plan.sequences[1].ring}) == 2  # fewest nodes
+    assert plan.sequences[0].ring_size == 3  # fewest GPUs that hold it
+
+
+def test_balance_beats_round_robin_on_skewed_batch():
+    topo = get_topology("zeppelin-C", num_nodes=2)
+    lengths = [60_000, 30_000] + [2_000] * 40 + [200] * 200
+    plan = _plan(lengths, topo, 65_536)
+    assert plan.meta["attention_imbalance"] < 1.25
+    counts = [plan.num_linear_tokens(r) for r in range(topo.world_size)]
+    assert max(counts) - min(counts) <= 1

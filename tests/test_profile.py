@@ -1,0 +1,257 @@
+"""Profiling into calibration files, and the cost model's validation report.
+
+Tier: pure (fits, reports, refusal messages, atomic writes on a one-process profile with tiny
+shapes) and processes (one emulated 2x2 gloo profile, one small validation run; marked ``dist``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from megatron_zeppelin.cli import main as cli_main
+from megatron_zeppelin.commands.profile import parse_shape, parse_sizes
+from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.profile.kernels import AttentionGrid, AttentionPoint, block_pairs
+from megatron_zeppelin.profile.linear import LinearPoint
+from megatron_zeppelin.profile.links import LinkPoint
+from megatron_zeppelin.profile.runner import (
+    ProfileSettings,
+    RankMeasurements,
+    build_calibration,
+    profile,
+)
+from megatron_zeppelin.profile.timing import TimingOptions
+from megatron_zeppelin.profile.validate import (
+    ValidationSettings,
+    calibrated_cost_model,
+    compare,
+    make_plans,
+    predict,
+    validate,
+    validation_topology,
+)
+from megatron_zeppelin.topology.model import Topology
+
+TINY_GRID = AttentionGrid(causal=(8, 16, 32), full=((8, 32),))
+FAST = TimingOptions(warmup=0, repeats=1)
+
+
+def tiny_settings(**overrides) -> ProfileSettings:
+    base = dict(device="cpu", grid=TINY_GRID, linear_tokens=(8, 16, 32), timing=FAST,
+                link_sizes=(1024, 8192), link_timing=FAST)  # fmt: skip
+    return ProfileSettings(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def calibration_file(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("cal") / "cpu.json")
+    profile(tiny_settings(), output=path)
+    return path
+
+
+def test_quick_profile_writes_a_loadable_calibration(calibration_file):
+    cal = load_calibration(calibration_file)
+    model = get_model("tiny")
+    assert cal.dtype == "fp32" and cal.device.startswith("cpu")
+    assert cal.model["hidden_size"] == model.hidden_size
+    assert cal.model["num_kv_heads"] == model.num_kv_heads
+    assert {"torch", "megatron-core", "flash-attn", "megatron-zeppelin"} <= set(cal.versions)
+    assert cal.date and cal.machine
+    assert len(cal.attention.points) == len(TINY_GRID.shapes())
+    assert len(cal.linear.points) == 3
+    # One process measures no links: the datasheet link figures must stay in use.
+    assert cal.links == {}
+    for num_q, flops, seconds in cal.attention.points:
+        assert seconds > 0 and flops > 0 and num_q in (8, 16, 32)
+    raw = json.load(open(calibration_file))["profile"]
+    assert raw["settings"]["model"] == "tiny" and len(raw["attention"]) == len(TINY_GRID.shapes())
+
+
+def test_calibrated_cost_model_reports_measured_sources(calibration_file):
+    topology = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
+    default = CostModel.default(get_model("tiny"), topology)
+    cal = load_calibration(calibration_file)
+    measured = apply_calibration(default, cal, source=calibration_file)
+    assert measured.sources["attention"] == calibration_file
+    assert measured.sources["linear"] == calibration_file
+    assert measured.sources["nvlink"] == "default" and measured.sources["nic"] == "default"
+    # The datasheet peak is irrelevant once calibrated: a 1000x faster GPU predicts the same.
+    fast = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2, gpu_tflops=989_000.0)
+    other = apply_calibration(CostModel.default(get_model("tiny"), fast), cal, source="x")
+    assert other.attention_time(1024, 500_000) == measured.attention_time(1024, 500_000)
+    assert other.linear_time(4096) == measured.linear_time(4096)
+
+
+def test_compare_command_prints_measured_and_default_sources(calibration_file, capsys):
+    code = cli_main(["compare", "--dist", "wikipedia", "--tokens", "4096", "--nodes", "1",
+                     "--gpus-per-node", "2", "--nics-per-node", "1", "--model", "tiny",
+                     "--cost-model", calibration_file, "--builders", "zeppelin", "--steps", "1",
+                     "--quiet"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert f"attention={calibration_file}" in out and "nic=default" in out
+
+
+def _synthetic(eff: Efficiency, link: LinkCost) -> RankMeasurements:
+    model = get_model("tiny")
+    attention = []
+    shapes = [(16, 16, True), (128, 128, True), (1024, 1024, True), (64, 512, False),
+              (512, 64, False), (2048, 2048, False)]  # fmt: skip
+    for num_q, num_k, causal in shapes:
+        pairs = block_pairs(num_q, num_k, causal)
+        flops = pairs * model.attn_flops_per_pair()
+        seconds = eff.time(flops, num_q)
+        attention.append(AttentionPoint(1, num_q, num_k, causal, pairs, flops, seconds / 3,
+                                        seconds * 2 / 3))  # fmt: skip
+    linear = []
+    for n in (32, 256, 2048):
+        flops = n * model.linear_flops_per_token()
+        seconds = eff.time(flops, n)
+        linear.append(LinearPoint(n, flops, seconds / 2, seconds / 2))
+    links = [
+        LinkPoint(kind, size, link.time(size), 0, 1, -1)
+        for kind in ("nvlink", "nic", "a2a-world")
+        for size in (1 << 10, 1 << 16, 1 << 22)
+    ]
+    return RankMeasurements(attention, linear, links, "cpu: synthetic")
+
+
+def test_fits_reproduce_synthetic_points():
+    eff = Efficiency(flops_per_s=2e10, half_tokens=300.0, overhead_s=2e-4)
+    link = LinkCost(bytes_per_s=3e9, latency_s=5e-5)
+    cal, extra = build_calibration(tiny_settings(), [_synthetic(eff, link)])
+    fit = cal.attention.fit  # queries and pairs vary apart: every parameter is identifiable
+    assert fit.flops_per_s == pytest.approx(eff.flops_per_s, rel=1e-6)
+    assert fit.half_tokens == pytest.approx(eff.half_tokens, rel=1e-6)
+    assert fit.overhead_s == pytest.approx(eff.overhead_s, rel=1e-6)
+    # Linear FLOPs grow with the tokens, so only the affine time is identifiable: it must
+    # reproduce the points and predict an unmeasured token count.
+    flops_per_token = get_model("tiny").linear_flops_per_token()
+    for n in (32, 777, 2048):
+        expected = eff.time(n * flops_per_token, n)
+        assert cal.linear.fit.time(n * flops_per_token, n) == pytest.approx(expected, rel=1e-6)
+    for name in ("nvlink", "nic", "alltoall"):
+        assert cal.links[name].fit.bytes_per_s == pytest.approx(link.bytes_per_s, rel=1e-6)
+        assert cal.links[name].fit.latency_s == pytest.approx(link.latency_s, rel=1e-6)
+    for point in extra["attention"]:
+        assert point["predicted_s"] == pytest.approx(point["forward_s"] + point["backward_s"])
+
+
+def test_ranks_combine_by_median():
+    eff = Efficiency(flops_per_s=2e10, half_tokens=300.0, overhead_s=2e-4)
+    link = LinkCost(bytes_per_s=3e9, latency_s=5e-5)
+    slow = Efficiency(flops_per_s=1e9, half_tokens=300.0, overhead_s=2e-4)
+    ranks = [_synthetic(eff, link), _synthetic(slow, link), _synthetic(eff, link)]
+    cal, _ = build_calibration(tiny_settings(), ranks)
+    assert cal.attention.fit.flops_per_s == pytest.approx(eff.flops_per_s, rel=1e-6)
+
+
+def _listing(directory) -> list[str]:
+    return sorted(os.listdir(directory))
+
+
+def test_interrupted_profile_leaves_no_file(tmp_path):
+    path = tmp_path / "cal.json"
+
+    def interrupt(message: str) -> None:
+        if message.startswith("linear"):  # after the attention kernels were measured
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        profile(tiny_settings(), output=str(path), progress=interrupt)
+    assert _listing(tmp_path) == []
+
+
+def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
+    path = tmp_path / "cal.json"
+    path.write_text("previous")
+
+    def broken_dump(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr("megatron_zeppelin.profile.runner.json.dump", broken_dump)
+    with pytest.raises(OSError, match="disk full"):
+        profile(tiny_settings(), output=str(path))
+    assert path.read_text() == "previous"
+    assert _listing(tmp_path) == ["cal.json"]
+
+
+def test_calibration_for_another_model_dtype_or_device_is_refused(calibration_file, tmp_path):
+    topology = Topology(num_nodes=1, gpus_per_node=2, nics_per_node=1)
+    cal = load_calibration(calibration_file)
+    with pytest.raises(ValueError, match="another model"):
+        apply_calibration(CostModel.default(get_model("llama-7b"), topology), cal, source="f")
+    settings = ValidationSettings(calibration=calibration_file, device="cpu", dtype="bf16")
+    with pytest.raises(ValueError, match="measured in fp32, not in bf16"):
+        calibrated_cost_model(settings, topology)
+    data = json.load(open(calibration_file))
+    data["device"] = "NVIDIA H100 80GB HBM3"
+    other = tmp_path / "gpu.json"
+    other.write_text(json.dumps(data))
+    settings = ValidationSettings(calibration=str(other), device="cpu")
+    with pytest.raises(ValueError, match="measured on 'NVIDIA H100"):
+        calibrated_cost_model(settings, topology)
+
+
+def test_bad_profile_settings_are_refused():
+    with pytest.raises(ValueError, match="unknown model"):
+        ProfileSettings(model="llama-1000b")
+    with pytest.raises(ValueError, match="unknown dtype"):
+        ProfileSettings(dtype="float8")
+    with pytest.raises(ValueError, match="at least 3"):
+        AttentionGrid(causal=(16, 32))
+    with pytest.raises(ValueError, match="NODESxGPUS"):
+        parse_shape("two")
+    assert parse_sizes("64,4K,2M") == (64, 4096, 2 << 20)
+
+
+def test_report_errors_follow_the_measurements():
+    settings = ValidationSettings(device="cpu", emulate=(1, 2), tokens=2048, num_batches=2,
+                                  thresholds=(64, 128))  # fmt: skip
+    topology = validation_topology(settings)
+    cost = calibrated_cost_model(settings, topology)
+    plans = make_plans(settings, topology, cost)
+    exact = [[predict(p, cost, routing=True)[0][r] for p in plans] for r in range(2)]
+    report = compare(plans, exact, cost, settings)
+    assert report["overall"]["median_abs_error"] == pytest.approx(0.0, abs=1e-12)
+    doubled = [[{k: 2 * v for k, v in m.items()} for m in per_rank] for per_rank in exact]
+    report = compare(plans, doubled, cost, settings)
+    for r in report["per_rank"]:
+        assert r["median_error"] == pytest.approx(-0.5) and r["worst_error"] == pytest.approx(-0.5)
+
+
+@pytest.mark.dist
+def test_emulated_profile_measures_links_per_rail(tmp_path):
+    path = tmp_path / "cal.json"
+    cal = profile(tiny_settings(emulate=(2, 2), timeout_s=120.0), output=str(path))
+    assert set(cal.links) == {"nvlink", "nic", "alltoall"}
+    for figure in cal.links.values():
+        assert figure.fit.bytes_per_s > 0 and len(figure.points) == 2
+    raw = json.load(open(path))["profile"]
+    assert raw["num_ranks"] == 4
+    rails = {p["rail"] for p in raw["links"] if p["kind"] == "nic"}
+    assert rails == {0, 1}  # local GPU j of node 0 talks to local GPU j of node 1
+    assert all(p["src"] // 2 != p["dst"] // 2 for p in raw["links"] if p["kind"] == "nic")
+
+
+@pytest.mark.dist
+def test_validation_runs_planned_batches(calibration_file, tmp_path):
+    settings = ValidationSettings(calibration=calibration_file, device="cpu", emulate=(2, 1),
+                                  tokens=512, num_batches=1, thresholds=(32, 64), warmup=0,
+                                  repeats=1, timeout_s=120.0)  # fmt: skip
+    report = validate(settings)
+    (batch,) = report["batches"]
+    assert sum(r["tokens"] for r in batch["ranks"]) == 512
+    for r in batch["ranks"]:
+        assert r["measured"]["attention_s"] > 0 and r["predicted"]["attention_s"] > 0
+    assert report["cost_model_sources"]["attention"] == calibration_file
+    from megatron_zeppelin.commands.validate import format_report, plot_report
+
+    assert any("median error" in line for line in format_report(report))
+    plot_report(report, str(tmp_path / "v.png"))
+    assert (tmp_path / "v.png").stat().st_size > 0

@@ -1,0 +1,255 @@
+"""Tier: threads. The ring-attention engine on N thread-ranks against the dense reference.
+
+Plans over 2 nodes x 2 GPUs and 2 nodes x 3 GPUs, built by hand (documents spanning both nodes,
+one node, local ones, one-token documents, lengths not divisible by 2g, rings of 3, 5 and 6, a
+non-zigzag placement) and by the planner. Output and dQ/dK/dV must match the float64 reference
+to 1e-10 in float64 and 1e-5 in float32; routing must not change results and the bytes the
+forward moves must equal ``schedule.link_bytes``.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.attention.layout import RankLayout, block_pairs
+from megatron_zeppelin.comm.counters import LinkCounters, comparable
+from megatron_zeppelin.comm.exchange import ZeppelinCommError
+from megatron_zeppelin.planner.plan import (
+    Plan,
+    Route,
+    RoutePart,
+    SequencePlan,
+    Span,
+    Tier,
+    TokenRange,
+    zigzag_spans,
+)
+from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.testing.reference import attention_rows, random_qkv, reference_attention
+from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub, run_ranks
+from megatron_zeppelin.testing.tolerances import assert_close
+from megatron_zeppelin.topology.model import Topology
+
+TOPO_2X2 = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
+TOPO_2X3 = Topology(num_nodes=2, gpus_per_node=3, nics_per_node=3)
+
+DOCS_2X2 = [(37, (0, 1, 2, 3)), (5, (1,)), (1, (2,)), (23, (2, 3)), (3, (0, 1, 2, 3)),
+            (41, (3, 0, 1)), (19, (0,)), (1, (1, 2))]  # fmt: skip
+DOCS_2X3 = [(61, (0, 1, 2, 3, 4)), (29, (0, 1, 2)), (1, (5,)), (2, (3, 4, 5)), (45, (5, 2)),
+            (17, (4,)), (1, (1, 4)), (50, (2, 3, 4, 5, 0, 1)), (13, (3, 4, 5))]  # fmt: skip
+
+
+def make_plan(topology: Topology, docs, *, spans=None, routed: bool = False) -> Plan:  # noqa: ANN001
+    """Zigzag plan for ``(length, ring)`` documents; ``spans`` overrides one document's spans."""
+    seqs, linear = [], defaultdict(list)
+    for i, (length, ring) in enumerate(docs):
+        nodes = {topology.node_of(r) for r in ring}
+        tier = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+        attention = (spans or {}).get(i) or zigzag_spans(length, ring)
+        seqs.append(SequencePlan(i, length, tier, ring, tuple(attention)))
+        for s in attention:
+            linear[s.rank].append(TokenRange(i, s.start, s.end))
+    lin = tuple(tuple(linear[r]) for r in range(topology.world_size))
+    plan = Plan(topology=topology, sequences=tuple(seqs), linear=lin)
+    if not routed:
+        return plan
+    k = topology.gpus_per_node
+    edges = {(m.src, m.dst) for step in ring_schedule(plan) for m in step}
+    routes = []
+    for src, dst in sorted(e for e in edges if not topology.same_node(*e)):
+        a, b = topology.node_of(src), topology.node_of(dst)
+        parts = tuple(RoutePart(a * k + j, b * k + j, j + 1) for j in range(k))  # unequal shares
+        routes.append(Route(src, dst, parts))
+    return Plan(topology=topology, sequences=plan.sequences, linear=lin, routes=tuple(routes))
+
+
+def run_engine(plan: Plan, dtype: torch.dtype, *, heads=(4, 2), backward=True, routing=True,
+               counters=None, seed=0):  # noqa: ANN001  # fmt: skip
+    """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv."""
+    nq, nkv = heads
+    q, k, v = random_qkv(plan.num_tokens, num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=seed)
+    q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
+    ref_out = reference_attention(q, k, v, plan.lengths)
+    dout = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 1),
+                       dtype=torch.float64)  # fmt: skip
+    ref_out.backward(dout)
+    ref = {"out": ref_out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+    def rank_fn(rank: int, exchanger: ThreadExchanger):
+        rows = attention_rows(plan, rank)
+        ql, kl, vl = (x.detach()[rows].clone().requires_grad_() for x in (q, k, v))
+        out = ZeppelinAttention(plan, rank, exchanger, kernel="torch")(ql, kl, vl)
+        if backward:
+            out.backward(dout[rows].to(dtype))
+        return rows, out.detach(), ql.grad, kl.grad, vl.grad
+
+    results = run_ranks(rank_fn, plan.world_size, routing=routing, counters=counters,
+                        timeout_s=120)  # fmt: skip
+    got = {name: torch.zeros_like(t, dtype=dtype) for name, t in ref.items()}
+    for rows, *tensors in results:
+        for name, t in zip(got, tensors):
+            if t is not None:
+                got[name][rows] = t
+    return ref, got
+
+
+PLANS = {
+    "2x2": lambda: make_plan(TOPO_2X2, DOCS_2X2),
+    "2x3": lambda: make_plan(TOPO_2X3, DOCS_2X3),
+    "2x3-not-zigzag": lambda: make_plan(
+        TOPO_2X3,
+        [(30, (0, 1, 2)), (30, (3, 4, 0)), (9, (5,))],
+        spans={
+            0: [Span(0, 0, 10), Span(1, 10, 20), Span(2, 20, 30)],
+            1: [Span(3, 0, 4), Span(4, 4, 8), Span(3, 8, 12), Span(0, 12, 13), Span(4, 13, 30)],
+        },
+    ),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("plan_name", sorted(PLANS))
+def test_engine_matches_reference(plan_name: str, dtype: torch.dtype) -> None:
+    ref, got = run_engine(PLANS[plan_name](), dtype)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_close(got[name], ref[name], dtype=dtype, name=f"{plan_name} {name}")
+
+
+def test_grouped_query_heads_and_multi_query() -> None:
+    plan = PLANS["2x2"]()
+    for heads in ((6, 3), (4, 1)):
+        ref, got = run_engine(plan, torch.float64, heads=heads, seed=3)
+        for name in ("out", "dq", "dk", "dv"):
+            assert_close(got[name], ref[name], dtype=torch.float64, name=f"{heads} {name}")
+
+
+def test_routing_keeps_results_and_bytes_match_the_schedule() -> None:
+    plan = make_plan(TOPO_2X3, DOCS_2X3, routed=True)
+    assert plan.routes
+    counters = [LinkCounters(plan.topology) for _ in range(plan.world_size)]
+    ref, got = run_engine(plan, torch.float64, backward=False, counters=counters)
+    assert_close(got["out"], ref["out"], dtype=torch.float64, name="routed out")
+    measured = LinkCounters.merged(plan.topology, [c.to_dict() for c in counters]).to_dict()
+    # Forward moves K and V: 2 * nkv * d values of 8 bytes per token.
+    predicted = link_bytes(plan, ring_schedule(plan), bytes_per_token=2 * 2 * 8 * 8, routing=True)
+    assert measured == comparable(predicted)
+    assert measured["nic"] > 0 and len([key for key in measured if key.startswith("nic:")]) > 2
+
+
+def test_planner_plans_match_reference() -> None:
+    partition = pytest.importorskip("megatron_zeppelin.planner.partition")
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.distributions import sample_lengths
+    from megatron_zeppelin.planner.models import get_model
+
+    cost = CostModel.default(get_model("tiny"), TOPO_2X3)
+    tiers_seen: set[str] = set()
+    for name, seed in (("prolong", 3), ("wlbllm", 3)):
+        lengths = sample_lengths(name, num_tokens=700, seed=seed, max_length=400) + [1, 2, 9, 31]
+        plan = partition.plan_batch(
+            lengths, topology=TOPO_2X3, cost_model=cost, capacity=150,
+            options=partition.PlannerOptions(thresholds=(8, 16)),
+        )  # fmt: skip
+        tiers_seen |= {t for t, n in plan.tier_counts().items() if n}
+        ref, got = run_engine(plan, torch.float64, seed=seed)
+        for key in ("out", "dq", "dk", "dv"):
+            assert_close(got[key], ref[key], dtype=torch.float64, name=f"{name} {key}")
+    assert tiers_seen == {"local", "intra", "inter"}
+
+
+def test_zigzag_needs_one_kernel_call_per_step() -> None:
+    plan = make_plan(TOPO_2X3, DOCS_2X3)
+    for rank in range(plan.world_size):
+        layout = RankLayout(plan, rank)
+        assert [c.batch.causal for c in layout.own_calls] == [True]
+        for tier in layout.tiers:
+            for c in range(1, tier.num_steps + 1):
+                assert all(not call.batch.causal for call in tier.calls[c])
+                assert len(tier.calls[c]) <= 1
+
+
+@st.composite
+def _span_layout(draw):  # noqa: ANN202
+    length = draw(st.integers(1, 30))
+    cuts = sorted(set(draw(st.lists(st.integers(1, length - 1), max_size=6)))) if length > 1 else []
+    bounds = list(zip([0, *cuts], [*cuts, length]))
+    owner = draw(st.lists(st.booleans(), min_size=len(bounds), max_size=len(bounds)))
+    mine = [b for b, o in zip(bounds, owner) if o]
+    theirs = [b for b, o in zip(bounds, owner) if not o] or mine
+    return mine, theirs
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout=_span_layout())
+def test_block_pairs_cover_each_visible_entry_once(layout) -> None:  # noqa: ANN001
+    mine, theirs = layout
+
+    def with_rows(spans):  # noqa: ANN001, ANN202
+        out, row = [], 0
+        for s, e in spans:
+            out.append((s, e, row))
+            row += e - s
+        return out, [p for s, e in spans for p in range(s, e)]
+
+    q_spans, q_pos = with_rows(mine)
+    k_spans, k_pos = with_rows(theirs)
+    seen = torch.zeros(len(q_pos), len(k_pos), dtype=torch.int64)
+    for p in block_pairs(q_spans, k_spans):
+        lq, lk = p.q_end - p.q_start, p.k_end - p.k_start
+        block = torch.ones(lq, lk, dtype=torch.int64)
+        seen[p.q_start : p.q_end, p.k_start : p.k_end] += block.tril(lk - lq) if p.causal else block
+    want = (torch.tensor(k_pos)[None, :] <= torch.tensor(q_pos)[:, None]).long()
+    assert torch.equal(seen, want)
+
+
+def test_engine_rejects_bad_inputs() -> None:
+    plan = make_plan(TOPO_2X2, DOCS_2X2)
+    hub = ThreadHub(plan.world_size)
+    engine = ZeppelinAttention(plan, 1, ThreadExchanger(hub, 1), kernel="torch")
+    t = engine.num_tokens
+    q, k, v = random_qkv(t, num_heads=4, num_kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match="attention layout"):
+        engine(q[:-1], k[:-1], v[:-1])
+    with pytest.raises(ValueError, match="share a dtype"):
+        engine(q, k.float(), v)
+    with pytest.raises(ValueError, match="multiple"):
+        engine(q[:, :3], k, v)
+    with pytest.raises(ValueError, match="exchanger spans"):
+        ZeppelinAttention(plan, 0, ThreadExchanger(ThreadHub(6), 0))
+    with pytest.raises(ValueError, match="unknown attention kernel"):
+        ZeppelinAttention(plan, 0, ThreadExchanger(hub, 0), kernel="nope")
+
+
+def test_exchanger_misuse_and_missing_peers_raise() -> None:
+    plan = make_plan(TOPO_2X2, DOCS_2X2)
+    step = ring_schedule(plan)[0]
+    hub = ThreadHub(plan.world_size)
+    exchanger = ThreadExchanger(hub, 1, timeout_s=0.3)
+    sends = {(m.src, m.dst): torch.zeros(m.num_tokens, 2) for m in step if m.src == 1}
+    pending = exchanger.start(step, sends, row_shape=(2,), dtype=torch.float32, tag="t")
+    with pytest.raises(ZeppelinCommError, match="timed out"):  # nobody else sends
+        pending.wait()
+    with pytest.raises(ZeppelinCommError, match="twice"):
+        pending.wait()
+    with pytest.raises(ZeppelinCommError, match="needs"):
+        bad = {key: t[:, :1] for key, t in sends.items()}
+        exchanger.start(step, bad, row_shape=(2,), dtype=torch.float32, tag="t2")
+
+
+def test_a_failing_rank_fails_the_run_quickly() -> None:
+    plan = make_plan(TOPO_2X2, DOCS_2X2)
+
+    def rank_fn(rank: int, exchanger: ThreadExchanger):
+        if rank == 2:
+            raise RuntimeError("boom")
+        q, k, v = random_qkv(plan.num_attention_tokens(rank), num_heads=2, head_dim=4)
+        return ZeppelinAttention(plan, rank, exchanger, kernel="torch")(q, k, v)
+
+    with pytest.raises(RuntimeError, match="rank 2 failed"):
+        run_ranks(rank_fn, plan.world_size, timeout_s=30)
