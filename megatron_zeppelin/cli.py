@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
         "megatron_zeppelin.commands.simulate:compare",
         "compare Zeppelin with the baselines on the same batches",
     ),
+    "verify": ("megatron_zeppelin.commands.verify", "check the engine on emulated nodes"),
     "profile": ("megatron_zeppelin.commands.profile", "measure this machine for the cost model"),
     "validate-cost-model": (
         "megatron_zeppelin.commands.validate",

@@ -138,3 +138,25 @@ def test_synthetic_lengths_from_an_embedded_distribution(tmp_path):
     assert int(ds.lengths.max()) <= 16384
     # Within a document's length of the request: lengths are drawn until the budget is met.
     assert abs(ds.num_tokens - 200_000) <= 16384
+
+
+def test_make_dataset_command_writes_inspects_and_reports_bad_input(tmp_path, capsys):
+    import json
+
+    from megatron_zeppelin.cli import main
+
+    lengths_file = tmp_path / "lengths.txt"
+    lengths_file.write_text("12, 40\n7 3\n")
+    prefix = str(tmp_path / "cli")
+    report = tmp_path / "info.json"
+    assert main(["make-dataset", "--output", prefix, "--lengths", str(lengths_file)]) == 0
+    assert DocumentDataset(prefix).lengths.tolist() == [12, 40, 7, 3]
+    assert main(["make-dataset", "--inspect", prefix, "--json", str(report)]) == 0
+    info = json.loads(report.read_text())
+    assert info["documents"] == 4 and info["tokens"] == 62 and info["max"] == 40
+    capsys.readouterr()
+    assert main(["make-dataset", "--inspect", str(tmp_path / "absent")]) == 2
+    assert "absent.idx does not exist" in capsys.readouterr().err
+    lengths_file.write_text("12 forty\n")
+    assert main(["make-dataset", "--output", prefix, "--lengths", str(lengths_file)]) == 2
+    assert "integer document lengths" in capsys.readouterr().err

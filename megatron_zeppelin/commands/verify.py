@@ -214,8 +214,8 @@ def predicted_bytes(plan, spec: EngineSpec, *, routing: bool) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=8)
 def reference(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
-    """The float64 dense reference of a batch (documents in packed order) on the inputs the workers drew (rounded
-    to ``spec.dtype`` as theirs were): output and input gradients in packed-row order."""
+    """The float64 dense reference of a batch (documents in packed order) on the inputs the
+    workers drew, rounded to ``spec.dtype`` as theirs were: output and input gradients."""
     import torch
 
     from megatron_zeppelin.testing.reference import random_qkv, reference_attention
@@ -304,7 +304,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch")
     batch.add_argument("--lengths", metavar="FILE", help="document lengths, one per line")
     batch.add_argument("--dist", metavar="NAME", default=None,
-                       help=f"draw lengths from a distribution (default {DEFAULT_DIST})")  # fmt: skip
+                       help=f"draw lengths from a distribution ({DEFAULT_DIST})")  # fmt: skip
     batch.add_argument("--tokens", type=int, default=2048, help="tokens in the batch (--dist)")
     batch.add_argument("--seed", type=int, default=0, help="seed of the batch and of the data")
     batch.add_argument("--max-length", type=int, default=None, help="cut longer documents")

@@ -153,9 +153,7 @@ class DocumentSampler:
                 f" of {micro_batch_capacity} tokens: lower tokens_per_step or raise the capacity"
             )
         # A unit can never be larger than a step or a micro-batch, or it could never be placed.
-        limit = tokens_per_step if micro_batch_capacity is None else micro_batch_capacity
-        if micro_batch_capacity is not None and micro_batch_capacity > tokens_per_step:
-            limit = tokens_per_step
+        limit = min(tokens_per_step, micro_batch_capacity or tokens_per_step)
         if max_length is None:
             max_length = limit
         if not 1 <= max_length <= limit:

@@ -269,15 +269,25 @@ def _plan_batch(
 
     # Everything else goes to nodes by LPT; a node's load counts its inter-node shares.
     nic_weight = remap_seconds_per_token(cost_model, "nic", topology.nics_per_node)
-    node_cost = [sum(loads.cost[r] for r in topology.ranks_of_node(n)) for n in range(num_nodes)]
-    node_tokens = [
-        sum(loads.tokens[r] for r in topology.ranks_of_node(n)) for n in range(num_nodes)
-    ]
-    heap = [(node_cost[n] + nic_weight * node_tokens[n], n) for n in range(num_nodes)]
-    heapq.heapify(heap)
+    by_node: list[list[int]] = [[] for _ in range(num_nodes)]
+    assigned_key, assigned_tokens = [0.0] * num_nodes, [0] * num_nodes
+    node_tokens = [0] * num_nodes
+    heap: list[tuple[float, int]] = []
+
+    def refresh_nodes() -> None:
+        """Node loads: their GPUs' inter-node shares plus the documents given to them so far."""
+        heap.clear()
+        for n in range(num_nodes):
+            ranks = topology.ranks_of_node(n)
+            gpu_tokens = sum(loads.tokens[r] for r in ranks)
+            node_tokens[n] = gpu_tokens + assigned_tokens[n]
+            cost = sum(loads.cost[r] for r in ranks) + nic_weight * gpu_tokens + assigned_key[n]
+            heap.append((cost, n))
+        heapq.heapify(heap)
+
+    refresh_nodes()
     rest = np.flatnonzero(~inter)
     key = attn[rest] + nic_weight * array[rest]
-    by_node: list[list[int]] = [[] for _ in range(num_nodes)]
     node_room = capacity * k
     for idx in np.lexsort((rest, -key)).tolist():
         doc, length = int(rest[idx]), int(array[rest[idx]])
@@ -287,15 +297,18 @@ def _plan_batch(
         if heap:
             load, node = heapq.heappop(heap)
             by_node[node].append(doc)
+            assigned_key[node] += float(key[idx])
+            assigned_tokens[node] += length
             node_tokens[node] += length
             heapq.heappush(heap, (load + float(key[idx]), node))
+            for item in skipped:
+                heapq.heappush(heap, item)
         else:  # no single node has room: spread it over nodes, as a long document would be
             if num_nodes == 1:
                 raise _capacity_error(doc, length, "on the node")
             rings[doc] = _place_inter(doc, length, 2, len(inter_docs), loads)
             meta_promotions += 1
-        for item in skipped:
-            heapq.heappush(heap, item)
+            refresh_nodes()
 
     # --- level 2: intra-node rings and local documents, node by node --------------------------
     # Rings stay small enough that every chunk hides its NVLink transfer.
