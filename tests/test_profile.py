@@ -70,6 +70,9 @@ def test_quick_profile_writes_a_loadable_calibration(calibration_file):
         assert seconds > 0 and flops > 0 and num_q in (8, 16, 32)
     raw = json.load(open(calibration_file))["profile"]
     assert raw["settings"]["model"] == "tiny" and len(raw["attention"]) == len(TINY_GRID.shapes())
+    umask = os.umask(0)
+    os.umask(umask)
+    assert os.stat(calibration_file).st_mode & 0o777 == 0o666 & ~umask  # shareable, not 0600
 
 
 def test_calibrated_cost_model_reports_measured_sources(calibration_file):

@@ -151,7 +151,8 @@ class DistPending:
                 continue
             group = op.group
             ops.setdefault(id(group), (group, []))[1].append(op)
-        what = f"stage {stage} ({', '.join(notes)})"
+        shown = ", ".join(notes[:6]) + (f", ... {len(notes) - 6} more" if len(notes) > 6 else "")
+        what = f"stage {stage} ({shown})"
         try:
             for _, batch in ops.values():
                 works = dist.batch_isend_irecv(batch)

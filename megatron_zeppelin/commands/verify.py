@@ -114,6 +114,7 @@ def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, 
 
 
 def _dout(num_tokens: int, spec: EngineSpec):
+    """The upstream gradient of the output (float64, packed rows), the same on every rank."""
     import torch
 
     gen = torch.Generator().manual_seed(spec.seed + 7919)
@@ -126,11 +127,9 @@ def _bad_input_messages(engine, qkv, plan, rank: int, exchanger) -> dict[str, st
     import torch
 
     from megatron_zeppelin.attention.engine import ZeppelinAttention
-    from megatron_zeppelin.topology.model import Topology
 
     q, k, v = (x.detach() for x in qkv)
-    other = plan.topology.with_nodes(plan.topology.num_nodes + 1)
-    wrong_world = _plan_on(plan, other) if isinstance(other, Topology) else None
+    wrong_world = _plan_on(plan, plan.topology.with_nodes(plan.topology.num_nodes + 1))
     attempts = {
         "token_count": lambda: engine(q[1:], k[1:], v[1:]),
         "dtype": lambda: engine(q, k.to(torch.float16), v),

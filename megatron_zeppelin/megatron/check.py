@@ -138,7 +138,7 @@ def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str
     params = ReferencePackedSeqParams(list(options.lengths), ref_batch.position_ids_t)
     total, count = forward_micro_batch(ref_model, ref_batch, params)
     (total / count).backward()
-    ref_loss = float(total / count)
+    ref_loss = float(total.detach() / count)
     ref_state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
     ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()}
     report: dict[str, Any] = {"reference_loss": ref_loss, "runs": {}}
@@ -157,7 +157,7 @@ def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str
         ).validate()
         topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
         cost = build_cost_model(dims, topology, tensor_parallel=tp, calibration=None)
-        _, exchanger, _ = create_transport(topology, ctx, config)
+        exchanger, _ = create_transport(topology, ctx, config)
         model = build_gpt(dims, seed=options.seed)
         with torch.no_grad():  # the very weights of the reference, sliced as TP cuts them
             for name, p in model.named_parameters():

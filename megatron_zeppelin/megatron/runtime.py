@@ -206,27 +206,80 @@ def plan_micro_batch(
 
 
 def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinConfig):
-    """Process groups, ring exchanger and link counters of this rank's Zeppelin world."""
+    """Ring exchanger and link counters of this rank's Zeppelin world.
+
+    With tensor parallelism 1 the Zeppelin world is the whole world: ``comm``'s point-to-point
+    ``DistExchanger`` (routing, byte counters). With tensor parallelism > 1 each Zeppelin world
+    is a subgroup, which ``ZeppelinGroups`` cannot build yet; the ring steps then run as one
+    all-to-all on the world's data-parallel group (``GroupExchanger``): the same messages and
+    results, without routing or overlap. Counters are ``None`` then.
+    """
     from megatron_zeppelin.comm.counters import LinkCounters
     from megatron_zeppelin.comm.exchange import DistExchanger
     from megatron_zeppelin.comm.groups import ZeppelinGroups
 
-    if ctx.tensor_parallel == 1:
-        groups = ZeppelinGroups.create(topology)
-    else:
-        try:
-            groups = ZeppelinGroups.create(topology, ranks=list(ctx.global_ranks))
-        except TypeError as exc:
-            raise ValueError(
-                "tensor parallelism with Zeppelin needs ZeppelinGroups.create(topology, ranks=...) "
-                "to build groups over one TP index's data-parallel ranks; this build lacks it: "
-                "run with tensor parallel 1"
-            ) from exc
+    if ctx.tensor_parallel > 1:
+        return GroupExchanger(ctx.dp_group, rank=ctx.zeppelin_rank), None
+    groups = ZeppelinGroups.create(topology)
     counters = LinkCounters(topology)
     exchanger = DistExchanger(
         groups, routing=config.routing, counters=counters, timeout_s=config.comm_timeout_s
     )
-    return groups, exchanger, counters
+    return exchanger, counters
+
+
+class _Received:
+    """A finished exchange: ``wait`` hands over the received tensors once."""
+
+    def __init__(self, received: dict[tuple[int, int], torch.Tensor]) -> None:
+        self._received: dict[tuple[int, int], torch.Tensor] | None = received
+
+    def wait(self) -> dict[tuple[int, int], torch.Tensor]:
+        if self._received is None:
+            raise RuntimeError("wait() called twice on one exchange")
+        received, self._received = self._received, None
+        return received
+
+
+class GroupExchanger:
+    """``Exchanger`` running each ring step as one ``all_to_all_single`` on ``group`` (group
+    rank ``i`` is plan rank ``i``). Synchronous: ``start`` returns after the step has moved."""
+
+    def __init__(self, group: dist.ProcessGroup, *, rank: int) -> None:
+        self.group = group
+        self.rank = rank
+        self.world_size = dist.get_world_size(group)
+        assert dist.get_rank(group) == rank, "group rank must be the Zeppelin rank"
+
+    def set_plan(self, plan: Plan) -> GroupExchanger:
+        if plan.world_size != self.world_size:
+            raise ValueError(
+                f"the plan is for {plan.world_size} ranks but the group has {self.world_size}"
+            )
+        return self
+
+    def start(self, messages, payload, *, row_shape, dtype, tag: str) -> _Received:
+        send_counts, recv_counts = [0] * self.world_size, [0] * self.world_size
+        outgoing, incoming = [], []
+        for msg in messages:  # at most one message per edge and step
+            if msg.src == self.rank and msg.num_tokens:
+                send_counts[msg.dst] = msg.num_tokens
+                outgoing.append((msg.dst, payload[(msg.src, msg.dst)]))
+            if msg.dst == self.rank:
+                recv_counts[msg.src] = msg.num_tokens
+                incoming.append(msg.src)
+        outgoing.sort(key=lambda item: item[0])  # all_to_all lays rows out by peer rank
+        empty = torch.empty((0, *row_shape), dtype=dtype)
+        send = torch.cat([t.to(dtype) for _, t in outgoing]) if outgoing else empty
+        recv = torch.empty((sum(recv_counts), *row_shape), dtype=dtype)
+        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
+        offsets = [sum(recv_counts[:src]) for src in range(self.world_size)]
+        return _Received(
+            {
+                (src, self.rank): recv[offsets[src] : offsets[src] + recv_counts[src]]
+                for src in incoming
+            }
+        )
 
 
 def forward_micro_batch(

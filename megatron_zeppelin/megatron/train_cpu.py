@@ -131,7 +131,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     cost_model = build_cost_model(
         dims, topology, tensor_parallel=ctx.tensor_parallel, calibration=_calibration(args, config)
     )
-    _, exchanger, counters = create_transport(topology, ctx, config)
+    exchanger, counters = create_transport(topology, ctx, config)
     dataset = _dataset(args, dist.get_rank())
     sampler = DocumentSampler(
         dataset.lengths,
@@ -159,7 +159,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     for step in range(start, args.steps):
         t0 = time.perf_counter()
         step_batch = sampler.next_step()
-        counters.reset()
+        if counters is not None:
+            counters.reset()
         loss_sum, loss_count, summaries = torch.zeros(()), torch.zeros((), dtype=torch.long), []
         for mb, slices in enumerate(step_batch.micro_batches):
             if not slices:
@@ -184,7 +185,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         finish_gradients(model.parameters(), num_tokens, ctx.dp_group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        measured = counters.all_reduce(ctx.dp_group)
+        measured = counters.all_reduce(ctx.dp_group) if counters is not None else None
         seconds = time.perf_counter() - t0
         step_tokens = step_batch.num_tokens
         records.append(

@@ -306,7 +306,7 @@ def _plan_batch(
         else:  # no single node has room: spread it over nodes, as a long document would be
             if num_nodes == 1:
                 raise _capacity_error(doc, length, "on the node")
-            rings[doc] = _place_inter(doc, length, 2, len(inter_docs), loads)
+            rings[doc] = _place_inter(doc, length, 2, len(inter_docs), loads, assigned_tokens)
             meta_promotions += 1
             refresh_nodes()
 
@@ -329,7 +329,7 @@ def _plan_batch(
                 loads.cost[r], loads.tokens[r] = saved[0][i], saved[1][i]
             spread = np.full(len(array), k, dtype=np.int64)
             meta_promotions += _place_node(
-                by_node[node], ranks, array, split, k, spread, loads, rings
+                by_node[node], ranks, array, split, k, spread, loads, rings, by_room=True
             )
 
     return _assemble(
@@ -351,16 +351,23 @@ def _place_node(
     largest: np.ndarray,
     loads: _Loads,
     rings: list[tuple[int, ...] | None],
+    *,
+    by_room: bool = False,
 ) -> int:
     """Level 2 on one node: rings first (longest first), then local documents by LPT. Returns
-    how many local documents had to become rings for lack of room."""
+    how many local documents had to become rings for lack of room. ``by_room``: local documents
+    go to the GPU with the most room instead (worst fit), which keeps tokens even when capacity
+    is tight."""
     promotions = 0
     for doc in sorted((d for d in docs if split[d]), key=lambda d: (-int(array[d]), d)):
         rings[doc] = _place_intra(doc, int(array[doc]), smallest, int(largest[doc]), ranks, loads)
     local = sorted((d for d in docs if not split[d]), key=lambda d: (-int(array[d]), d))
-    heap = [(loads.load(r), r) for r in ranks]
+    # Heap keys: predicted load (tokens weighted by their remapping cost), or tokens alone.
+    weight = 1.0 if by_room else loads.token_weight
+    cost_scale = 0.0 if by_room else 1.0
+    heap = [(cost_scale * loads.cost[r] + weight * loads.tokens[r], r) for r in ranks]
     heapq.heapify(heap)
-    cost_of, tokens_of, weight = loads.cost, loads.tokens, loads.token_weight
+    cost_of, tokens_of = loads.cost, loads.tokens
     capacity = loads.capacity
     for doc in local:
         length = int(array[doc])
@@ -373,21 +380,28 @@ def _place_node(
             cost_of[rank] += cost
             tokens_of[rank] += length
             rings[doc] = (rank,)
-            heapq.heappush(heap, (cost_of[rank] + weight * tokens_of[rank], rank))
+            heapq.heappush(heap, (cost_scale * cost_of[rank] + weight * tokens_of[rank], rank))
             for item in skipped:
                 heapq.heappush(heap, item)
         else:  # no GPU has room for it whole: a ring of the GPUs with room
             rings[doc] = _place_intra(doc, length, smallest, int(largest[doc]), ranks, loads)
             promotions += 1
-            heap = [(loads.load(r), r) for r in ranks]
+            heap = [(cost_scale * loads.cost[r] + weight * loads.tokens[r], r) for r in ranks]
             heapq.heapify(heap)
     return promotions
 
 
 def _place_inter(
-    doc: int, length: int, wanted_nodes: int, order: int, loads: _Loads
+    doc: int,
+    length: int,
+    wanted_nodes: int,
+    order: int,
+    loads: _Loads,
+    reserved: list[int] | None = None,
 ) -> tuple[int, ...]:
-    """Ring over consecutive nodes (all their GPUs) with the lowest peak load that has room."""
+    """Ring over consecutive nodes (all their GPUs) with the lowest peak load that has room;
+    ``reserved`` counts per node the tokens of documents already given to it but not yet placed
+    on its GPUs."""
     topo = loads.topology
     k, num_nodes = topo.gpus_per_node, topo.num_nodes
     need = _min_ring(length, loads.capacity, start=wanted_nodes * k, multiple=k)
@@ -395,9 +409,10 @@ def _place_inter(
         raise _capacity_error(doc, length, "even spread over every GPU")
     tokens = np.asarray(loads.tokens, dtype=np.int64).reshape(num_nodes, k)
     cost_by_node = np.asarray(loads.cost).reshape(num_nodes, k).sum(axis=1)
+    node_room = loads.capacity * k - tokens.sum(axis=1) - np.asarray(reserved or [0] * num_nodes)
     for num in range(need // k, num_nodes + 1):
         per_rank = max(position_tokens(length, num * k))
-        fits = (loads.capacity - tokens.max(axis=1)) >= per_rank
+        fits = ((loads.capacity - tokens.max(axis=1)) >= per_rank) & (node_room >= per_rank * k)
         if num > num_nodes or not fits.any():
             continue
         windows = np.lib.stride_tricks.sliding_window_view(cost_by_node, num).max(axis=1)

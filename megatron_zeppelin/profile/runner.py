@@ -268,6 +268,10 @@ def write_calibration(calibration: Calibration, path: str, *, extra: dict | None
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
     try:
+        # mkstemp makes the file private (0600); a calibration is meant to be shared.
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
