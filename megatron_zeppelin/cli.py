@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
         "run planned batches for real and compare with the cost model's prediction",
     ),
     "make-dataset": ("megatron_zeppelin.commands.dataset", "write or inspect a .bin/.idx dataset"),
+    "train": ("megatron_zeppelin.commands.train", "train a small GPT on emulated nodes (CPU)"),
+    "check": ("megatron_zeppelin.commands.check", "check Zeppelin training against one process"),
 }
 """Subcommand name -> ``(target, help)`` or just ``target``."""
 

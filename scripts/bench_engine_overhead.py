@@ -9,7 +9,8 @@ micro-batch: it times
   leaves exactly the engine's bookkeeping (per call and per ring step);
 * the same with the real ``torch`` kernel, to put the bookkeeping next to kernel time.
 
-Usage (defaults: 1,000 Wikipedia-like documents, 2 nodes x 4 GPUs)::
+Usage (defaults: 997 Wikipedia-like documents up to 1K tokens plus three of 64K, 32K and 32K,
+2 nodes x 4 GPUs, 2 query heads of 16)::
 
     python scripts/bench_engine_overhead.py --num-docs 1000 --repeats 5
 """
@@ -82,21 +83,45 @@ def main() -> None:
     parser.add_argument("--num-docs", type=int, default=1000)
     parser.add_argument("--distribution", default="wikipedia")
     parser.add_argument("--max-length", type=int, default=1024)
+    parser.add_argument(
+        "--long-lengths",
+        type=int,
+        nargs="*",
+        default=[65536, 32768, 32768],
+        help="documents added to the sample, long enough to be split",
+    )
     parser.add_argument("--nodes", type=int, default=2)
     parser.add_argument("--gpus-per-node", type=int, default=4)
     parser.add_argument("--heads", type=int, default=2, help="query heads (K/V: half)")
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--thresholds", type=int, nargs=2, default=(64, 256),
-                        help="intra-node and inter-node split thresholds, tokens")
-    parser.add_argument("--no-kernel-timing", action="store_true",
-                        help="skip the run with the real torch kernel")
+    parser.add_argument(
+        "--thresholds",
+        type=int,
+        nargs=2,
+        default=(64, 256),
+        help="intra-node and inter-node split thresholds, tokens",
+    )
+    parser.add_argument(
+        "--no-kernel-timing", action="store_true", help="skip the run with the real torch kernel"
+    )
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (1: bookkeeping is single-threaded anyway, "
+        "and more threads than free cores distort every figure)",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
 
     topo = Topology(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nics_per_node=1)
     mean = distribution_mean(args.distribution)
+    num_long = len(args.long_lengths)
     lengths = sample_lengths(args.distribution, num_tokens=int(args.num_docs * mean), seed=0,
-                             max_length=args.max_length)[: args.num_docs]  # fmt: skip
+                             max_length=args.max_length)[: args.num_docs - num_long]  # fmt: skip
+    # A few long documents that no single GPU should hold, so the plan has real rings.
+    lengths += args.long_lengths
     capacity = int(sum(lengths) / topo.world_size * 1.15) + 1
     cost = CostModel.default(get_model("llama-7b"), topo)
     plan = plan_batch(lengths, topology=topo, cost_model=cost, capacity=capacity,
@@ -117,22 +142,33 @@ def main() -> None:
     calls = len(engine.layout.own_calls) + sum(
         len(tier.calls[c]) for tier in engine.layout.tiers for c in range(1, tier.num_steps + 1)
     )
-    print(f"rank {rank}: {t} tokens, {len(engine.layout.own_spans)} documents, "
-          f"{engine.num_steps} ring steps, {computes} computes, {calls} kernel calls per pass")  # fmt: skip
+    print(
+        f"rank {rank}: {t} tokens, {len(engine.layout.own_spans)} documents, "
+        f"{engine.num_steps} ring steps, {computes} computes, {calls} kernel calls per pass"
+    )
     print(f"build ZeppelinAttention (per micro-batch): {build_ms:8.2f} ms")
-    for kernel in ("noop",) if args.no_kernel_timing else ("noop", "torch"):
+    runs = [("noop", args.repeats)] + ([] if args.no_kernel_timing else [("torch", 1)])
+    for kernel, repeats in runs:
         engine = ZeppelinAttention(plan, rank, exchanger, kernel=kernel)
-        q = torch.randn(t, nq, d, requires_grad=True)
-        k = torch.randn(t, nkv, d, requires_grad=True)
-        v = torch.randn(t, nkv, d, requires_grad=True)
-        engine(q, k, v)  # warm-up: per-device index tensors, kernel tile tables
-        fwd_ms = _median_ms(lambda: engine(q, k, v), args.repeats)
-        out = engine(q, k, v)
-        bwd_ms = _median_ms(lambda: out.backward(torch.ones_like(out), retain_graph=True),
-                            args.repeats)  # fmt: skip
+        fwd_ms, bwd_ms = _time_passes(engine, (t, nq, nkv, d), repeats)
         label = "bookkeeping only (no-op kernel)" if kernel == "noop" else "with torch kernel"
-        print(f"{label:34s} forward {fwd_ms:8.2f} ms  backward {bwd_ms:8.2f} ms  "
-              f"per compute step fwd {fwd_ms / computes:6.3f} ms")  # fmt: skip
+        print(
+            f"{label:34s} forward {fwd_ms:9.2f} ms  backward {bwd_ms:9.2f} ms  "
+            f"forward per compute step {fwd_ms / computes:7.3f} ms"
+        )
+
+
+def _time_passes(engine: ZeppelinAttention, shape: tuple[int, ...], repeats: int):
+    """Median forward and backward milliseconds of ``engine`` on random inputs."""
+    t, nq, nkv, d = shape
+    q = torch.randn(t, nq, d, requires_grad=True)
+    k = torch.randn(t, nkv, d, requires_grad=True)
+    v = torch.randn(t, nkv, d, requires_grad=True)
+    out = engine(q, k, v)  # warm-up: per-device index tensors, kernel tile tables
+    fwd_ms = _median_ms(lambda: engine(q, k, v), repeats)
+    dout = torch.ones_like(out)
+    bwd_ms = _median_ms(lambda: out.backward(dout, retain_graph=True), repeats)
+    return fwd_ms, bwd_ms
 
 
 if __name__ == "__main__":

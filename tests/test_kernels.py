@@ -84,7 +84,9 @@ def test_unequal_pairs_match_dense(causal: bool) -> None:
     assert_close(lse[finite], want_lse[finite], dtype=torch.float64, name="lse")
     if causal:  # pair (9 queries, 3 keys): the first 6 queries see no key
         rows = slice(5 + 20 + 1, 5 + 20 + 1 + 6)
-        assert torch.isneginf(lse[rows]).all() and torch.equal(out[rows], torch.zeros_like(out[rows]))
+        assert torch.isneginf(lse[rows]).all() and torch.equal(
+            out[rows], torch.zeros_like(out[rows])
+        )
 
 
 def test_rows_without_keys_get_zero_gradients() -> None:

@@ -1,0 +1,27 @@
+"""Attention for Zeppelin plans: online-softmax merge, varlen kernels, ring attention, engine.
+
+``ZeppelinAttention(plan, rank, exchanger)`` is the entry point; ``merge`` is the pure maths,
+``kernels`` the pluggable kernels (``torch``, ``flash``, ``auto``), ``layout`` the per-rank ring
+schedule and masks, ``ring`` the forward/backward passes and their autograd Function.
+"""
+
+from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.attention.kernels import (
+    VarlenBatch,
+    available_kernels,
+    flash_available,
+    get_kernel,
+    register_kernel,
+)
+from megatron_zeppelin.attention.merge import merge, merge_rows
+
+__all__ = [
+    "VarlenBatch",
+    "ZeppelinAttention",
+    "available_kernels",
+    "flash_available",
+    "get_kernel",
+    "merge",
+    "merge_rows",
+    "register_kernel",
+]

@@ -69,9 +69,7 @@ class VarlenBatch:
     plan is bookkeeping, not tensor work.
     """
 
-    def __init__(
-        self, lengths_q: Sequence[int], lengths_k: Sequence[int], *, causal: bool
-    ) -> None:
+    def __init__(self, lengths_q: Sequence[int], lengths_k: Sequence[int], *, causal: bool) -> None:
         self.lengths_q = np.asarray(lengths_q, dtype=np.int64).reshape(-1)
         self.lengths_k = np.asarray(lengths_k, dtype=np.int64).reshape(-1)
         if self.lengths_q.shape != self.lengths_k.shape:
@@ -202,8 +200,9 @@ def _tile_chunks(
         for lo in range(0, q_start.shape[0], step):
             part = slice(lo, lo + step)
             chunks.append(
-                _TileChunk(size, q_start[part], work_q_len[part], k_start[part], k_len[part],
-                           diag[part])  # fmt: skip
+                _TileChunk(
+                    size, q_start[part], work_q_len[part], k_start[part], k_len[part], diag[part]
+                )  # fmt: skip
             )
     return chunks
 
@@ -393,7 +392,10 @@ def available_kernels() -> list[str]:
 
 
 def get_kernel(
-    name: str = "auto", *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
+    name: str = "auto",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> AttentionKernel:
     """The kernel called ``name``; ``"auto"`` resolves with ``device`` and ``dtype``."""
     if name == "auto":

@@ -162,10 +162,14 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
             [p.q_end - p.q_start for p in chosen], [p.k_end - p.k_start for p in chosen],
             causal=causal,
         )  # fmt: skip
-        unique = np.unique(q_index.numpy()).shape[0] == q_index.shape[0]
+        # Rows are unique when the pairs' query intervals do not overlap (checked per pair,
+        # not per row: a call can cover a hundred thousand rows).
+        spans = sorted((p.q_start, p.q_end) for p in chosen)
+        unique = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         calls.append(
-            KernelCall(batch, _identity_or(q_index, num_q_rows), _identity_or(k_index, num_k_rows),
-                       unique)  # fmt: skip
+            KernelCall(
+                batch, _identity_or(q_index, num_q_rows), _identity_or(k_index, num_k_rows), unique
+            )  # fmt: skip
         )
     return calls
 
@@ -223,9 +227,7 @@ class RankLayout:
         for seq in plan.sequences:
             for span in seq.attention:
                 self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
-        own_pairs = [
-            p for seq, spans in self.own_spans.items() for p in block_pairs(spans, spans)
-        ]
+        own_pairs = [p for seq, spans in self.own_spans.items() for p in block_pairs(spans, spans)]
         self.own_calls = kernel_calls(own_pairs, num_q_rows=self.num_tokens,
                                       num_k_rows=self.num_tokens)  # fmt: skip
         # Inter-node first: its messages are the slowest, so they are posted first.

@@ -70,7 +70,9 @@ def merge_rows(
     weight_old = torch.exp(lse - shift)
     weight_part = torch.exp(part_lse - shift[rows])
     total = weight_old.index_add(0, rows, weight_part)
-    numer = (out * weight_old.unsqueeze(-1)).index_add(0, rows, part_out * weight_part.unsqueeze(-1))
+    numer = (out * weight_old.unsqueeze(-1)).index_add(
+        0, rows, part_out * weight_part.unsqueeze(-1)
+    )
     safe_total = torch.where(total > 0, total, torch.ones_like(total))
     return numer / safe_total.unsqueeze(-1), shift + torch.log(total)
 

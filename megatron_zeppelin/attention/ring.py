@@ -72,9 +72,9 @@ class RingRuntime:
         messages = (tier.grad_steps if grad else tier.kv_steps)[step]
         sends = (tier.grad_sends if grad else tier.sends)[step]
         payload = {
-            (self.layout.rank, dst): rows_t if index is None else rows_t.index_select(
-                0, self.on(index, rows_t.device)
-            )
+            (self.layout.rank, dst): rows_t
+            if index is None
+            else rows_t.index_select(0, self.on(index, rows_t.device))
             for dst, index in sends.items()
         }
         kind = "grad" if grad else "kv"
@@ -96,8 +96,9 @@ class RingRuntime:
             return x.contiguous()
         return x.index_select(0, self.on(index, x.device))
 
-    def forward_calls(self, calls, q, k, v, out, lse) -> None:  # noqa: ANN001
-        """Merge the attention of ``calls`` into the running ``out``/``lse`` (in place)."""
+    def forward_calls(self, calls, q, k, v, out, lse, *, fresh: bool = False) -> None:  # noqa: ANN001
+        """Merge the attention of ``calls`` into the running ``out``/``lse`` (in place).
+        ``fresh``: nothing merged yet, so a call covering every row is copied, not merged."""
         kernel = self.kernel(q)
         scale = self.scale(q.shape[-1])
         for call in calls:
@@ -105,6 +106,11 @@ class RingRuntime:
                 self._gather(q, call.q_index), self._gather(k, call.k_index),
                 self._gather(v, call.k_index), call.batch, softmax_scale=scale,
             )  # fmt: skip
+            if fresh and call.q_index is None:
+                out.copy_(part)
+                lse.copy_(part_lse)
+                fresh = False
+                continue
             merge_rows_(
                 out, lse, self.on(call.q_index, q.device), part.to(out.dtype),
                 part_lse.to(lse.dtype), unique=call.q_unique,
@@ -144,7 +150,7 @@ class RingRuntime:
         lse = q.new_full(q.shape[:2], float("-inf"), dtype=dtype)
         kv_own = torch.stack([k, v], dim=1)
         pending = {t.tier: self._start(t, 0, kv_own, grad=False) for t in layout.tiers}
-        self.forward_calls(layout.own_calls, q, k, v, out, lse)
+        self.forward_calls(layout.own_calls, q, k, v, out, lse, fresh=True)
         for c in range(1, layout.num_steps + 1):
             for tier in reversed(layout.tiers):  # intra-node first: it lands first
                 if c > tier.num_steps:

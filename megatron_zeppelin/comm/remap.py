@@ -13,6 +13,8 @@ all-to-all applied to the gradient: a permutation's gradient is its inverse perm
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -50,14 +52,21 @@ def all_to_all_rows(
 
 class _RemapFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_t, layout, group):  # type: ignore[override]
-        ctx.layout = layout
+    def forward(ctx, x_t, layout, back, group):  # type: ignore[override]
+        ctx.back = back
         ctx.group = group
         return all_to_all_rows(x_t, layout, group)
 
     @staticmethod
     def backward(ctx, grad_t):  # type: ignore[override]
-        return all_to_all_rows(grad_t.contiguous(), ctx.layout.inverse(), ctx.group), None, None
+        return all_to_all_rows(grad_t.contiguous(), ctx.back, ctx.group), None, None, None
+
+
+@functools.lru_cache(maxsize=8)
+def _layouts(plan: Plan, rank: int) -> tuple[RemapLayout, RemapLayout]:
+    """Both directions for ``rank``, computed once per plan: every layer of a micro-batch
+    remaps with the same plan, so only the first call pays for the index arithmetic."""
+    return linear_to_attention_layout(plan, rank), attention_to_linear_layout(plan, rank)
 
 
 def _check_group(plan: Plan, rank: int, group: dist.ProcessGroup | None) -> None:
@@ -72,10 +81,16 @@ def _check_group(plan: Plan, rank: int, group: dist.ProcessGroup | None) -> None
 
 
 def remap_rows(
-    x_t: torch.Tensor, layout: RemapLayout, group: dist.ProcessGroup | None
+    x_t: torch.Tensor,
+    layout: RemapLayout,
+    group: dist.ProcessGroup | None,
+    *,
+    back: RemapLayout | None = None,
 ) -> torch.Tensor:
-    """Autograd-enabled move of ``x_t``'s rows as ``layout`` says; backward uses its inverse."""
-    return _RemapFunction.apply(x_t, layout, group)
+    """Autograd-enabled move of ``x_t``'s rows as ``layout`` says. The backward moves the
+    gradient with ``back`` (any move from ``layout``'s destination to its source layout that
+    every rank agrees on), by default ``layout.inverse()``."""
+    return _RemapFunction.apply(x_t, layout, back or layout.inverse(), group)
 
 
 def linear_to_attention(
@@ -83,7 +98,8 @@ def linear_to_attention(
 ) -> torch.Tensor:
     """Rows in ``rank``'s linear buffer order -> rows in its attention buffer order."""
     _check_group(plan, rank, group)
-    return remap_rows(x_t, linear_to_attention_layout(plan, rank), group)
+    there, back = _layouts(plan, rank)
+    return remap_rows(x_t, there, group, back=back)
 
 
 def attention_to_linear(
@@ -91,4 +107,5 @@ def attention_to_linear(
 ) -> torch.Tensor:
     """Rows in ``rank``'s attention buffer order -> rows in its linear buffer order."""
     _check_group(plan, rank, group)
-    return remap_rows(x_t, attention_to_linear_layout(plan, rank), group)
+    there, back = _layouts(plan, rank)
+    return remap_rows(x_t, back, group, back=there)

@@ -148,7 +148,7 @@ def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str
             enabled=True,
             topology="custom",
             nodes=options.nodes,
-            capacity=options.capacity,
+            capacity=options.capacity * tp,  # a Zeppelin rank of tp GPUs holds tp times more
             intra_threshold=options.intra_threshold,
             inter_threshold=options.inter_threshold,
             routing=options.routing,

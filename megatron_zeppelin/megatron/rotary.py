@@ -46,13 +46,17 @@ def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
 
 
 def rotary_cos_sin(
-    positions_t: torch.Tensor, rot_dim: int, *, base: float = 10000.0
+    positions_t: torch.Tensor,
+    rot_dim: int,
+    *,
+    base: float = 10000.0,
+    dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` tables of shape ``(t, rot_dim)`` in float32 (halves repeated)."""
-    inv_freq = 1.0 / (
-        base ** (torch.arange(0, rot_dim, 2, dtype=torch.float32, device=positions_t.device) / rot_dim)
-    )
-    angles_tf = positions_t.to(torch.float32)[:, None] * inv_freq[None, :]
+    """``cos`` and ``sin`` tables of shape ``(t, rot_dim)`` (halves repeated), computed in
+    ``dtype`` (float32 as Megatron does; float64 for float64 inputs)."""
+    arange = torch.arange(0, rot_dim, 2, dtype=dtype, device=positions_t.device)
+    inv_freq = 1.0 / (base ** (arange / rot_dim))
+    angles_tf = positions_t.to(dtype)[:, None] * inv_freq[None, :]
     angles_tr = torch.cat([angles_tf, angles_tf], dim=-1)
     return angles_tr.cos(), angles_tr.sin()
 
@@ -72,12 +76,13 @@ def apply_rotary(
         )
     head_dim = x_tnd.shape[-1]
     rot = rotary_dim(head_dim, rotary_percent)
-    cos, sin = rotary_cos_sin(positions_t, rot, base=base)
+    compute = torch.float64 if x_tnd.dtype == torch.float64 else torch.float32
+    cos, sin = rotary_cos_sin(positions_t, rot, base=base, dtype=compute)
     # Broadcast the (t, rot) tables over every dim between tokens and features.
     view = (x_tnd.shape[0],) + (1,) * (x_tnd.dim() - 2) + (rot,)
     cos, sin = cos.view(view), sin.view(view)
     x_rot, x_pass = x_tnd[..., :rot], x_tnd[..., rot:]
-    x_f = x_rot.float()
+    x_f = x_rot.to(compute)
     x1, x2 = x_f.chunk(2, dim=-1)
     rotated_half = torch.cat([-x2, x1], dim=-1)
     out = (x_f * cos + rotated_half * sin).to(x_tnd.dtype)

@@ -195,7 +195,8 @@ def plan_micro_batch(
     """The micro-batch's plan; every rank computes the same one from the same lengths."""
     from megatron_zeppelin.planner.partition import plan_batch
 
-    capacity = config.capacity if config.capacity is not None else sum(lengths)
+    # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
+    capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
     return plan_batch(
         lengths,
         topology=topology,

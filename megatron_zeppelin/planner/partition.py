@@ -438,16 +438,19 @@ def _place_intra(
 
     Among ring sizes ``smallest..largest`` (more if capacity needs them), the one whose busiest
     member finishes first wins: ``g`` least-loaded GPUs end at ``load_g + ring_seconds(g)``, and
-    bigger rings trade shorter per-rank work for less efficient chunks and more steps.
+    bigger rings trade shorter per-rank work for less efficient chunks and more steps. When no
+    such ring has room, smaller rings are tried (a full GPU cannot join any ring).
     """
     k = len(ranks)
+    node = loads.topology.node_of(ranks[0])
     start = _min_ring(length, loads.capacity, start=min(smallest, k))
     if start is None or start > k:
-        raise _capacity_error(doc, length, f"on node {loads.topology.node_of(ranks[0])}")
+        raise _capacity_error(doc, length, f"on node {node}")
     by_load = sorted(ranks, key=lambda r: (loads.load(r), r))
     best: tuple[float, int, list[int]] | None = None
-    for g in range(start, k + 1):
-        if best is not None and g > max(largest, start):
+    sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
+    for g in sizes:
+        if best is not None and (g > max(largest, start) or g < start):
             break
         per_rank = max(position_tokens(length, g))
         chosen = [r for r in by_load if loads.room(r) >= per_rank][:g]
@@ -457,7 +460,7 @@ def _place_intra(
         if best is None or finish < best[0]:
             best = (finish, g, chosen)
     if best is None:
-        raise _capacity_error(doc, length, f"on node {loads.topology.node_of(ranks[0])}")
+        raise _capacity_error(doc, length, f"on node {node}")
     ring = tuple(sorted(best[2]))
     loads.add_ring(ring, length)
     return ring

@@ -1,0 +1,123 @@
+"""Zeppelin's layer specs and core attention inside Megatron's GPTModel (tier: processes, one
+in-process gloo rank: Megatron needs an initialized process group, nothing is spawned)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
+
+from megatron_zeppelin.megatron import spec as spec_module
+from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention, ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.spec import core_attention_of, has_transformer_engine, zeppelin_layer_spec
+
+
+def _types(spec: ModuleSpec) -> dict[str, object]:
+    """Module of every leaf of a layer spec, by path."""
+    out: dict[str, object] = {}
+
+    def walk(node: object, path: str) -> None:
+        if isinstance(node, ModuleSpec):
+            out[path] = node.module
+            walk(node.submodules, path)
+        elif node is not None and hasattr(node, "__dataclass_fields__"):
+            for name in node.__dataclass_fields__:
+                walk(getattr(node, name), f"{path}.{name}")
+        elif isinstance(node, type):
+            out[path] = node
+
+    walk(spec, "layer")
+    return out
+
+
+def test_local_spec_is_megatrons_with_only_core_attention_replaced() -> None:
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        megatron_spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    ours, theirs = _types(zeppelin_layer_spec("local")), _types(megatron_spec)
+    core = "layer.self_attention.core_attention"
+    assert ours.pop(core) is ZeppelinCoreAttention
+    assert theirs.pop(core) is not ZeppelinCoreAttention
+    assert ours == theirs
+    # Building a spec never edits Megatron's (shared) spec objects.
+    assert core_attention_of(megatron_spec) is not ZeppelinCoreAttention
+
+
+def test_spec_attributes_work_with_megatrons_spec_flag() -> None:
+    local = import_module(("megatron_zeppelin.megatron.spec", "local"))
+    assert core_attention_of(local).module is ZeppelinCoreAttention
+    assert hasattr(spec_module, "te") == has_transformer_engine()
+    params = core_attention_of(zeppelin_layer_spec("local", rotary_base=500.0)).params
+    assert params["rotary_base"] == 500.0
+
+
+def test_unknown_or_unavailable_kinds_are_refused() -> None:
+    with pytest.raises(ValueError, match="local"):
+        zeppelin_layer_spec("flash")
+    if not has_transformer_engine():
+        with pytest.raises(ValueError, match="TransformerEngine"):
+            zeppelin_layer_spec("te")
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo world with Megatron's parallel state (TP 1)."""
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.megatron.runtime import init_megatron_parallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        yield init_megatron_parallel(1)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def test_gpt_with_zeppelin_core_attention_matches_plain_attention(one_rank) -> None:
+    from megatron_zeppelin.megatron.check import ReferencePackedSeqParams, reference_spec
+    from megatron_zeppelin.megatron.rotary import positions_of_ranges
+    from megatron_zeppelin.megatron.runtime import GroupExchanger, ModelDims, build_gpt
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.partition import plan_batch
+    from megatron_zeppelin.topology.model import Topology
+
+    dims = ModelDims(hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=64)
+    lengths = [7, 1, 12, 3]
+    topology = Topology(num_nodes=1, gpus_per_node=1, nics_per_node=1)
+    cost = CostModel.default(dims.model_spec(), topology)
+    plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=2 * sum(lengths))
+    tokens = torch.randint(0, dims.vocab_size, (1, sum(lengths)))
+    labels = torch.randint(0, dims.vocab_size, (1, sum(lengths)))
+    ranges = plan.linear_ranges(0)
+    # Linear buffer order may differ from document order: build the reference in that order.
+    order = torch.cat([torch.arange(r.start, r.end) + sum(lengths[: r.seq]) for r in ranges])
+    positions = positions_of_ranges(ranges)
+
+    model = build_gpt(dims, seed=3)
+    params = ZeppelinPackedSeqParams(
+        plan=plan, rank=0, exchanger=GroupExchanger(dist.group.WORLD, rank=0), positions=positions
+    )
+    losses = model(tokens[:, order], None, None, labels=labels[:, order], packed_seq_params=params)
+    losses.sum().backward()
+
+    reference = build_gpt(dims, seed=3, layer_spec=reference_spec(dims))
+    ref_params = ReferencePackedSeqParams(lengths, torch.cat([torch.arange(n) for n in lengths]))
+    ref_losses = reference(tokens, None, None, labels=labels, packed_seq_params=ref_params)
+    ref_losses.sum().backward()
+
+    torch.testing.assert_close(losses[0], ref_losses[0, order], rtol=1e-5, atol=1e-5)
+    for (name, p), (_, q) in zip(model.named_parameters(), reference.named_parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="ZeppelinPackedSeqParams"):
+        model(tokens, None, None, labels=labels)
