@@ -86,8 +86,9 @@ class ZeppelinConfig:
         for name in ("kernel", "long_documents"):
             choices = _field(name).metadata["choices"]
             if getattr(self, name) not in choices:
+                got = getattr(self, name)
                 raise ValueError(
-                    f"{flag_of(name)} must be one of {', '.join(choices)}, got {getattr(self, name)!r}"
+                    f"{flag_of(name)} must be one of {', '.join(choices)}, got {got!r}"
                 )
         intra, inter = self.threshold("intra"), self.threshold("inter")
         if isinstance(intra, int) and isinstance(inter, int) and inter < intra:

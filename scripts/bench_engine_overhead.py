@@ -118,25 +118,40 @@ def main() -> None:
     topo = Topology(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nics_per_node=1)
     mean = distribution_mean(args.distribution)
     num_long = len(args.long_lengths)
-    lengths = sample_lengths(args.distribution, num_tokens=int(args.num_docs * mean), seed=0,
-                             max_length=args.max_length)[: args.num_docs - num_long]  # fmt: skip
+    lengths = sample_lengths(
+        args.distribution, num_tokens=int(args.num_docs * mean), seed=0, max_length=args.max_length
+    )[: args.num_docs - num_long]
     # A few long documents that no single GPU should hold, so the plan has real rings.
     lengths += args.long_lengths
     capacity = int(sum(lengths) / topo.world_size * 1.15) + 1
     cost = CostModel.default(get_model("llama-7b"), topo)
-    plan = plan_batch(lengths, topology=topo, cost_model=cost, capacity=capacity,
-                      options=PlannerOptions(thresholds=tuple(args.thresholds)))  # fmt: skip
+    plan = plan_batch(
+        lengths,
+        topology=topo,
+        cost_model=cost,
+        capacity=capacity,
+        options=PlannerOptions(thresholds=tuple(args.thresholds)),
+    )
     register_kernel("noop", NoopKernel)
     # The rank with the most ring work shows the worst bookkeeping.
-    rank = max(range(topo.world_size), key=lambda r: ZeppelinAttention(
-        plan, r, InstantExchanger(r, topo.world_size), kernel="noop").num_steps)  # fmt: skip
+    rank = max(
+        range(topo.world_size),
+        key=lambda r: (
+            ZeppelinAttention(
+                plan, r, InstantExchanger(r, topo.world_size), kernel="noop"
+            ).num_steps
+        ),
+    )
     exchanger = InstantExchanger(rank, topo.world_size)
-    build_ms = _median_ms(lambda: ZeppelinAttention(plan, rank, exchanger, kernel="noop"),
-                          args.repeats)  # fmt: skip
+    build_ms = _median_ms(
+        lambda: ZeppelinAttention(plan, rank, exchanger, kernel="noop"), args.repeats
+    )
     t = plan.num_attention_tokens(rank)
     nq, nkv, d = args.heads, max(1, args.heads // 2), args.head_dim
-    print(f"plan: {len(lengths)} documents, {sum(lengths)} tokens, tiers {plan.tier_counts()}, "
-          f"{topo.num_nodes}x{topo.gpus_per_node} GPUs")  # fmt: skip
+    print(
+        f"plan: {len(lengths)} documents, {sum(lengths)} tokens, tiers {plan.tier_counts()}, "
+        f"{topo.num_nodes}x{topo.gpus_per_node} GPUs"
+    )
     engine = ZeppelinAttention(plan, rank, exchanger, kernel="noop")
     computes = 1 + sum(tier.num_steps for tier in engine.layout.tiers)
     calls = len(engine.layout.own_calls) + sum(

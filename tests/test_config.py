@@ -145,8 +145,8 @@ def test_presets_and_capacity_contradiction_through_megatron_flags() -> None:
     argv = ["--zeppelin", "--zeppelin-topology", "dgx-h100", "--zeppelin-nodes", "2"]
     config = validate_megatron_args(_megatron_args(argv), world_size=16)
     assert resolve_topology(config, 16).gpus_per_node == 8
-    bad = CLUSTER + ["--zeppelin-intra-threshold", "off", "--zeppelin-inter-threshold", "off",
-                     "--zeppelin-capacity", "1024", "--zeppelin-max-document-length", "4096"]  # fmt: skip
+    bad = CLUSTER + ["--zeppelin-intra-threshold", "off", "--zeppelin-inter-threshold", "off"]
+    bad += ["--zeppelin-capacity", "1024", "--zeppelin-max-document-length", "4096"]
     with pytest.raises(ValueError, match="smaller than the longest document"):
         validate_megatron_args(_megatron_args(bad), world_size=4)
 

@@ -50,8 +50,9 @@ def _dense_pairs(q, k, v, lengths_q, lengths_k, *, causal: bool, scale: float): 
 def test_causal_documents_match_reference(block_size: int, heads: tuple[int, int]) -> None:
     lengths = [1, 7, 33, 1, 100, 16]
     nq, nkv = heads
-    q, k, v = random_qkv(sum(lengths), num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=1,
-                         requires_grad=True)  # fmt: skip
+    q, k, v = random_qkv(
+        sum(lengths), num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=1, requires_grad=True
+    )
     kernel = TorchKernel(block_size=block_size)
     batch = VarlenBatch(lengths, lengths, causal=True)
     scale = 1 / math.sqrt(8)
@@ -61,8 +62,9 @@ def test_causal_documents_match_reference(block_size: int, heads: tuple[int, int
     assert_close(lse, ref_lse, dtype=torch.float64, name="lse")
     dout = torch.randn_like(ref)
     ref.backward(dout)
-    dq, dk, dv = kernel.backward(dout, q.detach(), k.detach(), v.detach(), out, lse, batch,
-                                 softmax_scale=scale)  # fmt: skip
+    dq, dk, dv = kernel.backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, batch, softmax_scale=scale
+    )
     for name, got, want in (("dq", dq, q.grad), ("dk", dk, k.grad), ("dv", dv, v.grad)):
         assert_close(got, want, dtype=torch.float64, name=name)
 
@@ -129,8 +131,9 @@ def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
     lengths = [3, 50, 20]
     q, k, v = random_qkv(sum(lengths), num_heads=4, num_kv_heads=2, head_dim=16, seed=6)
     batch = VarlenBatch(lengths, lengths, causal=True)
-    out, lse = TorchKernel(block_size=16).forward(q.to(dtype), k.to(dtype), v.to(dtype), batch,
-                                                  softmax_scale=0.25)  # fmt: skip
+    out, lse = TorchKernel(block_size=16).forward(
+        q.to(dtype), k.to(dtype), v.to(dtype), batch, softmax_scale=0.25
+    )
     assert out.dtype == torch.float32 and lse.dtype == torch.float32
     ref = reference_attention(q.to(dtype), k.to(dtype), v.to(dtype), lengths, softmax_scale=0.25)
     assert_close(out, ref, dtype=dtype, name="out")

@@ -39,10 +39,27 @@ from megatron_zeppelin.topology.model import Topology
 TOPO_2X2 = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 TOPO_2X3 = Topology(num_nodes=2, gpus_per_node=3, nics_per_node=3)
 
-DOCS_2X2 = [(37, (0, 1, 2, 3)), (5, (1,)), (1, (2,)), (23, (2, 3)), (3, (0, 1, 2, 3)),
-            (41, (3, 0, 1)), (19, (0,)), (1, (1, 2))]  # fmt: skip
-DOCS_2X3 = [(61, (0, 1, 2, 3, 4)), (29, (0, 1, 2)), (1, (5,)), (2, (3, 4, 5)), (45, (5, 2)),
-            (17, (4,)), (1, (1, 4)), (50, (2, 3, 4, 5, 0, 1)), (13, (3, 4, 5))]  # fmt: skip
+DOCS_2X2 = [
+    (37, (0, 1, 2, 3)),
+    (5, (1,)),
+    (1, (2,)),
+    (23, (2, 3)),
+    (3, (0, 1, 2, 3)),
+    (41, (3, 0, 1)),
+    (19, (0,)),
+    (1, (1, 2)),
+]
+DOCS_2X3 = [
+    (61, (0, 1, 2, 3, 4)),
+    (29, (0, 1, 2)),
+    (1, (5,)),
+    (2, (3, 4, 5)),
+    (45, (5, 2)),
+    (17, (4,)),
+    (1, (1, 4)),
+    (50, (2, 3, 4, 5, 0, 1)),
+    (13, (3, 4, 5)),
+]
 
 
 def make_plan(topology: Topology, docs, *, spans=None, routed: bool = False) -> Plan:  # noqa: ANN001
@@ -69,15 +86,24 @@ def make_plan(topology: Topology, docs, *, spans=None, routed: bool = False) -> 
     return Plan(topology=topology, sequences=plan.sequences, linear=lin, routes=tuple(routes))
 
 
-def run_engine(plan: Plan, dtype: torch.dtype, *, heads=(4, 2), backward=True, routing=True,
-               counters=None, seed=0):  # noqa: ANN001  # fmt: skip
+def run_engine(
+    plan: Plan,
+    dtype: torch.dtype,
+    *,
+    heads=(4, 2),
+    backward=True,
+    routing=True,
+    counters=None,
+    seed=0,
+):  # noqa: ANN001
     """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv."""
     nq, nkv = heads
     q, k, v = random_qkv(plan.num_tokens, num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=seed)
     q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
     ref_out = reference_attention(q, k, v, plan.lengths)
-    dout = torch.randn(ref_out.shape, generator=torch.Generator().manual_seed(seed + 1),
-                       dtype=torch.float64)  # fmt: skip
+    dout = torch.randn(
+        ref_out.shape, generator=torch.Generator().manual_seed(seed + 1), dtype=torch.float64
+    )
     ref_out.backward(dout)
     ref = {"out": ref_out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
@@ -89,8 +115,7 @@ def run_engine(plan: Plan, dtype: torch.dtype, *, heads=(4, 2), backward=True, r
             out.backward(dout[rows].to(dtype))
         return rows, out.detach(), ql.grad, kl.grad, vl.grad
 
-    results = run_ranks(rank_fn, plan.world_size, routing=routing, counters=counters,
-                        timeout_s=120)  # fmt: skip
+    results = run_ranks(rank_fn, plan.world_size, routing=routing, counters=counters, timeout_s=120)
     got = {name: torch.zeros_like(t, dtype=dtype) for name, t in ref.items()}
     for rows, *tensors in results:
         for name, t in zip(got, tensors):
@@ -153,9 +178,12 @@ def test_planner_plans_match_reference() -> None:
     for name, seed in (("prolong", 3), ("wlbllm", 3)):
         lengths = sample_lengths(name, num_tokens=700, seed=seed, max_length=400) + [1, 2, 9, 31]
         plan = partition.plan_batch(
-            lengths, topology=TOPO_2X3, cost_model=cost, capacity=150,
+            lengths,
+            topology=TOPO_2X3,
+            cost_model=cost,
+            capacity=150,
             options=partition.PlannerOptions(thresholds=(8, 16)),
-        )  # fmt: skip
+        )
         tiers_seen |= {t for t, n in plan.tier_counts().items() if n}
         ref, got = run_engine(plan, torch.float64, seed=seed)
         for key in ("out", "dq", "dk", "dv"):

@@ -13,7 +13,11 @@ from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from megatron_zeppelin.megatron import spec as spec_module
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention, ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.spec import core_attention_of, has_transformer_engine, zeppelin_layer_spec
+from megatron_zeppelin.megatron.spec import (
+    core_attention_of,
+    has_transformer_engine,
+    zeppelin_layer_spec,
+)
 
 
 def _types(spec: ModuleSpec) -> dict[str, object]:

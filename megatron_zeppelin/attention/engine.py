@@ -54,8 +54,9 @@ class ZeppelinAttention:
         if getattr(exchanger, "rank", rank) != rank:
             raise ValueError(f"engine for rank {rank} given the exchanger of rank {exchanger.rank}")
         if kernel not in available_kernels():
-            raise ValueError(f"unknown attention kernel {kernel!r}; choose one of "
-                             f"{available_kernels()}")  # fmt: skip
+            raise ValueError(
+                f"unknown attention kernel {kernel!r}; choose one of {available_kernels()}"
+            )
         if AttentionComm(plan.attention_comm) != AttentionComm.RING:
             raise ValueError(
                 f"plan {plan.name!r} gathers K/V with {plan.attention_comm}; the engine runs "

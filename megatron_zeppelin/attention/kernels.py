@@ -19,7 +19,8 @@ Kernels:
   ``block_size`` per side, smaller for short pairs so one-token documents are not padded to 128)
   and runs many tiles per batched matmul, so no ``L x L`` score matrix of a long document is
   ever built; tiles of one query block are merged with the online softmax.
-* ``"flash"``: flash-attn's varlen kernels, when the package imports (never required).
+* ``"flash"``: flash-attn's varlen kernels (``flash.py``), when the package imports (never
+  required).
 * ``"auto"``: ``flash`` for fp16/bf16 on CUDA when flash-attn imports, else ``torch``.
 
 Half-precision inputs are computed with float32 accumulation; float64 stays float64.
@@ -32,7 +33,6 @@ Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq 
 from __future__ import annotations
 
 import importlib.util
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
@@ -43,7 +43,6 @@ from megatron_zeppelin.attention.merge import merge_rows_
 
 __all__ = [
     "AttentionKernel",
-    "FlashKernel",
     "TorchKernel",
     "VarlenBatch",
     "available_kernels",
@@ -114,15 +113,27 @@ class AttentionKernel(Protocol):
     name: str
 
     def forward(
-        self, q_tnd: torch.Tensor, k_tnd: torch.Tensor, v_tnd: torch.Tensor, batch: VarlenBatch,
-        *, softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...  # fmt: skip
+        self,
+        q_tnd: torch.Tensor,
+        k_tnd: torch.Tensor,
+        v_tnd: torch.Tensor,
+        batch: VarlenBatch,
+        *,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def backward(
-        self, dout_tnd: torch.Tensor, q_tnd: torch.Tensor, k_tnd: torch.Tensor,
-        v_tnd: torch.Tensor, out_tnd: torch.Tensor, lse_tn: torch.Tensor, batch: VarlenBatch,
-        *, softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...  # fmt: skip
+        self,
+        dout_tnd: torch.Tensor,
+        q_tnd: torch.Tensor,
+        k_tnd: torch.Tensor,
+        v_tnd: torch.Tensor,
+        out_tnd: torch.Tensor,
+        lse_tn: torch.Tensor,
+        batch: VarlenBatch,
+        *,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
@@ -202,7 +213,7 @@ def _tile_chunks(
             chunks.append(
                 _TileChunk(
                     size, q_start[part], work_q_len[part], k_start[part], k_len[part], diag[part]
-                )  # fmt: skip
+                )
             )
     return chunks
 
@@ -275,9 +286,13 @@ class TorchKernel:
             part_lse = part_lse.masked_fill(pad_q[:, :, None, None], float("-inf"))
             part = part.masked_fill(pad_q[:, :, None, None, None], 0.0)
             merge_rows_(
-                out, lse, rows_q.reshape(-1), part.reshape(w * s, nq, d),
-                part_lse.reshape(w * s, nq), unique=False,
-            )  # fmt: skip
+                out,
+                lse,
+                rows_q.reshape(-1),
+                part.reshape(w * s, nq, d),
+                part_lse.reshape(w * s, nq),
+                unique=False,
+            )
         return out, lse
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
@@ -318,64 +333,21 @@ class TorchKernel:
         return dq, dk, dv
 
 
-class FlashKernel:
-    """flash-attn's varlen kernels (fp16/bf16 on CUDA); imported on construction."""
-
-    name = "flash"
-
-    def __init__(self) -> None:
-        if not flash_available():
-            raise ValueError(
-                "kernel 'flash' needs the flash-attn package (pip install flash-attn) on a CUDA "
-                "machine; use kernel='torch' or 'auto' instead"
-            )
-        from flash_attn import flash_attn_interface as fa
-
-        self._varlen_func = fa.flash_attn_varlen_func
-        self._varlen_backward = fa._flash_attn_varlen_backward
-        try:
-            self._backward_params = set(inspect.signature(self._varlen_backward).parameters)
-        except (TypeError, ValueError):  # a compiled custom op without a Python signature
-            self._backward_params = set()
-
-    def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        _check_shapes(q_tnd, k_tnd, v_tnd, batch)
-        cu_q, cu_k = batch.cu_seqlens(q_tnd.device)
-        out, lse, _ = self._varlen_func(
-            q_tnd, k_tnd, v_tnd, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_k,
-            dropout_p=0.0, softmax_scale=softmax_scale, causal=batch.causal,
-            return_attn_probs=True,
-        )  # fmt: skip
-        # flash-attn 2 returns the varlen lse as (nq, t); this module's contract is (t, nq).
-        if lse.shape == (q_tnd.shape[1], q_tnd.shape[0]):
-            lse = lse.t()
-        return out, lse.float()
-
-    def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        _check_shapes(q_tnd, k_tnd, v_tnd, batch)
-        cu_q, cu_k = batch.cu_seqlens(q_tnd.device)
-        dq, dk, dv = torch.empty_like(q_tnd), torch.empty_like(k_tnd), torch.empty_like(v_tnd)
-        args: dict[str, Any] = dict(
-            dout=dout_tnd.contiguous(), q=q_tnd, k=k_tnd, v=v_tnd, out=out_tnd.contiguous(),
-            softmax_lse=lse_tn.float().t().contiguous(), dq=dq, dk=dk, dv=dv,
-            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=batch.max_seqlen_q,
-            max_seqlen_k=batch.max_seqlen_k, dropout_p=0.0, softmax_scale=softmax_scale,
-            causal=batch.causal, window_size=(-1, -1), window_size_left=-1,
-            window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-            rng_state=None,
-        )  # fmt: skip
-        params = self._backward_params or set(args) - {"window_size"}
-        # The private backward's arguments changed across flash-attn 2.x releases: pass by name.
-        self._varlen_backward(**{k: v for k, v in args.items() if k in params})
-        return dq, dk, dv
-
-
 def flash_available() -> bool:
     """Whether flash-attn imports here (checked without importing it)."""
     return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
 
 
-_FACTORIES: dict[str, Callable[[], AttentionKernel]] = {"torch": TorchKernel, "flash": FlashKernel}
+def _flash_kernel() -> AttentionKernel:
+    from megatron_zeppelin.attention.flash import FlashKernel
+
+    return FlashKernel()
+
+
+_FACTORIES: dict[str, Callable[[], AttentionKernel]] = {
+    "torch": TorchKernel,
+    "flash": _flash_kernel,
+}
 _INSTANCES: dict[str, AttentionKernel] = {}
 
 

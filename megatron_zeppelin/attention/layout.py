@@ -159,9 +159,10 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         q_index = rows_of([p.q_start for p in chosen], [p.q_end for p in chosen])
         k_index = rows_of([p.k_start for p in chosen], [p.k_end for p in chosen])
         batch = VarlenBatch(
-            [p.q_end - p.q_start for p in chosen], [p.k_end - p.k_start for p in chosen],
+            [p.q_end - p.q_start for p in chosen],
+            [p.k_end - p.k_start for p in chosen],
             causal=causal,
-        )  # fmt: skip
+        )
         # Rows are unique when the pairs' query intervals do not overlap (checked per pair,
         # not per row: a call can cover a hundred thousand rows).
         spans = sorted((p.q_start, p.q_end) for p in chosen)
@@ -169,7 +170,7 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         calls.append(
             KernelCall(
                 batch, _identity_or(q_index, num_q_rows), _identity_or(k_index, num_k_rows), unique
-            )  # fmt: skip
+            )
         )
     return calls
 
@@ -228,8 +229,9 @@ class RankLayout:
             for span in seq.attention:
                 self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
         own_pairs = [p for seq, spans in self.own_spans.items() for p in block_pairs(spans, spans)]
-        self.own_calls = kernel_calls(own_pairs, num_q_rows=self.num_tokens,
-                                      num_k_rows=self.num_tokens)  # fmt: skip
+        self.own_calls = kernel_calls(
+            own_pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens
+        )
         # Inter-node first: its messages are the slowest, so they are posted first.
         self.tiers = [
             t for t in (self._tier(Tier.INTER), self._tier(Tier.INTRA)) if t.num_steps > 0
@@ -314,6 +316,14 @@ class RankLayout:
                     )
                 )
         return TierLayout(
-            tier, kv_steps, grad_steps, recv_from[:n], sends, held_rows, calls, grad_sends,
-            grad_into_held, grad_into_own,
-        )  # fmt: skip
+            tier,
+            kv_steps,
+            grad_steps,
+            recv_from[:n],
+            sends,
+            held_rows,
+            calls,
+            grad_sends,
+            grad_into_held,
+            grad_into_own,
+        )

@@ -79,9 +79,12 @@ class RingRuntime:
         }
         kind = "grad" if grad else "kv"
         return self.exchanger.start(
-            messages, payload, row_shape=tuple(rows_t.shape[1:]), dtype=rows_t.dtype,
+            messages,
+            payload,
+            row_shape=tuple(rows_t.shape[1:]),
+            dtype=rows_t.dtype,
             tag=f"zeppelin/{tier.tier.value}/{kind}/{step}",
-        )  # fmt: skip
+        )
 
     def _received(self, tier: TierLayout, step: int, pending: Any, like: torch.Tensor):
         got = pending.wait()
@@ -103,18 +106,25 @@ class RingRuntime:
         scale = self.scale(q.shape[-1])
         for call in calls:
             part, part_lse = kernel.forward(
-                self._gather(q, call.q_index), self._gather(k, call.k_index),
-                self._gather(v, call.k_index), call.batch, softmax_scale=scale,
-            )  # fmt: skip
+                self._gather(q, call.q_index),
+                self._gather(k, call.k_index),
+                self._gather(v, call.k_index),
+                call.batch,
+                softmax_scale=scale,
+            )
             if fresh and call.q_index is None:
                 out.copy_(part)
                 lse.copy_(part_lse)
                 fresh = False
                 continue
             merge_rows_(
-                out, lse, self.on(call.q_index, q.device), part.to(out.dtype),
-                part_lse.to(lse.dtype), unique=call.q_unique,
-            )  # fmt: skip
+                out,
+                lse,
+                self.on(call.q_index, q.device),
+                part.to(out.dtype),
+                part_lse.to(lse.dtype),
+                unique=call.q_unique,
+            )
 
     def backward_calls(self, calls: list[KernelCall], saved, k, v, dq, dkv) -> None:  # noqa: ANN001
         """Add the gradients of ``calls`` to ``dq`` and ``dkv`` (in place)."""
@@ -125,10 +135,15 @@ class RingRuntime:
             qi, ki = self.on(call.q_index, q.device), self.on(call.k_index, q.device)
             g = lambda x, i: self._gather(x, i)  # noqa: E731
             dq_p, dk_p, dv_p = kernel.backward(
-                g(dout, call.q_index), g(q, call.q_index), g(k, call.k_index),
-                g(v, call.k_index), g(out, call.q_index), g(lse, call.q_index), call.batch,
+                g(dout, call.q_index),
+                g(q, call.q_index),
+                g(k, call.k_index),
+                g(v, call.k_index),
+                g(out, call.q_index),
+                g(lse, call.q_index),
+                call.batch,
                 softmax_scale=scale,
-            )  # fmt: skip
+            )
             if qi is None:
                 dq.add_(dq_p)
             else:
@@ -191,8 +206,10 @@ class RingRuntime:
     def _add_grads(self, tier: TierLayout, step: int, pending: Any, dkv, dkv_own) -> None:  # noqa: ANN001
         got = self._received(tier, step, pending, dkv_own)
         dev = dkv_own.device
-        for (src, dst), target in ((tier.grad_into_held[step], dkv), (tier.grad_into_own[step],
-                                                                       dkv_own)):  # fmt: skip
+        for (src, dst), target in (
+            (tier.grad_into_held[step], dkv),
+            (tier.grad_into_own[step], dkv_own),
+        ):
             if src.numel():
                 assert target is not None, "gradient rows for a buffer that no longer exists"
                 rows = got.index_select(0, self.on(src, dev))
@@ -203,8 +220,9 @@ class RingAttentionFunction(torch.autograd.Function):
     """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                runtime: RingRuntime) -> torch.Tensor:  # fmt: skip
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: RingRuntime
+    ) -> torch.Tensor:
         out, lse = runtime.forward(q, k, v)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)

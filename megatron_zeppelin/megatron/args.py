@@ -139,7 +139,9 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
             f"not {position!r}"
         )
     if getattr(args, "rotary_interleaved", False):
-        raise ValueError("--zeppelin applies RoPE in Megatron's default layout: drop --rotary-interleaved")
+        raise ValueError(
+            "--zeppelin applies RoPE in Megatron's default layout: drop --rotary-interleaved"
+        )
     resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True

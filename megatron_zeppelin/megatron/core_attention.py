@@ -52,7 +52,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     rank: int = 0
     """This process's Zeppelin rank (its data-parallel rank)."""
     exchanger: Any = None
-    """The ring transport (``comm.exchange.DistExchanger`` or ``testing.threads.ThreadExchanger``)."""
+    """The ring transport, e.g. ``comm.exchange.DistExchanger``, set to this plan."""
     remap_group: dist.ProcessGroup | None = None
     """Process group of the Zeppelin ranks for the remap all-to-all; ``None``: the world."""
     positions: torch.Tensor | None = None
@@ -65,7 +65,9 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         if self.qkv_format is None:
             self.qkv_format = "sbhd"
         if self.qkv_format == "thd":
-            raise ValueError("ZeppelinPackedSeqParams carries [s, b, n, d] tensors: leave qkv_format")
+            raise ValueError(
+                "ZeppelinPackedSeqParams carries [s, b, n, d] tensors: leave qkv_format"
+            )
 
     @property
     def remaps(self) -> bool:
@@ -82,7 +84,11 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
             from megatron_zeppelin.attention.engine import ZeppelinAttention
 
             self._engine = ZeppelinAttention(
-                self.plan, self.rank, self.exchanger, kernel=self.kernel, softmax_scale=softmax_scale
+                self.plan,
+                self.rank,
+                self.exchanger,
+                kernel=self.kernel,
+                softmax_scale=softmax_scale,
             )
         return self._engine
 
@@ -106,7 +112,9 @@ class ZeppelinCoreAttention(MegatronModule):
     ) -> None:
         super().__init__(config=config)
         if attention_type != "self":
-            raise ValueError("Zeppelin core attention supports self-attention only (decoder models)")
+            raise ValueError(
+                "Zeppelin core attention supports self-attention only (decoder models)"
+            )
         if config.context_parallel_size != 1:
             raise ValueError(
                 "Zeppelin replaces context parallelism: set --context-parallel-size 1 and let "
@@ -138,7 +146,9 @@ class ZeppelinCoreAttention(MegatronModule):
             raise ValueError("Zeppelin core attention does not support an attention bias")
         s, b, n, d = query.shape
         if b != 1:
-            raise ValueError(f"Zeppelin packs documents into one row: batch size must be 1, got {b}")
+            raise ValueError(
+                f"Zeppelin packs documents into one row: batch size must be 1, got {b}"
+            )
         q_snd, k_snd, v_snd = query[:, 0], key[:, 0], value[:, 0]
         if self.rotary_base is not None:
             if params.positions is None or params.positions.shape[0] != s:
@@ -159,7 +169,9 @@ class ZeppelinCoreAttention(MegatronModule):
             from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
 
             # One all-to-all for Q, K and V together: rows travel with all their features.
-            qkv_sf = torch.cat([q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1)
+            qkv_sf = torch.cat(
+                [q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1
+            )
             qkv_tf = linear_to_attention(qkv_sf, params.plan, params.rank, params.remap_group)
             t = qkv_tf.shape[0]
             q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, n_kv * d, n_kv * d], dim=1)

@@ -315,6 +315,7 @@ def _plan_batch(
     largest = np.full(len(array), 2, dtype=np.int64)
     if options.allow_split:
         largest = np.maximum(2, np.minimum(k, array // nvlink_chunk))
+    overflow: list[int] = []
     for node in range(num_nodes):
         ranks = list(topology.ranks_of_node(node))
         saved = ([loads.cost[r] for r in ranks], [loads.tokens[r] for r in ranks])
@@ -329,8 +330,12 @@ def _plan_batch(
                 loads.cost[r], loads.tokens[r] = saved[0][i], saved[1][i]
             spread = np.full(len(array), k, dtype=np.int64)
             meta_promotions += _place_node(
-                by_node[node], ranks, array, split, k, spread, loads, rings, by_room=True
+                by_node[node], ranks, array, split, k, spread, loads, rings, overflow=overflow
             )
+    # Documents a full node could not take go wherever room is left, as a last resort.
+    for doc in sorted(overflow, key=lambda d: (-int(array[d]), d)):
+        rings[doc] = _place_anywhere(doc, int(array[doc]), loads)
+        meta_promotions += 1
 
     return _assemble(
         array, rings, topology, cost_model, capacity, options, loads,
@@ -352,15 +357,28 @@ def _place_node(
     loads: _Loads,
     rings: list[tuple[int, ...] | None],
     *,
-    by_room: bool = False,
+    overflow: list[int] | None = None,
 ) -> int:
     """Level 2 on one node: rings first (longest first), then local documents by LPT. Returns
-    how many local documents had to become rings for lack of room. ``by_room``: local documents
-    go to the GPU with the most room instead (worst fit), which keeps tokens even when capacity
-    is tight."""
+    how many local documents had to become rings for lack of room.
+
+    With ``overflow`` (the retry under tight capacity), local documents go to the GPU with the
+    most room instead (worst fit, which keeps tokens even), and documents that still find no
+    room are appended to ``overflow`` instead of failing."""
+    by_room = overflow is not None
+
+    def ring(doc: int, length: int) -> tuple[int, ...] | None:
+        try:
+            return _place_intra(doc, length, smallest, int(largest[doc]), ranks, loads)
+        except ValueError:
+            if overflow is None:
+                raise
+            overflow.append(doc)
+            return None
+
     promotions = 0
     for doc in sorted((d for d in docs if split[d]), key=lambda d: (-int(array[d]), d)):
-        rings[doc] = _place_intra(doc, int(array[doc]), smallest, int(largest[doc]), ranks, loads)
+        rings[doc] = ring(doc, int(array[doc]))
     local = sorted((d for d in docs if not split[d]), key=lambda d: (-int(array[d]), d))
     # Heap keys: predicted load (tokens weighted by their remapping cost), or tokens alone.
     weight = 1.0 if by_room else loads.token_weight
@@ -384,11 +402,35 @@ def _place_node(
             for item in skipped:
                 heapq.heappush(heap, item)
         else:  # no GPU has room for it whole: a ring of the GPUs with room
-            rings[doc] = _place_intra(doc, length, smallest, int(largest[doc]), ranks, loads)
-            promotions += 1
+            rings[doc] = ring(doc, length)
+            promotions += rings[doc] is not None
             heap = [(cost_scale * loads.cost[r] + weight * loads.tokens[r], r) for r in ranks]
             heapq.heapify(heap)
     return promotions
+
+
+def _place_anywhere(doc: int, length: int, loads: _Loads) -> tuple[int, ...]:
+    """The GPU with the most room if it holds the document, else a ring on the node with the
+    most room, else a ring across nodes."""
+    topo = loads.topology
+    rank = min(range(topo.world_size), key=lambda r: (loads.tokens[r], r))
+    if loads.room(rank) >= length:
+        loads.add_ring((rank,), length)
+        return (rank,)
+    by_room = sorted(
+        range(topo.num_nodes),
+        key=lambda n: (sum(loads.tokens[r] for r in topo.ranks_of_node(n)), n),
+    )
+    for node in by_room:
+        try:
+            return _place_intra(
+                doc, length, 2, topo.gpus_per_node, list(topo.ranks_of_node(node)), loads
+            )
+        except ValueError:
+            continue
+    if topo.num_nodes == 1:
+        raise _capacity_error(doc, length, "on any GPU")
+    return _place_inter(doc, length, 2, doc, loads)
 
 
 def _place_inter(

@@ -1,4 +1,4 @@
-"""Dense reference attention and layout helpers: the oracle every engine test compares with.
+"""Dense reference attention and layout indices: the oracle every engine test compares with.
 
 ``reference_attention`` computes causal attention inside each document of a packed batch in
 float64, one dense score matrix per document, with autograd: slow, obviously right, and only for

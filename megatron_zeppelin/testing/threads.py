@@ -52,8 +52,14 @@ class ThreadHub:
 class ThreadPending:
     """One ``start``'s receipts; ``wait`` once."""
 
-    def __init__(self, exchanger: ThreadExchanger, expected: list[tuple[Message, int]],
-                 row_shape: tuple[int, ...], dtype: torch.dtype, tag: str) -> None:  # fmt: skip
+    def __init__(
+        self,
+        exchanger: ThreadExchanger,
+        expected: list[tuple[Message, int]],
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: str,
+    ) -> None:
         self._ex = exchanger
         self._expected = expected  # (message, number of parts) for each message to this rank
         self._row_shape = row_shape
@@ -198,9 +204,13 @@ def run_ranks(
 
     def body(rank: int) -> None:
         exchanger = ThreadExchanger(
-            hub, rank, plan=plan, routing=routing, timeout_s=timeout_s,
+            hub,
+            rank,
+            plan=plan,
+            routing=routing,
+            timeout_s=timeout_s,
             counters=counters[rank] if counters is not None else None,
-        )  # fmt: skip
+        )
         try:
             results[rank] = fn(rank, exchanger)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
