@@ -40,7 +40,7 @@ import torch
 
 from megatron_zeppelin.attention.kernels import VarlenBatch
 from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.schedule import Message, Segment, ring_schedule
+from megatron_zeppelin.planner.schedule import Message, gradient_schedule, ring_schedule
 
 __all__ = ["KernelCall", "Pair", "RankLayout", "TierLayout", "block_pairs", "kernel_calls"]
 
@@ -183,8 +183,9 @@ class TierLayout:
     kv_steps: list[list[Message]]
     """Global K/V messages per step (``schedule.ring_schedule``)."""
     grad_steps: list[list[Message]]
-    """Global dK/dV messages per step: step ``d`` returns the gradient of the blocks held at
-    compute ``d + 1`` one hop on, the last hop reaching the block's owner."""
+    """Global dK/dV messages per step (``schedule.gradient_schedule``): step ``d`` returns the
+    gradient of the blocks held at compute ``d + 1`` one hop on, the last hop reaching the
+    block's owner."""
     recv_from: list[list[int]]
     """Per step, the sources of this rank's incoming messages in message order."""
     sends: list[dict[int, torch.Tensor | None]]
@@ -241,23 +242,10 @@ class RankLayout:
     def num_steps(self) -> int:
         return max((t.num_steps for t in self.tiers), default=0)
 
-    def _block_size(self, seq: int, origin: int) -> int:
-        return sum(e - s for s, e in self.block_spans.get((seq, origin), ()))
-
-    def _grad_message(self, msg: Message) -> Message:
-        """The gradient message on the edge of K/V message ``msg``: the sender returns the
-        gradient of the block it received one step earlier (ring position one further back)."""
-        segments = []
-        for seg in msg.segments:
-            ring = self.rings[seg.seq]
-            prev = ring[(ring.index(seg.origin) - 1) % len(ring)]
-            segments.append(Segment(seg.seq, prev, self._block_size(seg.seq, prev)))
-        return Message(msg.src, msg.dst, tuple(segments))
-
     def _tier(self, tier: Tier) -> TierLayout:
         me = self.rank
         kv_steps = ring_schedule(self.plan, tiers=(tier,))
-        grad_steps = [[self._grad_message(m) for m in step] for step in kv_steps]
+        grad_steps = gradient_schedule(self.plan, tiers=(tier,))
         n = len(kv_steps)
         # Where each (document, origin) block sits in the buffer of compute c.
         where: list[dict[tuple[int, int], int]] = [

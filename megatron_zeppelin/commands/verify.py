@@ -11,8 +11,9 @@ layout, move to the attention layout (``comm.remap``), run through ``ZeppelinAtt
 output moves back; the loss is ``sum(out * dout)`` for a random ``dout``. It reports the largest
 relative error (max-abs error over max-abs value) of the output and of dQ, dK, dV against
 ``testing.reference`` in float64, and the bytes per link class counted from the sends the
-exchanger made against the plan's prediction (``schedule.link_bytes``). Exit status 0 when every
-error is within ``testing.tolerances`` and every byte count matches, 1 otherwise.
+exchanger made over the whole forward and backward against the plan's prediction
+(``schedule.training_link_bytes``). Exit status 0 when every error is within
+``testing.tolerances`` and every byte count matches, 1 otherwise.
 
 Examples::
 
@@ -169,46 +170,26 @@ def worker(rank: int, world_size: int, cases: list[Case], spec: EngineSpec) -> l
 
 
 # --- parent: plans, reference, report ----------------------------------------------------------
-def gradient_schedule(plan) -> list[list[Any]]:
-    """The dK/dV messages of the backward, step by step (ring semantics as in
-    ``planner.schedule``): at step ``s`` position ``i`` passes on the gradient of the block it
-    received at step ``s - 1``, i.e. of the block of position ``(i - s - 1) mod g``, so the last
-    step brings each block's gradient home to its owner."""
-    from megatron_zeppelin.planner.schedule import Message, Segment, block_tokens, ring_schedule
-
-    sizes = block_tokens(plan)
-    rings = {seq.id: seq.ring for seq in plan.sequences}
-    steps = []
-    for step in ring_schedule(plan):
-        messages = []
-        for msg in step:
-            segments = []
-            for seg in msg.segments:
-                ring = rings[seg.seq]
-                back = ring[(ring.index(seg.origin) - 1) % len(ring)]
-                segments.append(Segment(seg.seq, back, sizes.get((seg.seq, back), 0)))
-            messages.append(Message(msg.src, msg.dst, tuple(segments)))
-        steps.append(messages)
-    return steps
-
-
 def predicted_bytes(plan, spec: EngineSpec, *, routing: bool) -> dict[str, int]:
-    """Bytes per link class one forward and backward of the engine sends for ``plan``: K and V
-    around the rings in the forward, again in the backward, and dK, dV behind them."""
+    """Bytes per link class one forward and backward of the engine sends for ``plan``
+    (``schedule.training_link_bytes``): K and V around the rings in the forward, again in the
+    backward, and dK, dV behind them (float32 for half-precision inputs, as the engine sends)."""
     import torch
 
     from megatron_zeppelin.comm.counters import comparable
-    from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+    from megatron_zeppelin.planner.schedule import training_link_bytes
 
     dtype = getattr(torch, spec.dtype)
     grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     per_row = 2 * spec.num_kv_heads * spec.head_dim  # K and V of one token
-    kv = link_bytes(plan, ring_schedule(plan), routing=routing,
-                    bytes_per_token=per_row * dtype.itemsize)  # fmt: skip
-    grad = link_bytes(plan, gradient_schedule(plan), routing=routing,
-                      bytes_per_token=per_row * grad_dtype.itemsize)  # fmt: skip
-    keys = set(kv) | set(grad)
-    return comparable({k: 2 * kv.get(k, 0) + grad.get(k, 0) for k in keys})
+    return comparable(
+        training_link_bytes(
+            plan,
+            kv_bytes_per_token=per_row * dtype.itemsize,
+            grad_bytes_per_token=per_row * grad_dtype.itemsize,
+            routing=routing,
+        )
+    )
 
 
 @functools.lru_cache(maxsize=8)

@@ -103,7 +103,9 @@ class CostModel:
             model=model,
             topology=topology,
             attention=Efficiency(
-                peak * DEFAULT_ATTN_PEAK_FRACTION, DEFAULT_ATTN_HALF_TOKENS, DEFAULT_KERNEL_OVERHEAD_S
+                peak * DEFAULT_ATTN_PEAK_FRACTION,
+                DEFAULT_ATTN_HALF_TOKENS,
+                DEFAULT_KERNEL_OVERHEAD_S,
             ),
             linear=Efficiency(
                 peak * DEFAULT_LINEAR_PEAK_FRACTION,

@@ -412,7 +412,9 @@ class Plan:
             linear_map = data["linear"]
             unknown = set(linear_map) - {str(r) for r in range(world)}
             if unknown:
-                raise ValueError(f"linear layout names ranks {sorted(unknown)} outside 0..{world - 1}")
+                raise ValueError(
+                    f"linear layout names ranks {sorted(unknown)} outside 0..{world - 1}"
+                )
             linear = tuple(
                 tuple(
                     TokenRange(int(r["seq"]), int(r["start"]), int(r["end"]))

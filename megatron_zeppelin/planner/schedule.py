@@ -1,7 +1,8 @@
 """Ring messages of a plan, step by step, and the bytes they put on each link class.
 
 Pure: the engine executes this schedule, the simulator times it, and the byte counters of the
-communication layer must match ``link_bytes`` exactly.
+communication layer must match ``link_bytes`` exactly. The backward's gradient messages are
+``gradient_schedule``; ``training_link_bytes`` predicts a whole forward and backward.
 
 Ring semantics (one document, ring ``r_0 .. r_{g-1}``): before step 0 every position holds its own
 K/V block. At step ``s`` (``0 <= s < g-1``) position ``i`` sends the block it currently holds,
@@ -121,3 +122,66 @@ def link_bytes(
                 if part.dst_proxy != msg.dst:
                     out["nvlink"] += part_bytes
     return dict(out)
+
+
+def gradient_schedule(
+    plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)
+) -> list[list[Message]]:
+    """The dK/dV messages of the backward, step by step, for the documents of ``tiers``.
+
+    They travel the edges of ``ring_schedule(plan, tiers)`` one step behind the K/V blocks: at
+    step ``s`` position ``i`` passes on the gradient of the block it received at step ``s - 1``
+    (its own block's contributions stay home at compute 0), i.e. the gradient of the block of
+    position ``(i - s - 1) mod g``; the last step, ``g - 2``, brings every block's gradient home
+    to its owner. Message ``m`` of a step has the same edge and document order as K/V message
+    ``m``; only the segments' origins (and so their sizes) differ.
+    """
+    sizes = block_tokens(plan)
+    rings = {seq.id: seq.ring for seq in plan.sequences}
+    steps = []
+    for step in ring_schedule(plan, tiers=tiers):
+        messages = []
+        for msg in step:
+            segments = []
+            for seg in msg.segments:
+                ring = rings[seg.seq]
+                back = ring[(ring.index(seg.origin) - 1) % len(ring)]
+                segments.append(Segment(seg.seq, back, sizes.get((seg.seq, back), 0)))
+            messages.append(Message(msg.src, msg.dst, tuple(segments)))
+        steps.append(messages)
+    return steps
+
+
+def training_link_bytes(
+    plan: Plan,
+    *,
+    kv_bytes_per_token: int,
+    grad_bytes_per_token: int,
+    routing: bool,
+) -> dict[str, int]:
+    """Bytes per link class of one attention forward and backward as the engine runs it.
+
+    The forward sends K and V around the rings (``ring_schedule``); the backward sends them
+    again (only the rank's own tokens are kept from the forward) and dK, dV behind them
+    (``gradient_schedule``). ``kv_bytes_per_token``: K and V of one token in the input dtype;
+    ``grad_bytes_per_token``: dK and dV of one token as they travel (float32 for half-precision
+    inputs). Each tier is its own exchange in the engine, so each is predicted on its own: a
+    routed message is split by its route's weights per tier, exactly as the exchanger cuts it.
+    Keys as in ``link_bytes``; a NIC key appears when any of the passes lists it.
+    """
+    if kv_bytes_per_token < 0 or grad_bytes_per_token < 0:
+        raise ValueError(
+            f"bytes per token must be non-negative, got K/V {kv_bytes_per_token} and "
+            f"gradient {grad_bytes_per_token}"
+        )
+    total: dict[str, int] = {"nvlink": 0, "nic": 0}
+    for tier in (Tier.INTER, Tier.INTRA):
+        passes = (
+            (ring_schedule(plan, tiers=(tier,)), 2 * kv_bytes_per_token),  # forward + backward
+            (gradient_schedule(plan, tiers=(tier,)), grad_bytes_per_token),
+        )
+        for steps, bytes_per_token in passes:
+            counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
+            for key, value in counts.items():
+                total[key] = total.get(key, 0) + value
+    return total

@@ -72,7 +72,8 @@ class Topology:
                 )
             per_nic = self.gpus_per_node // self.nics_per_node
             nic_of_gpu = tuple(g // per_nic for g in range(self.gpus_per_node))
-        object.__setattr__(self, "nic_of_gpu", nic_of_gpu)  # resolved, so equal topologies compare equal
+        # Store the resolved map so that equal topologies compare equal.
+        object.__setattr__(self, "nic_of_gpu", nic_of_gpu)
         for label, value in (
             ("nvlink_gbps", self.nvlink_gbps),
             ("nic_gbit", self.nic_gbit),
