@@ -91,11 +91,53 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 }
 
 
+_DIM_KEYS = {
+    "layers": "num_layers",
+    "hidden": "hidden_size",
+    "heads": "num_heads",
+    "kv-heads": "num_kv_heads",
+    "ffn": "ffn_hidden_size",
+    "vocab": "vocab_size",
+    "dtype-bytes": "dtype_bytes",
+}
+
+
+def parse_model_dims(text: str) -> ModelSpec:
+    """A model from explicit dimensions, for example
+    ``layers=32,hidden=4096,heads=32,kv-heads=8,ffn=14336``; ``kv-heads`` defaults to
+    ``heads``, ``vocab`` and ``dtype-bytes`` are optional."""
+    dims: dict[str, int] = {}
+    for item in text.split(","):
+        key, sep, value = item.strip().partition("=")
+        if not sep or key not in _DIM_KEYS:
+            raise ValueError(
+                f"cannot read model dimension {item.strip()!r}: write key=value pairs with keys "
+                f"{', '.join(_DIM_KEYS)}"
+            )
+        try:
+            dims[_DIM_KEYS[key]] = int(value)
+        except ValueError:
+            raise ValueError(f"model dimension {key} must be an integer, got {value!r}") from None
+    required = ("num_layers", "hidden_size", "num_heads", "ffn_hidden_size")
+    missing = [k for k, v in _DIM_KEYS.items() if v in required and v not in dims]
+    if missing:
+        raise ValueError(f"model dimensions miss {', '.join(missing)} (got {text!r})")
+    dims.setdefault("num_kv_heads", dims["num_heads"])
+    return ModelSpec(name="custom", **dims)
+
+
 def get_model(name: str, *, tensor_parallel: int = 1) -> ModelSpec:
-    """A preset by name, e.g. ``llama-7b``; raises ``ValueError`` listing the known ones."""
-    if name not in MODEL_PRESETS:
-        raise ValueError(f"unknown model {name!r}; known presets: {', '.join(MODEL_PRESETS)}")
-    base = MODEL_PRESETS[name]
+    """A preset by name (``llama-7b``) or explicit dimensions (see ``parse_model_dims``);
+    raises ``ValueError`` listing the known presets."""
+    if "=" in name:
+        base = parse_model_dims(name)
+    elif name in MODEL_PRESETS:
+        base = MODEL_PRESETS[name]
+    else:
+        raise ValueError(
+            f"unknown model {name!r}; known presets: {', '.join(MODEL_PRESETS)}, or explicit "
+            "dimensions such as layers=32,hidden=4096,heads=32,kv-heads=8,ffn=14336"
+        )
     if tensor_parallel == 1:
         return base
     return ModelSpec(**{**base.to_dict(), "tensor_parallel": tensor_parallel})
