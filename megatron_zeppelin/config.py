@@ -59,7 +59,7 @@ class ZeppelinConfig:
     """Run the linear modules on a token-balanced layout and move tokens to the attention layout
     and back around core attention; off: linear modules run on the attention layout."""
     calibration: str | None = None
-    """Cost-model file of measured kernel and link figures (from 'zeppelin calibrate');
+    """Cost-model file of measured kernel and link figures (from 'zeppelin profile');
     default: datasheet figures."""
     log_plan_every: int = 0
     """Log the plan summary (tiers, imbalance, bytes per link) every N steps; 0: never."""

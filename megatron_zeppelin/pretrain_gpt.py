@@ -33,22 +33,15 @@ def main() -> int:
     pretrain, model_type = _require_megatron_training()
     from megatron_zeppelin.megatron import hooks
 
-    # Megatron parses and initializes inside pretrain(); Zeppelin's setup must follow that
-    # initialization and precede the first model build, so it runs from the model provider.
-    def model_provider(pre_process=True, post_process=True, vp_stage=None, **kwargs):
-        from megatron.training import get_args
-
-        args = get_args()
-        if not hooks.is_enabled(args):
-            raise SystemExit("megatron_zeppelin.pretrain_gpt runs Zeppelin: add --zeppelin")
-        if hooks._STATE.config is None:
-            hooks.setup(args)
-        return hooks.model_provider(pre_process, post_process, vp_stage, **kwargs)
-
+    if "--zeppelin" not in sys.argv[1:]:
+        raise SystemExit("megatron_zeppelin.pretrain_gpt runs Zeppelin: add --zeppelin")
+    # Megatron's loader builds the (tiny) marker dataset on every rank, not only on TP rank 0.
     hooks.train_valid_test_datasets_provider.is_distributed = True
+    # The model provider runs hooks.setup on its first call: after Megatron's initialization,
+    # before the model and the data, which both need the groups and the cost model.
     pretrain(
         hooks.train_valid_test_datasets_provider,
-        model_provider,
+        hooks.model_provider,
         model_type.encoder_or_decoder,
         hooks.forward_step,
         extra_args_provider=hooks.extra_args_provider,

@@ -9,6 +9,11 @@ efficiency (lower bound / step time), and the average speedups.
     python scripts/compare_sweep.py                 # the sweep in docs/BENCHMARKS.md
     python scripts/compare_sweep.py --quick         # a few configurations, for a smoke test
     python scripts/compare_sweep.py --json out.json
+    python scripts/compare_sweep.py --ablation      # also Zeppelin without routing / remapping
+
+The ablation plans every batch twice more with Zeppelin: ``PlannerOptions(routing=False)``
+(cross-node ring edges leave through the sender's own NIC) and ``remap=False`` (linear modules
+on the attention layout), and reports their mean step times next to the full method.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megatron_zeppelin.commands.simulate import compare_batches, summarize
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions
 from megatron_zeppelin.topology.presets import get_topology
 
 DISTS = ("wikipedia", "prolong", "wlbllm", "magi_realworld")
@@ -54,7 +60,9 @@ def configurations(quick: bool) -> list[dict]:
     return points
 
 
-def run_point(point: dict, *, steps: int, fill: float, max_length: int) -> dict:
+def run_point(
+    point: dict, *, steps: int, fill: float, max_length: int, ablation: bool = False
+) -> dict:
     topology = get_topology(point["cluster"], num_nodes=point["gpus"] // 8)
     cost = CostModel.default(get_model(point["model"]), topology)
     tokens = int(fill * topology.world_size * point["capacity"])
@@ -64,7 +72,20 @@ def run_point(point: dict, *, steps: int, fill: float, max_length: int) -> dict:
                               capacity=point["capacity"])  # fmt: skip
     rows = {r["builder"]: r for r in summarize(results)}
     longest = max(max(b) for b in batches)
-    return {**point, "tokens": tokens, "longest": longest, "rows": rows}
+    record = {**point, "tokens": tokens, "longest": longest, "rows": rows}
+    if ablation:
+        for label, options, remap in (
+            ("no_routing", PlannerOptions(routing=False), True),
+            ("no_remap", PlannerOptions(remap=False), False),
+        ):
+            runs = compare_batches(batches, topology=topology, cost_model=cost,
+                                   capacity=point["capacity"], builders=("zeppelin",),
+                                   options=options, remap=remap)["zeppelin"]  # fmt: skip
+            ok = [r for r in runs if not isinstance(r, str)]
+            record[label] = (
+                sum(r.step_time_s for r in ok) / len(ok) if len(ok) == len(runs) else None
+            )
+    return record
 
 
 def _fmt(x, spec: str) -> str:
@@ -100,6 +121,30 @@ def markdown(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def ablation_markdown(records: list[dict]) -> str:
+    """Zeppelin's mean step time with routing or remapping switched off, and TE ring CP's,
+    as speedups over TE ring CP (the paper's ablation)."""
+    lines = [
+        "| model | cluster | GPUs | data | Zeppelin ms | no routing ms | no remap ms "
+        "| vs TE | vs TE, no routing | vs TE, no remap |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        z, te = rec["rows"]["zeppelin"], rec["rows"]["te-ring-cp"]
+        if "error" in z or "error" in te:
+            continue
+        full, te_s = z["step_time_s"], te["step_time_s"]
+        no_route, no_remap = rec.get("no_routing"), rec.get("no_remap")
+        lines.append(
+            f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
+            f"| {full * 1e3:.0f} | {_fmt(no_route and no_route * 1e3, '.0f')} "
+            f"| {_fmt(no_remap and no_remap * 1e3, '.0f')} | {te_s / full:.2f} "
+            f"| {_fmt(no_route and te_s / no_route, '.2f')} "
+            f"| {_fmt(no_remap and te_s / no_remap, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
 def averages(records: list[dict]) -> dict[str, float]:
     """Arithmetic and geometric means of Zeppelin's speedups, and its mean efficiency."""
     out = {}
@@ -122,17 +167,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=131072, help="cut longer documents")
     parser.add_argument("--quick", action="store_true", help="two configurations only")
     parser.add_argument("--json", metavar="OUT", help="write every row")
+    parser.add_argument("--ablation", action="store_true", help="also routing off, remap off")
     args = parser.parse_args(argv)
     records = []
     start = time.monotonic()
     for point in configurations(args.quick):
         records.append(run_point(point, steps=args.steps, fill=args.fill,
-                                 max_length=args.max_length))  # fmt: skip
+                                 max_length=args.max_length, ablation=args.ablation))  # fmt: skip
         print(f"done {point} after {time.monotonic() - start:.0f} s", file=sys.stderr)
     print(markdown(records))
     print()
     for key, value in averages(records).items():
         print(f"- {key}: {value:.3f}")
+    if args.ablation:
+        print()
+        print(ablation_markdown(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

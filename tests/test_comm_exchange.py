@@ -1,10 +1,13 @@
 """Ring exchanges, routing over proxies, byte counters, timeouts and the gloo harness.
 
 Tier: processes (gloo, 2 to 4 ranks on CPU via ``testing.dist.run_distributed``), plus pure checks
-of how messages are cut into legs. Plans are built by hand here so the exchanger is tested apart
-from the planner: 2 nodes x 2 GPUs, one NIC per GPU, documents spanning both nodes (rings that
-cross nodes between different local indices, so routed parts take all three hops), documents in
-one node, a local one, and one shorter than its ring's 2g chunks (empty blocks).
+of how messages are cut into legs and of the backward's gradient schedule. Zeppelin worlds that
+are a subset or a permutation of the processes (tensor parallelism) run the same exchanges; a
+proxy relays while it sleeps before its own ``wait``. Plans are built by hand here so the
+exchanger is tested apart from the planner: 2 nodes x 2 GPUs, one NIC per GPU, documents spanning
+both nodes (rings that cross nodes between different local indices, so routed parts take all
+three hops), documents in one node, a local one, and one shorter than its ring's 2g chunks (empty
+blocks).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import time
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError, plan_legs
@@ -26,7 +30,15 @@ from megatron_zeppelin.planner.plan import (
     TokenRange,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes, ring_schedule
+from megatron_zeppelin.planner.schedule import (
+    Message,
+    Segment,
+    block_tokens,
+    gradient_schedule,
+    link_bytes,
+    ring_schedule,
+    training_link_bytes,
+)
 from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
 from megatron_zeppelin.topology.model import Topology
 
@@ -113,6 +125,41 @@ def test_counters_classify_like_the_prediction():
     assert comparable({"nvlink": 0, "nic": 0, "nic:0.0": 0}) == {"nvlink": 0, "nic": 0}
     with pytest.raises(ValueError, match="unknown link class"):
         counters.add({"pcie": 1})
+
+
+def test_gradient_schedule_brings_every_block_gradient_home_along_the_ring():
+    plan = hand_plan()
+    sizes = block_tokens(plan)
+    kv, grad = ring_schedule(plan), gradient_schedule(plan)
+    assert [[(m.src, m.dst) for m in step] for step in grad] == [
+        [(m.src, m.dst) for m in step] for step in kv
+    ]
+    for seq in (s for s in plan.sequences if s.ring_size > 1):
+        g, ring = seq.ring_size, seq.ring
+        for i, origin in enumerate(ring):
+            # The gradient of origin's block starts one position on (compute 1 there) and
+            # makes g - 1 hops forward, the last one reaching origin, with the block's size.
+            hops = [(m.src, m.dst, seg.num_tokens) for step in grad for m in step
+                    for seg in m.segments if (seg.seq, seg.origin) == (seq.id, origin)]  # fmt: skip
+            path = [ring[(i + 1 + h) % g] for h in range(g)]
+            assert [(a, b) for a, b, _ in hops] == list(zip(path[:-1], path[1:]))
+            assert {n for _, _, n in hops} <= {sizes.get((seq.id, origin), 0)}
+
+
+def test_training_bytes_are_kv_twice_plus_gradients_per_link_class():
+    plan = hand_plan()
+    for routing in (False, True):
+        kv = link_bytes(plan, ring_schedule(plan), bytes_per_token=8, routing=routing)
+        grad = link_bytes(plan, gradient_schedule(plan), bytes_per_token=16, routing=routing)
+        both = training_link_bytes(
+            plan, kv_bytes_per_token=8, grad_bytes_per_token=16, routing=routing
+        )
+        keys = set(kv) | set(grad) | set(both)
+        assert {k: both.get(k, 0) for k in keys} == {
+            k: 2 * kv.get(k, 0) + grad.get(k, 0) for k in keys
+        }
+    with pytest.raises(ValueError, match="non-negative"):
+        training_link_bytes(plan, kv_bytes_per_token=-1, grad_bytes_per_token=0, routing=False)
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -242,3 +289,137 @@ def test_harness_names_the_failing_rank_and_kills_stragglers():
         run_distributed(_world_mismatch_worker, 2, timeout_s=TIMEOUT_S)
     assert info.value.rank == 1
     assert time.monotonic() - t0 < 30.0
+
+
+# --- sub-worlds: Zeppelin ranks that are not the global ranks --------------------------------
+PERMUTED = (2, 0, 3, 1)  # Zeppelin rank z runs on global rank PERMUTED[z]
+HALVES = ((0, 2), (3, 1))  # two Zeppelin worlds of 2, as tensor parallelism 2 makes them
+
+
+def _small_plan() -> Plan:
+    """2 nodes x 1 GPU: one document across the nodes, one local."""
+    topo = Topology(num_nodes=2, gpus_per_node=1, nics_per_node=1)
+    sequences = (
+        SequencePlan(0, 11, Tier.INTER, (0, 1), zigzag_spans(11, (0, 1))),
+        SequencePlan(1, 3, Tier.LOCAL, (1,), zigzag_spans(3, (1,))),
+    )
+    return Plan(topology=topo, sequences=sequences, linear=balanced_linear([11, 3], 2))
+
+
+def _run_steps(ex: DistExchanger, plan: Plan, rank: int) -> None:
+    for s, msgs in enumerate(ring_schedule(plan)):
+        payload = {(m.src, m.dst): payload_rows(s, m) for m in msgs if m.src == rank}
+        got = ex.start(msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64,
+                       tag=f"step {s}").wait()  # fmt: skip
+        for m in msgs:
+            if m.dst == rank:
+                assert torch.equal(got[(m.src, m.dst)], payload_rows(s, m)), (s, m)
+
+
+def _subworld_worker(rank: int, world_size: int) -> dict:
+    out: dict = {}
+    # One Zeppelin world over every process, in another order: the routed hand plan.
+    plan = hand_plan()
+    groups = ZeppelinGroups.create(plan.topology, ranks=PERMUTED)
+    assert groups.global_rank(groups.rank) == rank and groups.rank == PERMUTED.index(rank)
+    for routing in (False, True):
+        counters = LinkCounters(plan.topology)
+        ex = DistExchanger(groups, plan=plan, routing=routing, counters=counters, timeout_s=30)
+        _run_steps(ex, plan, groups.rank)
+        out[("permuted", routing)] = counters.all_reduce(groups.world)
+    # Two Zeppelin worlds of two processes each, exchanging at the same time.
+    small = _small_plan()
+    mine = next(w for w in HALVES if rank in w)
+    groups = ZeppelinGroups.create(small.topology, ranks=mine)
+    assert groups.global_ranks == mine and groups.rank == mine.index(rank)
+    counters = LinkCounters(small.topology)
+    ex = DistExchanger(groups, plan=small, routing=True, counters=counters, timeout_s=30)
+    _run_steps(ex, small, groups.rank)
+    out["halves"] = counters.all_reduce(groups.world)
+    with pytest.raises(ValueError, match="Zeppelin world has 2 processes"):
+        ZeppelinGroups.create_all(plan.topology, HALVES)
+    return out
+
+
+def _subworld_and_relay_worker(rank: int, world_size: int) -> dict:
+    """Both scenarios in one spawn (start-up is most of a small test's time)."""
+    return {
+        "subworld": _subworld_worker(rank, world_size),
+        "relay": _relay_worker(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def subworld_and_relay() -> list[dict]:
+    return run_distributed(_subworld_and_relay_worker, 4, timeout_s=TIMEOUT_S)
+
+
+def test_zeppelin_worlds_on_a_subset_or_permutation_of_the_processes(subworld_and_relay):
+    results = [r["subworld"] for r in subworld_and_relay]
+    plan, small = hand_plan(), _small_plan()
+    for routing in (False, True):
+        predicted = comparable(
+            link_bytes(plan, ring_schedule(plan), bytes_per_token=6 * 8, routing=routing)
+        )
+        assert all(r[("permuted", routing)] == predicted for r in results)
+    predicted = comparable(
+        link_bytes(small, ring_schedule(small), bytes_per_token=6 * 8, routing=True)
+    )
+    # Each world's counters sum that world's sends only, not the other world's.
+    assert predicted["nic"] > 0 and all(r["halves"] == predicted for r in results)
+
+
+# --- overlapped relays ------------------------------------------------------------------------
+PROXY_SLEEP_S = 2.0
+
+
+def _relay_worker(rank: int, world_size: int) -> dict:
+    """Message 0 -> 2 on the routed edge (0, 2): part 0 goes 0 -> 1 -> 3 -> 2, so ranks 1 and
+    3 relay; they sleep before their own ``wait``."""
+    plan = hand_plan()
+    groups = ZeppelinGroups.create(plan.topology)
+    msg = Message(0, 2, (Segment(0, 0, 8),))
+    payload = {(0, 2): payload_rows(0, msg)} if rank == 0 else {}
+    out: dict = {}
+    for overlap in (True, False):
+        counters = LinkCounters(plan.topology)
+        ex = DistExchanger(groups, plan=plan, routing=True, counters=counters, timeout_s=30,
+                           overlap=overlap)  # fmt: skip
+        t0 = time.monotonic()
+        pending = ex.start([msg], payload, row_shape=ROW_SHAPE, dtype=torch.float64,
+                           tag=f"relay overlap={overlap}")  # fmt: skip
+        if rank in (1, 3):
+            time.sleep(PROXY_SLEEP_S)
+            out[("relayed before wait", overlap)] = counters.to_dict()
+        got = pending.wait()
+        out[("wait returned after", overlap)] = time.monotonic() - t0
+        if rank == 2:
+            assert torch.equal(got[(0, 2)], payload_rows(0, msg))
+        dist.barrier()
+    # A relay whose input never comes: the proxy's wait names the tag within the timeout.
+    ex = DistExchanger(groups, plan=plan, routing=True, timeout_s=1.0)
+    if rank == 0:
+        time.sleep(2.5)  # never starts the exchange
+        return out
+    t0 = time.monotonic()
+    try:
+        ex.start([msg], {}, row_shape=ROW_SHAPE, dtype=torch.float64, tag="lost input").wait()
+        out["lost input"] = None
+    except ZeppelinCommError as exc:
+        out["lost input"] = (str(exc), time.monotonic() - t0)
+    return out
+
+
+def test_a_proxy_relays_before_it_calls_wait(subworld_and_relay):
+    results = [r["relay"] for r in subworld_and_relay]
+    # Overlapped: the destination has its rows while both proxies still sleep.
+    assert results[2][("wait returned after", True)] < PROXY_SLEEP_S / 2
+    for proxy in (1, 3):
+        relayed = results[proxy][("relayed before wait", True)]
+        assert relayed["nvlink" if proxy == 3 else "nic"] > 0, relayed
+    # Staged (the NCCL way): the destination waits for the proxies' own wait.
+    assert results[2][("wait returned after", False)] >= PROXY_SLEEP_S * 0.9
+    assert results[1][("relayed before wait", False)] == {"nvlink": 0, "nic": 0}
+    message, elapsed = results[1]["lost input"]
+    assert "'lost input'" in message and "recv 0->1" in message
+    assert elapsed < 5.0

@@ -14,10 +14,17 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.linear_layout import (
+    _count_moves,
+    attention_ranges_by_rank,
+    balanced_layout,
+)
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch, tier_thresholds
 from megatron_zeppelin.planner.plan import Plan, Tier
 from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import PRESETS, get_topology
 
@@ -105,8 +112,38 @@ def test_zigzag_chunks_even_and_linear_layout_balanced(batch):
                 assert len(chunks) == 2 * seq.ring_size
             assert max(chunks) - min(chunks) <= 1, seq
             assert [s.rank for s in seq.attention[::2]] == list(seq.ring)
-    counts = [plan.num_linear_tokens(r) for r in range(topo.world_size)]
+    _check_linear_layout(plan)
+    # Forced, the even layout is even whatever it costs.
+    even = _plan(lengths, topo, capacity, linear_layout="even")
+    assert even.meta["linear_layout"] == "even"
+    counts = [even.num_linear_tokens(r) for r in range(topo.world_size)]
     assert max(counts) - min(counts) <= 1
+    assert even.sequences == plan.sequences
+
+
+def _check_linear_layout(plan: Plan) -> None:
+    """The linear layout is "as even as the cost model says pays": one of the candidates
+    (``attention``: the attention layout; ``node``: even inside every node; ``even``: even over
+    the world), and its predicted layer time is the least of the three."""
+    topo = plan.topology
+    predicted = plan.meta["linear_layout_seconds"]
+    chosen = plan.meta["linear_layout"]
+    assert set(predicted) == {"attention", "node", "even"}
+    assert predicted[chosen] == min(predicted.values())
+    counts = [plan.num_linear_tokens(r) for r in range(topo.world_size)]
+    if chosen == "attention":
+        for rank in range(topo.world_size):
+            ranges = sorted((r.seq, r.start, r.end) for r in plan.attention_ranges(rank))
+            merged = [(r.seq, r.start, r.end) for r in plan.linear_ranges(rank)]
+            assert sum(e - s for _, s, e in ranges) == sum(e - s for _, s, e in merged)
+            assert plan.meta["remap_tokens"] == {"intra_node": 0, "inter_node": 0}
+    elif chosen == "node":
+        for node in range(topo.num_nodes):
+            in_node = [counts[r] for r in topo.ranks_of_node(node)]
+            assert max(in_node) - min(in_node) <= 1
+        assert plan.meta["remap_tokens"]["inter_node"] == 0
+    else:
+        assert max(counts) - min(counts) <= 1
 
 
 @SETTINGS
@@ -224,6 +261,80 @@ def test_balance_beats_round_robin_on_skewed_batch():
     topo = get_topology("zeppelin-C", num_nodes=2)
     lengths = [60_000, 30_000] + [2_000] * 40 + [200] * 200
     plan = _plan(lengths, topo, 65_536)
-    assert plan.meta["attention_imbalance"] < 1.25
-    counts = [plan.num_linear_tokens(r) for r in range(topo.world_size)]
+    # Predicted per-GPU time (attention + linear) within 10% of the mean.
+    assert plan.meta["load_imbalance"] < 1.1
+    _check_linear_layout(plan)
+    even = _plan(lengths, topo, 65_536, linear_layout="even")
+    counts = [even.num_linear_tokens(r) for r in range(topo.world_size)]
     assert max(counts) - min(counts) <= 1
+
+
+@pytest.mark.parametrize("capacity", [23, 24, 30])
+def test_one_gpu_batch_that_fits_exactly(capacity):
+    """Regression: a batch of exactly the capacity on a single GPU used to find no room."""
+    topo = Topology(num_nodes=1, gpus_per_node=1, nics_per_node=1)
+    plan = _plan([7, 1, 12, 3], topo, capacity)
+    assert plan.tier_counts() == {"local": 4, "intra": 0, "inter": 0}
+    assert plan.num_attention_tokens(0) == plan.num_linear_tokens(0) == 23
+
+
+@pytest.mark.parametrize(("dist", "fill"), [("wikipedia", 0.9), ("magi_realworld", 0.8)])
+def test_tight_but_feasible_batches_plan(dist, fill):
+    """Regression: batches at 80-90% of the cluster's capacity, which every baseline plans,
+    must plan too (short documents always find room when the overall fill allows)."""
+    topo = get_topology("zeppelin-B", num_nodes=4)
+    capacity = 16_384
+    lengths = sample_lengths(dist, num_tokens=int(fill * capacity * topo.world_size), seed=0)
+    plan = _plan(lengths, topo, capacity)
+    assert max(plan.num_attention_tokens(r) for r in range(topo.world_size)) <= capacity
+
+
+def test_remapping_used_only_where_it_pays():
+    """Two long documents kept whole (no balance splits) leave two GPUs of a node holding every
+    token: the node layout moves half of them over NVLink and the simulated step is faster than
+    without remapping. A batch the planner balances well moves nothing."""
+    topo = get_topology("zeppelin-C", num_nodes=2)
+    cost = _cost(topo)
+    skewed = _plan([30_000, 30_000, 500, 500], topo, 65_536, allow_split=False)
+    assert skewed.meta["linear_layout"] in ("node", "even")
+    assert sum(skewed.meta["remap_tokens"].values()) > 0
+    with_remap, without = simulate(skewed, cost), simulate(skewed, cost, remap=False)
+    assert with_remap.step_time_s < without.step_time_s
+    balanced = _plan(sample_lengths("prolong", num_tokens=400_000, seed=1), topo, 65_536)
+    if balanced.meta["linear_layout"] == "attention":
+        assert (
+            simulate(balanced, cost).step_time_s
+            == simulate(balanced, cost, remap=False).step_time_s
+        )
+    else:
+        assert (
+            simulate(balanced, cost).step_time_s
+            <= simulate(balanced, cost, remap=False).step_time_s
+        )
+
+
+@pytest.mark.parametrize("dist", ["wikipedia", "prolong"])
+def test_simulated_efficiency_of_balanced_plans(dist):
+    """The planner balances attention plus linear work: on a 4-node cluster the simulated step
+    stays within 20% of the batch's lower bound (perfect spread, no communication)."""
+    topo = get_topology("zeppelin-C", num_nodes=4)
+    cost = _cost(topo)
+    lengths = sample_lengths(dist, num_tokens=int(0.7 * 16_384 * topo.world_size), seed=0)
+    plan = _plan(lengths, topo, 16_384)
+    assert simulate(plan, cost).efficiency > 0.8
+
+
+@SETTINGS
+@given(batches())
+def test_linear_layout_priced_from_counts_matches_built_layout(batch):
+    """``choose_linear_layout`` prices the balanced layouts from token counts alone; the moves
+    it assumes are the ones ``balanced_layout`` then makes."""
+    lengths, topo, capacity = batch
+    plan = _plan(lengths, topo, capacity, remap=False)
+    by_rank = attention_ranges_by_rank(plan.sequences, topo.world_size)
+    counts = [plan.num_attention_tokens(r) for r in range(topo.world_size)]
+    for scope in ("node", "even"):
+        layout, moves = balanced_layout(by_rank, topo, scope=scope)
+        tokens = [sum(r.num_tokens for r in ranges) for ranges in layout]
+        assert _count_moves(counts, tokens, topo) == moves
+        assert sum(moves.values()) == sum(max(0, c - t) for c, t in zip(counts, tokens))

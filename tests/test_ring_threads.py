@@ -3,8 +3,9 @@
 Plans over 2 nodes x 2 GPUs and 2 nodes x 3 GPUs, built by hand (documents spanning both nodes,
 one node, local ones, one-token documents, lengths not divisible by 2g, rings of 3, 5 and 6, a
 non-zigzag placement) and by the planner. Output and dQ/dK/dV must match the float64 reference
-to 1e-10 in float64 and 1e-5 in float32; routing must not change results and the bytes the
-forward moves must equal ``schedule.link_bytes``.
+to 1e-10 in float64 and 1e-5 in float32; routing must not change results, the bytes the
+forward moves must equal ``schedule.link_bytes`` and those of a forward and backward
+``schedule.training_link_bytes``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from megatron_zeppelin.planner.plan import (
     TokenRange,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule, training_link_bytes
 from megatron_zeppelin.testing.reference import attention_rows, random_qkv, reference_attention
 from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub, run_ranks
 from megatron_zeppelin.testing.tolerances import assert_close
@@ -165,6 +166,25 @@ def test_routing_keeps_results_and_bytes_match_the_schedule() -> None:
     predicted = link_bytes(plan, ring_schedule(plan), bytes_per_token=2 * 2 * 8 * 8, routing=True)
     assert measured == comparable(predicted)
     assert measured["nic"] > 0 and len([key for key in measured if key.startswith("nic:")]) > 2
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("routing", [True, False])
+def test_forward_and_backward_bytes_match_the_training_prediction(dtype, routing) -> None:  # noqa: ANN001
+    plan = make_plan(TOPO_2X3, DOCS_2X3, routed=True)
+    counters = [LinkCounters(plan.topology) for _ in range(plan.world_size)]
+    run_engine(plan, dtype, routing=routing, counters=counters)
+    measured = LinkCounters.merged(plan.topology, [c.to_dict() for c in counters]).to_dict()
+    per_token = 2 * 2 * 8 * dtype.itemsize  # K and V (and dK, dV): 2 x nkv x d values
+    predicted = training_link_bytes(
+        plan, kv_bytes_per_token=per_token, grad_bytes_per_token=per_token, routing=routing
+    )
+    assert measured == comparable(predicted)
+    if not routing:
+        # Backward resends K/V, and over a whole ring the gradients are as many rows as the
+        # blocks (each block's gradient makes g - 1 hops): three times the forward in all.
+        forward = link_bytes(plan, ring_schedule(plan), bytes_per_token=per_token, routing=False)
+        assert measured["nvlink"] + measured["nic"] == 3 * (forward["nvlink"] + forward["nic"])
 
 
 def test_planner_plans_match_reference() -> None:

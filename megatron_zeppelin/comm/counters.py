@@ -10,6 +10,7 @@ prediction.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -29,11 +30,13 @@ def comparable(link_bytes: Mapping[str, int]) -> dict[str, int]:
 
 
 class LinkCounters:
-    """Per-rank byte counters by link class. Not thread-safe: one exchanger per rank feeds it."""
+    """Per-rank byte counters by link class. ``record`` may be called from the exchanger's relay
+    threads as well as the main thread, so it takes a lock."""
 
     def __init__(self, topology: Topology):
         self.topology = topology
         self._bytes: dict[str, int] = {}
+        self._lock = threading.Lock()
         self.reset()
 
     def keys(self) -> list[str]:
@@ -50,14 +53,15 @@ class LinkCounters:
         self._bytes = dict.fromkeys(self.keys(), 0)
 
     def record(self, src: int, dst: int, num_bytes: int) -> None:
-        """Count a transfer of ``num_bytes`` from global rank ``src`` to ``dst``."""
+        """Count a transfer of ``num_bytes`` from Zeppelin rank ``src`` to ``dst``."""
         assert num_bytes >= 0 and src != dst, (src, dst, num_bytes)
         topo = self.topology
-        if topo.same_node(src, dst):
-            self._bytes["nvlink"] += num_bytes
-        else:
-            self._bytes["nic"] += num_bytes
-            self._bytes[f"nic:{topo.node_of(src)}.{topo.nic_of(src)}"] += num_bytes
+        with self._lock:
+            if topo.same_node(src, dst):
+                self._bytes["nvlink"] += num_bytes
+            else:
+                self._bytes["nic"] += num_bytes
+                self._bytes[f"nic:{topo.node_of(src)}.{topo.nic_of(src)}"] += num_bytes
 
     def add(self, other: Mapping[str, int]) -> None:
         """Add another set of counts (e.g. a dict from ``to_dict``) into this one."""

@@ -142,8 +142,9 @@ class ZeppelinGroups:
             nodes = [_group(topology.ranks_of_node(n), w, me, backend)
                      for n in range(topology.num_nodes)]  # fmt: skip
             rails = [
-                _group([topology.rank_of(n, local) for n in range(topology.num_nodes)], w, me,
-                       backend)  # fmt: skip
+                _group(
+                    [topology.rank_of(n, local) for n in range(topology.num_nodes)], w, me, backend
+                )  # fmt: skip
                 for local in range(topology.gpus_per_node)
             ]
             if me in w:

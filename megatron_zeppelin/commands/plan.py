@@ -80,6 +80,11 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-split", action="store_true", help="split only documents that capacity forces"
     )
+    group.add_argument(
+        "--linear-layout", choices=("auto", "attention", "node", "even"), default="auto",
+        help="where linear modules run: auto (the fastest the cost model predicts), the "
+        "attention layout, tokens even inside each node, or even over all GPUs",
+    )  # fmt: skip
 
 
 # --- shared readers --------------------------------------------------------------------------
@@ -170,6 +175,8 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
         wanted["remap"] = False
     if getattr(args, "no_split", False):
         wanted["allow_split"] = False
+    if getattr(args, "linear_layout", "auto") != "auto":
+        wanted["linear_layout"] = args.linear_layout
     if not wanted:
         return None
     from megatron_zeppelin.planner.partition import PlannerOptions

@@ -82,6 +82,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed calls per shape")
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per shape (median)")
     parser.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="passes over all shapes; each point keeps the median over passes (a shared host's "
+        "bursts of load then spread over every point)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=1, help="CPU threads per process (0: torch's default)"
     )
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
@@ -109,6 +116,7 @@ def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - ProfileSetti
         linear_tokens=parse_sizes(args.linear_tokens) if args.linear_tokens else linear_default,
         link_sizes=parse_sizes(args.link_sizes) if args.link_sizes else sizes_default,
         timing=TimingOptions(warmup=args.warmup, repeats=args.repeats),
+        rounds=args.rounds,
         threads=args.threads or None,
         timeout_s=args.timeout,
     )

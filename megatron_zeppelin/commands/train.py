@@ -4,7 +4,9 @@
     zeppelin train --steps 40 --json runs/cpu/train.json --save runs/cpu/ckpt
 
 Every flag of ``python -m megatron_zeppelin.megatron.train_cpu`` is accepted and passed on;
-``--nproc`` sets the process count (tensor parallel x Zeppelin ranks).
+``--nproc`` sets the process count (tensor parallel x Zeppelin ranks). Known third-party
+warnings (Apex / TransformerEngine missing on CPU, megatron-core deprecations) are hidden in the
+workers; ``--verbose`` shows them.
 """
 
 from __future__ import annotations
@@ -48,4 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    if args.verbose:
+        env["ZEPPELIN_VERBOSE"] = "1"  # the workers then keep third-party warnings on
     return subprocess.call(command_line(args), env=env)

@@ -5,16 +5,34 @@ modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``,
 ``sampler``). ``megatron.training`` is imported only inside the functions, so this module imports
 anywhere megatron-core does.
 
-Wiring, in order (see ``pretrain_gpt.py``):
+The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
+
+* ``get_model`` calls ``model_provider(pre_process=, post_process=, config=, pg_collection=)``
+  and, with virtual pipeline stages, ``vp_stage=`` too;
+* ``build_train_valid_test_data_iterators`` calls ``train_valid_test_datasets_provider(
+  num_samples)`` (with ``vp_stage=`` under virtual pipelining), wraps what it returns in its
+  ``DataLoader`` / ``MegatronPretrainingSampler`` and hands ``forward_step`` an iterator;
+* the schedules call ``forward_step(data_iterator, model)`` and then ``loss_func(output)``,
+  which returns ``(loss sum, token count, {"lm loss": [sum, count]})``: with
+  ``calculate_per_token_loss`` Megatron sums both over the data-parallel ranks and divides once.
+
+Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use it):
 
 1. ``extra_args_provider`` adds the ``--zeppelin*`` flags;
-2. after Megatron parsed and initialized, ``setup(args)`` validates them, resolves the topology of
-   the Zeppelin ranks (the data-parallel ranks of this TP index), creates the process groups and
-   the ring exchanger once, and builds the cost model;
+2. Megatron parses and initializes; the first ``model_provider`` call runs ``setup(args)``, which
+   validates the flags, resolves the topology of the Zeppelin ranks (the data-parallel ranks of
+   this TP index), creates the process groups and the ring exchanger once, and builds the cost
+   model. It must run there: after Megatron's initialization, before the model and the data;
 3. ``model_provider`` builds ``GPTModel`` with Zeppelin's spec (``position_embedding_type``
-   'none': RoPE is per document inside core attention);
-4. ``forward_step`` takes the next micro-batch's documents, plans, builds this rank's batch and
+   'none' for RoPE models: RoPE is per document inside core attention);
+4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
+   sampler; Megatron's loader only counts micro-batches;
+5. ``forward_step`` takes the next micro-batch's documents, plans, builds this rank's batch and
    ``ZeppelinPackedSeqParams``, runs the model and returns Megatron's per-token loss function.
+
+Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
+--seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
+data-parallel size`` micro-batches at once, so the sampler can balance their cost.
 """
 
 from __future__ import annotations
@@ -23,27 +41,57 @@ import argparse
 from functools import partial
 from typing import Any
 
+import torch
+
 from megatron_zeppelin.megatron.args import extra_args_provider, is_enabled
 
-__all__ = ["extra_args_provider", "forward_step", "is_enabled", "model_provider", "setup",
-           "train_valid_test_datasets_provider"]  # fmt: skip
+__all__ = ["extra_args_provider", "format_bytes", "forward_step", "is_enabled", "model_provider",
+           "plan_line", "setup", "train_valid_test_datasets_provider"]  # fmt: skip
 
 
 class _State:
     """What ``setup`` builds once per process and the step functions read."""
 
-    config: Any = None
-    topology: Any = None
-    cost_model: Any = None
-    exchanger: Any = None
-    zeppelin_rank: int = 0
-    remap_group: Any = None
-    dataset: Any = None
-    sampler: Any = None
-    pending: list = []
+    def __init__(self) -> None:
+        self.config: Any = None
+        self.topology: Any = None
+        self.cost_model: Any = None
+        self.exchanger: Any = None
+        self.zeppelin_rank: int = 0
+        self.remap_group: Any = None
+        self.dataset: Any = None
+        self.sampler: Any = None
+        self.pending: list = []
+        self.num_micro_batches: int = 1
+        self.micro_batches_done: int = 0
 
 
 _STATE = _State()
+
+
+def reset() -> None:
+    """Forget what ``setup`` built (tests, or a second run in one process)."""
+    global _STATE
+    _STATE = _State()
+
+
+def _refuse_unsupported(args: argparse.Namespace) -> None:
+    """Megatron flags the hooks cannot honour, each with the change to make."""
+    if getattr(args, "use_rope_scaling", False):
+        raise ValueError(
+            "--zeppelin applies plain RoPE per document: drop --use-rope-scaling (Llama 3.1 "
+            "frequency scaling is not implemented in Zeppelin's rotary yet)"
+        )
+    if getattr(args, "rampup_batch_size", None):
+        raise ValueError(
+            "--zeppelin draws one optimizer step of documents at a time with a fixed number of "
+            "micro-batches: drop --rampup-batch-size"
+        )
+    if int(getattr(args, "eval_iters", 0) or 0) > 0 and not getattr(args, "skip_train", False):
+        raise ValueError(
+            "--zeppelin has no validation split yet (its sampler walks the whole dataset): "
+            "set --eval-iters 0"
+        )
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -59,6 +107,7 @@ def setup(args: argparse.Namespace) -> None:
         create_transport,
     )
 
+    _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_data_parallel_group()
@@ -79,6 +128,12 @@ def setup(args: argparse.Namespace) -> None:
         ffn_hidden_size=args.ffn_hidden_size,
         vocab_size=args.padded_vocab_size,
     )
+    per_rank = args.micro_batch_size * ctx.zeppelin_world
+    if args.global_batch_size % per_rank:
+        raise ValueError(
+            f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size"
+            f" x data-parallel size ({per_rank}): change --global-batch-size"
+        )
     _STATE.config = config
     _STATE.topology = topology
     _STATE.cost_model = build_cost_model(
@@ -87,84 +142,161 @@ def setup(args: argparse.Namespace) -> None:
     _STATE.exchanger, _ = create_transport(topology, ctx, config)
     _STATE.zeppelin_rank = ctx.zeppelin_rank
     _STATE.remap_group = group
+    _STATE.num_micro_batches = args.global_batch_size // per_rank
 
 
-def model_provider(pre_process: bool = True, post_process: bool = True, vp_stage=None, **_):
-    """``GPTModel`` with Zeppelin's layer spec (local, or TE with ``--transformer-impl
-    transformer_engine``)."""
-    from megatron.core.models.gpt import GPTModel
-    from megatron.training import get_args
-    from megatron.training.arguments import core_transformer_config_from_args
+def _layer_spec(args: argparse.Namespace):
+    """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
+    with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
+    is refused, since the plan's layouts would then reach a module that cannot read them."""
+    from megatron.core.transformer.spec_utils import import_module
 
-    from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
+    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
 
-    args = get_args()
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
+    named = getattr(args, "spec", None)
+    if named:
+        if len(named) != 2:
+            raise ValueError(f"--spec takes MODULE NAME, got {' '.join(named)}")
+        if named[0] == "megatron_zeppelin.megatron.spec" and named[1] in SPEC_KINDS:
+            kind = named[1]
+        else:
+            spec = import_module(tuple(named))
+            try:
+                ours = core_attention_of(spec).module is ZeppelinCoreAttention
+            except AttributeError:  # not a layer spec at all (None, a function, a block spec)
+                ours = False
+            if not ours:
+                raise ValueError(
+                    f"--spec {' '.join(named)} does not use Zeppelin's core attention: use "
+                    "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
+                )
+            return spec
     rope = args.position_embedding_type == "rope"
-    spec = zeppelin_layer_spec(
+    return zeppelin_layer_spec(
         kind,
         normalization=args.normalization,
         qk_layernorm=args.qk_layernorm,
         rotary_base=args.rotary_base if rope else None,
         rotary_percent=args.rotary_percent,
     )
+
+
+def model_provider(
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    config: Any = None,
+    pg_collection: Any = None,
+):
+    """``GPTModel`` with Zeppelin's layer spec; Megatron's ``get_model`` calls it with keywords.
+
+    ``config`` is Megatron's ``TransformerConfig`` when the caller built one (else it is built
+    from ``args``); ``pg_collection`` and ``vp_stage`` go to ``GPTModel`` unchanged.
+    """
+    from megatron.core.models.gpt import GPTModel
+    from megatron.training import get_args
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    args = get_args()
+    if not is_enabled(args):
+        raise ValueError("megatron_zeppelin's model_provider runs Zeppelin: add --zeppelin")
+    if _STATE.config is None:
+        setup(args)  # sets args.calculate_per_token_loss before the config is read below
+    if config is None:
+        config = core_transformer_config_from_args(args)
+    # Ranks hold different token counts: the schedules must not divide by a per-rank count.
+    config.calculate_per_token_loss = True
+    rope = args.position_embedding_type == "rope"
     return GPTModel(
-        config=core_transformer_config_from_args(args),
-        transformer_layer_spec=spec,
+        config=config,
+        transformer_layer_spec=_layer_spec(args),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
         post_process=post_process,
+        fp16_lm_cross_entropy=getattr(args, "fp16_lm_cross_entropy", False),
+        parallel_output=True,
         share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
         position_embedding_type="none" if rope else args.position_embedding_type,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
     )
 
 
-def train_valid_test_datasets_provider(train_val_test_num_samples: list[int]):
-    """Zeppelin draws documents itself (a resumable sampler over ``--data-path``); Megatron's
-    loop only needs an iterator, so the train split is an endless stream of step indices."""
+class MicroBatchMarkers(torch.utils.data.Dataset):
+    """What Megatron's data loader iterates: one integer per micro-batch sample, nothing else.
+
+    Zeppelin draws whole documents itself (a seeded, resumable sampler over ``--data-path``);
+    Megatron's loop only needs an indexable dataset of the length it asked for, so its own
+    sampler, ``DataLoader`` and consumed-sample bookkeeping work unchanged.
+    """
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = int(num_samples)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> int:
+        if not 0 <= index < self.num_samples:
+            raise IndexError(index)
+        return index
+
+
+def train_valid_test_datasets_provider(
+    train_val_test_num_samples: list[int], vp_stage: int | None = None
+):
+    """Open the dataset and the document sampler; return ``(markers, None, None)``.
+
+    Resuming (``args.iteration > 0``) replays the sampler to that step: it is deterministic in
+    its seed and the document lengths, so every rank lands on the same documents.
+    """
     from megatron.training import get_args
 
     from megatron_zeppelin.megatron.data import DocumentDataset
     from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 
     args = get_args()
+    if _STATE.config is None:
+        raise RuntimeError("hooks.setup has not run: build the model before the datasets")
     if not args.data_path or len(args.data_path) != 1:
         raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX (no blend)")
-    _STATE.dataset = DocumentDataset(args.data_path[0])
     config = _STATE.config
+    _STATE.dataset = DocumentDataset(args.data_path[0])
+    per_gpu = min(args.seq_length, config.capacity or args.seq_length)
+    micro_batch_tokens = per_gpu * _STATE.topology.world_size
     _STATE.sampler = DocumentSampler(
         _STATE.dataset.lengths,
-        tokens_per_step=args.seq_length * _STATE.topology.world_size,
-        num_micro_batches=1,
+        tokens_per_step=micro_batch_tokens * _STATE.num_micro_batches,
+        num_micro_batches=_STATE.num_micro_batches,
         seed=args.seed,
-        max_length=config.max_document_length,
+        max_length=min(config.max_document_length or args.seq_length, micro_batch_tokens),
         long_documents=config.long_documents,
+        micro_batch_capacity=micro_batch_tokens,
         cost=DocumentCost.from_model(_STATE.cost_model.model),
     )
-    return _StepStream(), None, None
+    for _ in range(int(getattr(args, "iteration", 0) or 0)):
+        _STATE.sampler.next_step()
+    _STATE.pending = []
+    return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 
-class _StepStream:
-    """An iterable Megatron can wrap: each item is a marker; the sampler holds the real state."""
+def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool | None = None):
+    """Megatron's ``forward_step``: plan this micro-batch, build this rank's batch, run.
 
-    def __iter__(self):
-        while True:
-            yield None
-
-    def __len__(self) -> int:
-        return 1 << 62
-
-
-def forward_step(data_iterator, model):
-    """Megatron's ``forward_step``: plan this micro-batch, build this rank's batch, run."""
+    Returns ``(per-token losses [1, s], loss_func)``; ``loss_func(output)`` gives Megatron's
+    per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
+    accepted for the call's shape; Zeppelin refuses pipeline parallelism.
+    """
     from megatron_zeppelin.megatron.batch import build_linear_batch
     from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
     from megatron_zeppelin.megatron.loss import megatron_loss_func
-    from megatron_zeppelin.megatron.runtime import plan_micro_batch
+    from megatron_zeppelin.megatron.runtime import plan_micro_batch, plan_summary
 
     if data_iterator is not None:
-        next(data_iterator)
+        next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
     if not _STATE.pending:
         _STATE.pending = list(_STATE.sampler.next_step().micro_batches)
     slices = _STATE.pending.pop(0)
@@ -174,9 +306,13 @@ def forward_step(data_iterator, model):
         cost_model=_STATE.cost_model,
         config=_STATE.config,
     )
+    _STATE.micro_batches_done += 1
+    every = _STATE.config.log_plan_every
+    if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
+        summary = plan_summary(plan, _STATE.cost_model.model, routing=_STATE.config.routing)
+        print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
     batch = build_linear_batch(plan, _STATE.zeppelin_rank, slices, _STATE.dataset)
-    device = next(model.parameters()).device
-    batch = batch.to(device)
+    batch = batch.to(next(model.parameters()).device)
     params = ZeppelinPackedSeqParams(
         plan=plan,
         rank=_STATE.zeppelin_rank,
@@ -190,3 +326,32 @@ def forward_step(data_iterator, model):
         data["tokens"], data["position_ids"], None, labels=data["labels"], packed_seq_params=params
     )
     return output, partial(megatron_loss_func, data["loss_mask"])
+
+
+def _is_logging_rank() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def format_bytes(n: float) -> str:
+    """``123 B``, ``1.5 KB``, ``2.0 MB``... (powers of 1024)."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan_line(step: int, summary: dict) -> str:
+    """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
+    class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""
+    tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
+    links = summary["link_bytes"]
+    nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
+    return (
+        f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
+        f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
+        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
+        f"{format_bytes(links['nvlink'])} nic {format_bytes(links['nic'])} [{nics}]"
+    )

@@ -207,21 +207,20 @@ def plan_micro_batch(
 
 
 def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinConfig):
-    """Ring exchanger and link counters of this rank's Zeppelin world.
+    """Ring exchanger and link counters of this rank's Zeppelin world (every process calls it,
+    once, in the same order: it creates the groups of every Zeppelin world).
 
-    With tensor parallelism 1 the Zeppelin world is the whole world: ``comm``'s point-to-point
-    ``DistExchanger`` (routing, byte counters). With tensor parallelism > 1 each Zeppelin world
-    is a subgroup, which ``ZeppelinGroups`` cannot build yet; the ring steps then run as one
-    all-to-all on the world's data-parallel group (``GroupExchanger``): the same messages and
-    results, without routing or overlap. Counters are ``None`` then.
+    ``comm``'s point-to-point ``DistExchanger`` (routing, overlapped relays, byte counters) on
+    ``ZeppelinGroups`` of ``ctx.global_ranks``: with tensor parallelism 1 the whole world, with
+    tensor parallelism > 1 the data-parallel ranks of this TP index. Sum the counters over
+    ``ctx.dp_group`` (the Zeppelin world) to compare them with the plan's prediction.
     """
     from megatron_zeppelin.comm.counters import LinkCounters
     from megatron_zeppelin.comm.exchange import DistExchanger
     from megatron_zeppelin.comm.groups import ZeppelinGroups
 
-    if ctx.tensor_parallel > 1:
-        return GroupExchanger(ctx.dp_group, rank=ctx.zeppelin_rank), None
-    groups = ZeppelinGroups.create(topology)
+    groups = ZeppelinGroups.create(topology, ranks=ctx.global_ranks)
+    assert groups.rank == ctx.zeppelin_rank, "the Zeppelin rank is the data-parallel rank"
     counters = LinkCounters(topology)
     exchanger = DistExchanger(
         groups, routing=config.routing, counters=counters, timeout_s=config.comm_timeout_s
@@ -244,7 +243,10 @@ class _Received:
 
 class GroupExchanger:
     """``Exchanger`` running each ring step as one ``all_to_all_single`` on ``group`` (group
-    rank ``i`` is plan rank ``i``). Synchronous: ``start`` returns after the step has moved."""
+    rank ``i`` is plan rank ``i``). Synchronous: ``start`` returns after the step has moved.
+
+    No routing, overlap or counters: a stand-in for tests that run a model in one process
+    without building ``ZeppelinGroups``; jobs use ``create_transport``."""
 
     def __init__(self, group: dist.ProcessGroup, *, rank: int) -> None:
         self.group = group

@@ -22,16 +22,41 @@ import json
 import os
 import sys
 import time
+import warnings
 from typing import Any
 
-import torch
-import torch.distributed as dist
+# Known third-party warnings (Apex/TransformerEngine absent on CPU, deprecations inside
+# megatron-core) are printed by every worker at import time and would bury the progress bar:
+# filter them before megatron-core is imported below. ``--verbose`` (ZEPPELIN_VERBOSE=1 in the
+# workers' environment) shows them.
+THIRD_PARTY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
+    ("Transformer Engine and Apex are not installed", UserWarning),
+    ("Apex is not installed", UserWarning),
+    ("full scope is deprecated", UserWarning),
+    ("Warning: tp_group is None", DeprecationWarning),
+    ("When using async grad allreduce it is recommended", UserWarning),
+)
+"""``(message prefix, category)`` of every warning the job hides unless ``--verbose``."""
 
-from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.args import resolve_topology
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss
-from megatron_zeppelin.megatron.runtime import (
+
+def quiet_third_party_warnings() -> None:
+    """Hide ``THIRD_PARTY_WARNINGS`` in this process (every other warning still shows)."""
+    for prefix, category in THIRD_PARTY_WARNINGS:
+        warnings.filterwarnings("ignore", message=prefix, category=category)
+
+
+if os.environ.get("ZEPPELIN_VERBOSE") != "1":
+    quiet_third_party_warnings()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
+from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
+from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
+from megatron_zeppelin.megatron.hooks import format_bytes, plan_line  # noqa: E402
+from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss  # noqa: E402
+from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
@@ -74,6 +99,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     job.add_argument("--load", default=None, help="Checkpoint directory to resume from.")
     job.add_argument("--json", default=None, help="Write per-step figures to this file.")
     job.add_argument("--quiet", action="store_true", help="No progress bar or plan lines.")
+    job.add_argument(
+        "--verbose", action="store_true", help="Also show known third-party library warnings."
+    )
+    job.add_argument(
+        "--no-calibration",
+        action="store_true",
+        help="Plan with datasheet figures even where a calibration file for this machine exists.",
+    )
     dims = parser.add_argument_group("model")
     for name, default in vars(ModelDims()).items():
         kind = type(default)
@@ -128,9 +161,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = _dims(args)
-    cost_model = build_cost_model(
-        dims, topology, tensor_parallel=ctx.tensor_parallel, calibration=_calibration(args, config)
-    )
+    calibration, why = _calibration(args, config)
+    cost_model = _cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
     exchanger, counters = create_transport(topology, ctx, config)
     dataset = _dataset(args, dist.get_rank())
     sampler = DocumentSampler(
@@ -153,6 +185,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         start = int(state["step"])
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
+    if show:
+        print(_figures_line(cost_model.sources, why), flush=True)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=args.steps, initial=start, disable=not show, unit="step", file=sys.stdout)
     begin = time.perf_counter()
@@ -206,28 +240,85 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         bar.update(1)
         bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{step_tokens / seconds:,.0f}")
         if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
-            bar.write(_plan_line(step, summaries[0]))
+            bar.write(plan_line(step, summaries[0]))
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
             _save(args.save, model, optimizer, sampler, step + 1)
     bar.close()
     if args.save:
         _save(args.save, model, optimizer, sampler, args.steps)
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
+    result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     if is_main:
         if not args.quiet:
-            print(_summary_text(result["summary"]))
+            print(summary_text(result["summary"]))
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     return result
 
 
-def _calibration(args: argparse.Namespace, config: ZeppelinConfig) -> str | None:
-    """The calibration file to plan with: the flag's, else ``RUN_DIR/calibration.json``."""
+MACHINE_CALIBRATION = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+    "configs",
+    "calibration",
+    "cpu-gloo-tiny.json",
+)
+"""Figures measured on the project's CPU machine for the default model (``tiny``, float32);
+the job plans with them by default when the file is there (a source checkout)."""
+
+
+def _calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[str | None, str]:
+    """The calibration file to plan with and why: the flag's, else ``RUN_DIR/calibration.json``,
+    else this machine's shipped file; none with ``--no-calibration``."""
     if config.calibration:
-        return config.calibration
+        return config.calibration, "given"
+    if getattr(args, "no_calibration", False):
+        return None, "off"
     found = os.path.join(args.run_dir, "calibration.json")
-    return found if os.path.exists(found) else None
+    if os.path.exists(found):
+        return found, "run directory"
+    if os.path.exists(MACHINE_CALIBRATION):
+        return MACHINE_CALIBRATION, "default"
+    return None, "none found"
+
+
+def _cost_model(dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str):
+    """The cost model; a calibration must be for a float32 CPU run of this model's dimensions
+    (the job's model runs in float32 on CPU), otherwise the job stops and says what to do."""
+    if path is None:
+        return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=None)
+    from megatron_zeppelin.planner.calibration import load_calibration, normalize_dtype
+
+    hint = (
+        " (picked by default for this machine: pass --no-calibration to plan with datasheet "
+        "figures, or --zeppelin-calibration FILE)"
+        if why == "default"
+        else ""
+    )
+    cal = load_calibration(path)
+    if normalize_dtype(cal.dtype) != "fp32" or not cal.device.lower().startswith("cpu"):
+        raise ValueError(
+            f"calibration {path} was measured on {cal.device!r} in {cal.dtype}, but this job "
+            f"runs float32 on CPU: profile this machine (zeppelin profile){hint}"
+        )
+    try:
+        return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=path)
+    except ValueError as exc:
+        raise ValueError(f"{exc}{hint}") from exc
+
+
+def _figures_line(sources: dict[str, str], why: str) -> str:
+    """One line: which cost-model figures are measured (and where) and which are defaults."""
+    measured = {k: v for k, v in sources.items() if v != "default"}
+    defaults = sorted(k for k, v in sources.items() if v == "default")
+    if not measured:
+        return f"cost model: datasheet figures (calibration {why})"
+    files = sorted(set(measured.values()))
+    names = ", ".join(sorted(measured))
+    return (
+        f"cost model: measured {names} from {', '.join(os.path.relpath(f) for f in files)}"
+        f" ({why}); defaults: {', '.join(defaults) or 'none'}"
+    )
 
 
 def _save(directory: str, model, optimizer, sampler, step: int) -> None:
@@ -242,34 +333,17 @@ def _save(directory: str, model, optimizer, sampler, step: int) -> None:
     dist.barrier()  # a checkpoint is complete only once every rank has written its file
 
 
-def _fmt_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def _plan_line(step: int, summary: dict) -> str:
-    tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
-    links = summary["link_bytes"]
-    nics = " ".join(f"{k[4:]}={_fmt_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
-    return (
-        f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
-        f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
-        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
-        f"{_fmt_bytes(links['nvlink'])} nic {_fmt_bytes(links['nic'])} [{nics}]"
-    )
-
-
 def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
     head = [r["loss"] for r in records[:3]]
     tail = [r["loss"] for r in records[-3:]]
     tiers: dict[str, int] = {}
+    measured: dict[str, int] = {}
     for r in records:
         for s in r["plans"]:
             for k, v in s["tiers"].items():
                 tiers[k] = tiers.get(k, 0) + v
+        for k, v in (r["measured_link_bytes"] or {}).items():
+            measured[k] = measured.get(k, 0) + v
     tokens = sum(r["tokens"] for r in records)
     return {
         "summary": {
@@ -280,6 +354,7 @@ def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
             "seconds": seconds,
             "tokens_per_s": tokens / seconds if seconds else 0.0,
             "documents_per_tier": tiers,
+            "measured_link_bytes": measured,
             "zeppelin_world": ctx.zeppelin_world,
             "tensor_parallel": ctx.tensor_parallel,
         },
@@ -289,15 +364,36 @@ def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
     }
 
 
-def _summary_text(s: dict) -> str:
+def summary_text(s: dict) -> str:
+    """The run's closing block: a few lines a reader can take in at a glance."""
     if not s["steps"]:
         return "nothing to do: the checkpoint is already at --steps"
     tiers = ", ".join(f"{k} {v}" for k, v in s["documents_per_tier"].items())
-    return (
-        f"{s['steps']} steps in {s['seconds']:.1f} s ({s['tokens_per_s']:,.0f} tokens/s) on "
-        f"{s['zeppelin_world']} Zeppelin ranks x TP {s['tensor_parallel']}; loss "
-        f"{s['first_loss']:.3f} -> {s['last_loss']:.3f}; documents per tier: {tiers}"
-    )
+    links = s.get("measured_link_bytes") or {}
+    nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
+    sources = s.get("cost_model_sources") or {}
+    measured = sorted(k for k, v in sources.items() if v != "default")
+    defaults = sorted(k for k, v in sources.items() if v == "default")
+    lines = [
+        "--- summary ---",
+        f"steps        {s['steps']} in {s['seconds']:.1f} s on {s['zeppelin_world']} Zeppelin "
+        f"ranks x TP {s['tensor_parallel']}",
+        f"throughput   {s['tokens_per_s']:,.0f} tokens/s ({s['tokens']:,} tokens)",
+        f"loss         {s['first_loss']:.3f} -> {s['last_loss']:.3f} (mean of first / last 3 "
+        "steps)",
+        f"documents    {tiers}",
+    ]
+    if links:
+        lines.append(
+            f"ring bytes   nvlink {format_bytes(links.get('nvlink', 0))}, nic "
+            f"{format_bytes(links.get('nic', 0))} [{nics}] (measured, all steps)"
+        )
+    if sources:
+        lines.append(
+            f"cost model   measured: {', '.join(measured) or 'none'}; defaults: "
+            f"{', '.join(defaults) or 'none'}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

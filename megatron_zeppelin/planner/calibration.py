@@ -10,14 +10,25 @@ refused rather than silently mis-planning. Format (JSON, every section but the h
      "dtype": "bf16", "model": {"hidden_size": 4096, "num_heads": 32, ...} or null,
      "versions": {"torch": "2.5.1"}, "date": "2025-06-01T12:00:00Z",
      "attention": {"points": [[num_tokens, flops, seconds], ...],
-                   "fit": {"flops_per_s": ..., "half_tokens": ..., "overhead_s": ...}},
+                   "fit": {"flops_per_s": ..., "half_tokens": ..., "overhead_s": ...,
+                           "fall_tokens": ... or null},
+                   "fit_error": 0.07},
+     "attention_diagonal": {...same...},
      "linear": {...same...},
      "links": {"nvlink": {"points": [[num_bytes, seconds], ...],
-                          "fit": {"bytes_per_s": ..., "latency_s": ...}},
-               "nic": {...}, "alltoall": {...}}}
+                          "fit": {"bytes_per_s": ..., "latency_s": ...}, "fit_error": ...},
+               "nic": {...}, "alltoall": {...}},
+     "profile": {...}}
 
-``model: null`` means the figures do not depend on the model (a FLOP-rate measurement).
-``alltoall`` is kept for reports; the cost model has no all-to-all figure yet, so it is not applied.
+``attention`` holds unmasked blocks, ``attention_diagonal`` blocks cut by the causal diagonal
+(``costmodel``); a file without ``attention_diagonal`` prices both with ``attention``. A compute
+point's ``num_tokens`` is the query count of one block and ``flops`` the whole call's: a call that
+packs several equal blocks is one point (the cost model charges each block at its own rate and
+the overhead once, so such a point fits the same curve). ``fit_error`` is the relative RMS error
+of the fit over the points, written for readers and recomputed on load. ``model: null`` means
+the figures do not depend on the model (a FLOP-rate measurement). Any other top-level section
+(the profiler's ``profile``: settings, load average, per-point details) is kept verbatim in
+``Calibration.extra`` and written back by ``save_calibration``.
 """
 
 from __future__ import annotations
@@ -36,6 +47,10 @@ from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
 
 CALIBRATION_FORMAT = "zeppelin-calibration/1"
 LINK_NAMES = ("nvlink", "nic", "alltoall")
+COMPUTE_NAMES = ("attention", "attention_diagonal", "linear")
+_HEADER = ("format", "device", "machine", "dtype", "model", "versions", "date", "links")
+FILE_MODE = 0o644
+"""Calibration files are meant to be shared and read by every rank's user."""
 # Model dimensions that change per-layer kernel shapes; a file measured with other values is
 # refused. num_layers and vocab_size do not enter per-layer figures.
 MODEL_DIMS = (
@@ -55,6 +70,11 @@ class ComputeFigure:
     points: tuple[tuple[int, float, float], ...]
     fit: Efficiency
 
+    @property
+    def fit_error(self) -> float | None:
+        """Relative RMS error of ``fit`` over ``points`` (``None`` without points)."""
+        return relative_rms([(self.fit.time(f, n), s) for n, f, s in self.points])
+
 
 @dataclass(frozen=True)
 class LinkFigure:
@@ -62,6 +82,19 @@ class LinkFigure:
 
     points: tuple[tuple[int, float], ...]
     fit: LinkCost
+
+    @property
+    def fit_error(self) -> float | None:
+        """Relative RMS error of ``fit`` over ``points`` (``None`` without points)."""
+        return relative_rms([(self.fit.time(b), s) for b, s in self.points])
+
+
+def relative_rms(pairs: Iterable[tuple[float, float]]) -> float | None:
+    """``sqrt(mean(((predicted - measured) / measured)^2))`` over ``(predicted, measured)``."""
+    errors = [(p - m) / m for p, m in pairs if m > 0]
+    if not errors:
+        return None
+    return float(np.sqrt(np.mean(np.square(errors))))
 
 
 @dataclass(frozen=True)
@@ -77,15 +110,22 @@ class Calibration:
     attention: ComputeFigure | None = None
     linear: ComputeFigure | None = None
     links: dict[str, LinkFigure] = field(default_factory=dict)
+    attention_diagonal: ComputeFigure | None = None
+    """Blocks cut by the causal diagonal; ``None``: ``attention`` prices them."""
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+    """Top-level sections the format does not define (the profiler's ``profile``), verbatim."""
 
     def to_dict(self) -> dict[str, Any]:
         def compute(fig: ComputeFigure | None) -> dict | None:
             if fig is None:
                 return None
-            fit = {"flops_per_s": fig.fit.flops_per_s, "half_tokens": fig.fit.half_tokens,
-                   "overhead_s": fig.fit.overhead_s}  # fmt: skip
-            return {"points": [list(p) for p in fig.points], "fit": fit}
+            f = fig.fit
+            fit = {"flops_per_s": f.flops_per_s, "half_tokens": f.half_tokens,
+                   "overhead_s": f.overhead_s, "fall_tokens": f.fall_tokens}  # fmt: skip
+            return {"points": [list(p) for p in fig.points], "fit": fit,
+                    "fit_error": fig.fit_error}  # fmt: skip
 
+        extra = {k: v for k, v in self.extra.items() if k not in (*_HEADER, *COMPUTE_NAMES)}
         return {
             "format": CALIBRATION_FORMAT,
             "device": self.device,
@@ -95,14 +135,17 @@ class Calibration:
             "versions": dict(self.versions),
             "date": self.date,
             "attention": compute(self.attention),
+            "attention_diagonal": compute(self.attention_diagonal),
             "linear": compute(self.linear),
             "links": {
                 name: {
                     "points": [list(p) for p in fig.points],
                     "fit": {"bytes_per_s": fig.fit.bytes_per_s, "latency_s": fig.fit.latency_s},
+                    "fit_error": fig.fit_error,
                 }
                 for name, fig in self.links.items()
             },
+            **extra,
         }
 
     @classmethod
@@ -140,12 +183,16 @@ class Calibration:
             versions={str(k): str(v) for k, v in versions.items()},
             date=str(data.get("date") or ""),
             attention=_compute_figure(data.get("attention"), "attention", where),
+            attention_diagonal=_compute_figure(
+                data.get("attention_diagonal"), "attention_diagonal", where
+            ),
             linear=_compute_figure(data.get("linear"), "linear", where),
             links={
                 name: _link_figure(links_data[name], f"links.{name}", where)
                 for name in LINK_NAMES
                 if links_data.get(name) is not None
             },
+            extra={k: v for k, v in data.items() if k not in (*_HEADER, *COMPUTE_NAMES)},
         )
 
 
@@ -192,8 +239,14 @@ def _compute_figure(data: Any, label: str, where: str) -> ComputeFigure | None:
     flops_per_s, half, overhead = _fit_values(
         data.get("fit"), ("flops_per_s", "half_tokens", "overhead_s"), label, where
     )
+    fall = data["fit"].get("fall_tokens")
+    if fall is not None and (
+        not isinstance(fall, (int, float)) or isinstance(fall, bool) or not fall > 0
+    ):
+        raise ValueError(f"{where}: field '{label}.fit.fall_tokens' must be positive or null")
     points = tuple((int(n), float(f), float(s)) for n, f, s in points)
-    return ComputeFigure(points, Efficiency(flops_per_s, half, overhead))
+    fit = Efficiency(flops_per_s, half, overhead, None if fall is None else float(fall))
+    return ComputeFigure(points, fit)
 
 
 def _link_figure(data: Any, label: str, where: str) -> LinkFigure:
@@ -219,10 +272,13 @@ def load_calibration(path: str) -> Calibration:
 
 
 def save_calibration(cal: Calibration, path: str) -> None:
-    """Write ``cal`` atomically: a reader sees the old file or the whole new one, never a part."""
+    """Write ``cal`` (its ``extra`` sections included) atomically with mode ``FILE_MODE``: a
+    reader sees the old file or the whole new one, never a part."""
     directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
     try:
+        os.chmod(tmp, FILE_MODE)  # mkstemp makes the file private (0600)
         with os.fdopen(fd, "w") as f:
             json.dump(cal.to_dict(), f, indent=1)
             f.write("\n")
@@ -280,11 +336,11 @@ def apply_calibration(
             "profile this dtype or drop the calibration"
         )
     figures: dict[str, Efficiency | LinkCost] = {}
-    if cal.attention is not None:
-        figures["attention"] = cal.attention.fit
-    if cal.linear is not None:
-        figures["linear"] = cal.linear.fit
-    for name in ("nvlink", "nic"):
+    for name in COMPUTE_NAMES:
+        figure = getattr(cal, name)
+        if figure is not None:
+            figures[name] = figure.fit
+    for name in LINK_NAMES:
         if name in cal.links:
             figures[name] = cal.links[name].fit
     return cost.with_figures(source, **figures) if figures else cost
@@ -296,8 +352,12 @@ def _relative_lstsq(columns: np.ndarray, seconds: np.ndarray, free: Sequence[int
     coef = np.zeros(columns.shape[1])
     weights = 1.0 / seconds
     a = columns[:, free] * weights[:, None]
-    solution, *_ = np.linalg.lstsq(a, seconds * weights, rcond=None)
-    coef[list(free)] = solution
+    # Columns span many decades (FLOPs times tokens against a constant): scale each to unit
+    # norm so the solver's rank cut-off does not drop a small but real term.
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0
+    solution, *_ = np.linalg.lstsq(a / norms, seconds * weights, rcond=None)
+    coef[list(free)] = solution / norms
     return coef
 
 
@@ -319,11 +379,14 @@ def _best_nonnegative(columns: np.ndarray, seconds: np.ndarray) -> np.ndarray:
     return best
 
 
-def fit_efficiency(points: Iterable[Sequence[float]]) -> Efficiency:
+def fit_efficiency(points: Iterable[Sequence[float]], *, fall: bool = True) -> Efficiency:
     """Fit ``Efficiency`` to ``(num_tokens, flops, seconds)`` points.
 
-    ``seconds = overhead + flops * (n + half) / (peak * n)`` is linear in ``1/peak``,
-    ``half/peak`` and ``overhead``: ``seconds = a*flops + b*flops/n + c``.
+    ``seconds = overhead + flops / peak * (1 + half / n + n / fall_tokens)`` is linear in
+    ``1/peak``, ``half/peak``, ``1/(peak*fall_tokens)`` and ``overhead``: ``seconds = a*flops +
+    b*flops/n + e*flops*n + c``. Every coefficient must be >= 0; the subset of optional terms
+    with the smallest relative error wins, so the fall term appears only where large blocks
+    really run slower (``fall=False`` leaves it out, as do fewer than 5 points).
     """
     rows = np.asarray([tuple(p) for p in points], dtype=np.float64)
     if rows.ndim != 2 or rows.shape[1] != 3 or len(rows) < 3:
@@ -331,9 +394,15 @@ def fit_efficiency(points: Iterable[Sequence[float]]) -> Efficiency:
     if (rows <= 0).any():
         raise ValueError("fit_efficiency: token counts, FLOPs and seconds must all be positive")
     n, flops, seconds = rows.T
-    coef = _best_nonnegative(np.stack([flops, flops / n, np.ones_like(n)], axis=1), seconds)
-    a, b, c = (float(x) for x in coef)
-    return Efficiency(flops_per_s=1.0 / a, half_tokens=b / a, overhead_s=c)
+    columns = [flops, flops / n, np.ones_like(n)]
+    if fall and len(rows) >= 5:
+        columns.append(flops * n)
+    coef = _best_nonnegative(np.stack(columns, axis=1), seconds)
+    a, b, c = (float(x) for x in coef[:3])
+    e = float(coef[3]) if len(coef) > 3 else 0.0
+    return Efficiency(
+        flops_per_s=1.0 / a, half_tokens=b / a, overhead_s=c, fall_tokens=a / e if e > 0 else None
+    )
 
 
 def fit_link(points: Iterable[Sequence[float]]) -> LinkCost:

@@ -1,9 +1,20 @@
 """Cost model: seconds for attention blocks, linear modules and transfers, per layer.
 
 Defaults come from FLOP counts and datasheet figures (``Topology``), scaled by kernel-efficiency
-curves: a kernel on ``n`` query tokens reaches ``peak * n / (n + half_tokens)`` of the GPU's peak,
-so short chunks run less efficiently than long ones. A calibration file (``calibration.py``)
-replaces any of these figures with measurements; ``sources`` records which is which.
+curves (``Efficiency``): a kernel on blocks of ``n`` query tokens reaches
+``peak / (1 + half_tokens / n + n / fall_tokens)`` FLOP/s, so short chunks run less efficiently
+than long ones and, where a calibration measured it, very large blocks lose rate again (tiles
+that no longer fit in cache). A calibration file (``calibration.py``) replaces any of these
+figures with measurements; ``sources`` records which is which.
+
+Attention has two curves because kernels treat the two block kinds of ring attention
+differently: ``attention`` for unmasked blocks (every key visible: a ring step's block of
+earlier keys) and ``attention_diagonal`` for blocks cut by the causal diagonal (a whole document,
+a ring document's own block), whose masked tiles cost work that produces no pair. Without a
+calibration of its own the diagonal curve is the unmasked one.
+
+Transfers: ``nvlink`` and ``nic`` are point-to-point links; ``alltoall`` is the remapping
+layer's collective, priced per rank by the bytes one rank sends in total.
 
 All times are for one transformer layer, forward plus backward; a step multiplies by
 ``model.num_layers``.
@@ -11,13 +22,14 @@ All times are for one transformer layer, forward plus backward; a step multiplie
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
-Link = Literal["nvlink", "nic"]
+Link = Literal["nvlink", "nic", "alltoall"]
 
 
 def causal_pairs(q_start: int, q_end: int, k_start: int, k_end: int) -> int:
@@ -43,18 +55,44 @@ def causal_pairs(q_start: int, q_end: int, k_start: int, k_end: int) -> int:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved FLOP rate of a kernel on ``n`` tokens: ``flops_per_s * n / (n + half_tokens)``."""
+    """Achieved FLOP rate of a kernel on blocks of ``n`` tokens:
+    ``flops_per_s / (1 + half_tokens / n + n / fall_tokens)``.
+
+    ``half_tokens`` is where a short block reaches half the peak (launch, tile padding);
+    ``fall_tokens`` (``None``: never) models blocks so large that the rate falls again
+    (memory-bound tiles). Without the fall term the rate is ``flops_per_s * n / (n +
+    half_tokens)``, and the best rate, ``n = sqrt(half_tokens * fall_tokens)``, lies between.
+    The form stays linear in ``1 / flops_per_s``, ``half_tokens / flops_per_s`` and
+    ``1 / (flops_per_s * fall_tokens)``, which is what makes it a least-squares fit.
+    """
 
     flops_per_s: float
     half_tokens: float
     overhead_s: float = 0.0
     """Fixed cost of one kernel call (launch, setup)."""
+    fall_tokens: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.flops_per_s > 0 or self.half_tokens < 0 or self.overhead_s < 0:
+            raise ValueError(
+                f"an efficiency needs flops_per_s > 0, half_tokens >= 0 and overhead_s >= 0, "
+                f"got {self.flops_per_s}, {self.half_tokens}, {self.overhead_s}"
+            )
+        if self.fall_tokens is not None and not self.fall_tokens > 0:
+            raise ValueError(f"fall_tokens must be positive or None, got {self.fall_tokens}")
+
+    def rate(self, num_tokens: float) -> float:
+        """FLOP/s reached on blocks of ``num_tokens`` tokens (overhead aside)."""
+        slowdown = 1.0 + self.half_tokens / num_tokens
+        if self.fall_tokens is not None:
+            slowdown += num_tokens / self.fall_tokens
+        return self.flops_per_s / slowdown
 
     def time(self, flops: float, num_tokens: int) -> float:
+        """Seconds of one call doing ``flops`` on blocks of ``num_tokens`` tokens."""
         if flops <= 0 or num_tokens <= 0:
             return 0.0
-        rate = self.flops_per_s * num_tokens / (num_tokens + self.half_tokens)
-        return self.overhead_s + flops / rate
+        return self.overhead_s + flops / self.rate(num_tokens)
 
 
 @dataclass(frozen=True)
@@ -80,6 +118,11 @@ DEFAULT_NVLINK_FRACTION = 0.80
 DEFAULT_NVLINK_LATENCY_S = 8e-6
 DEFAULT_NIC_FRACTION = 0.85
 DEFAULT_NIC_LATENCY_S = 20e-6
+# An all-to-all pays one latency per collective plus a rendezvous: a few point-to-point latencies.
+DEFAULT_ALLTOALL_LATENCY_HOPS = 4
+
+FIGURES = ("attention", "attention_diagonal", "linear", "nvlink", "nic", "alltoall")
+"""The figures a calibration can replace, the keys of ``CostModel.sources``."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +136,11 @@ class CostModel:
     nvlink: LinkCost
     nic: LinkCost
     sources: dict[str, str] = field(default_factory=dict, compare=False)
-    """For each figure (``attention``, ``linear``, ``nvlink``, ``nic``): ``default`` or the
-    calibration file it was measured in."""
+    """For each figure of ``FIGURES``: ``default`` or the calibration file it was measured in."""
+    attention_diagonal: Efficiency | None = None
+    """Blocks cut by the causal diagonal; ``None``: priced like ``attention``."""
+    alltoall: LinkCost | None = None
+    """The remapping all-to-all, per rank; ``None``: derived from ``nvlink`` and ``nic``."""
 
     @classmethod
     def default(cls, model: ModelSpec, topology: Topology) -> CostModel:
@@ -116,24 +162,56 @@ class CostModel:
                 topology.nvlink_bytes_per_s * DEFAULT_NVLINK_FRACTION, DEFAULT_NVLINK_LATENCY_S
             ),
             nic=LinkCost(topology.nic_bytes_per_s * DEFAULT_NIC_FRACTION, DEFAULT_NIC_LATENCY_S),
-            sources={k: "default" for k in ("attention", "linear", "nvlink", "nic")},
+            sources={k: "default" for k in FIGURES},
         )
 
     def with_figures(self, source: str, **figures: Efficiency | LinkCost) -> CostModel:
-        """A copy with some figures replaced, recording where they came from."""
+        """A copy with some figures replaced, recording where they came from.
+
+        A figure that follows another while it has none of its own (the diagonal curve follows
+        ``attention``, the all-to-all follows the links) records the source it follows.
+        """
+        unknown = sorted(set(figures) - set(FIGURES))
+        if unknown:
+            raise ValueError(f"unknown cost figures {unknown}; choose among {list(FIGURES)}")
         sources = dict(self.sources)
         for key in figures:
             sources[key] = source
+        if "attention_diagonal" not in figures and self.attention_diagonal is None:
+            sources["attention_diagonal"] = sources.get("attention", "default")
+        if "alltoall" not in figures and self.alltoall is None:
+            links = {sources.get("nvlink", "default"), sources.get("nic", "default")}
+            sources["alltoall"] = links.pop() if len(links) == 1 else "derived"
         return replace(self, sources=sources, **figures)
 
+    @property
+    def diagonal(self) -> Efficiency:
+        """The curve of blocks cut by the causal diagonal."""
+        return self.attention_diagonal if self.attention_diagonal is not None else self.attention
+
     # --- compute ---------------------------------------------------------------------------
-    def attention_time(self, num_q: int, num_pairs: int) -> float:
-        """One kernel call computing ``num_pairs`` causal (q, k) pairs for ``num_q`` queries."""
-        return self.attention.time(num_pairs * self.model.attn_flops_per_pair(), num_q)
+    def attention_time(self, num_q: int, num_pairs: int, *, diagonal: bool = False) -> float:
+        """One kernel call computing ``num_pairs`` visible (q, k) pairs for ``num_q`` queries;
+        ``diagonal``: the block is cut by the causal diagonal, else every key is visible."""
+        curve = self.diagonal if diagonal else self.attention
+        return curve.time(num_pairs * self.model.attn_flops_per_pair(), num_q)
+
+    def attention_call_time(self, blocks: Iterable[tuple[int, int]], *, diagonal: bool) -> float:
+        """One varlen call over ``blocks`` of ``(num_q, pairs)``: each block at the rate of its
+        own query count, the call overhead once (how the engine packs a ring phase)."""
+        curve = self.diagonal if diagonal else self.attention
+        flops_per_pair = self.model.attn_flops_per_pair()
+        total = 0.0
+        for num_q, pairs in blocks:
+            if pairs > 0 and num_q > 0:
+                total += pairs * flops_per_pair / curve.rate(num_q)
+        return total + curve.overhead_s if total > 0 else 0.0
 
     def attention_block_time(self, q: tuple[int, int], k: tuple[int, int]) -> float:
-        """Query range ``q`` against key range ``k`` of one causal document."""
-        return self.attention_time(q[1] - q[0], causal_pairs(q[0], q[1], k[0], k[1]))
+        """Query range ``q`` against key range ``k`` of one causal document; the diagonal curve
+        when the keys reach past the first query (some of the block is masked)."""
+        pairs = causal_pairs(q[0], q[1], k[0], k[1])
+        return self.attention_time(q[1] - q[0], pairs, diagonal=k[1] > q[0] + 1)
 
     def document_attention_time(self, length: int) -> float:
         """A whole causal document on one GPU."""
@@ -153,7 +231,23 @@ class CostModel:
         return num_tokens * self.model.hidden_bytes_per_token()
 
     def link(self, kind: Link) -> LinkCost:
+        if kind == "alltoall":
+            return self.alltoall_link()
         return self.nvlink if kind == "nvlink" else self.nic
 
     def transfer_time(self, num_bytes: float, kind: Link) -> float:
         return self.link(kind).time(num_bytes)
+
+    def alltoall_link(self) -> LinkCost:
+        """The all-to-all figure: measured, or derived from the point-to-point links. A rank's
+        bytes leave over its NIC when the world spans nodes (the slower share dominates),
+        over NVLink otherwise; a collective pays a few latencies of its slowest link."""
+        if self.alltoall is not None:
+            return self.alltoall
+        slow = self.nic if self.topology.num_nodes > 1 else self.nvlink
+        return LinkCost(slow.bytes_per_s, DEFAULT_ALLTOALL_LATENCY_HOPS * slow.latency_s)
+
+    def remap_time(self, num_tokens: int) -> float:
+        """One remapping all-to-all in which a rank sends ``num_tokens`` tokens' hidden states
+        (one layer, one direction); ``simulator`` prices the full matrix per link instead."""
+        return self.alltoall_link().time(self.remap_bytes(num_tokens))

@@ -1,26 +1,44 @@
-"""The linear layout: even tokens per GPU, moving as few tokens as possible, same node first.
+"""The linear layout: where linear modules (QKV, projections, MLP, loss) run, chosen by cost.
 
-Linear modules (QKV, projections, MLP, loss) cost the same per token, so every rank should hold
-``total // world`` tokens, with the remainder's extra token going to the ranks that already hold
-the most (fewer moves). Each rank keeps the first of its attention tokens (in its canonical
-attention order) up to its target; the rest form a surplus that fills ranks short of tokens,
-first on the same node (NVLink), then on other nodes (NICs). Surplus pieces are handed out in
-rank order and cut only where a receiver is full, so ranges stay few and contiguous; a rank's
-ranges are listed by (document, start), with touching ranges merged.
+Linear modules cost the same per token, so a rank holding more tokens than its peers in the
+attention layout is slow in its linear modules too. Moving tokens evens that out, but the move
+is an all-to-all before and after attention (``remap_seconds``), and it turns every layer into
+``max(linear) + all-to-alls + max(attention)`` instead of ``max(linear + attention)``: the two
+maxima need not fall on the same rank. Three layouts are candidates:
 
-The capacity holds automatically: ``ceil(total / world) <= capacity`` whenever the batch fits
-the cluster at all.
+* ``attention``: the attention layout itself; nothing moves;
+* ``node``: tokens even inside every node (NVLink moves only);
+* ``even``: tokens even over the world (``total // world`` per rank), same node first.
+
+``choose_linear_layout`` predicts one layer under each with the cost model and keeps the fastest
+(ties go to the one that moves less). Its property: the chosen layout's predicted layer time is
+no more than the other candidates'.
+
+Balancing (``node`` and ``even``) keeps every token that can stay where it is: each rank keeps the
+first of its attention tokens (in canonical attention order) up to its target, the remainder's
+extra token going to the ranks that already hold the most (fewer moves); the rest form a surplus
+that fills ranks short of tokens, same node first. Surplus pieces are handed out in rank order
+and cut only where a receiver is full, so ranges stay few and contiguous; a rank's ranges are
+listed by (document, start), with touching ranges merged. The capacity holds automatically:
+a target never exceeds the largest attention count of its group.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 
+from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import SequencePlan, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
 Piece = tuple[int, int, int]
 """``(seq, start, end)``: a token range of one document."""
+Moves = dict[tuple[int, int], int]
+"""``(attention holder, linear holder)`` -> tokens moved between them."""
+
+LAYOUTS = ("attention", "node", "even")
+Layout = tuple[tuple[TokenRange, ...], ...]
 
 
 def attention_ranges_by_rank(
@@ -45,10 +63,15 @@ def _merged(pieces: list[Piece]) -> tuple[TokenRange, ...]:
     return tuple(TokenRange(seq, start, end) for seq, start, end in out)
 
 
-def _fill(surplus: list[tuple[int, Piece]], needy: list[int], need: list[int], received) -> int:
-    """Hand out ``surplus`` pieces (with their holder) to the ranks in ``needy`` in order;
-    returns how many tokens moved. Leaves the undelivered pieces in ``surplus``."""
-    moved = 0
+def _fill(
+    surplus: list[tuple[int, Piece]],
+    needy: list[int],
+    need: list[int],
+    received: list[list[Piece]],
+    moves: Moves,
+) -> None:
+    """Hand out ``surplus`` pieces (with their holder) to the ranks in ``needy`` in order,
+    recording ``moves``. Leaves the undelivered pieces in ``surplus``."""
     left: list[tuple[int, Piece]] = []
     pos = 0
     for holder, (seq, start, end) in surplus:
@@ -56,8 +79,8 @@ def _fill(surplus: list[tuple[int, Piece]], needy: list[int], need: list[int], r
             rank = needy[pos]
             take = min(end - start, need[rank])
             received[rank].append((seq, start, start + take))
+            moves[(holder, rank)] = moves.get((holder, rank), 0) + take
             need[rank] -= take
-            moved += take
             start += take
             if need[rank] == 0:
                 pos += 1
@@ -65,26 +88,40 @@ def _fill(surplus: list[tuple[int, Piece]], needy: list[int], need: list[int], r
             left.append((holder, (seq, start, end)))
     del needy[:pos]
     surplus[:] = left
-    return moved
 
 
-def build_linear_layout(
-    by_rank: list[list[Piece]], topology: Topology, *, remap: bool = True
-) -> tuple[tuple[tuple[TokenRange, ...], ...], dict[str, int]]:
-    """Per-rank linear ranges and the tokens moved (``intra_node``, ``inter_node``)."""
-    world = topology.world_size
-    if not remap:
-        return tuple(_merged(list(p)) for p in by_rank), {"intra_node": 0, "inter_node": 0}
+def _targets(counts: list[int], groups: list[list[int]]) -> list[int]:
+    """Even tokens per rank inside every group; the remainder goes to the biggest holders."""
+    target = [0] * len(counts)
+    for ranks in groups:
+        base, extra = divmod(sum(counts[r] for r in ranks), len(ranks))
+        for r in ranks:
+            target[r] = base
+        for r in sorted(ranks, key=lambda r: (-counts[r], r))[:extra]:
+            target[r] += 1
+    return target
+
+
+def balanced_layout(
+    by_rank: list[list[Piece]], topology: Topology, *, scope: str = "even"
+) -> tuple[Layout, Moves]:
+    """Tokens even over the world (``scope="even"``) or inside every node (``"node"``), moving
+    as few as possible, same node first (module docstring). Returns the layout and its moves."""
+    if scope not in ("even", "node"):
+        raise ValueError(f"scope must be 'even' or 'node', got {scope!r}")
+    world, num_nodes = topology.world_size, topology.num_nodes
     counts = [sum(end - start for _, start, end in pieces) for pieces in by_rank]
-    base, extra = divmod(sum(counts), world)
-    target = [base] * world
-    for rank in sorted(range(world), key=lambda r: (-counts[r], r))[:extra]:
-        target[rank] += 1
+    nodes = [list(topology.ranks_of_node(n)) for n in range(num_nodes)]
+    target = _targets(counts, nodes if scope == "node" else [list(range(world))])
 
     kept: list[list[Piece]] = [[] for _ in range(world)]
     need = [0] * world
-    surplus_of_node: list[list[tuple[int, Piece]]] = [[] for _ in range(topology.num_nodes)]
+    surplus_of_node: list[list[tuple[int, Piece]]] = [[] for _ in range(num_nodes)]
     for rank, pieces in enumerate(by_rank):
+        if counts[rank] <= target[rank]:  # keeps everything: no cutting needed
+            kept[rank].extend(pieces)
+            need[rank] = target[rank] - counts[rank]
+            continue
         room = target[rank]
         surplus = surplus_of_node[topology.node_of(rank)]
         for seq, start, end in pieces:
@@ -94,18 +131,159 @@ def build_linear_layout(
                 room -= take
             if start + take < end:
                 surplus.append((rank, (seq, start + take, end)))
-        need[rank] = room
 
     # Same node first: NVLink moves are cheap, NIC moves are not.
-    moved = {"intra_node": 0, "inter_node": 0}
-    needy_of_node = [
-        [r for r in topology.ranks_of_node(node) if need[r] > 0]
-        for node in range(topology.num_nodes)
-    ]
-    for node in range(topology.num_nodes):
-        moved["intra_node"] += _fill(surplus_of_node[node], needy_of_node[node], need, kept)
+    moves: Moves = {}
+    needy_of_node = [[r for r in ranks if need[r] > 0] for ranks in nodes]
+    for node in range(num_nodes):
+        _fill(surplus_of_node[node], needy_of_node[node], need, kept, moves)
     leftover = [item for surplus in surplus_of_node for item in surplus]
     needy = [r for needy_ranks in needy_of_node for r in needy_ranks]
-    moved["inter_node"] += _fill(leftover, needy, need, kept)
+    _fill(leftover, needy, need, kept, moves)
     assert not leftover and not needy and not any(need), "linear layout lost tokens"
-    return tuple(_merged(pieces) for pieces in kept), moved
+    return tuple(_merged(pieces) for pieces in kept), moves
+
+
+def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Moves:
+    """The moves ``balanced_layout`` makes, from token counts alone: surplus is handed out in
+    holder order to needy ranks in rank order, same node first, exactly as ``_fill`` does."""
+    moves: Moves = {}
+    leftover: list[list[int]] = []
+    needy_left: list[list[int]] = []
+    for node in range(topology.num_nodes):
+        ranks = topology.ranks_of_node(node)
+        surplus = [[r, counts[r] - target[r]] for r in ranks if counts[r] > target[r]]
+        needy = [[r, target[r] - counts[r]] for r in ranks if counts[r] < target[r]]
+        _match(surplus, needy, moves)
+        leftover += [item for item in surplus if item[1] > 0]
+        needy_left += [item for item in needy if item[1] > 0]
+    _match(leftover, needy_left, moves)
+    return moves
+
+
+def _match(surplus: list[list[int]], needy: list[list[int]], moves: Moves) -> None:
+    """Two pointers over ``[rank, tokens]`` lists; amounts left are kept in place."""
+    pos = 0
+    for item in surplus:
+        while item[1] > 0 and pos < len(needy):
+            take = min(item[1], needy[pos][1])
+            key = (item[0], needy[pos][0])
+            moves[key] = moves.get(key, 0) + take
+            item[1] -= take
+            needy[pos][1] -= take
+            if needy[pos][1] == 0:
+                pos += 1
+
+
+def moved_tokens(moves: Moves, topology: Topology) -> dict[str, int]:
+    """Tokens moved inside nodes and between nodes."""
+    out = {"intra_node": 0, "inter_node": 0}
+    for (a, b), n in moves.items():
+        out["intra_node" if topology.same_node(a, b) else "inter_node"] += n
+    return out
+
+
+def all_to_all_seconds(
+    moves: Moves, topology: Topology, cost_model: CostModel, bytes_per_token: float
+) -> float:
+    """One all-to-all moving ``moves[(src, dst)]`` tokens: every GPU's NVLink port and every NIC
+    (per direction) drains its bytes in parallel; the slowest drain plus one latency."""
+    load: dict[tuple, float] = defaultdict(float)
+    kinds = set()
+    for (src, dst), num_tokens in moves.items():
+        num_bytes = num_tokens * bytes_per_token
+        if topology.same_node(src, dst):
+            kind = "nvlink"
+            ports = (("gpu-out", src), ("gpu-in", dst))
+        else:
+            kind = "nic"
+            ports = (
+                ("nic-out", topology.node_of(src), topology.nic_of(src)),
+                ("nic-in", topology.node_of(dst), topology.nic_of(dst)),
+            )
+        kinds.add(kind)
+        for port in ports:
+            load[(kind, port)] += num_bytes
+    if not load:
+        return 0.0
+    drain = max(v / cost_model.link(kind).bytes_per_s for (kind, _), v in load.items())
+    return drain + max(cost_model.link(k).latency_s for k in kinds)
+
+
+def remap_seconds(moves: Moves, topology: Topology, cost_model: CostModel) -> float:
+    """The remapping of one layer, forward and backward: Q/K/V (then dQ/dK/dV) travel from the
+    linear holder to the attention holder, the output (then its gradient) back; four
+    all-to-alls. ``moves`` is keyed ``(attention holder, linear holder)``."""
+    m = cost_model.model
+    q_bytes = (m.hidden_bytes_per_token() - m.kv_bytes_per_token()) // 2
+    to_attention = {(b, a): n for (a, b), n in moves.items()}
+    one_way = all_to_all_seconds(
+        to_attention, topology, cost_model, q_bytes + m.kv_bytes_per_token()
+    )
+    other_way = all_to_all_seconds(moves, topology, cost_model, q_bytes)
+    return 2.0 * (one_way + other_way)
+
+
+def layer_seconds(
+    attention_s: Sequence[float],
+    linear_tokens: Sequence[int],
+    remap_s: float,
+    cost_model: CostModel,
+) -> float:
+    """Predicted layer time: ``max(linear + attention)`` with nothing to move, else
+    ``max(linear) + remap + max(attention)`` (the all-to-alls synchronize every rank)."""
+    linear = [cost_model.linear_time(n) for n in linear_tokens]
+    if remap_s <= 0:
+        return max(a + b for a, b in zip(attention_s, linear))
+    return max(linear) + remap_s + max(attention_s)
+
+
+def choose_linear_layout(
+    by_rank: list[list[Piece]],
+    topology: Topology,
+    cost_model: CostModel,
+    attention_s: Sequence[float],
+    *,
+    candidates: Sequence[str] = LAYOUTS,
+) -> tuple[Layout, Moves, str, dict[str, float]]:
+    """The candidate layout (module docstring) with the least predicted layer time, given each
+    rank's predicted attention seconds. Returns the layout, its moves, its name and every
+    candidate's predicted seconds."""
+    unknown = [c for c in candidates if c not in LAYOUTS]
+    if unknown or not candidates:
+        raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
+    # Candidates are priced from token counts alone; only the winner's ranges are built.
+    counts = [sum(end - start for _, start, end in pieces) for pieces in by_rank]
+    world = topology.world_size
+    node_groups = [list(topology.ranks_of_node(n)) for n in range(topology.num_nodes)]
+    best: tuple[float, str] | None = None
+    predicted: dict[str, float] = {}
+    for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
+        if name == "attention":
+            tokens, moves = counts, {}
+        else:
+            tokens = _targets(counts, node_groups if name == "node" else [list(range(world))])
+            moves = _count_moves(counts, tokens, topology)
+        seconds = layer_seconds(
+            attention_s, tokens, remap_seconds(moves, topology, cost_model), cost_model
+        )
+        predicted[name] = seconds
+        if best is None or seconds < best[0]:
+            best = (seconds, name)
+    assert best is not None
+    name = best[1]
+    if name == "attention":
+        return tuple(_merged(list(p)) for p in by_rank), {}, name, predicted
+    layout, moves = balanced_layout(by_rank, topology, scope=name)
+    return layout, moves, name, predicted
+
+
+def build_linear_layout(
+    by_rank: list[list[Piece]], topology: Topology, *, remap: bool = True
+) -> tuple[Layout, dict[str, int]]:
+    """Per-rank linear ranges, even over the world (``remap=False``: the attention layout), and
+    the tokens moved (``intra_node``, ``inter_node``)."""
+    if not remap:
+        return tuple(_merged(list(p)) for p in by_rank), {"intra_node": 0, "inter_node": 0}
+    layout, moves = balanced_layout(by_rank, topology, scope="even")
+    return layout, moved_tokens(moves, topology)

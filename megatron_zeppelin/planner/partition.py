@@ -1,36 +1,48 @@
 """Zeppelin's hierarchical sequence partitioning: lengths + topology + cost model -> ``Plan``.
 
-Every document gets a tier first, from its length alone, so a longer document never lands in a
-lower tier than a shorter one (see ``thresholds.py`` for ``T_intra < T_inter``):
+What is balanced is each GPU's predicted **work**: its attention seconds plus its tokens' linear
+seconds (``linear_seconds_per_token``), plus the ring transfers its compute cannot hide
+(``Loads.ring_finish``). Linear modules are most of a step at typical lengths; balancing
+attention alone leaves tokens uneven and the remapping then has to move them across nodes.
 
-* **inter-node** when it cannot fit one node (capacity), or when it is long enough that a ring
-  over two whole nodes still hides its NIC transfers *and* its attention costs more than one
-  node's fair share (total attention / nodes): one node could not be balanced around it;
-* **intra-node** when it cannot fit one GPU, or when it is at least ``T_intra`` long and costs
-  more than one GPU's fair share (total attention / GPUs);
+Every document gets a tier first:
+
+* **inter-node** when it cannot fit one node (capacity), or when its work exceeds one node's fair
+  share and the cost model predicts that a ring over ``n >= 2`` whole nodes (exposed NIC
+  transfers included, over every NIC when routing) beats a ring on one node; ``n`` is the fewest
+  nodes whose per-rank time fits one GPU's share, else the fastest;
+* **intra-node** when it cannot fit one GPU, or when it is at least ``T_intra`` long and its
+  work exceeds half a GPU's fair share, or (automatic thresholds only) when its work exceeds
+  twice a GPU's share, which unbalances its GPU more than a ring's unhidden NVLink steps cost;
 * **local** otherwise: the whole document on one GPU.
 
-Level 1 (across nodes). Inter-node documents, longest first, take ``n`` consecutive nodes: the
-fewest that hold them and bring their cost under a node's share, but no more than keeps a chunk
-above the NIC chunk threshold. The window of nodes with the lowest peak load and room wins (ties:
-leftmost). The ring visits the nodes in order and all GPUs of each node, so it has exactly ``n``
-cross-node edges; each document starts its in-node order at another GPU so the cross-node
-edges of different documents leave from different GPUs (and NICs). The other documents go to
-nodes by greedy LPT (longest processing time first) on attention cost plus the cost of moving
-their tokens in the remapping (token imbalance between nodes becomes NIC traffic).
+Work and the tier rules grow with length, so a longer document never lands in a lower tier
+than a shorter one (see ``thresholds.py`` for ``T_intra < T_inter``).
+
+Level 1 (across nodes). Inter-node documents, longest first, take ``n`` consecutive nodes. The
+window of nodes with the lowest peak load and room wins (ties: leftmost). The ring visits the
+nodes in order and all GPUs of each node, so it has exactly ``n`` cross-node edges; each document
+starts its in-node order at another GPU so the cross-node edges of different documents leave from
+different GPUs (and NICs). The other documents go to nodes by greedy LPT (longest processing time
+first) on work; a node keeps a small token reserve while any other node has room, so its GPUs can
+still pack documents whole.
 
 Level 2 (inside each node). Intra-node documents, longest first, take a ring of the
 least-loaded GPUs with room. The ring size (any size from what capacity needs to the node's GPUs,
 but no larger than keeps each chunk above the NVLink chunk threshold) is the one whose busiest
-member would finish first, using the predicted per-rank ring time (``_Loads.ring_seconds``).
-Local documents then go by LPT to the least-loaded GPU with room,
-counting the shares GPUs already carry from inter-node rings. A local document that finds no GPU
-with room (fragmentation under tight capacity) becomes a ring: the one case that can break the
-tier order, counted in ``meta["capacity_promotions"]``.
+member would finish first (``Loads.ring_finish``). Local documents then go by LPT to the
+least-loaded GPU with room, counting the shares GPUs already carry from inter-node rings.
 
-Zigzag chunks come from ``zigzag_spans``; the linear layout from ``linear_layout.py``; routing of
-cross-node ring edges from ``routing.py``. Everything iterates lists and sorted keys, so the same
-input always gives the same plan.
+Tight capacity. A local document that finds no GPU with room becomes a ring (counted in
+``meta["capacity_promotions"]``: the one case that can break the tier order). A node whose
+documents do not fit is placed again with local documents on the GPU with the most room, then
+with every ring over all its GPUs, handing what still does not fit to other nodes. If placement
+still runs out of room, the whole batch is planned again splitting only what capacity forces
+(``meta["fallback"]``). A ``ValueError`` then means the batch truly cannot be placed.
+
+Zigzag chunks come from ``zigzag_spans``; the linear layout from ``linear_layout.py`` (the
+candidate the cost model predicts fastest); routing of cross-node ring edges from ``routing.py``.
+Everything iterates lists and sorted keys, so the same input always gives the same plan.
 """
 
 from __future__ import annotations
@@ -40,24 +52,28 @@ import heapq
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.linear_layout import attention_ranges_by_rank, build_linear_layout
+from megatron_zeppelin.planner.linear_layout import (
+    LAYOUTS,
+    attention_ranges_by_rank,
+    choose_linear_layout,
+    moved_tokens,
+)
+from megatron_zeppelin.planner.loads import Loads, min_ring, position_tokens
 from megatron_zeppelin.planner.plan import (
     Plan,
     SequencePlan,
     Span,
     Tier,
-    zigzag_bounds,
     zigzag_spans,
 )
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.thresholds import (
     attention_costs,
-    remap_seconds_per_token,
     tier_thresholds,
 )
 from megatron_zeppelin.topology.model import Topology
@@ -79,7 +95,11 @@ class PlannerOptions:
     routing: bool = True
     """Spread cross-node ring traffic over every NIC through proxy GPUs."""
     remap: bool = True
-    """Even linear layout. ``False``: the linear layout is the attention layout."""
+    """Move tokens for the linear modules where the cost model says it pays (see
+    ``linear_layout``). ``False``: the linear layout is the attention layout."""
+    linear_layout: str = "auto"
+    """With ``remap``: ``"auto"`` (the fastest predicted of ``attention``, ``node``, ``even``) or
+    one of those three forced."""
 
     def resolved_thresholds(self, cost_model: CostModel) -> tuple[int, int]:
         if self.thresholds == "auto":
@@ -98,66 +118,12 @@ class PlannerOptions:
         return intra, inter
 
 
-def position_tokens(length: int, ring_size: int) -> list[int]:
-    """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
-    if ring_size == 1:
-        return [length]
-    bounds = zigzag_bounds(length, ring_size)
-    g2 = 2 * ring_size - 1
-    return [
-        bounds[i][1] - bounds[i][0] + bounds[g2 - i][1] - bounds[g2 - i][0]
-        for i in range(ring_size)
-    ]
-
-
-def _min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -> int | None:
-    """Smallest ring size (a multiple of ``multiple``, at least ``start``) whose zigzag chunks
-    fit ``capacity`` per rank; ``None`` when even one token per rank would not fit."""
-    g = max(start, math.ceil(length / capacity))
-    g = multiple * math.ceil(g / multiple)
-    while g <= length + multiple:
-        if max(position_tokens(length, g)) <= capacity:
-            return g
-        g += multiple
-    return None
-
-
-class _Loads:
-    """Per-GPU predicted attention seconds and tokens while documents are placed."""
-
-    def __init__(self, topology: Topology, capacity: int, cost_model: CostModel) -> None:
-        self.topology = topology
-        self.capacity = capacity
-        self.token_weight = remap_seconds_per_token(cost_model, "nvlink", topology.gpus_per_node)
-        self.cost = [0.0] * topology.world_size
-        self.tokens = [0] * topology.world_size
-        eff = cost_model.attention
-        self._pair_seconds = cost_model.model.attn_flops_per_pair() / eff.flops_per_s
-        self._half_tokens = eff.half_tokens
-        self._overhead_s = eff.overhead_s
-
-    def ring_seconds(self, length: int, ring_size: int) -> float:
-        """One rank's attention seconds in a zigzag ring: ``L^2 / 2g`` pairs at the efficiency
-        of a ``L/g``-token chunk, plus one kernel call per ring step."""
-        if ring_size == 1:
-            return self._pair_seconds * length * (length + 1) / 2 * (1 + self._half_tokens / length)
-        chunk = length / ring_size
-        pairs = length * length / (2 * ring_size)
-        return self._pair_seconds * pairs * (1 + self._half_tokens / chunk) + (
-            ring_size * self._overhead_s
-        )
-
-    def add_ring(self, ring: Sequence[int], length: int) -> None:
-        seconds = self.ring_seconds(length, len(ring))
-        for rank, n in zip(ring, position_tokens(length, len(ring))):
-            self.cost[rank] += seconds
-            self.tokens[rank] += n
-
-    def load(self, rank: int) -> float:
-        return self.cost[rank] + self.token_weight * self.tokens[rank]
-
-    def room(self, rank: int) -> int:
-        return self.capacity - self.tokens[rank]
+_SPLIT_SHARE = 0.5
+"""A document at least ``T_intra`` long is split once its work passes this fraction of a GPU's
+fair share: greedy packing finishes within one item of the optimum, so items of half a share or
+more leave GPUs visibly uneven."""
+_MIN_BALANCE_CHUNK = 64
+"""Tokens per zigzag chunk below which no document is split for balance alone."""
 
 
 def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> np.ndarray:
@@ -186,8 +152,12 @@ def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> 
     return array
 
 
+class CapacityError(ValueError):
+    """The placement ran out of room on the GPUs it tried (not a bad input)."""
+
+
 def _capacity_error(doc: int, length: int, where: str) -> ValueError:
-    return ValueError(
+    return CapacityError(
         f"document {doc} ({length} tokens) finds no room {where}: the capacity is too tight for "
         "this batch; raise the capacity or use smaller micro-batches"
     )
@@ -216,7 +186,19 @@ def plan_batch(
 ) -> Plan:
     """Zeppelin's plan for one micro-batch of documents (see the module docstring)."""
     with _collector_paused():
-        return _plan_batch(lengths, topology, cost_model, capacity, options)
+        try:
+            return _plan_batch(lengths, topology, cost_model, capacity, options)
+        except CapacityError:
+            # Balance splits and cross-node rings can fragment a tight cluster; plan again
+            # splitting only what capacity forces (every GPU then keeps the most room).
+            options = options or PlannerOptions()
+            if not options.allow_split:
+                raise
+            plan = _plan_batch(
+                lengths, topology, cost_model, capacity, replace(options, allow_split=False)
+            )
+            plan.meta["fallback"] = "capacity: balance splits off"
+            return plan
 
 
 def _plan_batch(
@@ -232,43 +214,63 @@ def _plan_batch(
     if capacity is None:
         raise ValueError("give a per-GPU token capacity (capacity= or PlannerOptions.capacity)")
     array = _check_inputs(lengths, topology, capacity)
+    if options.linear_layout != "auto" and options.linear_layout not in LAYOUTS:
+        raise ValueError(
+            f"linear_layout must be 'auto' or one of {', '.join(LAYOUTS)}, got "
+            f"{options.linear_layout!r}"
+        )
     intra_threshold, inter_threshold = options.resolved_thresholds(cost_model)
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
-    attn = attention_costs(cost_model, array)
-    total_cost = float(attn.sum())
-    node_share, gpu_share = total_cost / num_nodes, total_cost / topology.world_size
+    num_links = topology.nics_per_node if options.routing else 1
+    loads = Loads(topology, capacity, cost_model, num_links)
+    # A document's work on one GPU: its attention plus its tokens' linear modules.
+    work = attention_costs(cost_model, array) + loads.token_weight * array
+    total_work = float(work.sum())
+    node_share, gpu_share = total_work / num_nodes, total_work / topology.world_size
     nvlink_chunk = max(1, intra_threshold // 2)
     nic_chunk = max(1, inter_threshold // 2)
     if options.routing:  # routed, one cross-node edge uses every NIC of its node
         nic_chunk = max(1, math.ceil(nic_chunk / topology.nics_per_node))
 
-    # Tiers from length alone (vectorized). Zigzag rounding may put a token or two more than
+    # Tiers (vectorized). Zigzag rounding may put a token or two more than
     # L/g on a rank, so documents near a node's capacity are checked exactly.
     split = array > capacity
     inter = array > capacity * k
     for doc in np.flatnonzero(~inter & (array > (capacity - 2) * k)).tolist():
-        inter[doc] = (_min_ring(int(array[doc]), capacity) or k + 1) > k
+        inter[doc] = (min_ring(int(array[doc]), capacity) or k + 1) > k
     if options.allow_split:
-        split |= (array >= intra_threshold) & (attn > gpu_share)
-        if num_nodes > 1:
-            inter |= (array >= 2 * k * nic_chunk) & (attn > node_share)
+        split |= (array >= intra_threshold) & (work > _SPLIT_SHARE * gpu_share)
+        # A document worth several GPUs' shares unbalances whichever GPU holds it whole; an
+        # NVLink ring that does not quite hide its transfers costs less than that (few documents
+        # per GPU: large clusters, small micro-batches).
+        # Explicit thresholds are the user's word and stay as given.
+        if options.thresholds == "auto":
+            split |= (array >= 2 * min(nvlink_chunk, _MIN_BALANCE_CHUNK)) & (work > 2 * gpu_share)
     if num_nodes == 1:
         inter[:] = False
-    loads = _Loads(topology, capacity, cost_model)
+    # Documents no node can balance go across nodes when the cost model says the cross-node
+    # ring (its exposed NIC transfers included) beats a ring on one node.
+    wanted_nodes: dict[int, int] = {}
+    if num_nodes > 1:
+        candidates = options.allow_split & (work > node_share)
+        if options.thresholds != "auto":
+            candidates &= array >= inter_threshold
+        for doc in np.flatnonzero(inter | candidates).tolist():
+            best = 2
+            if options.allow_split:
+                best = loads.best_num_nodes(int(array[doc]), gpu_share, num_links)
+            if best > 1 or inter[doc]:
+                inter[doc] = True
+                wanted_nodes[doc] = max(2, best)
     rings: list[tuple[int, ...] | None] = [None] * len(array)
     meta_promotions = 0
 
     # --- level 1: inter-node rings on consecutive nodes ----------------------------------------
     inter_docs = sorted(np.flatnonzero(inter).tolist(), key=lambda d: (-int(array[d]), d))
     for order, doc in enumerate(inter_docs):
-        length, cost = int(array[doc]), float(attn[doc])
-        wanted = 1
-        if options.allow_split:
-            wanted = min(math.ceil(cost / node_share), length // (k * nic_chunk))
-        rings[doc] = _place_inter(doc, length, max(2, wanted), order, loads)
+        rings[doc] = _place_inter(doc, int(array[doc]), wanted_nodes[doc], order, loads)
 
-    # Everything else goes to nodes by LPT; a node's load counts its inter-node shares.
-    nic_weight = remap_seconds_per_token(cost_model, "nic", topology.nics_per_node)
+    # Everything else goes to nodes by LPT on work; a node's load counts its inter-node shares.
     by_node: list[list[int]] = [[] for _ in range(num_nodes)]
     assigned_key, assigned_tokens = [0.0] * num_nodes, [0] * num_nodes
     node_tokens = [0] * num_nodes
@@ -279,21 +281,31 @@ def _plan_batch(
         heap.clear()
         for n in range(num_nodes):
             ranks = topology.ranks_of_node(n)
-            gpu_tokens = sum(loads.tokens[r] for r in ranks)
-            node_tokens[n] = gpu_tokens + assigned_tokens[n]
-            cost = sum(loads.cost[r] for r in ranks) + nic_weight * gpu_tokens + assigned_key[n]
+            node_tokens[n] = sum(loads.tokens[r] for r in ranks) + assigned_tokens[n]
+            cost = sum(loads.cost[r] for r in ranks) + assigned_key[n]
             heap.append((cost, n))
         heapq.heapify(heap)
 
     refresh_nodes()
     rest = np.flatnonzero(~inter)
-    key = attn[rest] + nic_weight * array[rest]
+    key = work[rest]
     node_room = capacity * k
+    # Filling a node to the last token leaves its GPUs no room to pack documents whole: nodes
+    # keep a small reserve while any other node has room, and give it up only when none has.
+    reserve = min(node_room // 32, 4 * int(array.max()))
     for idx in np.lexsort((rest, -key)).tolist():
         doc, length = int(rest[idx]), int(array[rest[idx]])
+        # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
+        needed = length + 2 * k if split[doc] else length
         skipped = []
-        while heap and node_room - node_tokens[heap[0][1]] < length + 2 * k:
+        while heap and node_room - node_tokens[heap[0][1]] < needed + reserve:
             skipped.append(heapq.heappop(heap))
+        if not heap:
+            for item in skipped:
+                heapq.heappush(heap, item)
+            skipped = []
+            while heap and node_room - node_tokens[heap[0][1]] < needed:
+                skipped.append(heapq.heappop(heap))
         if heap:
             load, node = heapq.heappop(heap)
             by_node[node].append(doc)
@@ -315,23 +327,27 @@ def _plan_batch(
     largest = np.full(len(array), 2, dtype=np.int64)
     if options.allow_split:
         largest = np.maximum(2, np.minimum(k, array // nvlink_chunk))
+    spread = np.full(len(array), k, dtype=np.int64)
     overflow: list[int] = []
     for node in range(num_nodes):
         ranks = list(topology.ranks_of_node(node))
-        saved = ([loads.cost[r] for r in ranks], [loads.tokens[r] for r in ranks])
-        try:
-            meta_promotions += _place_node(
-                by_node[node], ranks, array, split, 2, largest, loads, rings
-            )
-        except ValueError:
-            # Fragmentation under tight capacity: start the node again with every ring spread
-            # over all its GPUs, the layout that leaves the most room on each.
-            for i, r in enumerate(ranks):
-                loads.cost[r], loads.tokens[r] = saved[0][i], saved[1][i]
-            spread = np.full(len(array), k, dtype=np.int64)
-            meta_promotions += _place_node(
-                by_node[node], ranks, array, split, k, spread, loads, rings, overflow=overflow
-            )
+        saved = [(loads.cost[r], loads.attention[r], loads.tokens[r]) for r in ranks]
+        # Fragmentation under tight capacity: start the node again with local documents on the
+        # GPU with the most room, then also with every ring spread over all its GPUs (the
+        # layout that leaves the most room on each), giving up leftovers to other nodes.
+        for attempt in range(3):
+            if attempt:
+                for r, (cost, attention, tokens) in zip(ranks, saved):
+                    loads.cost[r], loads.attention[r], loads.tokens[r] = cost, attention, tokens
+            try:
+                meta_promotions += _place_node(
+                    by_node[node], ranks, array, split,
+                    k if attempt == 2 else 2, spread if attempt == 2 else largest,
+                    loads, rings, by_room=attempt > 0, overflow=overflow if attempt == 2 else None,
+                )  # fmt: skip
+                break
+            except ValueError:
+                assert attempt < 2, "the last attempt hands leftovers on instead of failing"
     # Documents a full node could not take go wherever room is left, as a last resort.
     for doc in sorted(overflow, key=lambda d: (-int(array[d]), d)):
         rings[doc] = _place_anywhere(doc, int(array[doc]), loads)
@@ -354,18 +370,18 @@ def _place_node(
     split: np.ndarray,
     smallest: int,
     largest: np.ndarray,
-    loads: _Loads,
+    loads: Loads,
     rings: list[tuple[int, ...] | None],
     *,
+    by_room: bool = False,
     overflow: list[int] | None = None,
 ) -> int:
     """Level 2 on one node: rings first (longest first), then local documents by LPT. Returns
     how many local documents had to become rings for lack of room.
 
-    With ``overflow`` (the retry under tight capacity), local documents go to the GPU with the
-    most room instead (worst fit, which keeps tokens even), and documents that still find no
-    room are appended to ``overflow`` instead of failing."""
-    by_room = overflow is not None
+    With ``by_room`` (a retry under tight capacity), local documents go to the GPU with the
+    most room instead (worst fit, which keeps tokens even); with ``overflow``, documents that
+    still find no room are appended to it instead of failing."""
 
     def ring(doc: int, length: int) -> tuple[int, ...] | None:
         try:
@@ -380,36 +396,33 @@ def _place_node(
     for doc in sorted((d for d in docs if split[d]), key=lambda d: (-int(array[d]), d)):
         rings[doc] = ring(doc, int(array[doc]))
     local = sorted((d for d in docs if not split[d]), key=lambda d: (-int(array[d]), d))
-    # Heap keys: predicted load (tokens weighted by their remapping cost), or tokens alone.
-    weight = 1.0 if by_room else loads.token_weight
-    cost_scale = 0.0 if by_room else 1.0
-    heap = [(cost_scale * loads.cost[r] + weight * loads.tokens[r], r) for r in ranks]
+    # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
+    key_of = loads.tokens if by_room else loads.cost
+    heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
-    cost_of, tokens_of = loads.cost, loads.tokens
+    tokens_of = loads.tokens
     capacity = loads.capacity
     for doc in local:
         length = int(array[doc])
-        cost = loads.ring_seconds(length, 1)
         skipped = []
         while heap and capacity - tokens_of[heap[0][1]] < length:
             skipped.append(heapq.heappop(heap))
         if heap:
             _, rank = heapq.heappop(heap)
-            cost_of[rank] += cost
-            tokens_of[rank] += length
+            loads.add_local(rank, length)
             rings[doc] = (rank,)
-            heapq.heappush(heap, (cost_scale * cost_of[rank] + weight * tokens_of[rank], rank))
+            heapq.heappush(heap, (key_of[rank], rank))
             for item in skipped:
                 heapq.heappush(heap, item)
         else:  # no GPU has room for it whole: a ring of the GPUs with room
             rings[doc] = ring(doc, length)
             promotions += rings[doc] is not None
-            heap = [(cost_scale * loads.cost[r] + weight * loads.tokens[r], r) for r in ranks]
+            heap = [(key_of[r], r) for r in ranks]
             heapq.heapify(heap)
     return promotions
 
 
-def _place_anywhere(doc: int, length: int, loads: _Loads) -> tuple[int, ...]:
+def _place_anywhere(doc: int, length: int, loads: Loads) -> tuple[int, ...]:
     """The GPU with the most room if it holds the document, else a ring on the node with the
     most room, else a ring across nodes."""
     topo = loads.topology
@@ -438,7 +451,7 @@ def _place_inter(
     length: int,
     wanted_nodes: int,
     order: int,
-    loads: _Loads,
+    loads: Loads,
     reserved: list[int] | None = None,
 ) -> tuple[int, ...]:
     """Ring over consecutive nodes (all their GPUs) with the lowest peak load that has room;
@@ -446,7 +459,7 @@ def _place_inter(
     on its GPUs."""
     topo = loads.topology
     k, num_nodes = topo.gpus_per_node, topo.num_nodes
-    need = _min_ring(length, loads.capacity, start=wanted_nodes * k, multiple=k)
+    need = min_ring(length, loads.capacity, start=wanted_nodes * k, multiple=k)
     if need is None or need > topo.world_size:
         raise _capacity_error(doc, length, "even spread over every GPU")
     tokens = np.asarray(loads.tokens, dtype=np.int64).reshape(num_nodes, k)
@@ -474,7 +487,7 @@ def _place_inter(
 
 
 def _place_intra(
-    doc: int, length: int, smallest: int, largest: int, ranks: list[int], loads: _Loads
+    doc: int, length: int, smallest: int, largest: int, ranks: list[int], loads: Loads
 ) -> tuple[int, ...]:
     """Ring of the least-loaded GPUs of one node that have room, in local-index order.
 
@@ -485,7 +498,7 @@ def _place_intra(
     """
     k = len(ranks)
     node = loads.topology.node_of(ranks[0])
-    start = _min_ring(length, loads.capacity, start=min(smallest, k))
+    start = min_ring(length, loads.capacity, start=min(smallest, k))
     if start is None or start > k:
         raise _capacity_error(doc, length, f"on node {node}")
     by_load = sorted(ranks, key=lambda r: (loads.load(r), r))
@@ -498,7 +511,7 @@ def _place_intra(
         chosen = [r for r in by_load if loads.room(r) >= per_rank][:g]
         if len(chosen) < g:
             continue
-        finish = max(loads.load(r) for r in chosen) + loads.ring_seconds(length, g)
+        finish = max(loads.load(r) for r in chosen) + loads.ring_finish(length, g, "nvlink")
         if best is None or finish < best[0]:
             best = (finish, g, chosen)
     if best is None:
@@ -515,7 +528,7 @@ def _assemble(
     cost_model: CostModel,
     capacity: int,
     options: PlannerOptions,
-    loads: _Loads,
+    loads: Loads,
     meta: dict,
 ) -> Plan:
     sequences = []
@@ -530,9 +543,18 @@ def _assemble(
             tier, spans = (Tier.INTRA if same else Tier.INTER), zigzag_spans(length, ring)
         sequences.append(SequencePlan(doc, length, tier, ring, spans))
     by_rank = attention_ranges_by_rank(sequences, topology.world_size)
-    linear, moved = build_linear_layout(by_rank, topology, remap=options.remap)
+    if not options.remap:
+        candidates: tuple[str, ...] = ("attention",)
+    elif options.linear_layout == "auto":
+        candidates = LAYOUTS
+    else:
+        candidates = (options.linear_layout,)
+    linear, moves, layout, predicted = choose_linear_layout(
+        by_rank, topology, cost_model, loads.attention, candidates=candidates
+    )
     routes = build_routes(sequences, topology) if options.routing else ()
-    cost = np.asarray(loads.cost)
+    cost = np.asarray(loads.attention)
+    work = np.asarray(loads.cost)
     tokens = np.asarray(loads.tokens)
     counts = {t.value: 0 for t in Tier}
     for seq in sequences:
@@ -542,8 +564,11 @@ def _assemble(
         "tier_counts": counts,
         "max_ring_size": max(len(r) for r in rings),  # type: ignore[arg-type]
         "attention_imbalance": float(cost.max() / cost.mean()) if cost.mean() > 0 else 1.0,
+        "load_imbalance": float(work.max() / work.mean()),
         "attention_token_imbalance": float(tokens.max() / tokens.mean()),
-        "remap_tokens": moved,
+        "linear_layout": layout,
+        "linear_layout_seconds": predicted,
+        "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(routes),
         "cost_sources": dict(cost_model.sources),
     }

@@ -188,18 +188,31 @@ class Plan:
         gpus_per_node = self.topology.gpus_per_node
         lengths: dict[int, int] = {}
         attention_tokens = [0] * world
+        local = Tier.LOCAL
         for seq in self.sequences:
             ring = seq.ring
             if seq.length < 1:
                 raise ValueError(f"sequence {seq.id} has length {seq.length}; lengths must be >= 1")
             lengths[seq.id] = seq.length
+            spans = seq.attention
+            # Fast path for the common case, a whole document on one GPU (the checks below
+            # reduce to these).
+            if len(ring) == 1 and len(spans) == 1 and seq.tier == local:
+                span, rank = spans[0], ring[0]
+                if (
+                    span.rank == rank
+                    and span.start == 0
+                    and span.end == seq.length
+                    and (0 <= rank < world)
+                ):
+                    attention_tokens[rank] += seq.length
+                    continue
             ring_set = set(ring)
             if not ring or len(ring_set) != len(ring):
                 raise ValueError(f"sequence {seq.id}: its ring must list distinct ranks")
             if min(ring) < 0 or max(ring) >= world:
                 rank = next(r for r in ring if not 0 <= r < world)
                 raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
-            spans = seq.attention
             if len(spans) > 1:
                 spans = sorted(spans, key=_span_start)
             pos = 0

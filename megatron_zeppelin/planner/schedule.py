@@ -52,7 +52,9 @@ def block_tokens(plan: Plan) -> dict[tuple[int, int], int]:
     return dict(sizes)
 
 
-def ring_schedule(plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)) -> list[list[Message]]:
+def ring_schedule(
+    plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)
+) -> list[list[Message]]:
     """Messages per ring step for the documents of the given tiers (see the module docstring).
 
     Messages in a step are sorted by ``(src, dst)``; every rank computes the same list.
@@ -72,9 +74,7 @@ def ring_schedule(plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)
                 origin = seq.ring[(i - step) % g]
                 n = sizes.get((seq.id, origin), 0)
                 edges[(src, seq.ring[(i + 1) % g])].append(Segment(seq.id, origin, n))
-        steps.append(
-            [Message(src, dst, tuple(segs)) for (src, dst), segs in sorted(edges.items())]
-        )
+        steps.append([Message(src, dst, tuple(segs)) for (src, dst), segs in sorted(edges.items())])
     return steps
 
 

@@ -10,6 +10,8 @@ Timeline of one layer on one rank:
   attention layout and dQ/dK/dV back. Each is a synchronization point: every rank waits for the
   slowest before attention and after it, so a layer takes ``max(linear) + all-to-alls +
   max(attention)``. Without remapping a layer takes ``max(linear + attention)`` over ranks.
+  Each all-to-all drains every GPU's NVLink port and every NIC (per direction) in parallel and
+  overlaps with nothing (``linear_layout.remap_seconds``, which the planner uses as well).
 * **ring attention**: phase 0 computes the local documents and every ring document's own
   diagonal block while ring step 0 is in flight; phase ``k`` computes the blocks received in
   step ``k-1`` while step ``k`` travels (``schedule.ring_schedule``). A phase lasts
@@ -40,6 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.linear_layout import all_to_all_seconds, remap_seconds
 from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
 from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
 from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
@@ -111,15 +114,14 @@ class SimResult:
 
 
 # --- compute -----------------------------------------------------------------------------------
-def phase_compute_time(cost: CostModel, blocks: list[tuple[int, int]]) -> float:
+def phase_compute_time(
+    cost: CostModel, blocks: list[tuple[int, int]], *, diagonal: bool = False
+) -> float:
     """One varlen attention call over ``blocks`` of ``(num_query_tokens, causal_pairs)``: each
-    block runs at the efficiency of its own query count, the call overhead is paid once."""
-    flops_per_pair = cost.model.attn_flops_per_pair()
-    total = 0.0
-    for num_q, pairs in blocks:
-        if pairs > 0:
-            total += cost.attention.time(pairs * flops_per_pair, num_q) - cost.attention.overhead_s
-    return total + cost.attention.overhead_s if total > 0 else 0.0
+    block runs at the efficiency of its own query count, the call overhead is paid once.
+    ``diagonal``: the blocks are cut by the causal diagonal (phase 0: whole local documents and
+    every ring document's own block), priced on the cost model's diagonal curve."""
+    return cost.attention_call_time(blocks, diagonal=diagonal)
 
 
 def _spans_by_rank(seq: SequencePlan) -> dict[int, list[tuple[int, int]]]:
@@ -226,27 +228,9 @@ def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
 
 
 def all_to_all_time(plan: Plan, cost: CostModel, moved: dict, bytes_per_token: float) -> float:
-    """One all-to-all moving ``moved[(src, dst)]`` tokens, links shared as in a ring step."""
-    load: dict[tuple, float] = defaultdict(float)
-    kinds = set()
-    topo = plan.topology
-    for (src, dst), num_tokens in moved.items():
-        num_bytes = num_tokens * bytes_per_token
-        if topo.same_node(src, dst):
-            ports, kind = (("gpu-out", src), ("gpu-in", dst)), "nvlink"
-        else:
-            ports = (
-                ("nic-out", topo.node_of(src), topo.nic_of(src)),
-                ("nic-in", topo.node_of(dst), topo.nic_of(dst)),
-            )
-            kind = "nic"
-        kinds.add(kind)
-        for port in ports:
-            load[(kind, port)] += num_bytes
-    if not load:
-        return 0.0
-    drain = max(v / cost.link(kind).bytes_per_s for (kind, _), v in load.items())
-    return drain + max(cost.link(k).latency_s for k in kinds)
+    """One all-to-all moving ``moved[(src, dst)]`` tokens, links shared as in a ring step
+    (``linear_layout.all_to_all_seconds``, the planner's own estimate)."""
+    return all_to_all_seconds(moved, plan.topology, cost, bytes_per_token)
 
 
 # --- one plan ----------------------------------------------------------------------------------
@@ -266,7 +250,10 @@ def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[f
     world = plan.world_size
     kv = cost.model.kv_bytes_per_token()
     phases = attention_phases(plan, plan.sequences)
-    compute = [[phase_compute_time(cost, blocks) for blocks in per_rank] for per_rank in phases]
+    compute = [
+        [phase_compute_time(cost, blocks, diagonal=k == 0) for k, blocks in enumerate(per_rank)]
+        for per_rank in phases
+    ]
     steps = ring_schedule(plan)
     if AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER:
         # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
@@ -275,7 +262,11 @@ def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[f
             for r, t in enumerate(step_transfer_times(plan, cost, step, kv, routing)):
                 comm[r] += t
         # One call over every block: the phases merge into a single kernel launch.
-        merged = [phase_compute_time(cost, [b for blocks in p for b in blocks]) for p in phases]
+        merged = [
+            phase_compute_time(cost, p[0], diagonal=True)
+            + phase_compute_time(cost, [b for blocks in p[1:] for b in blocks])
+            for p in phases
+        ]
         return merged, [2 * c for c in comm]
     fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]
     bwd = [step_transfer_times(plan, cost, step, 2 * kv, routing) for step in steps]
@@ -320,13 +311,10 @@ def _concurrent_layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -
     moved = remap_matrix(plan) if remap else {}
     if moved:
         linear = [cost.linear_time(plan.num_linear_tokens(r)) for r in range(world)]
-        hidden = cost.model.hidden_bytes_per_token() - cost.model.kv_bytes_per_token()
-        to_attention = hidden // 2 + cost.model.kv_bytes_per_token()  # Q, K, V (or dQ, dK, dV)
-        back = hidden // 2  # the output (or its gradient)
-        one_way = all_to_all_time(plan, cost, moved, to_attention)
-        reverse = {(b, a): n for (a, b), n in moved.items()}
-        other_way = all_to_all_time(plan, cost, reverse, back)
-        remap_s = 2 * (one_way + other_way)
+        # Q/K/V (then dQ/dK/dV) to the attention holders, the output (then its gradient) back:
+        # four all-to-alls, the same pricing the planner uses to choose the layout.
+        by_attention_holder = {(b, a): n for (a, b), n in moved.items()}
+        remap_s = remap_seconds(by_attention_holder, plan.topology, cost)
     else:
         linear = [cost.linear_time(plan.num_attention_tokens(r)) for r in range(world)]
         remap_s = 0.0

@@ -6,7 +6,11 @@ queries against one incoming K/V block of ``c`` keys, about ``c*c/2`` causal pai
 while the next block (``c`` tokens of K and V) travels. The split pays only when that compute
 hides the transfer:
 
-    attention_time(c, c*c/2) >= transfer_time(kv_bytes(c), link)
+    fwd_share * attention_time(c, c*c/2) >= transfer_time(kv_bytes(c), link)
+    bwd_share * attention_time(c, c*c/2) >= transfer_time(2 * kv_bytes(c), link)
+
+(the forward step moves K/V while computing the block's forward; the backward step moves K/V
+and dK/dV while computing its backward, ``ATTN_BWD_OVER_FWD`` times the forward.)
 
 Compute grows like ``c^2`` and the transfer like ``c``, so there is one crossing point ``c*`` per
 link: the *chunk threshold*. The smallest ring (two ranks) splits a document of ``2 c*`` tokens,
@@ -23,6 +27,10 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel, Link
+from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
+
+FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
+"""The forward pass's share of a block's fwd+bwd attention time."""
 
 _MAX_CHUNK = 1 << 40
 
@@ -32,7 +40,10 @@ def chunk_threshold(cost_model: CostModel, link: Link) -> int:
 
     def hides(c: int) -> bool:
         compute = float(attention_costs(cost_model, np.asarray([c]), pairs=c * c / 2)[0])
-        return compute >= cost_model.transfer_time(cost_model.kv_bytes(c), link)
+        kv = cost_model.kv_bytes(c)
+        return compute * FWD_SHARE >= cost_model.transfer_time(kv, link) and compute * (
+            1.0 - FWD_SHARE
+        ) >= cost_model.transfer_time(2 * kv, link)
 
     lo, hi = 1, 2
     while not hides(hi):  # exponential search, then bisection: both monotone in c
@@ -68,6 +79,14 @@ def attention_costs(
     flops = pairs * cost_model.model.attn_flops_per_pair()
     rate = eff.flops_per_s * lengths / (lengths + eff.half_tokens)
     return flops / rate
+
+
+def linear_seconds_per_token(cost_model: CostModel) -> float:
+    """Marginal seconds of one more token in a GPU's linear modules (one layer, fwd+bwd): what a
+    document's tokens add to its GPU's load besides their attention. With the efficiency curve
+    ``peak * n / (n + half)`` a GEMM pass over ``n`` tokens costs ``(n + half) * flops / peak``,
+    so every token adds the same ``flops / peak``."""
+    return cost_model.model.linear_flops_per_token() / cost_model.linear.flops_per_s
 
 
 def remap_seconds_per_token(cost_model: CostModel, link: Link, num_links: int) -> float:

@@ -1,20 +1,23 @@
 """Measured forward and backward time of the engine's attention kernels over a grid of shapes.
 
-The cost model charges one kernel call ``attention_time(num_q, pairs)``: the FLOPs of its
-causal (query, key) pairs at an efficiency that grows with the call's query count. The engine
-issues two kinds of calls, and the grid measures both, short chunks included:
+The cost model charges one varlen kernel call the FLOPs of its visible (query, key) pairs, each
+block at the rate of its own query count, plus one call overhead (``CostModel.
+attention_call_time``), on one of two curves. The engine issues two kinds of calls (``attention.
+layout``), and the grid measures both, short chunks included:
 
-* **causal** (``num_q == num_k``): a document computed whole, or a ring document's own diagonal
-  block; query ``i`` sees keys ``0..i``;
-* **full** (``num_q`` queries against ``num_k`` earlier keys): a ring step's off-diagonal block,
-  where every key is visible.
+* **causal** (``num_q == num_k``), fitted into ``attention_diagonal``: compute 0 of every rank,
+  the local documents and each ring document's own diagonal block in one call; query ``i``
+  sees keys ``0..i``, and the tiles the diagonal cuts cost work that yields no pair;
+* **full** (``num_q`` queries against ``num_k`` earlier keys), fitted into ``attention``: every
+  later ring step, one unmasked call over the blocks just received.
 
-Each shape runs through the registry's kernel (``attention.kernels.get_kernel``) exactly as the
-engine calls it: one ``VarlenBatch`` built once, then ``forward`` and ``backward`` timed apart.
-``packed`` shapes put several equal documents into one varlen call; they are kept out of the fit
-(one point per call can only describe one efficiency) and reported next to the model's
-prediction, to show what packing many short documents costs. On CUDA a dense
-``scaled_dot_product_attention`` of each causal length is timed as a reference point.
+Both kinds are measured alone and *packed*: several equal blocks in one varlen call, as the
+engine packs a phase's documents. A packed point fits the same curve as a single block (each
+block at its own rate, the overhead once), so the packed points enter the fit and tie the
+overhead to the per-block cost. Each shape runs through the registry's kernel
+(``attention.kernels.get_kernel``) exactly as the engine calls it: one ``VarlenBatch`` built once,
+then ``forward`` and ``backward`` timed apart. On CUDA a dense ``scaled_dot_product_attention``
+of each causal length is timed as a reference point.
 
 Shape suffixes: ``t`` rows (tokens), ``n`` heads, ``d`` head dim.
 """
@@ -42,10 +45,13 @@ class AttentionGrid:
     full: tuple[tuple[int, int], ...] = ()
     """``(num_q, num_k)`` of unmasked calls."""
     packed: tuple[tuple[int, int], ...] = ()
-    """``(num_documents, length)``: that many causal documents in one call (not fitted)."""
+    """``(num_documents, length)``: that many causal documents in one call."""
+    packed_full: tuple[tuple[int, int, int], ...] = ()
+    """``(num_blocks, num_q, num_k)``: that many unmasked blocks in one call."""
 
     def __post_init__(self) -> None:
-        sizes = [*self.causal, *(n for pair in (*self.full, *self.packed) for n in pair)]
+        shapes = (*self.full, *self.packed, *self.packed_full)
+        sizes = [*self.causal, *(n for shape in shapes for n in shape)]
         if not self.causal and not self.full:
             raise ValueError("an attention grid needs at least one causal or full shape")
         if any(int(n) < 1 for n in sizes):
@@ -55,11 +61,13 @@ class AttentionGrid:
 
     @classmethod
     def quick(cls) -> AttentionGrid:
-        """CPU, a few seconds: 16 .. 2K tokens."""
+        """CPU, about a minute under contention: 16 .. 2K tokens, blocks the engine runs for
+        batches of a few thousand tokens per rank."""
         return cls(
             causal=(16, 64, 256, 1024, 2048),
-            full=((16, 256), (64, 64), (256, 1024), (1024, 256), (1024, 1024)),
-            packed=((16, 64), (4, 512)),
+            full=((16, 256), (64, 64), (256, 1024), (1024, 256), (1024, 1024), (2048, 1024)),
+            packed=((16, 64), (8, 256), (4, 512)),
+            packed_full=((16, 64, 64), (4, 256, 256), (2, 512, 1024)),
         )
 
     @classmethod
@@ -78,6 +86,7 @@ class AttentionGrid:
                 (2048, 2048),
             ),  # fmt: skip
             packed=((64, 16), (16, 64), (4, 1024)),
+            packed_full=((16, 64, 64), (4, 256, 512), (2, 1024, 1024)),
         )
 
     @classmethod
@@ -96,6 +105,7 @@ class AttentionGrid:
                 (16384, 16384),
             ),  # fmt: skip
             packed=((256, 64), (64, 256), (16, 1024), (4, 8192)),
+            packed_full=((64, 256, 256), (16, 1024, 1024), (4, 4096, 8192)),
         )
 
     @classmethod
@@ -111,6 +121,7 @@ class AttentionGrid:
             [(1, n, n, True) for n in self.causal]
             + [(1, q, k, False) for q, k in self.full]
             + [(d, n, n, True) for d, n in self.packed]
+            + [(d, q, k, False) for d, q, k in self.packed_full]
         )
 
 
@@ -160,7 +171,9 @@ def measure_attention(
     before_point: Callable[[], object] | None = None,
 ) -> list[AttentionPoint]:
     """Time ``kernel`` on every shape of ``grid`` with ``model``'s heads (one tensor-parallel
-    shard); ``before_point`` runs before each shape (a barrier keeps emulated ranks in step)."""
+    shard). ``before_point`` runs untimed before every timed call (a barrier: emulated ranks
+    start each call together, so every measurement sees the contention of all ranks busy at
+    once, as in a training step)."""
     impl = get_kernel(kernel, device=device, dtype=dtype)
     tp = model.tensor_parallel
     num_heads = max(1, model.num_heads // tp)
@@ -179,12 +192,12 @@ def measure_attention(
             torch.randn(batch.total_k, num_kv_heads, head_dim, generator=gen).to(device, dtype)
             for _ in range(2)
         )
-        if before_point is not None:
-            before_point()
         call = _KernelCall(impl, batch, q_tnd, k_tnd, v_tnd, dout_tnd, scale=scale)
-        forward_s = median_seconds(call.forward, device=device, options=timing)
+        forward_s = median_seconds(call.forward, device=device, options=timing, setup=before_point)
         call.keep_forward()
-        backward_s = median_seconds(call.backward, device=device, options=timing)
+        backward_s = median_seconds(
+            call.backward, device=device, options=timing, setup=before_point
+        )
         sdpa_s = None
         if device.type == "cuda" and causal and num_docs == 1:
             sdpa_s = _dense_sdpa_seconds(q_tnd, k_tnd, v_tnd, device=device, timing=timing)
@@ -254,7 +267,9 @@ def _dense_sdpa_seconds(
     return median_seconds(step, device=device, options=timing)
 
 
-def fit_rows(points: list[AttentionPoint]) -> list[tuple[int, float, float]]:
-    """``(num_q, flops, seconds)`` of the single-document calls, the rows ``fit_efficiency``
-    takes (packed calls are left out, see the module docstring)."""
-    return [(p.num_q, p.flops, p.seconds) for p in points if p.num_docs == 1]
+def fit_rows(
+    points: list[AttentionPoint], *, causal: bool | None = None
+) -> list[tuple[int, float, float]]:
+    """``(num_q, flops, seconds)`` rows for ``fit_efficiency``: ``num_q`` per block, the whole
+    call's FLOPs (packed calls included, see the module docstring); ``causal`` picks one kind."""
+    return [(p.num_q, p.flops, p.seconds) for p in points if causal is None or p.causal == causal]

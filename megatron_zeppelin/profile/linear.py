@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.profile.timing import DEFAULT_TIMING, TimingOptions, median_seconds
 
-DEFAULT_CPU_TOKENS = (64, 256, 1024, 4096)
+DEFAULT_CPU_TOKENS = (64, 256, 1024, 2048, 4096)
 DEFAULT_GPU_TOKENS = (256, 1024, 4096, 16384, 65536)
 
 
@@ -82,6 +82,17 @@ class LayerGemms:
             p.grad = None
 
 
+def _then(first: Callable[[], object], second: Callable[[], object] | None) -> Callable[[], None]:
+    """``first()`` then ``second()``: the forward a timed backward needs, then the barrier."""
+
+    def both() -> None:
+        first()
+        if second is not None:
+            second()
+
+    return both
+
+
 def measure_linear(
     model: ModelSpec,
     *,
@@ -93,7 +104,8 @@ def measure_linear(
 ) -> list[LinearPoint]:
     """Time the GEMMs of one layer of ``model`` at each token count (see the module docstring).
 
-    ``before_point`` runs before each token count (a barrier keeps emulated ranks in lockstep).
+    ``before_point`` runs untimed before every timed call (a barrier keeps emulated ranks in
+    lockstep, so each call is measured with all ranks busy).
     """
     if not token_counts:
         raise ValueError("give at least one token count to measure the linear modules at")
@@ -102,12 +114,10 @@ def measure_linear(
     points = []
     for n in token_counts:
         gemms = LayerGemms(model, n, device=device, dtype=dtype)
-        if before_point is not None:
-            before_point()
-        forward_s = median_seconds(gemms.forward, device=device, options=timing)
+        forward_s = median_seconds(gemms.forward, device=device, options=timing, setup=before_point)
         gemms.outputs = ()  # drop the last forward's graph before timing backward
         backward_s = median_seconds(
-            gemms.backward, device=device, options=timing, setup=gemms.forward
+            gemms.backward, device=device, options=timing, setup=_then(gemms.forward, before_point)
         )
         points.append(
             LinearPoint(

@@ -4,28 +4,31 @@ Three ways to run, picked from the situation:
 
 * **emulated cluster** (``emulate=(nodes, gpus_per_node)``, CPU): ``nodes x gpus_per_node`` gloo
   processes start on this host, one per emulated GPU. Every process measures the kernels at the
-  same time, in lockstep, because that is how the validation and the engine run them: the
-  emulated GPUs share the host's cores, so a kernel measured alone would look faster than it is.
+  same time, in lockstep (a barrier before every timed call), because that is how the
+  validation and the engine run them: the emulated GPUs share the host's cores, so a kernel
+  measured alone would look faster than it is.
 * **under torchrun** (``torch.distributed`` already initialized): every rank measures its kernels
   at once, then the links of the cluster; rank 0 writes the file.
 * **one process**: kernels and linear modules only; the file has no link figures, so the cost
   model keeps its datasheet link speeds.
 
-Points are combined over ranks by the median, fitted with ``fit_efficiency`` / ``fit_link`` and
-written atomically: the file appears whole at the very end, so an interrupted profile (Ctrl-C, an
-exception halfway) leaves no file, or the previous one untouched.
+Points are combined over ranks by the median and fitted with ``fit_efficiency`` / ``fit_link``:
+unmasked attention blocks into ``attention``, causal ones into ``attention_diagonal`` (when each
+kind has the 3 points a fit needs; otherwise one curve over all of them, as older files have).
+The file is written atomically by ``save_calibration``: it appears whole at the very end, so an
+interrupted profile (Ctrl-C, an exception halfway) leaves no file, or the previous one untouched.
 
-Besides the fields ``Calibration`` reads, the file carries a ``profile`` section (settings, the
-forward/backward split of every point, per-rail link points) for reports; readers ignore it.
+Besides the fitted figures the file carries a ``profile`` section (``Calibration.extra``:
+settings, the load average before, during and after, the forward/backward split and the
+prediction of every point, per-rail link points) for reports.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import socket
-import tempfile
+import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
@@ -42,8 +45,8 @@ from megatron_zeppelin.planner.calibration import (
     fit_efficiency,
     fit_link,
     normalize_dtype,
+    save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import Efficiency
 from megatron_zeppelin.planner.models import ModelSpec, get_model
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
@@ -78,6 +81,10 @@ class ProfileSettings:
     linear_tokens: tuple[int, ...] = linear_profile.DEFAULT_CPU_TOKENS
     link_sizes: tuple[int, ...] = link_profile.DEFAULT_CPU_SIZES
     timing: TimingOptions = TimingOptions()
+    rounds: int = 1
+    """Passes over the attention grid and the linear token counts; each point keeps the median
+    over passes, so a burst of load from other processes on a shared host spreads over every
+    point instead of bending the curve at the few it happened to hit."""
     link_timing: TimingOptions = TimingOptions(warmup=3, repeats=15)
     threads: int | None = 1
     """CPU intra-op threads per process (``None``: torch's default); one per emulated GPU keeps
@@ -87,6 +94,8 @@ class ProfileSettings:
     def __post_init__(self) -> None:
         get_model(self.model, tensor_parallel=self.tensor_parallel)  # raises on a bad preset
         resolve_dtype(self.dtype)
+        if self.rounds < 1:
+            raise ValueError(f"rounds must be at least 1, got {self.rounds}")
         if self.emulate is not None:
             nodes, gpus = self.emulate
             if nodes < 1 or gpus < 1:
@@ -107,6 +116,8 @@ class RankMeasurements:
     linear: list[linear_profile.LinearPoint]
     links: list[link_profile.LinkPoint]
     device_name: str
+    load_average: float | None = None
+    """One-minute load average after the attention kernels (busy ranks included)."""
 
 
 def device_name(device: torch.device) -> str:
@@ -163,24 +174,46 @@ def measure_rank(
     model = settings.model_spec
     distributed = topology is not None and dist.is_initialized()
     lockstep = dist.barrier if distributed else None
+    if lockstep is not None and settings.timing.min_seconds > 0:
+        raise ValueError(
+            "timing.min_seconds lets ranks repeat a call a different number of times, which "
+            "breaks the lockstep of a distributed profile; set repeats instead"
+        )
     say = progress or (lambda message: None)
-    say(f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes")
-    attention = kernel_profile.measure_attention(
-        model, grid=settings.grid, device=device, dtype=dtype, kernel=settings.kernel,
-        timing=settings.timing, before_point=lockstep,
-    )  # fmt: skip
-    say(f"linear modules, {len(settings.linear_tokens)} token counts")
-    linear = linear_profile.measure_linear(
-        model, token_counts=settings.linear_tokens, device=device, dtype=dtype,
-        timing=settings.timing, before_point=lockstep,
-    )  # fmt: skip
+    attention_rounds, linear_rounds = [], []
+    load_during = None
+    for i in range(settings.rounds):
+        say(f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes, "
+            f"pass {i + 1} of {settings.rounds}")  # fmt: skip
+        attention_rounds.append(kernel_profile.measure_attention(
+            model, grid=settings.grid, device=device, dtype=dtype, kernel=settings.kernel,
+            timing=settings.timing, before_point=lockstep,
+        ))  # fmt: skip
+        load_during = _load_average()
+        say(f"linear modules, {len(settings.linear_tokens)} token counts")
+        linear_rounds.append(linear_profile.measure_linear(
+            model, token_counts=settings.linear_tokens, device=device, dtype=dtype,
+            timing=settings.timing, before_point=lockstep,
+        ))  # fmt: skip
+    attention = _median_over_rounds(attention_rounds)
+    linear = _median_over_rounds(linear_rounds)
     links: list[link_profile.LinkPoint] = []
     if distributed and topology.world_size > 1:
         say(f"links, {len(settings.link_sizes)} message sizes")
         links = link_profile.measure_links(
             topology, sizes=settings.link_sizes, device=device, timing=settings.link_timing
         )
-    return RankMeasurements(attention, linear, links, device_name(device))
+    return RankMeasurements(attention, linear, links, device_name(device), load_during)
+
+
+def _median_over_rounds(rounds: list[list]) -> list:
+    """Per point, the median forward and the median backward seconds over the passes."""
+    merged = []
+    for same_point in zip(*rounds):
+        forward = statistics.median(p.forward_s for p in same_point)
+        backward = statistics.median(p.backward_s for p in same_point)
+        merged.append(replace(same_point[0], forward_s=forward, backward_s=backward))
+    return merged
 
 
 def _emulated_rank(rank: int, world_size: int, settings: ProfileSettings) -> RankMeasurements:
@@ -209,7 +242,7 @@ def build_calibration(
     )
     linear = _median_compute([r.linear for r in results], lambda p: p.num_tokens)
     links = [p for r in results for p in r.links]
-    attention_rows = tuple(kernel_profile.fit_rows(attention))
+    figures = attention_figures(attention)
     linear_rows = tuple((p.num_tokens, p.flops, p.seconds) for p in linear)
     link_figures = {}
     for name, kind in (("nvlink", "nvlink"), ("nic", "nic"), ("alltoall", "a2a-world")):
@@ -224,18 +257,27 @@ def build_calibration(
         model={key: getattr(model, key) for key in MODEL_DIMS},
         versions=_versions(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        attention=ComputeFigure(attention_rows, fit_efficiency(attention_rows)),
+        attention=figures["attention"],
+        attention_diagonal=figures.get("attention_diagonal"),
         linear=ComputeFigure(linear_rows, fit_efficiency(linear_rows)),
         links=link_figures,
     )
+    diagonal = calibration.attention_diagonal or calibration.attention
     extra = {
         "settings": _settings_dict(settings),
         "model_name": model.name,
         "num_ranks": len(results),
+        "load_average_during": [r.load_average for r in results],
         "attention": [
-            {**asdict(p), "predicted_s": _packed_time(calibration.attention.fit, p)}
+            {
+                **asdict(p),
+                "curve": "attention_diagonal" if p.causal else "attention",
+                "predicted_s": (diagonal if p.causal else calibration.attention).fit.time(
+                    p.flops, p.num_q
+                ),
+            }
             for p in attention
-        ],
+        ],  # fmt: skip
         "linear": [
             {**asdict(p), "predicted_s": calibration.linear.fit.time(p.flops, p.num_tokens)}
             for p in linear
@@ -245,11 +287,18 @@ def build_calibration(
     return calibration, extra
 
 
-def _packed_time(fit: Efficiency, point: kernel_profile.AttentionPoint) -> float:
-    """What the simulator charges for the call: every document at its own efficiency, the call
-    overhead once (``simulator.phase_compute_time``)."""
-    per_doc = fit.time(point.flops / point.num_docs, point.num_q) - fit.overhead_s
-    return point.num_docs * per_doc + fit.overhead_s
+def attention_figures(points: list[kernel_profile.AttentionPoint]) -> dict[str, ComputeFigure]:
+    """``attention`` (unmasked blocks) and ``attention_diagonal`` (causal blocks) fitted apart
+    when each kind has the 3 points a fit needs; otherwise one ``attention`` curve over all."""
+    full = tuple(kernel_profile.fit_rows(points, causal=False))
+    causal = tuple(kernel_profile.fit_rows(points, causal=True))
+    if len(full) < 3 or len(causal) < 3:
+        rows = tuple(kernel_profile.fit_rows(points))
+        return {"attention": ComputeFigure(rows, fit_efficiency(rows))}
+    return {
+        "attention": ComputeFigure(full, fit_efficiency(full)),
+        "attention_diagonal": ComputeFigure(causal, fit_efficiency(causal)),
+    }
 
 
 def _settings_dict(settings: ProfileSettings) -> dict:
@@ -259,29 +308,11 @@ def _settings_dict(settings: ProfileSettings) -> dict:
 
 
 def write_calibration(calibration: Calibration, path: str, *, extra: dict | None = None) -> None:
-    """Write the calibration (plus the ``profile`` section) atomically: a temporary file in the
-    same directory, fsync, then rename; on any failure the temporary file is removed."""
-    data = calibration.to_dict()
+    """Write the calibration with ``extra`` as its ``profile`` section (``save_calibration``:
+    atomic, mode 0644)."""
     if extra is not None:
-        data["profile"] = extra
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
-    try:
-        # mkstemp makes the file private (0600); a calibration is meant to be shared.
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+        calibration = replace(calibration, extra={**calibration.extra, "profile": extra})
+    save_calibration(calibration, path)
 
 
 def profile(
@@ -335,18 +366,23 @@ def quick_settings(**overrides) -> ProfileSettings:
 def summary_lines(calibration: Calibration) -> list[str]:
     """A short human-readable account of the fitted figures."""
     lines = [f"device {calibration.device} ({calibration.machine}), dtype {calibration.dtype}"]
-    for label, figure in (("attention", calibration.attention), ("linear", calibration.linear)):
+    for label, figure in (
+        ("attention", calibration.attention),
+        ("diagonal", calibration.attention_diagonal),
+        ("linear", calibration.linear),
+    ):
         if figure is not None:
             fit = figure.fit
+            fall = f", falls at {fit.fall_tokens:.0f}" if fit.fall_tokens is not None else ""
             lines.append(
                 f"{label:9s} {fit.flops_per_s / 1e12:8.4f} TFLOP/s peak, half at "
-                f"{fit.half_tokens:7.0f} tokens, {fit.overhead_s * 1e6:7.1f} us per call "
-                f"({len(figure.points)} points)"
+                f"{fit.half_tokens:7.0f} tokens{fall}, {fit.overhead_s * 1e6:7.1f} us per call "
+                f"({len(figure.points)} points, fit error {figure.fit_error:.1%})"
             )
     for name, link in calibration.links.items():
         lines.append(
             f"{name:9s} {link.fit.bytes_per_s / 1e9:8.3f} GB/s, {link.fit.latency_s * 1e6:7.1f} us "
-            f"latency ({len(link.points)} sizes)"
+            f"latency ({len(link.points)} sizes, fit error {link.fit_error:.1%})"
         )
     if not calibration.links:
         lines.append("links     not measured (one process): datasheet figures stay in use")

@@ -9,10 +9,16 @@ for real and measures, from a common barrier:
 * ``attention``: ``ZeppelinAttention`` forward and backward on random Q, K, V of the rank's
   attention buffer, rings, routing and waiting for peers included.
 
-The prediction is the simulator's (``planner.simulator.simulate``) for the same plan and cost
-model, per rank ``(compute + exposed communication) / num_layers``: linear plus attention wall
-time of one layer. Linear modules run in the attention layout (``remap=False`` on both sides),
-so the remapping all-to-all is left out of this comparison.
+What is compared: per rank, one layer's linear modules plus attention, forward and backward,
+each timed from a barrier (every rank busy at once, as in a training step). Linear modules run
+in the attention layout (``remap=False`` on both sides), so the remapping all-to-all is left out.
+
+The prediction follows the simulator's timeline for the same plan and cost model
+(``planner.simulator``: phase ``k`` of ring attention lasts ``max(compute, transfer)``, one layer
+per rank is linear + attention compute + exposed communication), built from the simulator's own
+pieces (``attention_phases``, ``step_transfer_times``) with one refinement the engine needs:
+phase 0 is one causal call and priced on the cost model's diagonal curve, later phases are
+unmasked calls priced on ``attention`` (``CostModel.attention_call_time``).
 
 Where: on a CUDA machine one GPU (a one-rank cluster, all documents local); elsewhere gloo
 processes on this host emulating ``nodes x gpus_per_node`` GPUs (``testing.dist``).
@@ -206,17 +212,33 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
 
 # --- comparing ---------------------------------------------------------------------------------
 def predict(plan: Plan, cost: CostModel, *, routing: bool) -> tuple[list[dict[str, float]], float]:
-    """Per rank ``linear_s`` and ``attention_s`` of one layer, and the layer's step time."""
-    from megatron_zeppelin.planner.simulator import simulate
+    """Per rank ``linear_s`` and ``attention_s`` of one layer, and the layer's step time
+    (module docstring: the simulator's ring timeline, phases priced by mask kind)."""
+    from megatron_zeppelin.planner.schedule import ring_schedule
+    from megatron_zeppelin.planner.simulator import (
+        FWD_SHARE,
+        attention_phases,
+        step_transfer_times,
+    )
 
-    sim = simulate(plan, cost, routing=routing, remap=False)
-    layers = cost.model.num_layers
+    kv = cost.model.kv_bytes_per_token()
+    steps = ring_schedule(plan)
+    fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]
+    bwd = [step_transfer_times(plan, cost, step, 2 * kv, routing) for step in steps]
     per_rank = []
-    for rank, t in enumerate(sim.per_rank):
-        busy = (t.compute_s + t.comm_exposed_s) / layers
+    for rank, phases in enumerate(attention_phases(plan, plan.sequences)):
+        attention = 0.0
+        for k, blocks in enumerate(phases):
+            compute = cost.attention_call_time(blocks, diagonal=k == 0)
+            tf = fwd[k][rank] if k < len(fwd) else 0.0
+            tb = bwd[k][rank] if k < len(bwd) else 0.0
+            # The forward hides its transfer behind its share of the compute, the backward
+            # behind the rest; only the excess is exposed.
+            exposed = max(0.0, tf - compute * FWD_SHARE) + max(0.0, tb - compute * (1 - FWD_SHARE))
+            attention += compute + exposed
         linear = cost.linear_time(plan.num_attention_tokens(rank))
-        per_rank.append({"linear_s": linear, "attention_s": busy - linear})
-    return per_rank, sim.step_time_s / layers
+        per_rank.append({"linear_s": linear, "attention_s": attention})
+    return per_rank, max(r["linear_s"] + r["attention_s"] for r in per_rank)
 
 
 def relative_error(predicted: float, measured: float) -> float:
@@ -290,6 +312,10 @@ def validate(settings: ValidationSettings) -> dict[str, Any]:
     report = compare(plans, measured, cost, settings)
     # Timings on a shared host are only as good as its idleness: say how busy it was.
     report["load_average"] = {"before": load_before, "after": _load_average()}
+    report["measures"] = (
+        "per rank, one layer forward+backward: linear modules + ring attention (waits included), "
+        "each timed from a barrier with every rank busy; remapping excluded"
+    )
     return report
 
 

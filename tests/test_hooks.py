@@ -1,0 +1,210 @@
+"""Megatron-LM's hooks driven the way ``pretrain()`` of core_v0.16.1 drives them, without
+Megatron-LM's ``megatron.training`` (megatron-core does not ship it): each test installs a small
+stand-in module in ``sys.modules`` with only what the hooks import.
+
+Tier: processes (one in-process gloo rank with Megatron's parallel state; nothing is spawned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import sys
+import types
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megatron_zeppelin.megatron import hooks
+
+VOCAB = 64
+SEQ_LENGTH = 96  # tokens per GPU per micro-batch; one rank here, so the micro-batch budget
+
+
+def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
+    """Megatron's parsed arguments: the flags the hooks add, parsed through
+    ``extra_args_provider``, plus the Megatron fields the hooks and the stand-in config read."""
+    parser = hooks.extra_args_provider(argparse.ArgumentParser())
+    args = parser.parse_args(
+        ["--zeppelin", "--zeppelin-topology", "custom", "--zeppelin-nodes", "1",
+         "--zeppelin-kernel", "torch", *extra]
+    )  # fmt: skip
+    megatron = dict(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+        ffn_hidden_size=64, padded_vocab_size=VOCAB, max_position_embeddings=4096,
+        seq_length=SEQ_LENGTH, micro_batch_size=1, global_batch_size=2, seed=5, iteration=0,
+        eval_iters=0, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
+        context_parallel_size=1, sequence_parallel=False, position_embedding_type="rope",
+        rotary_interleaved=False, rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
+        qk_layernorm=False, transformer_impl="local", spec=None,
+        untie_embeddings_and_output_weights=True, fp16_lm_cross_entropy=False,
+        calculate_per_token_loss=False, data_path=[data_prefix],
+    )  # fmt: skip
+    for key, value in megatron.items():
+        setattr(args, key, value)
+    return args
+
+
+def _config_from_args(args: argparse.Namespace):
+    """Stand-in for ``core_transformer_config_from_args``: the fields it maps for this model."""
+    from megatron.core.transformer import TransformerConfig
+
+    return TransformerConfig(
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.num_query_groups,
+        ffn_hidden_size=args.ffn_hidden_size,
+        normalization=args.normalization,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+        calculate_per_token_loss=args.calculate_per_token_loss,
+    )
+
+
+@pytest.fixture
+def megatron_training(monkeypatch):
+    """Install the stand-in ``megatron.training``; yields a setter for its ``get_args``."""
+    holder: dict[str, argparse.Namespace] = {}
+    training = types.ModuleType("megatron.training")
+    training.get_args = lambda: holder["args"]
+    arguments = types.ModuleType("megatron.training.arguments")
+    arguments.core_transformer_config_from_args = _config_from_args
+    training.arguments = arguments
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setitem(sys.modules, "megatron.training.arguments", arguments)
+    hooks.reset()
+    yield lambda args: holder.__setitem__("args", args)
+    hooks.reset()
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A one-process gloo world with Megatron's parallel state (TP 1)."""
+    from megatron.core import parallel_state
+
+    from megatron_zeppelin.megatron.runtime import init_megatron_parallel
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group(
+        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
+    )
+    try:
+        yield init_megatron_parallel(1)
+    finally:
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+@pytest.fixture
+def dataset_prefix(tmp_path) -> str:
+    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+
+    prefix = str(tmp_path / "docs")
+    write_synthetic_dataset(prefix, lengths=[40, 7, 55, 13, 30, 2, 61, 24], vocab_size=VOCAB)
+    return prefix
+
+
+def test_hook_signatures_accept_megatrons_calls() -> None:
+    # get_model: model_provider_func(pre_process=, post_process=, [vp_stage=,] config=,
+    # pg_collection=); the data builder asserts vp_stage is a parameter under virtual pipelining.
+    model_params = inspect.signature(hooks.model_provider).parameters
+    for name in ("pre_process", "post_process", "vp_stage", "config", "pg_collection"):
+        assert name in model_params, name
+    assert "vp_stage" in inspect.signature(hooks.train_valid_test_datasets_provider).parameters
+    step_params = list(inspect.signature(hooks.forward_step).parameters)
+    assert step_params[:2] == ["data_iterator", "model"]
+
+
+def test_hooks_build_train_and_return_megatrons_per_token_loss(
+    megatron_training, one_rank, dataset_prefix
+) -> None:
+    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+
+    args = _megatron_args(dataset_prefix)
+    args.spec = ["megatron_zeppelin.megatron.spec", "local"]  # the --spec the docs give
+    megatron_training(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hooks.model_provider(
+            pre_process=True, post_process=True, config=None, pg_collection=None
+        )
+    # setup ran inside the first model build and switched Megatron to the per-token loss.
+    assert args.calculate_per_token_loss and model.config.calculate_per_token_loss
+    cores = [m for m in model.modules() if isinstance(m, ZeppelinCoreAttention)]
+    assert len(cores) == args.num_layers
+
+    markers, valid, test = hooks.train_valid_test_datasets_provider([6, 0, 0])
+    assert (len(markers), valid, test) == (6, None, None)
+    loader = iter(torch.utils.data.DataLoader(markers, batch_size=1))
+
+    # Peek at the step the hooks draw next, then rewind the sampler to it.
+    sampler = hooks._STATE.sampler
+    before = sampler.state_dict()
+    step = sampler.next_step()
+    sampler.load_state_dict(before)
+    expected = [sum(s.num_tokens for s in mb) - len(mb) for mb in step.micro_batches]
+    assert len(expected) == args.global_batch_size  # one optimizer step = all its micro-batches
+
+    for micro_batch, expected_count in enumerate(expected):
+        output, loss_func = hooks.forward_step(loader, model)
+        loss, num_tokens, report = loss_func(output)
+        # Megatron's contract: (loss sum, int token count, {"lm loss": [sum, count]}).
+        assert loss.dim() == 0 and loss.requires_grad
+        assert num_tokens.dtype == torch.int and int(num_tokens) == expected_count
+        torch.testing.assert_close(report["lm loss"][0], loss.detach())
+        assert int(report["lm loss"][1]) == expected_count
+        # Labels never cross a document: one unlabelled token per document in the micro-batch.
+        assert output.shape == (1, expected_count + len(step.micro_batches[micro_batch]))
+        loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def test_megatron_flags_the_hooks_cannot_honour_are_refused(
+    megatron_training, one_rank, dataset_prefix
+) -> None:
+    args = _megatron_args(dataset_prefix)
+    args.eval_iters = 10
+    megatron_training(args)
+    with pytest.raises(ValueError, match="--eval-iters 0"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
+    args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]
+    megatron_training(args)
+    hooks.reset()
+    with pytest.raises(ValueError, match="core attention"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hooks.model_provider(pre_process=True, post_process=True)
+
+
+def test_pretrain_gpt_hands_megatron_the_hooks(monkeypatch) -> None:
+    from megatron_zeppelin import pretrain_gpt
+
+    calls = []
+    training = types.ModuleType("megatron.training")
+    training.pretrain = lambda *a, **k: calls.append((a, k))
+    monkeypatch.setitem(sys.modules, "megatron.training", training)
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--zeppelin"])
+    assert pretrain_gpt.main() == 0
+    (positional, keywords), = calls  # fmt: skip
+    datasets, model, _, step = positional
+    assert (datasets, model, step) == (
+        hooks.train_valid_test_datasets_provider,
+        hooks.model_provider,
+        hooks.forward_step,
+    )
+    assert datasets.is_distributed
+    assert keywords["extra_args_provider"] is hooks.extra_args_provider
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
+    with pytest.raises(SystemExit, match="--zeppelin"):
+        pretrain_gpt.main()
