@@ -1,7 +1,8 @@
 """Profiling into calibration files, and the cost model's validation report.
 
-Tier: pure (fits, reports, refusal messages, atomic writes on a one-process profile with tiny
-shapes) and processes (one emulated 2x2 gloo profile, one small validation run; marked ``dist``).
+Tier: pure (fits, reports, the prediction's phase pricing and ring coupling, refusal messages,
+atomic writes on a one-process profile with tiny shapes) and processes (one emulated 2x2 gloo
+profile, one small validation run; marked ``dist``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from megatron_zeppelin.profile.links import LinkPoint
 from megatron_zeppelin.profile.runner import (
     ProfileSettings,
     RankMeasurements,
+    _median_over_rounds,
     build_calibration,
     profile,
 )
@@ -32,6 +34,7 @@ from megatron_zeppelin.profile.validate import (
     compare,
     make_plans,
     predict,
+    ring_groups,
     validate,
     validation_topology,
 )
@@ -256,3 +259,32 @@ def test_validation_runs_planned_batches(calibration_file, tmp_path):
     assert any("median error" in line for line in format_report(report))
     plot_report(report, str(tmp_path / "v.png"))
     assert (tmp_path / "v.png").stat().st_size > 0
+
+
+def test_prediction_prices_phases_by_mask_and_couples_rings():
+    settings = ValidationSettings(device="cpu", emulate=(2, 2), tokens=4096, num_batches=2,
+                                  thresholds=(64, 128))  # fmt: skip
+    topology = validation_topology(settings)
+    cost = calibrated_cost_model(settings, topology)
+    slow_diagonal = cost.with_figures(
+        "test", attention_diagonal=Efficiency(cost.attention.flops_per_s / 4, 0.0)
+    )
+    for plan in make_plans(settings, topology, cost):
+        predicted, step = predict(plan, cost, routing=True)
+        slower, _ = predict(plan, slow_diagonal, routing=True)
+        groups = ring_groups(plan)
+        assert sorted(r for g in groups for r in g) == list(range(plan.world_size))
+        for group in groups:  # ring members finish their attention together
+            assert len({predicted[r]["attention_s"] for r in group}) == 1
+        # Phase 0 (local documents, own diagonal blocks) runs on the diagonal curve.
+        assert all(s["attention_s"] > p["attention_s"] for s, p in zip(slower, predicted))
+        assert step == max(p["linear_s"] + p["attention_s"] for p in predicted)
+
+
+def test_profile_passes_combine_by_median():
+    one = LinearPoint(64, 1e6, 1.0, 2.0)
+    passes = [[one], [LinearPoint(64, 1e6, 3.0, 1.0)], [LinearPoint(64, 1e6, 2.0, 9.0)]]
+    (merged,) = _median_over_rounds(passes)
+    assert (merged.forward_s, merged.backward_s) == (2.0, 2.0)
+    with pytest.raises(ValueError, match="rounds"):
+        ProfileSettings(rounds=0)

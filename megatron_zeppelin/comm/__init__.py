@@ -1,7 +1,9 @@
 """The only place torch.distributed is called: groups, ring P2P with routing, remapping, counters.
 
-- ``groups.ZeppelinGroups``: node, rail and world groups, created once at start-up;
+- ``groups.ZeppelinGroups``: node, rail and world groups of every Zeppelin world (all the
+  processes, or the data-parallel ranks of one tensor-parallel index), created once at start-up;
 - ``exchange.DistExchanger``: one ring step's messages, direct or over proxy GPUs;
+- ``pending``: how the hops of one step are posted (relays overlapped on gloo, staged on NCCL);
 - ``remap``: all-to-all between the linear and the attention layout (autograd);
 - ``counters.LinkCounters``: bytes per link class, from the sends actually made.
 """

@@ -89,6 +89,12 @@ def format_report(report: dict) -> list[str]:
         f" all  median |error| {o['median_abs_error']:.1%}, worst {o['worst_error']:+.1%}; "
         f"step median |error| {o['step_median_abs_error']:.1%}, worst {o['step_worst_error']:+.1%}"
     )
+    if "measures" in report:
+        lines.append(f"measured: {report['measures']}")
+    load = report.get("load_average") or {}
+    if load.get("before") is not None:
+        # Timings on a shared host are only as good as its idleness.
+        lines.append(f"load average: {load['before']:.1f} before, {load['after']:.1f} after")
     return lines
 
 

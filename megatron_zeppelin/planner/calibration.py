@@ -24,11 +24,12 @@ refused rather than silently mis-planning. Format (JSON, every section but the h
 (``costmodel``); a file without ``attention_diagonal`` prices both with ``attention``. A compute
 point's ``num_tokens`` is the query count of one block and ``flops`` the whole call's: a call that
 packs several equal blocks is one point (the cost model charges each block at its own rate and
-the overhead once, so such a point fits the same curve). ``fit_error`` is the relative RMS error
-of the fit over the points, written for readers and recomputed on load. ``model: null`` means
-the figures do not depend on the model (a FLOP-rate measurement). Any other top-level section
-(the profiler's ``profile``: settings, load average, per-point details) is kept verbatim in
-``Calibration.extra`` and written back by ``save_calibration``.
+the overhead once, so such a point fits the same curve); it carries a fourth number, the call's
+query count ``[num_tokens, flops, seconds, call_tokens]``, for the fall term. ``fit_error`` is
+the relative RMS error of the fit over the points, written for readers and recomputed on load.
+``model: null`` means the figures do not depend on the model (a FLOP-rate measurement). Any
+other top-level section (the profiler's ``profile``: settings, load average, per-point details)
+is kept verbatim in ``Calibration.extra`` and written back by ``save_calibration``.
 """
 
 from __future__ import annotations
@@ -65,15 +66,22 @@ _DTYPE_ALIASES = {
 
 @dataclass(frozen=True)
 class ComputeFigure:
-    """Measured kernel calls ``(num_tokens, flops, seconds)`` and the fitted curve."""
+    """Measured kernel calls ``(num_tokens, flops, seconds[, call_tokens])`` and the fitted
+    curve; ``call_tokens`` (default ``num_tokens``) for calls packing several blocks."""
 
-    points: tuple[tuple[int, float, float], ...]
+    points: tuple[tuple[int, float, float] | tuple[int, float, float, int], ...]
     fit: Efficiency
 
     @property
     def fit_error(self) -> float | None:
         """Relative RMS error of ``fit`` over ``points`` (``None`` without points)."""
-        return relative_rms([(self.fit.time(f, n), s) for n, f, s in self.points])
+        return relative_rms(
+            [(self.fit.time(p[1], p[0], call_tokens=_call_tokens(p)), p[2]) for p in self.points]
+        )
+
+
+def _call_tokens(point: Sequence[float]) -> int:
+    return int(point[3]) if len(point) > 3 else int(point[0])
 
 
 @dataclass(frozen=True)
@@ -204,12 +212,14 @@ def _field(data: dict, key: str, kind: type, where: str) -> Any:
     return data[key]
 
 
-def _numbers(row: Any, size: int, label: str, where: str) -> tuple[float, ...]:
-    ok = isinstance(row, (list, tuple)) and len(row) == size
+def _numbers(row: Any, size: int | tuple[int, ...], label: str, where: str) -> tuple[float, ...]:
+    sizes = (size,) if isinstance(size, int) else size
+    ok = isinstance(row, (list, tuple)) and len(row) in sizes
     ok = ok and all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in row)
     if not ok or not all(np.isfinite(row)) or min(row) < 0:
+        count = " or ".join(str(n) for n in sizes)
         raise ValueError(
-            f"{where}: field '{label}' must hold {size} non-negative numbers, got {row!r}"
+            f"{where}: field '{label}' must hold {count} non-negative numbers, got {row!r}"
         )
     return tuple(row)
 
@@ -234,7 +244,8 @@ def _compute_figure(data: Any, label: str, where: str) -> ComputeFigure | None:
     if not isinstance(data, dict):
         raise ValueError(f"{where}: field '{label}' must be an object with points and fit")
     points = tuple(
-        _numbers(p, 3, f"{label}.points[{i}]", where) for i, p in enumerate(data.get("points", []))
+        _numbers(p, (3, 4), f"{label}.points[{i}]", where)
+        for i, p in enumerate(data.get("points", []))
     )
     flops_per_s, half, overhead = _fit_values(
         data.get("fit"), ("flops_per_s", "half_tokens", "overhead_s"), label, where
@@ -244,7 +255,7 @@ def _compute_figure(data: Any, label: str, where: str) -> ComputeFigure | None:
         not isinstance(fall, (int, float)) or isinstance(fall, bool) or not fall > 0
     ):
         raise ValueError(f"{where}: field '{label}.fit.fall_tokens' must be positive or null")
-    points = tuple((int(n), float(f), float(s)) for n, f, s in points)
+    points = tuple((int(p[0]), float(p[1]), float(p[2]), *map(int, p[3:])) for p in points)
     fit = Efficiency(flops_per_s, half, overhead, None if fall is None else float(fall))
     return ComputeFigure(points, fit)
 
@@ -380,23 +391,24 @@ def _best_nonnegative(columns: np.ndarray, seconds: np.ndarray) -> np.ndarray:
 
 
 def fit_efficiency(points: Iterable[Sequence[float]], *, fall: bool = True) -> Efficiency:
-    """Fit ``Efficiency`` to ``(num_tokens, flops, seconds)`` points.
+    """Fit ``Efficiency`` to ``(num_tokens, flops, seconds[, call_tokens])`` points.
 
-    ``seconds = overhead + flops / peak * (1 + half / n + n / fall_tokens)`` is linear in
-    ``1/peak``, ``half/peak``, ``1/(peak*fall_tokens)`` and ``overhead``: ``seconds = a*flops +
-    b*flops/n + e*flops*n + c``. Every coefficient must be >= 0; the subset of optional terms
-    with the smallest relative error wins, so the fall term appears only where large blocks
-    really run slower (``fall=False`` leaves it out, as do fewer than 5 points).
+    ``seconds = overhead + flops / peak * (1 + half / n + N / fall_tokens)`` (``N`` the call's
+    tokens, ``n`` without a fourth number) is linear in ``1/peak``, ``half/peak``,
+    ``1/(peak*fall_tokens)`` and ``overhead``: ``seconds = a*flops + b*flops/n + e*flops*N +
+    c``. Every coefficient must be >= 0; the subset of optional terms with the smallest relative
+    error wins, so the fall term appears only where large calls really run slower
+    (``fall=False`` leaves it out, as do fewer than 5 points).
     """
-    rows = np.asarray([tuple(p) for p in points], dtype=np.float64)
-    if rows.ndim != 2 or rows.shape[1] != 3 or len(rows) < 3:
+    rows = np.asarray([(*p[:3], _call_tokens(p)) for p in points], dtype=np.float64)
+    if rows.ndim != 2 or len(rows) < 3:
         raise ValueError("fit_efficiency needs at least 3 (num_tokens, flops, seconds) points")
     if (rows <= 0).any():
         raise ValueError("fit_efficiency: token counts, FLOPs and seconds must all be positive")
-    n, flops, seconds = rows.T
+    n, flops, seconds, call_tokens = rows.T
     columns = [flops, flops / n, np.ones_like(n)]
     if fall and len(rows) >= 5:
-        columns.append(flops * n)
+        columns.append(flops * call_tokens)
     coef = _best_nonnegative(np.stack(columns, axis=1), seconds)
     a, b, c = (float(x) for x in coef[:3])
     e = float(coef[3]) if len(coef) > 3 else 0.0

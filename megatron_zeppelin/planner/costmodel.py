@@ -55,15 +55,18 @@ def causal_pairs(q_start: int, q_end: int, k_start: int, k_end: int) -> int:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Achieved FLOP rate of a kernel on blocks of ``n`` tokens:
-    ``flops_per_s / (1 + half_tokens / n + n / fall_tokens)``.
+    """Achieved FLOP rate of a kernel on blocks of ``n`` tokens in a call of ``N`` tokens:
+    ``flops_per_s / (1 + half_tokens / n + N / fall_tokens)``.
 
     ``half_tokens`` is where a short block reaches half the peak (launch, tile padding);
-    ``fall_tokens`` (``None``: never) models blocks so large that the rate falls again
-    (memory-bound tiles). Without the fall term the rate is ``flops_per_s * n / (n +
-    half_tokens)``, and the best rate, ``n = sqrt(half_tokens * fall_tokens)``, lies between.
-    The form stays linear in ``1 / flops_per_s``, ``half_tokens / flops_per_s`` and
-    ``1 / (flops_per_s * fall_tokens)``, which is what makes it a least-squares fit.
+    ``fall_tokens`` (``None``: never) models calls so large that the rate falls again: a call's
+    working set (its tiles, scores and gradients) outgrows the caches and the kernel turns
+    memory-bound. ``N`` is the query count of the whole call, the same as ``n`` for a call of
+    one block; a varlen call packing many short blocks runs each at its own ``n`` but streams
+    through the cache as one. Without the fall term the rate is ``flops_per_s * n / (n +
+    half_tokens)``; with it the best single-block rate lies at ``n = sqrt(half_tokens *
+    fall_tokens)``. The form stays linear in ``1 / flops_per_s``, ``half_tokens / flops_per_s``
+    and ``1 / (flops_per_s * fall_tokens)``, which is what makes it a least-squares fit.
     """
 
     flops_per_s: float
@@ -81,18 +84,20 @@ class Efficiency:
         if self.fall_tokens is not None and not self.fall_tokens > 0:
             raise ValueError(f"fall_tokens must be positive or None, got {self.fall_tokens}")
 
-    def rate(self, num_tokens: float) -> float:
-        """FLOP/s reached on blocks of ``num_tokens`` tokens (overhead aside)."""
+    def rate(self, num_tokens: float, call_tokens: float | None = None) -> float:
+        """FLOP/s reached on blocks of ``num_tokens`` tokens in a call of ``call_tokens``
+        (default: the block alone), overhead aside."""
         slowdown = 1.0 + self.half_tokens / num_tokens
         if self.fall_tokens is not None:
-            slowdown += num_tokens / self.fall_tokens
+            slowdown += (call_tokens or num_tokens) / self.fall_tokens
         return self.flops_per_s / slowdown
 
-    def time(self, flops: float, num_tokens: int) -> float:
-        """Seconds of one call doing ``flops`` on blocks of ``num_tokens`` tokens."""
+    def time(self, flops: float, num_tokens: int, *, call_tokens: int | None = None) -> float:
+        """Seconds of one call doing ``flops`` on blocks of ``num_tokens`` tokens (``call_tokens``
+        in the whole call, when it packs several blocks)."""
         if flops <= 0 or num_tokens <= 0:
             return 0.0
-        return self.overhead_s + flops / self.rate(num_tokens)
+        return self.overhead_s + flops / self.rate(num_tokens, call_tokens)
 
 
 @dataclass(frozen=True)
@@ -198,13 +203,13 @@ class CostModel:
 
     def attention_call_time(self, blocks: Iterable[tuple[int, int]], *, diagonal: bool) -> float:
         """One varlen call over ``blocks`` of ``(num_q, pairs)``: each block at the rate of its
-        own query count, the call overhead once (how the engine packs a ring phase)."""
+        own query count in a call of all the blocks' queries (``Efficiency``), the call overhead
+        once (how the engine packs a ring phase)."""
         curve = self.diagonal if diagonal else self.attention
         flops_per_pair = self.model.attn_flops_per_pair()
-        total = 0.0
-        for num_q, pairs in blocks:
-            if pairs > 0 and num_q > 0:
-                total += pairs * flops_per_pair / curve.rate(num_q)
+        blocks = [(num_q, pairs) for num_q, pairs in blocks if pairs > 0 and num_q > 0]
+        call_tokens = sum(num_q for num_q, _ in blocks)
+        total = sum(pairs * flops_per_pair / curve.rate(q, call_tokens) for q, pairs in blocks)
         return total + curve.overhead_s if total > 0 else 0.0
 
     def attention_block_time(self, q: tuple[int, int], k: tuple[int, int]) -> float:

@@ -10,7 +10,8 @@ Every document gets a tier first:
 * **inter-node** when it cannot fit one node (capacity), or when its work exceeds one node's fair
   share and the cost model predicts that a ring over ``n >= 2`` whole nodes (exposed NIC
   transfers included, over every NIC when routing) beats a ring on one node; ``n`` is the fewest
-  nodes whose per-rank time fits one GPU's share, else the fastest;
+  nodes whose per-rank time fits one GPU's share, else the fastest (with explicit thresholds:
+  at least ``T_inter`` long and more attention than a node's share of the batch's attention);
 * **intra-node** when it cannot fit one GPU, or when it is at least ``T_intra`` long and its
   work exceeds half a GPU's fair share, or (automatic thresholds only) when its work exceeds
   twice a GPU's share, which unbalances its GPU more than a ring's unhidden NVLink steps cost;
@@ -254,11 +255,18 @@ def _plan_batch(
     if num_nodes > 1:
         candidates = options.allow_split & (work > node_share)
         if options.thresholds != "auto":
-            candidates &= array >= inter_threshold
+            # Explicit thresholds keep the paper's rule: at least ``T_inter`` long and more
+            # attention than one node's share of the batch's attention.
+            attention = work - loads.token_weight * array
+            candidates = options.allow_split & (array >= inter_threshold)
+            candidates &= attention > attention.sum() / num_nodes
         for doc in np.flatnonzero(inter | candidates).tolist():
-            best = 2
-            if options.allow_split:
-                best = loads.best_num_nodes(int(array[doc]), gpu_share, num_links)
+            length, best = int(array[doc]), 2
+            if options.allow_split and options.thresholds == "auto":
+                best = loads.best_num_nodes(length, gpu_share, num_links)
+            elif options.allow_split:  # explicit thresholds: the user's word, no cost veto
+                by_share = math.ceil(float(work[doc]) / node_share)
+                best = max(2, min(by_share, length // (k * nic_chunk), num_nodes))
             if best > 1 or inter[doc]:
                 inter[doc] = True
                 wanted_nodes[doc] = max(2, best)

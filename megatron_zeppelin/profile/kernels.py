@@ -11,6 +11,9 @@ layout``), and the grid measures both, short chunks included:
 * **full** (``num_q`` queries against ``num_k`` earlier keys), fitted into ``attention``: every
   later ring step, one unmasked call over the blocks just received.
 
+Full shapes keep the query-to-key ratios the engine produces (1:1, 2:1 and 1:2: a zigzag
+rank's two chunks against one chunk, or one chunk against two): the curve is indexed by a
+block's query count, and a 1024 x 256 block does not cost per pair what a 1024 x 1024 one does.
 Both kinds are measured alone and *packed*: several equal blocks in one varlen call, as the
 engine packs a phase's documents. A packed point fits the same curve as a single block (each
 block at its own rate, the overhead once), so the packed points enter the fit and tie the
@@ -64,8 +67,17 @@ class AttentionGrid:
         """CPU, about a minute under contention: 16 .. 2K tokens, blocks the engine runs for
         batches of a few thousand tokens per rank."""
         return cls(
-            causal=(16, 64, 256, 1024, 2048),
-            full=((16, 256), (64, 64), (256, 1024), (1024, 256), (1024, 1024), (2048, 1024)),
+            causal=(16, 64, 256, 512, 1024, 2048),
+            full=(
+                (64, 64),
+                (256, 128),
+                (128, 256),
+                (512, 512),
+                (1024, 512),
+                (512, 1024),
+                (1024, 1024),
+                (2048, 1024),
+            ),  # fmt: skip
             packed=((16, 64), (8, 256), (4, 512)),
             packed_full=((16, 64, 64), (4, 256, 256), (2, 512, 1024)),
         )
@@ -267,9 +279,12 @@ def _dense_sdpa_seconds(
     return median_seconds(step, device=device, options=timing)
 
 
-def fit_rows(
-    points: list[AttentionPoint], *, causal: bool | None = None
-) -> list[tuple[int, float, float]]:
-    """``(num_q, flops, seconds)`` rows for ``fit_efficiency``: ``num_q`` per block, the whole
-    call's FLOPs (packed calls included, see the module docstring); ``causal`` picks one kind."""
-    return [(p.num_q, p.flops, p.seconds) for p in points if causal is None or p.causal == causal]
+def fit_rows(points: list[AttentionPoint], *, causal: bool | None = None) -> list[tuple]:
+    """Rows for ``fit_efficiency``: ``(num_q, flops, seconds)`` with ``num_q`` per block and the
+    whole call's FLOPs, and the call's query count as a fourth number for packed calls (module
+    docstring); ``causal`` picks one kind."""
+    return [
+        (p.num_q, p.flops, p.seconds, *((p.total_q,) if p.num_docs > 1 else ()))
+        for p in points
+        if causal is None or p.causal == causal
+    ]

@@ -273,7 +273,7 @@ def build_calibration(
                 **asdict(p),
                 "curve": "attention_diagonal" if p.causal else "attention",
                 "predicted_s": (diagonal if p.causal else calibration.attention).fit.time(
-                    p.flops, p.num_q
+                    p.flops, p.num_q, call_tokens=p.total_q
                 ),
             }
             for p in attention

@@ -18,7 +18,11 @@ The prediction follows the simulator's timeline for the same plan and cost model
 per rank is linear + attention compute + exposed communication), built from the simulator's own
 pieces (``attention_phases``, ``step_transfer_times``) with one refinement the engine needs:
 phase 0 is one causal call and priced on the cost model's diagonal curve, later phases are
-unmasked calls priced on ``attention`` (``CostModel.attention_call_time``).
+unmasked calls priced on ``attention`` (``CostModel.attention_call_time``). And one coupling the
+simulator leaves to its step maximum: the members of a ring finish their attention together,
+because each one's last K/V gradient arrives from the rank before it after that rank's last
+block (``attention.ring``), so a rank's predicted attention is the slowest of the ranks its
+rings connect it to.
 
 Where: on a CUDA machine one GPU (a one-rank cluster, all documents local); elsewhere gloo
 processes on this host emulating ``nodes x gpus_per_node`` GPUs (``testing.dist``).
@@ -238,7 +242,30 @@ def predict(plan: Plan, cost: CostModel, *, routing: bool) -> tuple[list[dict[st
             attention += compute + exposed
         linear = cost.linear_time(plan.num_attention_tokens(rank))
         per_rank.append({"linear_s": linear, "attention_s": attention})
+    for group in ring_groups(plan):
+        slowest = max(per_rank[r]["attention_s"] for r in group)
+        for r in group:
+            per_rank[r]["attention_s"] = slowest
     return per_rank, max(r["linear_s"] + r["attention_s"] for r in per_rank)
+
+
+def ring_groups(plan: Plan) -> list[set[int]]:
+    """Ranks connected by the rings of multi-rank documents (every rank in exactly one set)."""
+    parent = list(range(plan.world_size))
+
+    def root(r: int) -> int:
+        while parent[r] != r:
+            parent[r] = parent[parent[r]]
+            r = parent[r]
+        return r
+
+    for seq in plan.sequences:
+        for r in seq.ring[1:]:
+            parent[root(r)] = root(seq.ring[0])
+    groups: dict[int, set[int]] = {}
+    for r in range(plan.world_size):
+        groups.setdefault(root(r), set()).add(r)
+    return list(groups.values())
 
 
 def relative_error(predicted: float, measured: float) -> float:
