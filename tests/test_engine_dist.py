@@ -18,13 +18,16 @@ from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions
 from megatron_zeppelin.planner.plan import Tier
+from megatron_zeppelin.planner.remap_layout import linear_to_attention_layout
 from megatron_zeppelin.testing.dist import run_distributed
 from megatron_zeppelin.topology.model import Topology
 
 TOPOLOGY = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 SPEC = EngineSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype="float64", timeout_s=120.0)
-# Small thresholds so that batches of a few thousand tokens use every tier.
-OPTIONS = PlannerOptions(thresholds=(64, 256))
+# Small thresholds so that batches of a few thousand tokens use every tier; an even linear
+# layout so that the remapping moves tokens in every case (the planner's own choice often
+# keeps them in place, which would leave the all-to-all untested).
+OPTIONS = PlannerOptions(thresholds=(64, 256), linear_layout="even")
 # A document longer than a node's share (both nodes), mid-sized ones (one node), short local
 # ones, a one-token document; most lengths are not multiples of 2g for any ring size g.
 HAND_BATCH = [1203, 1, 601, 45, 533, 7, 97, 230]
@@ -106,6 +109,12 @@ def test_routing_on_and_off_give_identical_results(run):
 
 def test_remapping_round_trip_is_the_identity_forward_and_backward(run):
     assert all(entry["remap_exact"] for entry in run["report"])
+    # The round trips above moved tokens between ranks, not only within them.
+    plan = run["cases"][0].plan
+    moved = sum(
+        linear_to_attention_layout(plan, rank).moved_rows for rank in range(plan.world_size)
+    )
+    assert moved > 0
 
 
 def test_bad_input_raises_value_errors(run):

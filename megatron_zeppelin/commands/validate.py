@@ -41,7 +41,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--no-routing", action="store_true", help="send cross-node parts direct")
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per batch (median)")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="passes over all batches; median over passes"
+    )
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--json", metavar="FILE", help="write the full report as JSON")
     parser.add_argument("--plot", metavar="PNG", help="scatter of predicted against measured")
@@ -147,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         routing=not args.no_routing,
         warmup=args.warmup,
         repeats=args.repeats,
+        rounds=args.rounds,
         timeout_s=args.timeout,
     )
     report = validate(settings)

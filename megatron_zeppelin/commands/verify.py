@@ -301,6 +301,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="tier thresholds in tokens, or auto (default: small, so a small batch uses every "
         f"tier: {DEFAULT_THRESHOLDS})",
     )  # fmt: skip
+    planner.add_argument(
+        "--linear-layout", choices=("even", "node", "attention", "auto"), default="even",
+        help="linear layout to plan (default even: every remapping path moves tokens)",
+    )  # fmt: skip
     engine = parser.add_argument_group("engine")
     engine.add_argument("--heads", type=int, default=EngineSpec.num_heads)
     engine.add_argument("--kv-heads", type=int, default=EngineSpec.num_kv_heads)
@@ -350,7 +354,7 @@ def _inputs(args: argparse.Namespace):
             raise ValueError(
                 f"--thresholds takes two numbers, INTRA,INTER; got {args.thresholds!r}"
             )
-    options = PlannerOptions(thresholds=thresholds)
+    options = PlannerOptions(thresholds=thresholds, linear_layout=args.linear_layout)
     return lengths, topology, cost_model, capacity, options
 
 

@@ -73,14 +73,16 @@ class ValidationSettings:
     routing: bool = True
     warmup: int = 1
     repeats: int = 3
+    rounds: int = 1
+    """Passes over all batches; each figure keeps the median over passes."""
     threads: int = 1
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         get_model(self.model)
         resolve_dtype(self.dtype)
-        if self.num_batches < 1 or self.tokens < 1 or self.repeats < 1:
-            raise ValueError("num_batches, tokens and repeats must all be at least 1")
+        if min(self.num_batches, self.tokens, self.repeats, self.rounds) < 1:
+            raise ValueError("num_batches, tokens, repeats and rounds must all be at least 1")
 
 
 def validation_topology(settings: ValidationSettings) -> Topology:
@@ -185,12 +187,24 @@ def _rank_worker(rank: int, world_size: int, plans: list[Plan], settings: Valida
 
     torch.set_num_threads(settings.threads)
     groups = ZeppelinGroups.create(plans[0].topology)
-    results = []
-    for plan in plans:
-        exchanger = DistExchanger(groups, plan=plan, routing=settings.routing,
-                                  timeout_s=settings.timeout_s)  # fmt: skip
-        results.append(measure_plan(plan, rank, exchanger, dist.barrier, settings))
-    return results
+    exchangers = [
+        DistExchanger(groups, plan=plan, routing=settings.routing, timeout_s=settings.timeout_s)
+        for plan in plans
+    ]
+    passes = [
+        [measure_plan(p, rank, x, dist.barrier, settings) for p, x in zip(plans, exchangers)]
+        for _ in range(settings.rounds)
+    ]
+    return median_over_passes(passes)
+
+
+def median_over_passes(passes: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per batch, the median of each measured figure over the passes over all batches (a burst
+    of load from other processes then spreads over every batch instead of one)."""
+    return [
+        {key: statistics.median(m[key] for m in same_batch) for key in same_batch[0]}
+        for same_batch in zip(*passes)
+    ]
 
 
 def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[str, float]]]:
@@ -201,12 +215,14 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
 
         torch.set_num_threads(settings.threads)
         hub = ThreadHub(1)
-        return [
+        passes = [
             [
                 measure_plan(p, 0, ThreadExchanger(hub, 0, plan=p), lambda: None, settings)
                 for p in plans
             ]  # fmt: skip
+            for _ in range(settings.rounds)
         ]
+        return [median_over_passes(passes)]
     from megatron_zeppelin.testing.dist import run_distributed
 
     return run_distributed(
