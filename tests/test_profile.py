@@ -265,10 +265,11 @@ def test_prediction_prices_phases_by_mask_and_couples_rings():
     settings = ValidationSettings(device="cpu", emulate=(2, 2), tokens=4096, num_batches=2,
                                   thresholds=(64, 128))  # fmt: skip
     topology = validation_topology(settings)
-    cost = calibrated_cost_model(settings, topology)
-    slow_diagonal = cost.with_figures(
-        "test", attention_diagonal=Efficiency(cost.attention.flops_per_s / 4, 0.0)
+    # CPU-like compute, so that attention is not hidden behind the transfers.
+    cost = calibrated_cost_model(settings, topology).with_figures(
+        "test", attention=Efficiency(1e9, 64.0, 1e-4)
     )
+    slow_diagonal = cost.with_figures("test", attention_diagonal=Efficiency(2.5e8, 64.0, 1e-4))
     for plan in make_plans(settings, topology, cost):
         predicted, step = predict(plan, cost, routing=True)
         slower, _ = predict(plan, slow_diagonal, routing=True)

@@ -64,10 +64,11 @@ class AttentionGrid:
 
     @classmethod
     def quick(cls) -> AttentionGrid:
-        """CPU, about a minute under contention: 16 .. 2K tokens, blocks the engine runs for
-        batches of a few thousand tokens per rank."""
+        """CPU, about a minute per pass under contention: 16 .. 4K tokens, the blocks and calls
+        the engine runs for batches of a few thousand tokens per rank (a call of 4K tokens
+        anchors the fall term, which must not be extrapolated far past the largest call)."""
         return cls(
-            causal=(16, 64, 256, 512, 1024, 2048),
+            causal=(16, 64, 256, 512, 1024, 2048, 4096),
             full=(
                 (64, 64),
                 (256, 128),
