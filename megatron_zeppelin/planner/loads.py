@@ -67,21 +67,33 @@ class Loads:
         self.cost = [0.0] * topology.world_size
         self.attention = [0.0] * topology.world_size
         self.tokens = [0] * topology.world_size
-        eff = cost_model.attention
-        self._pair_seconds = cost_model.model.attn_flops_per_pair() / eff.flops_per_s
-        self._half_tokens = eff.half_tokens
-        self._overhead_s = eff.overhead_s
+        self._overhead_s = cost_model.attention.overhead_s
+        flops = cost_model.model.attn_flops_per_pair()
+        # (seconds per pair at full rate, half_tokens, fall_tokens) of both curves; scalar maths
+        # here because the planner calls this once per document and ring size.
+        self._curves = {
+            diagonal: (flops / eff.flops_per_s, eff.half_tokens, eff.fall_tokens)
+            for diagonal, eff in ((True, cost_model.diagonal), (False, cost_model.attention))
+        }
+
+    def _block_seconds(self, pairs: float, num_tokens: float, *, diagonal: bool) -> float:
+        """``Efficiency.rate`` of the cost model, without the per-call overhead."""
+        pair_seconds, half, fall = self._curves[diagonal]
+        slowdown = 1.0 + half / num_tokens + (num_tokens / fall if fall else 0.0)
+        return pair_seconds * pairs * slowdown
 
     def ring_seconds(self, length: int, ring_size: int) -> float:
-        """One rank's attention seconds in a zigzag ring: ``L^2 / 2g`` pairs at the efficiency
-        of a ``L/g``-token chunk, plus one kernel call per ring step."""
-        if ring_size == 1:
-            return self._pair_seconds * length * (length + 1) / 2 * (1 + self._half_tokens / length)
-        chunk = length / ring_size
-        pairs = length * length / (2 * ring_size)
-        return self._pair_seconds * pairs * (1 + self._half_tokens / chunk) + (
-            ring_size * self._overhead_s
-        )
+        """One rank's attention seconds in a zigzag ring: ``L^2 / 2g`` pairs, the first ``1/g``
+        of them (step 0, the rank's own chunks) on the causal diagonal's curve and the rest as
+        unmasked blocks of ``L/g``-token chunks, plus one kernel call per ring step."""
+        g = ring_size
+        if g == 1:
+            return self._block_seconds(length * (length + 1) / 2, length, diagonal=True)
+        chunk = length / g
+        pairs = length * length / (2 * g)
+        own = self._block_seconds(pairs / g, chunk, diagonal=True)
+        rest = self._block_seconds(pairs * (g - 1) / g, chunk, diagonal=False)
+        return own + rest + g * self._overhead_s
 
     def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
         """One ring rank's predicted seconds for a document: attention, the transfers its

@@ -39,7 +39,9 @@ def chunk_threshold(cost_model: CostModel, link: Link) -> int:
     """Smallest per-rank chunk (tokens) whose ring-step compute hides its K/V transfer."""
 
     def hides(c: int) -> bool:
-        compute = float(attention_costs(cost_model, np.asarray([c]), pairs=c * c / 2)[0])
+        compute = float(
+            attention_costs(cost_model, np.asarray([c]), pairs=c * c / 2, diagonal=False)[0]
+        )
         kv = cost_model.kv_bytes(c)
         return compute * FWD_SHARE >= cost_model.transfer_time(kv, link) and compute * (
             1.0 - FWD_SHARE
@@ -67,18 +69,26 @@ def tier_thresholds(cost_model: CostModel) -> tuple[int, int]:
 
 
 def attention_costs(
-    cost_model: CostModel, lengths: np.ndarray, *, pairs: float | np.ndarray | None = None
+    cost_model: CostModel,
+    lengths: np.ndarray,
+    *,
+    pairs: float | np.ndarray | None = None,
+    diagonal: bool = True,
 ) -> np.ndarray:
     """Seconds of causal attention per document (one layer, fwd+bwd; ``pairs`` defaults to the
     whole document's) without the per-call overhead: a varlen kernel serves many documents, and
-    a ring step's launch overlaps the transfer it waits for."""
+    a ring step's launch overlaps the transfer it waits for. A whole document is a block cut by
+    the causal diagonal (``diagonal=True``); a ring's later steps are unmasked blocks."""
     lengths = np.asarray(lengths, dtype=np.float64)
-    eff = cost_model.attention
+    eff = cost_model.diagonal if diagonal else cost_model.attention
     if pairs is None:
         pairs = lengths * (lengths + 1.0) / 2.0
     flops = pairs * cost_model.model.attn_flops_per_pair()
-    rate = eff.flops_per_s * lengths / (lengths + eff.half_tokens)
-    return flops / rate
+    # Vectorized ``Efficiency.rate``: the same curve the simulator prices calls with.
+    slowdown = 1.0 + eff.half_tokens / lengths
+    if eff.fall_tokens is not None:
+        slowdown = slowdown + lengths / eff.fall_tokens
+    return flops * slowdown / eff.flops_per_s
 
 
 def linear_seconds_per_token(cost_model: CostModel) -> float:
