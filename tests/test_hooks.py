@@ -170,6 +170,29 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
+    megatron_training, one_rank, dataset_prefix
+) -> None:
+    args = _megatron_args(dataset_prefix)
+    megatron_training(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hooks.model_provider(pre_process=True, post_process=True)
+    hooks.train_valid_test_datasets_provider([4, 0, 0])
+    hooks._STATE.pending = [()]  # what the sampler hands over when a step has too few documents
+    output, loss_func = hooks.forward_step(None, model)
+    loss, num_tokens, report = loss_func(output)
+    assert int(num_tokens) == 0 and float(loss.detach()) == 0.0
+    assert report["lm loss"].tolist() == [0.0, 0.0]
+    loss.backward()
+    # Every parameter gets a (zero) gradient, so Megatron's gradient reduction still runs.
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and not g.any() for g in grads)
+    # The next micro-batch comes from the sampler and runs the model as usual.
+    output, loss_func = hooks.forward_step(None, model)
+    assert int(loss_func(output)[1]) > 0
+
+
 def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     megatron_training, one_rank, dataset_prefix
 ) -> None:

@@ -54,6 +54,27 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return tuple(sizes)
 
 
+def check_kernel(name: str, *, flag: str = "--kernel", emulated: bool = False) -> None:
+    """Refuse an attention kernel the engine does not know, or flash on emulated (CPU) ranks,
+    before any process starts."""
+    from megatron_zeppelin.attention.kernels import available_kernels
+
+    if name not in available_kernels():
+        raise ValueError(f"{flag} {name!r} is not a known kernel: use one of {available_kernels()}")
+    if emulated and name == "flash":
+        raise ValueError(
+            f"{flag} flash needs flash-attn on CUDA, but emulated ranks are CPU processes: "
+            "use torch (or auto)"
+        )
+
+
+def check_positive(**values: float) -> None:
+    """Each keyword (a flag name with ``_`` for ``-``) must be above zero."""
+    for name, value in values.items():
+        if not value > 0:
+            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Measure attention kernels, linear modules and links on this machine, fit the cost "
@@ -125,7 +146,14 @@ def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - ProfileSetti
 def run(args: argparse.Namespace) -> int:
     from megatron_zeppelin.profile.runner import profile, summary_lines
 
-    settings = settings_from_args(args)
+    check_kernel(args.kernel, emulated=bool(args.emulate))
+    check_positive(tensor_parallel=args.tensor_parallel, repeats=args.repeats,
+                   rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    if args.warmup < 0 or args.threads < 0:
+        raise ValueError("--warmup and --threads must be 0 or more")
+    settings = settings_from_args(args)  # checks the model, dtype and --emulate shape
+    if settings.emulate and resolve_device(args.device).type != "cpu":
+        raise ValueError("--emulate runs gloo processes on the CPU: pass --device cpu")
     progress = (
         None if args.quiet else (lambda message: print(f"profile: {message}", file=sys.stderr))
     )

@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
-from megatron_zeppelin.commands.profile import parse_shape
+from megatron_zeppelin.commands.profile import check_kernel, check_positive, parse_shape
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,8 +133,20 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.profile.timing import resolve_device
     from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
+    emulated = resolve_device(args.device).type == "cpu"
+    check_kernel(args.kernel, emulated=emulated)
+    check_positive(tokens=args.tokens, batches=args.batches, repeats=args.repeats,
+                   rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    if args.capacity is not None:
+        check_positive(capacity=args.capacity)
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be 0 or more, got {args.warmup}")
+    if args.calibration is not None and not os.path.isfile(args.calibration):
+        raise ValueError(f"--calibration {args.calibration}: no such file (write one with "
+                         "zeppelin profile)")  # fmt: skip
     settings = ValidationSettings(
         calibration=args.calibration,
         model=args.model,

@@ -378,6 +378,12 @@ def format_report(report: list[dict]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from megatron_zeppelin.commands.profile import check_kernel, check_positive
+
+    # Everything the workers would trip over is refused here, before a process starts.
+    check_kernel(args.kernel, emulated=True)
+    check_positive(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                   timeout=args.timeout)  # fmt: skip
     lengths, topology, cost_model, capacity, options = _inputs(args)
     spec = EngineSpec(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
                       dtype=args.dtype, kernel=args.kernel, seed=args.seed,

@@ -90,6 +90,14 @@ def resolve_topology(
         )
         nodes = config.nodes or max(1, zeppelin_world // base.gpus_per_node)
         topology = base.with_nodes(nodes)
+    if topology.world_size != zeppelin_world and name not in ("auto", "custom"):
+        raise ValueError(
+            f"--zeppelin-topology {name} has {topology.gpus_per_node} GPUs per node, so "
+            f"{topology.num_nodes} nodes hold {topology.world_size} ranks, but "
+            f"{zeppelin_world} data-parallel ranks run (world size / tensor-parallel size "
+            f"{tensor_parallel}): set --zeppelin-gpus-per-node and --zeppelin-nodes so that "
+            "their product is the data-parallel size"
+        )
     if topology.world_size != zeppelin_world:
         raise ValueError(
             f"the Zeppelin topology has {topology.num_nodes} nodes x {topology.gpus_per_node} "

@@ -124,7 +124,72 @@ def shard_of(full: torch.Tensor, param: torch.nn.Parameter, tp_rank: int, tp: in
     return torch.cat(pieces[tp_rank::tp], dim=dim)
 
 
-def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str) -> dict:
+def zeppelin_config(options: CheckOptions, tp: int) -> ZeppelinConfig:
+    """The Zeppelin settings of the run with tensor parallelism ``tp`` (validated)."""
+    return ZeppelinConfig(
+        enabled=True,
+        topology="custom",
+        nodes=options.nodes,
+        capacity=options.capacity * tp,  # a Zeppelin rank of tp GPUs holds tp times more
+        intra_threshold=options.intra_threshold,
+        inter_threshold=options.inter_threshold,
+        routing=options.routing,
+        kernel="torch",
+        comm_timeout_s=options.timeout_s,
+    ).validate()
+
+
+def check_options(options: CheckOptions) -> None:
+    """Refuse options the workers could not run, before any process starts (``ValueError``)."""
+    if not options.tensor_parallels:
+        raise ValueError("--tensor-parallel needs at least one size")
+    if not options.tolerance > 0:
+        raise ValueError(f"--tolerance must be positive, got {options.tolerance}")
+    if not options.timeout_s > 0:
+        raise ValueError(f"--timeout-s must be positive seconds, got {options.timeout_s}")
+    for tp in options.tensor_parallels:
+        if tp < 1 or options.world_size % tp:
+            raise ValueError(
+                f"--tensor-parallel {tp} does not divide the check's {options.world_size} "
+                f"processes: use divisors of {options.world_size}"
+            )
+        for name in ("num_kv_heads", "ffn_hidden_size", "vocab_size"):
+            if getattr(options.dims, name) % tp:
+                raise ValueError(
+                    f"--tensor-parallel {tp} does not split the model's {name} "
+                    f"({getattr(options.dims, name)}): use a smaller tensor-parallel size"
+                )
+        resolve_topology(zeppelin_config(options, tp), options.world_size // tp,
+                         tensor_parallel=tp)  # fmt: skip
+
+
+def _check_worker(
+    rank: int, world_size: int, options: CheckOptions, prefix: str, error_dir: str
+) -> dict:
+    """One rank of the check; bad input it meets is left in ``error_dir`` for the parent,
+    which raises it as one ``ValueError`` instead of a traceback per rank."""
+    try:
+        return _check_rank(rank, options, prefix)
+    except ValueError as exc:
+        path = os.path.join(error_dir, f"rank{rank}.error")
+        with open(path + ".tmp", "w") as f:
+            f.write(" ".join(str(exc).split()))
+        os.replace(path + ".tmp", path)
+        raise
+
+
+def _first_error(error_dir: str, world_size: int) -> str | None:
+    """Rank 0's bad-input message, else the first one written."""
+    found = [os.path.join(error_dir, f"rank{r}.error") for r in range(world_size)]
+    found = [p for p in found if os.path.exists(p)]
+    if not found:
+        return None
+    first = found[0] if found[0].endswith("rank0.error") else min(found, key=os.path.getmtime)
+    with open(first) as f:
+        return f.read()
+
+
+def _check_rank(rank: int, options: CheckOptions, prefix: str) -> dict:
     from megatron_zeppelin.megatron.batch import build_linear_batch, build_reference_batch
     from megatron_zeppelin.megatron.data import DocumentDataset
     from megatron_zeppelin.megatron.sampler import DocumentSlice
@@ -145,17 +210,7 @@ def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str
     report: dict[str, Any] = {"reference_loss": ref_loss, "runs": {}}
     for tp in options.tensor_parallels:
         ctx = init_megatron_parallel(tp)
-        config = ZeppelinConfig(
-            enabled=True,
-            topology="custom",
-            nodes=options.nodes,
-            capacity=options.capacity * tp,  # a Zeppelin rank of tp GPUs holds tp times more
-            intra_threshold=options.intra_threshold,
-            inter_threshold=options.inter_threshold,
-            routing=options.routing,
-            kernel="torch",
-            comm_timeout_s=options.timeout_s,
-        ).validate()
+        config = zeppelin_config(options, tp)
         topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
         cost = build_cost_model(dims, topology, tensor_parallel=tp, calibration=None)
         exchanger, _ = create_transport(topology, ctx, config)
@@ -197,19 +252,23 @@ def _check_worker(rank: int, world_size: int, options: CheckOptions, prefix: str
 def run_check(options: CheckOptions | None = None) -> dict[str, Any]:
     """Run the check (spawns ``world_size`` gloo processes); returns the figures and ``passed``."""
     from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-    from megatron_zeppelin.testing.dist import run_distributed
+    from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
 
     options = options or CheckOptions()
-    for tp in options.tensor_parallels:
-        if options.world_size % tp:
-            raise ValueError(f"tensor parallel {tp} does not divide {options.world_size} ranks")
+    check_options(options)
     with tempfile.TemporaryDirectory(prefix="zeppelin-check-") as tmp:
         prefix = os.path.join(tmp, "docs")
         write_synthetic_dataset(prefix, lengths=list(options.lengths),
                                 vocab_size=options.dims.vocab_size, seed=options.seed)  # fmt: skip
-        reports = run_distributed(
-            _check_worker, options.world_size, timeout_s=options.timeout_s, args=(options, prefix)
-        )
+        try:
+            reports = run_distributed(_check_worker, options.world_size,
+                                      timeout_s=options.timeout_s,
+                                      args=(options, prefix, tmp))  # fmt: skip
+        except DistributedRunError:
+            message = _first_error(tmp, options.world_size)
+            if message is None:
+                raise  # not bad input: a bug, whose traceback the error carries
+            raise ValueError(message) from None
     report = reports[0]
     runs = report["runs"]
     report["passed"] = all(

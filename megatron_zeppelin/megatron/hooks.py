@@ -28,7 +28,8 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
 4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
    sampler; Megatron's loader only counts micro-batches;
 5. ``forward_step`` takes the next micro-batch's documents, plans, builds this rank's batch and
-   ``ZeppelinPackedSeqParams``, runs the model and returns Megatron's per-token loss function.
+   ``ZeppelinPackedSeqParams``, runs the model and returns Megatron's per-token loss function
+   (a micro-batch without documents skips the model: zero loss, zero tokens).
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
@@ -300,6 +301,8 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     if not _STATE.pending:
         _STATE.pending = list(_STATE.sampler.next_step().micro_batches)
     slices = _STATE.pending.pop(0)
+    if not slices:
+        return empty_micro_batch(model)
     plan = plan_micro_batch(
         [s.num_tokens for s in slices],
         topology=_STATE.topology,
@@ -326,6 +329,20 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
         data["tokens"], data["position_ids"], None, labels=data["labels"], packed_seq_params=params
     )
     return output, partial(megatron_loss_func, data["loss_mask"])
+
+
+def empty_micro_batch(model):
+    """``forward_step``'s result for a micro-batch without documents (a small dataset spread
+    over many micro-batches): no token, a zero loss. Every rank draws the same micro-batches,
+    so all skip the model together and no collective goes unmatched. The output is a
+    ``[1, 0]`` loss tensor tied to every parameter by a zero factor, so the backward pass gives
+    each one a zero gradient and Megatron's data-parallel gradient reduction runs as usual."""
+    from megatron_zeppelin.megatron.loss import megatron_loss_func
+
+    anchor = sum((p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad), 0.0)
+    output_bs = (anchor * 0.0).reshape(1, 1)[:, :0]
+    loss_mask_bs = torch.zeros((1, 0), dtype=torch.float32, device=output_bs.device)
+    return output_bs, partial(megatron_loss_func, loss_mask_bs)
 
 
 def _is_logging_rank() -> bool:

@@ -66,6 +66,7 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     plan_micro_batch,
     plan_summary,
 )
+from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
 
 CPU_DEFAULTS = {
     "zeppelin": True,
@@ -123,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     return add_arguments(parser)
 
 
-def _dims(args: argparse.Namespace) -> ModelDims:
+def model_dims(args: argparse.Namespace) -> ModelDims:
+    """The model the flags describe."""
     return ModelDims(**{name: getattr(args, name) for name in vars(ModelDims())})
 
 
@@ -146,8 +148,32 @@ def _dataset(args: argparse.Namespace, rank: int):
     return DocumentDataset(prefix)
 
 
-def _checkpoint_path(directory: str) -> str:
-    return os.path.join(directory, f"rank{dist.get_rank():03d}.pt")
+def build_sampler(
+    args: argparse.Namespace,
+    config: ZeppelinConfig,
+    lengths,
+    cost_model: CostModel,
+    zeppelin_world: int,
+):
+    """The job's document sampler over ``lengths``. With a capacity, no micro-batch gets more
+    tokens than the Zeppelin ranks hold together, so every micro-batch can be planned."""
+    from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
+
+    return DocumentSampler(
+        lengths,
+        tokens_per_step=args.tokens_per_step,
+        num_micro_batches=args.micro_batches,
+        seed=args.seed,
+        max_length=config.max_document_length,
+        long_documents=config.long_documents,
+        micro_batch_capacity=config.capacity * zeppelin_world if config.capacity else None,
+        cost=DocumentCost.from_model(cost_model.model),
+    )
+
+
+def checkpoint_path(directory: str, rank: int) -> str:
+    """The file rank ``rank`` saves to and resumes from in a checkpoint directory."""
+    return os.path.join(directory, f"rank{rank:03d}.pt")
 
 
 def train(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,30 +181,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from megatron_zeppelin.megatron.batch import build_linear_batch
-    from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 
     config = ZeppelinConfig.from_args(args)
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
-    dims = _dims(args)
-    calibration, why = _calibration(args, config)
-    cost_model = _cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
+    dims = model_dims(args)
+    calibration, why = pick_calibration(args, config)
+    cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
     exchanger, counters = create_transport(topology, ctx, config)
     dataset = _dataset(args, dist.get_rank())
-    sampler = DocumentSampler(
-        dataset.lengths,
-        tokens_per_step=args.tokens_per_step,
-        num_micro_batches=args.micro_batches,
-        seed=args.seed,
-        max_length=config.max_document_length,
-        long_documents=config.long_documents,
-        cost=DocumentCost.from_model(cost_model.model),
-    )
+    sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
     model = build_gpt(dims, seed=args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start = 0
     if args.load:
-        state = torch.load(_checkpoint_path(args.load), weights_only=False)
+        state = torch.load(checkpoint_path(args.load, dist.get_rank()), weights_only=False)
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
@@ -267,7 +284,7 @@ MACHINE_CALIBRATION = os.path.join(
 the job plans with them by default when the file is there (a source checkout)."""
 
 
-def _calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[str | None, str]:
+def pick_calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[str | None, str]:
     """The calibration file to plan with and why: the flag's, else ``RUN_DIR/calibration.json``,
     else this machine's shipped file; none with ``--no-calibration``."""
     if config.calibration:
@@ -282,7 +299,9 @@ def _calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[str 
     return None, "none found"
 
 
-def _cost_model(dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str):
+def job_cost_model(
+    dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str
+) -> CostModel:
     """The cost model; a calibration must be for a float32 CPU run of this model's dimensions
     (the job's model runs in float32 on CPU), otherwise the job stops and says what to do."""
     if path is None:
@@ -329,7 +348,7 @@ def _save(directory: str, model, optimizer, sampler, step: int) -> None:
         "sampler": sampler.state_dict(),
         "step": step,
     }
-    torch.save(state, _checkpoint_path(directory))
+    torch.save(state, checkpoint_path(directory, dist.get_rank()))
     dist.barrier()  # a checkpoint is complete only once every rank has written its file
 
 
@@ -396,7 +415,24 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
+def report_worker_error(exc: ValueError) -> None:
+    """Print ``zeppelin train: error: ...`` for bad input a worker found, once per job: the first
+    rank to fail claims the report in the process group's store (rank 0 when there is no
+    store to ask). The other workers stay silent; the launcher stops them."""
+    first = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK") == "0"
+    if dist.is_initialized():
+        try:
+            store = dist.distributed_c10d._get_default_store()
+            first = store.add("zeppelin/error_reports", 1) == 1
+        except Exception:  # noqa: BLE001 - no store to ask: rank 0 speaks
+            pass
+    if first:
+        print(f"zeppelin train: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
+    """A worker's entry point: 0 when the job finished, 2 when bad input stopped it (one line
+    on stderr, no traceback). Any other exception is a bug and keeps its traceback."""
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print(
@@ -406,11 +442,16 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     torch.set_num_threads(1)  # several processes share few cores
-    dist.init_process_group("gloo")
     try:
+        dist.init_process_group("gloo")
         train(args)
+    except ValueError as exc:
+        # Bad input (a flag, a file, a document): one line, not one traceback per rank.
+        report_worker_error(exc)
+        return 2
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
     return 0
 
 
