@@ -2,7 +2,7 @@
 
 The torch varlen kernel against the dense float64 reference: causal documents, grouped-query
 attention, pairs cut into many tiles, one-token documents, unmasked and bottom-right causal
-pairs of unequal sizes, and rows that see no key at all.
+pairs of unequal sizes, rows that see no key at all, and whole tiles that skip every mask.
 """
 
 from __future__ import annotations
@@ -124,6 +124,33 @@ def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
         want[q0 : q0 + lq, k0 : k0 + lk] = block.tril(lk - lq) if causal else block
         q0, k0 = q0 + lq, k0 + lk
     assert torch.equal(seen, want)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_whole_tiles_skip_masks_and_match_dense(causal: bool) -> None:
+    lengths_q, lengths_k = [64, 40, 96, 5], [64, 72, 96, 9]
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    chunks = _tile_chunks(batch, block_size=32, min_tile=8, tiles_per_chunk=lambda s: 3)
+    assert {c.masked for c in chunks} == {True, False}
+    for c in (c for c in chunks if not c.masked):  # nothing hidden: padding nor diagonal
+        assert (c.q_len == c.size).all() and (c.k_len == c.size).all()
+        assert (c.diag >= c.size - 1).all()
+    q, _, _ = random_qkv(sum(lengths_q), num_heads=4, num_kv_heads=2, head_dim=4, seed=7)
+    _, k, v = random_qkv(sum(lengths_k), num_heads=4, num_kv_heads=2, head_dim=4, seed=8)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    kernel = TorchKernel(block_size=32)
+    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), batch, softmax_scale=0.6)
+    want, want_lse = _dense_pairs(q, k, v, lengths_q, lengths_k, causal=causal, scale=0.6)
+    assert_close(out, want.detach(), dtype=torch.float64, name="out")
+    finite = torch.isfinite(want_lse)
+    assert_close(lse[finite], want_lse.detach()[finite], dtype=torch.float64, name="lse")
+    dout = torch.randn_like(want)
+    want.backward(dout)
+    grads = kernel.backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, batch, softmax_scale=0.6
+    )
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q.grad, k.grad, v.grad)):
+        assert_close(got, ref, dtype=torch.float64, name=name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

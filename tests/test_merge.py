@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -104,3 +105,23 @@ def test_merge_rejects_mismatched_pieces() -> None:
         assert "same query rows" in str(exc)
     else:
         raise AssertionError("merging pieces of different rows must raise")
+
+
+def test_merge_rows_on_a_slice_merges_in_place_and_leaves_other_rows() -> None:
+    q, k, v = _inputs(6, t=7)
+    out, lse = _partial(q, k, v, [0, 1, 2])
+    part_out, part_lse = _partial(q[2:5], k, v, [3, 4, 5])
+    new_out, new_lse = out.clone(), lse.clone()
+    merge_rows_(new_out, new_lse, slice(2, 5), part_out, part_lse, unique=True)
+    untouched = [0, 1, 5, 6]
+    assert torch.equal(new_out[untouched], out[untouched])
+    assert torch.equal(new_lse[untouched], lse[untouched])
+    expected_out, expected_lse = _partial(q, k, v, [0, 1, 2, 3, 4, 5])
+    assert torch.allclose(new_out[2:5], expected_out[2:5], atol=1e-12)
+    assert torch.allclose(new_lse[2:5], expected_lse[2:5], atol=1e-12)
+    # ``None`` (every row) takes the same in-place path; a piece of other rows is refused.
+    whole_out, whole_lse = out.clone(), lse.clone()
+    merge_rows_(whole_out, whole_lse, None, *_partial(q, k, v, [3, 4, 5]), unique=True)
+    assert torch.allclose(whole_out, expected_out, atol=1e-12)
+    with pytest.raises(ValueError, match="cover the rows"):
+        merge_rows_(whole_out, whole_lse, slice(0, 2), part_out, part_lse, unique=True)

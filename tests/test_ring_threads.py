@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.layout import RankLayout, block_pairs
+from megatron_zeppelin.attention.layout import RankLayout, block_pairs, compact_rows, rows_of
+from megatron_zeppelin.attention.ring import _RowSum
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import ZeppelinCommError
 from megatron_zeppelin.planner.plan import (
@@ -301,3 +302,85 @@ def test_a_failing_rank_fails_the_run_quickly() -> None:
 
     with pytest.raises(RuntimeError, match="rank 2 failed"):
         run_ranks(rank_fn, plan.world_size, timeout_s=30)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=4),
+    num_rows=st.integers(0, 60),
+)
+def test_compact_rows_names_the_same_rows(runs, num_rows) -> None:  # noqa: ANN001
+    index = rows_of([a for a, _ in runs], [a + n for a, n in runs])
+    num_rows = max(num_rows, int(index.max()) + 1 if index.numel() else 0)
+    rows = compact_rows(index, num_rows)
+    assert torch.equal(torch.arange(num_rows)[slice(None) if rows is None else rows], index)
+    consecutive = index.numel() > 0 and bool((index.diff() == 1).all())
+    assert isinstance(rows, torch.Tensor) != consecutive
+
+
+def test_zigzag_ring_steps_take_views_not_gathers() -> None:
+    # One long document over both nodes and one over a node, plus local ones: the shape of a
+    # planned micro-batch. Every ring-step index must be a view (no gather, no scatter).
+    plan = make_plan(TOPO_2X3, [(96, (0, 1, 2, 3, 4, 5)), (36, (3, 4, 5)), (7, (0,)), (5, (3,))])
+    num_indices = 0
+    for rank in range(plan.world_size):
+        for tier in RankLayout(plan, rank).tiers:
+            indices = [i for calls in tier.calls for c in calls for i in (c.q_index, c.k_index)]
+            indices += [i for step in tier.sends + tier.grad_sends for i in step.values()]
+            moves = [m for m in tier.grad_into_held + tier.grad_into_own if m is not None]
+            indices += [i for m in moves for i in (m.src, m.dst)]
+            assert not any(isinstance(i, torch.Tensor) for i in indices), (rank, tier.tier)
+            num_indices += len(indices)
+    assert num_indices > 6 * 5 * 3  # every rank of the big ring: calls, sends, gradients
+
+
+def test_row_sum_adopts_a_full_first_part_and_adds_the_rest() -> None:
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(6, 2, 3, generator=gen, dtype=torch.float64) for _ in range(4)]
+    expected = parts[0] + parts[1] + parts[2]
+    expected[[1, 4]] += parts[3][:2]
+    total = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
+    total.add(None, parts[0])
+    assert total.value is parts[0]  # a fresh kernel output is taken over, not copied
+    total.add(slice(0, 6), parts[1])
+    total.add(None, parts[2])
+    total.add(torch.tensor([1, 4]), parts[3][:2])
+    assert torch.allclose(total.result(), expected, rtol=0, atol=1e-12)
+    # A view is copied (it belongs to a buffer still in use), and a first partial part starts
+    # from zeros.
+    both = torch.randn(6, 2, 2, 3, generator=gen, dtype=torch.float64)
+    half = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
+    half.add(None, both[:, 0])
+    half.value.add_(1.0)
+    assert torch.equal(half.value, both[:, 0] + 1.0) and not torch.equal(both[:, 0], half.value)
+    partial = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
+    partial.add(slice(2, 4), parts[0][:2])
+    assert torch.equal(partial.result()[2:4], parts[0][:2]) and not partial.result()[:2].any()
+
+
+def test_one_engine_serves_many_layers_without_sharing_buffers() -> None:
+    plan = PLANS["2x3"]()
+    q, k, v = random_qkv(plan.num_tokens, num_heads=4, num_kv_heads=2, head_dim=8, seed=9)
+
+    def rank_fn(rank: int, exchanger: ThreadExchanger):
+        rows = attention_rows(plan, rank)
+        attention = ZeppelinAttention(plan, rank, exchanger, kernel="torch")
+        layers = []
+        for scale in (1.0, 2.0):  # two layers, the second's inputs differ
+            ql, kl, vl = (x[rows] * scale for x in (q, k, v))
+            leaves = [x.clone().requires_grad_() for x in (ql, kl, vl)]
+            out = attention(*leaves)
+            out.backward(torch.ones_like(out))
+            layers.append((out.detach(), *(x.grad for x in leaves)))
+        return rows, layers
+
+    results = run_ranks(rank_fn, plan.world_size, timeout_s=120)
+    for layer, scale in enumerate((1.0, 2.0)):
+        ql, kl, vl = (x.detach().mul(scale).requires_grad_() for x in (q, k, v))
+        ref_out = reference_attention(ql, kl, vl, plan.lengths)
+        ref_out.backward(torch.ones_like(ref_out))
+        for name, ref in zip(("out", "dq", "dk", "dv"), (ref_out, ql.grad, kl.grad, vl.grad)):
+            got = torch.zeros_like(ref)
+            for rows, layers in results:
+                got[rows] = layers[layer][("out", "dq", "dk", "dv").index(name)]
+            assert_close(got, ref.detach(), dtype=torch.float64, name=f"layer {layer} {name}")

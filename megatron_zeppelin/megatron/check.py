@@ -24,18 +24,24 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from megatron.core.packed_seq_params import PackedSeqParams
-from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec
+# Spawned workers import this module first: hide megatron-core's known import-time warnings
+# before it is imported (``ZEPPELIN_VERBOSE=1`` shows them).
+from megatron_zeppelin.megatron.quiet import quiet_unless_verbose
 
-from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.args import resolve_topology
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss
-from megatron_zeppelin.megatron.rotary import apply_rotary
-from megatron_zeppelin.megatron.runtime import (
+quiet_unless_verbose()
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
+from megatron.core.transformer.module import MegatronModule  # noqa: E402
+from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
+
+from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
+from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
+from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
+from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss  # noqa: E402
+from megatron_zeppelin.megatron.rotary import apply_rotary  # noqa: E402
+from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
@@ -168,6 +174,7 @@ def _check_worker(
 ) -> dict:
     """One rank of the check; bad input it meets is left in ``error_dir`` for the parent,
     which raises it as one ``ValueError`` instead of a traceback per rank."""
+    quiet_unless_verbose()  # a spawned process starts with Python's default warning filters
     try:
         return _check_rank(rank, options, prefix)
     except ValueError as exc:

@@ -22,31 +22,13 @@ import json
 import os
 import sys
 import time
-import warnings
 from typing import Any
 
-# Known third-party warnings (Apex/TransformerEngine absent on CPU, deprecations inside
-# megatron-core) are printed by every worker at import time and would bury the progress bar:
-# filter them before megatron-core is imported below. ``--verbose`` (ZEPPELIN_VERBOSE=1 in the
-# workers' environment) shows them.
-THIRD_PARTY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
-    ("Transformer Engine and Apex are not installed", UserWarning),
-    ("Apex is not installed", UserWarning),
-    ("full scope is deprecated", UserWarning),
-    ("Warning: tp_group is None", DeprecationWarning),
-    ("When using async grad allreduce it is recommended", UserWarning),
-)
-"""``(message prefix, category)`` of every warning the job hides unless ``--verbose``."""
+# Known third-party warnings would bury the progress bar: hide them before megatron-core is
+# imported below (``--verbose`` shows them).
+from megatron_zeppelin.megatron.quiet import quiet_unless_verbose  # noqa: E402
 
-
-def quiet_third_party_warnings() -> None:
-    """Hide ``THIRD_PARTY_WARNINGS`` in this process (every other warning still shows)."""
-    for prefix, category in THIRD_PARTY_WARNINGS:
-        warnings.filterwarnings("ignore", message=prefix, category=category)
-
-
-if os.environ.get("ZEPPELIN_VERBOSE") != "1":
-    quiet_third_party_warnings()
+quiet_unless_verbose()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
