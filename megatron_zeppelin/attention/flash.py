@@ -47,6 +47,9 @@ class FlashKernel:
 
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
         _check_shapes(q_tnd, k_tnd, v_tnd, batch)
+        # The engine passes views (K and V halves of a received buffer); the kernels need
+        # contiguous rows. A no-op for tensors that already are.
+        q_tnd, k_tnd, v_tnd = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q_tnd.device)
         out, lse, _ = self._varlen_func(
             q_tnd,
@@ -68,6 +71,7 @@ class FlashKernel:
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
         _check_shapes(q_tnd, k_tnd, v_tnd, batch)
+        q_tnd, k_tnd, v_tnd = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q_tnd.device)
         dq, dk, dv = torch.empty_like(q_tnd), torch.empty_like(k_tnd), torch.empty_like(v_tnd)
         args: dict[str, Any] = dict(

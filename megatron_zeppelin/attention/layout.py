@@ -26,8 +26,9 @@ pair has the same mask. Under zigzag (rank ``i`` of ``g`` holds chunks ``i`` and
 so compute 0 is one causal call and every later compute one unmasked call, whatever the number
 of documents. Plans that are not zigzag (any spans) work too, with more pairs.
 
-Row indices are int64 CPU tensors; ``None`` stands for "every row of the buffer, in order", so
-the common case needs no gather.
+Row indices (``Rows``) are int64 CPU tensors, ``None`` for "every row of the buffer, in order" or
+a ``slice`` for a run of consecutive rows, so the common cases need no gather or scatter: under
+zigzag every index of a ring step is such a run (one or two chunks, adjacent in the buffer).
 """
 
 from __future__ import annotations
@@ -42,7 +43,18 @@ from megatron_zeppelin.attention.kernels import VarlenBatch
 from megatron_zeppelin.planner.plan import Plan, Tier
 from megatron_zeppelin.planner.schedule import Message, gradient_schedule, ring_schedule
 
-__all__ = ["KernelCall", "Pair", "RankLayout", "TierLayout", "block_pairs", "kernel_calls"]
+__all__ = [
+    "KernelCall",
+    "Pair",
+    "RankLayout",
+    "RowMove",
+    "Rows",
+    "TierLayout",
+    "block_pairs",
+    "compact_rows",
+    "kernel_calls",
+    "rows_of",
+]
 
 
 @dataclass(frozen=True)
@@ -122,11 +134,19 @@ def rows_of(starts: list[int], ends: list[int]) -> torch.Tensor:
     return torch.from_numpy(starts_np[owner] + np.arange(owner.shape[0]) - first[owner])
 
 
-def _identity_or(index: torch.Tensor, num_rows: int) -> torch.Tensor | None:
+Rows = torch.Tensor | slice | None
+"""Rows of a buffer: ``None`` every row in order, a ``slice`` a run of consecutive rows (taken
+as a view), else an int64 index tensor."""
+
+
+def compact_rows(index: torch.Tensor, num_rows: int) -> Rows:
+    """``index`` as ``None`` or a ``slice`` when it is one run of consecutive rows."""
     rows = index.numpy()
-    if rows.shape[0] == num_rows and (rows == np.arange(num_rows)).all():
+    if rows.shape[0] == 0 or not (np.diff(rows) == 1).all():
+        return index
+    if rows.shape[0] == num_rows and rows[0] == 0:
         return None
-    return index
+    return slice(int(rows[0]), int(rows[-1]) + 1)
 
 
 @dataclass
@@ -134,8 +154,8 @@ class KernelCall:
     """One varlen kernel call: which query rows and which held K/V rows it packs."""
 
     batch: VarlenBatch
-    q_index: torch.Tensor | None
-    k_index: torch.Tensor | None
+    q_index: Rows
+    k_index: Rows
     q_unique: bool
     """Each query row appears once, so merging needs no scatter-reduce."""
 
@@ -169,10 +189,29 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         unique = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
         calls.append(
             KernelCall(
-                batch, _identity_or(q_index, num_q_rows), _identity_or(k_index, num_k_rows), unique
+                batch, compact_rows(q_index, num_q_rows), compact_rows(k_index, num_k_rows), unique
             )
         )
     return calls
+
+
+@dataclass(frozen=True)
+class RowMove:
+    """Add rows ``src`` of a received buffer to rows ``dst`` of a target."""
+
+    src: Rows
+    dst: Rows
+
+    @staticmethod
+    def of(
+        moves: list[tuple[int, int, int]], *, num_src_rows: int, num_dst_rows: int
+    ) -> RowMove | None:
+        """The move of ``(src row, dst row, length)`` ranges, or ``None`` when there are none."""
+        if not moves:
+            return None
+        src = rows_of([a for a, _, _ in moves], [a + k for a, _, k in moves])
+        dst = rows_of([b for _, b, _ in moves], [b + k for _, b, k in moves])
+        return RowMove(compact_rows(src, num_src_rows), compact_rows(dst, num_dst_rows))
 
 
 @dataclass
@@ -188,18 +227,18 @@ class TierLayout:
     block's owner."""
     recv_from: list[list[int]]
     """Per step, the sources of this rank's incoming messages in message order."""
-    sends: list[dict[int, torch.Tensor | None]]
+    sends: list[dict[int, Rows]]
     """Per step, destination -> rows of the buffer held at compute ``step`` to send."""
     held_rows: list[int]
     """Rows of the held buffer of compute ``c`` (index ``c``; index 0 unused)."""
     calls: list[list[KernelCall]]
     """Kernel calls of compute ``c`` (index 0 unused)."""
-    grad_sends: list[dict[int, torch.Tensor | None]]
+    grad_sends: list[dict[int, Rows]]
     """Per step ``d``, destination -> rows of compute ``d + 1``'s gradient buffer to send."""
-    grad_into_held: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per step ``d``, (rows received, rows of compute ``d + 2``'s gradient buffer)."""
-    grad_into_own: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per step ``d``, (rows received, rows of this rank's own buffer): finished gradients."""
+    grad_into_held: list[RowMove | None]
+    """Per step ``d``, received rows -> rows of compute ``d + 2``'s gradient buffer."""
+    grad_into_own: list[RowMove | None]
+    """Per step ``d``, received rows -> rows of this rank's own buffer: finished gradients."""
 
     @property
     def num_steps(self) -> int:
@@ -269,19 +308,20 @@ class RankLayout:
             held_rows.append(row)
             calls.append(kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=row))
 
-        def outgoing(messages: list[Message], at: int) -> dict[int, torch.Tensor | None]:
+        def outgoing(messages: list[Message], at: int) -> dict[int, Rows]:
             num_rows = self.num_tokens if at == 0 else held_rows[at]
             sends = {}
             for m in (m for m in messages if m.src == me):
                 segs = [s for s in m.segments if s.num_tokens]
                 starts = [where[at][(s.seq, s.origin)] for s in segs]
                 index = rows_of(starts, [a + s.num_tokens for a, s in zip(starts, segs)])
-                sends[m.dst] = _identity_or(index, num_rows)
+                sends[m.dst] = compact_rows(index, num_rows)
             return sends
 
         sends = [outgoing(step, s) for s, step in enumerate(kv_steps)]
         grad_sends = [outgoing(step, d + 1) for d, step in enumerate(grad_steps)]
-        grad_into_held, grad_into_own = [], []
+        grad_into_held: list[RowMove | None] = []
+        grad_into_own: list[RowMove | None] = []
         for d, step in enumerate(grad_steps):
             # (received row, target row, length) per segment, for each of the two targets.
             into_held: list[tuple[int, int, int]] = []
@@ -296,13 +336,11 @@ class RankLayout:
                     assert d + 2 <= n, "a gradient still travelling after the last compute"
                     into_held.append((row, where[d + 2][(seg.seq, seg.origin)], seg.num_tokens))
                 row += seg.num_tokens
-            for moves, out in ((into_held, grad_into_held), (into_own, grad_into_own)):
-                out.append(
-                    (
-                        rows_of([a for a, _, _ in moves], [a + k for a, _, k in moves]),
-                        rows_of([b for _, b, _ in moves], [b + k for _, b, k in moves]),
-                    )
-                )
+            held_target = held_rows[d + 2] if d + 2 <= n else 0
+            grad_into_held.append(RowMove.of(into_held, num_src_rows=row, num_dst_rows=held_target))
+            grad_into_own.append(
+                RowMove.of(into_own, num_src_rows=row, num_dst_rows=self.num_tokens)
+            )
         return TierLayout(
             tier,
             kv_steps,

@@ -80,7 +80,7 @@ def merge_rows(
 def merge_rows_(
     out: torch.Tensor,
     lse: torch.Tensor,
-    rows: torch.Tensor | None,
+    rows: torch.Tensor | slice | None,
     part_out: torch.Tensor,
     part_lse: torch.Tensor,
     *,
@@ -88,15 +88,27 @@ def merge_rows_(
 ) -> None:
     """In-place ``merge_rows`` that only touches the named rows.
 
-    ``rows=None`` means the pieces cover every row in order. ``unique`` says whether ``rows``
-    names each row at most once (the caller knows it from the layout); then the merge is a
-    gather, an elementwise ``merge`` and a scatter. Otherwise the named rows are merged in a
-    compact copy so the cost follows the piece size, not the size of ``out``.
+    ``rows=None`` means the pieces cover every row in order, a ``slice`` a run of consecutive
+    rows in order (merged in place through a view: no gather, no scatter). ``unique`` says
+    whether an index tensor ``rows`` names each row at most once (the caller knows it from the
+    layout); then the merge is a gather, an elementwise ``merge`` and a scatter. Otherwise the
+    named rows are merged in a compact copy so the cost follows the piece size, not the size of
+    ``out``.
     """
-    if rows is None:
-        new_out, new_lse = merge(out, lse, part_out, part_lse)
-        out.copy_(new_out)
-        lse.copy_(new_lse)
+    if rows is None or isinstance(rows, slice):
+        view_out, view_lse = (out, lse) if rows is None else (out[rows], lse[rows])
+        if view_out.shape != part_out.shape or view_lse.shape != part_lse.shape:
+            raise ValueError(
+                f"cannot merge pieces of shape {tuple(part_out.shape)} into rows of shape "
+                f"{tuple(view_out.shape)}: a piece must cover the rows it names"
+            )
+        new_lse = torch.logaddexp(view_lse, part_lse)
+        shift = _finite_or_zero(new_lse)
+        # Same arithmetic as ``merge``, written into the running result: on a large buffer,
+        # fresh full-size temporaries cost more than the maths.
+        view_out.mul_(torch.exp(view_lse - shift).unsqueeze(-1))
+        view_out.add_(part_out * torch.exp(part_lse - shift).unsqueeze(-1))
+        view_lse.copy_(new_lse)
         return
     if unique:
         new_out, new_lse = merge(out[rows], lse[rows], part_out, part_lse)
