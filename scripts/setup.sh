@@ -10,6 +10,16 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 . .venv/bin/activate
-python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-python -c "import torch" 2>/dev/null || python -m pip install -q "torch==${TORCH_VERSION}"
-python -m pip install -q -e ".[dev]"
+
+# pip's build chatter goes to a log that is shown only when an install fails.
+log="$(mktemp)"
+trap 'rm -f "$log"' EXIT
+quiet_pip() {
+  if ! python -m pip install -q "$@" >"$log" 2>&1; then
+    cat "$log" >&2
+    echo "setup: pip install $* failed" >&2
+    exit 1
+  fi
+}
+python -c "import torch" 2>/dev/null || quiet_pip "torch==${TORCH_VERSION}"
+quiet_pip -e ".[dev]"
