@@ -58,7 +58,7 @@ class ZeppelinConfig:
     remap: bool = True
     """Run the linear modules on a token-balanced layout and move tokens to the attention layout
     and back around core attention; off: linear modules run on the attention layout."""
-    calibration: str | None = None
+    calibration: str | None = field(default=None, metadata={"aliases": ("cost-model",)})
     """Cost-model file of measured kernel and link figures (from 'zeppelin profile');
     default: datasheet figures."""
     log_plan_every: int = 0
@@ -164,8 +164,10 @@ class ZeppelinConfig:
             else:
                 default = f.default
                 suffix = "" if default is None else f" (default: {default})"
+                aliases = [f"--zeppelin-{a}" for a in f.metadata.get("aliases", ())]
                 group.add_argument(
                     flag_of(f.name),
+                    *aliases,
                     dest=dest_of(f.name),
                     type=kind,
                     default=default,

@@ -29,7 +29,8 @@ def flag_rows() -> list[tuple[str, str, str, str]]:
             continue
         shown = " \\| ".join(choices) if choices else kind.__name__
         default = "none" if f.default is None else str(f.default)
-        rows.append((flag_of(f.name), shown, default, docs[f.name]))
+        flags = [flag_of(f.name)] + [f"--zeppelin-{a}" for a in f.metadata.get("aliases", ())]
+        rows.append((" / ".join(flags), shown, default, docs[f.name]))
     return rows
 
 

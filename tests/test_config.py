@@ -159,3 +159,10 @@ def test_zeppelin_worlds_are_the_data_parallel_ranks_of_one_tp_index() -> None:
     assert every == list(range(8))
     with pytest.raises(ValueError):
         zeppelin_ranks(8, 2, 2)
+
+
+def test_cost_model_file_is_accepted_under_both_flag_names() -> None:
+    parser = ZeppelinConfig.add_arguments(argparse.ArgumentParser())
+    for flag in ("--zeppelin-cost-model", "--zeppelin-calibration"):
+        args = parser.parse_args(["--zeppelin", flag, "measured.json"])
+        assert ZeppelinConfig.from_args(args).calibration == "measured.json"
