@@ -18,7 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.layout import RankLayout, block_pairs, compact_rows, rows_of
+from megatron_zeppelin.attention.layout import (
+    RankLayout,
+    block_pairs,
+    compact_rows,
+    range_rows,
+    rows_of,
+)
 from megatron_zeppelin.attention.ring import _RowSum
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import ZeppelinCommError
@@ -316,6 +322,22 @@ def test_compact_rows_names_the_same_rows(runs, num_rows) -> None:  # noqa: ANN0
     assert torch.equal(torch.arange(num_rows)[slice(None) if rows is None else rows], index)
     consecutive = index.numel() > 0 and bool((index.diff() == 1).all())
     assert isinstance(rows, torch.Tensor) != consecutive
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    runs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=0, max_size=4),
+    num_rows=st.integers(0, 60),
+)
+def test_range_rows_matches_the_compacted_index(runs, num_rows) -> None:  # noqa: ANN001
+    starts, ends = [a for a, _ in runs], [a + n for a, n in runs]
+    index = rows_of(starts, ends)
+    num_rows = max(num_rows, int(index.max()) + 1 if index.numel() else 0)
+    fast, slow = range_rows(starts, ends, num_rows), compact_rows(index, num_rows)
+    if isinstance(slow, torch.Tensor):
+        assert isinstance(fast, torch.Tensor) and torch.equal(fast, slow)
+    else:
+        assert fast == slow
 
 
 def test_zigzag_ring_steps_take_views_not_gathers() -> None:

@@ -41,7 +41,12 @@ import torch
 
 from megatron_zeppelin.attention.kernels import VarlenBatch
 from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.schedule import Message, gradient_schedule, ring_schedule
+from megatron_zeppelin.planner.schedule import (
+    Message,
+    block_tokens,
+    gradient_schedule,
+    ring_schedule,
+)
 
 __all__ = [
     "KernelCall",
@@ -53,6 +58,7 @@ __all__ = [
     "block_pairs",
     "compact_rows",
     "kernel_calls",
+    "range_rows",
     "rows_of",
 ]
 
@@ -149,6 +155,16 @@ def compact_rows(index: torch.Tensor, num_rows: int) -> Rows:
     return slice(int(rows[0]), int(rows[-1]) + 1)
 
 
+def range_rows(starts: list[int], ends: list[int], num_rows: int) -> Rows:
+    """``compact_rows(rows_of(starts, ends), num_rows)``, without building the index when the
+    ranges join into one run (the common case under zigzag, and a build-time hot spot)."""
+    runs = [(a, b) for a, b in zip(starts, ends) if b > a]
+    if runs and all(prev[1] == nxt[0] for prev, nxt in zip(runs, runs[1:])):
+        first, last = runs[0][0], runs[-1][1]
+        return None if (first, last) == (0, num_rows) else slice(first, last)
+    return rows_of(starts, ends)
+
+
 @dataclass
 class KernelCall:
     """One varlen kernel call: which query rows and which held K/V rows it packs."""
@@ -176,8 +192,8 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         chosen = [p for p, kind in zip(pairs, kinds) if kind == causal]
         if not chosen:
             continue
-        q_index = rows_of([p.q_start for p in chosen], [p.q_end for p in chosen])
-        k_index = rows_of([p.k_start for p in chosen], [p.k_end for p in chosen])
+        q_index = range_rows([p.q_start for p in chosen], [p.q_end for p in chosen], num_q_rows)
+        k_index = range_rows([p.k_start for p in chosen], [p.k_end for p in chosen], num_k_rows)
         batch = VarlenBatch(
             [p.q_end - p.q_start for p in chosen],
             [p.k_end - p.k_start for p in chosen],
@@ -187,11 +203,7 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         # not per row: a call can cover a hundred thousand rows).
         spans = sorted((p.q_start, p.q_end) for p in chosen)
         unique = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        calls.append(
-            KernelCall(
-                batch, compact_rows(q_index, num_q_rows), compact_rows(k_index, num_k_rows), unique
-            )
-        )
+        calls.append(KernelCall(batch, q_index, k_index, unique))
     return calls
 
 
@@ -209,9 +221,9 @@ class RowMove:
         """The move of ``(src row, dst row, length)`` ranges, or ``None`` when there are none."""
         if not moves:
             return None
-        src = rows_of([a for a, _, _ in moves], [a + k for a, _, k in moves])
-        dst = rows_of([b for _, b, _ in moves], [b + k for _, b, k in moves])
-        return RowMove(compact_rows(src, num_src_rows), compact_rows(dst, num_dst_rows))
+        src = range_rows([a for a, _, _ in moves], [a + k for a, _, k in moves], num_src_rows)
+        dst = range_rows([b for _, b, _ in moves], [b + k for _, b, k in moves], num_dst_rows)
+        return RowMove(src, dst)
 
 
 @dataclass
@@ -273,18 +285,21 @@ class RankLayout:
             own_pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens
         )
         # Inter-node first: its messages are the slowest, so they are posted first.
+        sizes = block_tokens(plan)  # shared by the four schedules below
         self.tiers = [
-            t for t in (self._tier(Tier.INTER), self._tier(Tier.INTRA)) if t.num_steps > 0
+            t
+            for t in (self._tier(Tier.INTER, sizes), self._tier(Tier.INTRA, sizes))
+            if t.num_steps > 0
         ]
 
     @property
     def num_steps(self) -> int:
         return max((t.num_steps for t in self.tiers), default=0)
 
-    def _tier(self, tier: Tier) -> TierLayout:
+    def _tier(self, tier: Tier, sizes: dict[tuple[int, int], int]) -> TierLayout:
         me = self.rank
-        kv_steps = ring_schedule(self.plan, tiers=(tier,))
-        grad_steps = gradient_schedule(self.plan, tiers=(tier,))
+        kv_steps = ring_schedule(self.plan, tiers=(tier,), sizes=sizes)
+        grad_steps = gradient_schedule(self.plan, tiers=(tier,), sizes=sizes, kv_steps=kv_steps)
         n = len(kv_steps)
         # Where each (document, origin) block sits in the buffer of compute c.
         where: list[dict[tuple[int, int], int]] = [
@@ -314,8 +329,8 @@ class RankLayout:
             for m in (m for m in messages if m.src == me):
                 segs = [s for s in m.segments if s.num_tokens]
                 starts = [where[at][(s.seq, s.origin)] for s in segs]
-                index = rows_of(starts, [a + s.num_tokens for a, s in zip(starts, segs)])
-                sends[m.dst] = compact_rows(index, num_rows)
+                ends = [a + s.num_tokens for a, s in zip(starts, segs)]
+                sends[m.dst] = range_rows(starts, ends, num_rows)
             return sends
 
         sends = [outgoing(step, s) for s, step in enumerate(kv_steps)]

@@ -126,8 +126,6 @@ class DistExchanger:
         self._routes = {(r.src, r.dst): r for r in plan.routes}
         return self
 
-    with_plan = set_plan
-
     def start(
         self,
         messages: Sequence[Message],

@@ -228,63 +228,6 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
     return exchanger, counters
 
 
-class _Received:
-    """A finished exchange: ``wait`` hands over the received tensors once."""
-
-    def __init__(self, received: dict[tuple[int, int], torch.Tensor]) -> None:
-        self._received: dict[tuple[int, int], torch.Tensor] | None = received
-
-    def wait(self) -> dict[tuple[int, int], torch.Tensor]:
-        if self._received is None:
-            raise RuntimeError("wait() called twice on one exchange")
-        received, self._received = self._received, None
-        return received
-
-
-class GroupExchanger:
-    """``Exchanger`` running each ring step as one ``all_to_all_single`` on ``group`` (group
-    rank ``i`` is plan rank ``i``). Synchronous: ``start`` returns after the step has moved.
-
-    No routing, overlap or counters: a stand-in for tests that run a model in one process
-    without building ``ZeppelinGroups``; jobs use ``create_transport``."""
-
-    def __init__(self, group: dist.ProcessGroup, *, rank: int) -> None:
-        self.group = group
-        self.rank = rank
-        self.world_size = dist.get_world_size(group)
-        assert dist.get_rank(group) == rank, "group rank must be the Zeppelin rank"
-
-    def set_plan(self, plan: Plan) -> GroupExchanger:
-        if plan.world_size != self.world_size:
-            raise ValueError(
-                f"the plan is for {plan.world_size} ranks but the group has {self.world_size}"
-            )
-        return self
-
-    def start(self, messages, payload, *, row_shape, dtype, tag: str) -> _Received:
-        send_counts, recv_counts = [0] * self.world_size, [0] * self.world_size
-        outgoing, incoming = [], []
-        for msg in messages:  # at most one message per edge and step
-            if msg.src == self.rank and msg.num_tokens:
-                send_counts[msg.dst] = msg.num_tokens
-                outgoing.append((msg.dst, payload[(msg.src, msg.dst)]))
-            if msg.dst == self.rank:
-                recv_counts[msg.src] = msg.num_tokens
-                incoming.append(msg.src)
-        outgoing.sort(key=lambda item: item[0])  # all_to_all lays rows out by peer rank
-        empty = torch.empty((0, *row_shape), dtype=dtype)
-        send = torch.cat([t.to(dtype) for _, t in outgoing]) if outgoing else empty
-        recv = torch.empty((sum(recv_counts), *row_shape), dtype=dtype)
-        dist.all_to_all_single(recv, send.contiguous(), recv_counts, send_counts, group=self.group)
-        offsets = [sum(recv_counts[:src]) for src in range(self.world_size)]
-        return _Received(
-            {
-                (src, self.rank): recv[offsets[src] : offsets[src] + recv_counts[src]]
-                for src in incoming
-            }
-        )
-
-
 def forward_micro_batch(
     model: torch.nn.Module, batch, params: ZeppelinPackedSeqParams | None
 ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -276,14 +276,3 @@ def choose_linear_layout(
         return tuple(_merged(list(p)) for p in by_rank), {}, name, predicted
     layout, moves = balanced_layout(by_rank, topology, scope=name)
     return layout, moves, name, predicted
-
-
-def build_linear_layout(
-    by_rank: list[list[Piece]], topology: Topology, *, remap: bool = True
-) -> tuple[Layout, dict[str, int]]:
-    """Per-rank linear ranges, even over the world (``remap=False``: the attention layout), and
-    the tokens moved (``intra_node``, ``inter_node``)."""
-    if not remap:
-        return tuple(_merged(list(p)) for p in by_rank), {"intra_node": 0, "inter_node": 0}
-    layout, moves = balanced_layout(by_rank, topology, scope="even")
-    return layout, moved_tokens(moves, topology)

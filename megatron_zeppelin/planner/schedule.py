@@ -53,15 +53,22 @@ def block_tokens(plan: Plan) -> dict[tuple[int, int], int]:
 
 
 def ring_schedule(
-    plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)
+    plan: Plan,
+    tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER),
+    *,
+    sizes: dict[tuple[int, int], int] | None = None,
 ) -> list[list[Message]]:
     """Messages per ring step for the documents of the given tiers (see the module docstring).
 
     Messages in a step are sorted by ``(src, dst)``; every rank computes the same list.
+    ``sizes``: ``block_tokens(plan)`` when the caller already has it (it walks every span of
+    the plan, so callers building several schedules of one plan compute it once).
     """
-    sizes = block_tokens(plan)
+    if sizes is None:
+        sizes = block_tokens(plan)
     wanted = {Tier(t) for t in tiers}
-    rings = [s for s in plan.sequences if Tier(s.tier) in wanted and s.ring_size > 1]
+    # Ring size first: most documents are local, and the tier test is the slower one.
+    rings = [s for s in plan.sequences if s.ring_size > 1 and Tier(s.tier) in wanted]
     num_steps = max((s.ring_size - 1 for s in rings), default=0)
     steps: list[list[Message]] = []
     for step in range(num_steps):
@@ -125,7 +132,11 @@ def link_bytes(
 
 
 def gradient_schedule(
-    plan: Plan, tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER)
+    plan: Plan,
+    tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER),
+    *,
+    sizes: dict[tuple[int, int], int] | None = None,
+    kv_steps: list[list[Message]] | None = None,
 ) -> list[list[Message]]:
     """The dK/dV messages of the backward, step by step, for the documents of ``tiers``.
 
@@ -135,11 +146,17 @@ def gradient_schedule(
     position ``(i - s - 1) mod g``; the last step, ``g - 2``, brings every block's gradient home
     to its owner. Message ``m`` of a step has the same edge and document order as K/V message
     ``m``; only the segments' origins (and so their sizes) differ.
+
+    ``sizes`` (``block_tokens(plan)``) and ``kv_steps`` (``ring_schedule(plan, tiers)``) may be
+    passed when the caller has them already; they are computed otherwise.
     """
-    sizes = block_tokens(plan)
+    if sizes is None:
+        sizes = block_tokens(plan)
+    if kv_steps is None:
+        kv_steps = ring_schedule(plan, tiers=tiers, sizes=sizes)
     rings = {seq.id: seq.ring for seq in plan.sequences}
     steps = []
-    for step in ring_schedule(plan, tiers=tiers):
+    for step in kv_steps:
         messages = []
         for msg in step:
             segments = []
@@ -175,10 +192,15 @@ def training_link_bytes(
             f"gradient {grad_bytes_per_token}"
         )
     total: dict[str, int] = {"nvlink": 0, "nic": 0}
+    sizes = block_tokens(plan)
     for tier in (Tier.INTER, Tier.INTRA):
+        kv_steps = ring_schedule(plan, tiers=(tier,), sizes=sizes)
         passes = (
-            (ring_schedule(plan, tiers=(tier,)), 2 * kv_bytes_per_token),  # forward + backward
-            (gradient_schedule(plan, tiers=(tier,)), grad_bytes_per_token),
+            (kv_steps, 2 * kv_bytes_per_token),  # forward + backward
+            (
+                gradient_schedule(plan, tiers=(tier,), sizes=sizes, kv_steps=kv_steps),
+                grad_bytes_per_token,
+            ),
         )
         for steps, bytes_per_token in passes:
             counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)

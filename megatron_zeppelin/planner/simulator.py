@@ -42,7 +42,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
-from megatron_zeppelin.planner.linear_layout import all_to_all_seconds, remap_seconds
+from megatron_zeppelin.planner.linear_layout import remap_seconds
 from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
 from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
 from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
@@ -225,12 +225,6 @@ def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
                 if overlap > 0 and owner != rank:
                     moved[(rank, owner)] += overlap
     return dict(moved)
-
-
-def all_to_all_time(plan: Plan, cost: CostModel, moved: dict, bytes_per_token: float) -> float:
-    """One all-to-all moving ``moved[(src, dst)]`` tokens, links shared as in a ring step
-    (``linear_layout.all_to_all_seconds``, the planner's own estimate)."""
-    return all_to_all_seconds(moved, plan.topology, cost, bytes_per_token)
 
 
 # --- one plan ----------------------------------------------------------------------------------

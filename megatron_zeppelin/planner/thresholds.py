@@ -97,11 +97,3 @@ def linear_seconds_per_token(cost_model: CostModel) -> float:
     ``peak * n / (n + half)`` a GEMM pass over ``n`` tokens costs ``(n + half) * flops / peak``,
     so every token adds the same ``flops / peak``."""
     return cost_model.model.linear_flops_per_token() / cost_model.linear.flops_per_s
-
-
-def remap_seconds_per_token(cost_model: CostModel, link: Link, num_links: int) -> float:
-    """Seconds one token costs when the remapping all-to-all moves it (forward and backward)
-    over ``num_links`` links of one class in parallel: the price of token imbalance between
-    the attention layout and the even linear layout."""
-    per_token = 2.0 * cost_model.remap_bytes(1)
-    return per_token / (cost_model.link(link).bytes_per_s * num_links)

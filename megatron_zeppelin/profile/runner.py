@@ -353,16 +353,6 @@ def profile(
     return calibration
 
 
-def quick_settings(**overrides) -> ProfileSettings:
-    """Settings for a fast CPU profile (well under a minute on two cores)."""
-    base = ProfileSettings(
-        device="cpu",
-        grid=kernel_profile.AttentionGrid.quick(),
-        timing=TimingOptions(warmup=1, repeats=3),
-    )
-    return replace(base, **overrides)
-
-
 def summary_lines(calibration: Calibration) -> list[str]:
     """A short human-readable account of the fitted figures."""
     lines = [f"device {calibration.device} ({calibration.machine}), dtype {calibration.dtype}"]

@@ -131,8 +131,6 @@ class ThreadExchanger:
         self._routes = {(r.src, r.dst): r for r in plan.routes}
         return self
 
-    with_plan = set_plan
-
     def _parts(self, msg: Message) -> list[tuple[int, tuple[int, ...]]]:
         """``(num_tokens, path)`` of each part of ``msg``, in order."""
         route = self._routes.get((msg.src, msg.dst)) if self.routing else None
