@@ -9,14 +9,12 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 import sys
 import types
 import warnings
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from megatron_zeppelin.megatron import hooks
 
@@ -84,26 +82,6 @@ def megatron_training(monkeypatch):
     hooks.reset()
     yield lambda args: holder.__setitem__("args", args)
     hooks.reset()
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo world with Megatron's parallel state (TP 1)."""
-    from megatron.core import parallel_state
-
-    from megatron_zeppelin.megatron.runtime import init_megatron_parallel
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        yield init_megatron_parallel(1)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 @pytest.fixture

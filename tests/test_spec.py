@@ -3,7 +3,6 @@ in-process gloo rank: Megatron needs an initialized process group, nothing is sp
 
 from __future__ import annotations
 
-import os
 import warnings
 
 import pytest
@@ -125,25 +124,6 @@ def test_unknown_or_unavailable_kinds_are_refused() -> None:
     if not has_transformer_engine():
         with pytest.raises(ValueError, match="TransformerEngine"):
             zeppelin_layer_spec("te")
-
-
-@pytest.fixture
-def one_rank(tmp_path):
-    """A one-process gloo world with Megatron's parallel state (TP 1)."""
-    from megatron.core import parallel_state
-
-    from megatron_zeppelin.megatron.runtime import init_megatron_parallel
-
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    store = dist.FileStore(str(tmp_path / "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
-    try:
-        yield init_megatron_parallel(1)
-    finally:
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
 
 
 def test_gpt_with_zeppelin_core_attention_matches_plain_attention(one_rank) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch.distributed as dist
 
 from megatron_zeppelin.cli import main
 from megatron_zeppelin.commands import train as train_command
@@ -203,24 +202,7 @@ def test_a_worker_side_value_error_is_one_line_without_traceback(tmp_path, capfd
     assert "Traceback" not in out + err
 
 
-@pytest.fixture
-def one_rank(tmp_path):
-    if dist.is_initialized():
-        pytest.skip("a process group is already initialized in this process")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group(
-        "gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1
-    )
-    try:
-        yield
-    finally:
-        from megatron.core import parallel_state
-
-        parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
-
-
-def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_rank):
+def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_process_group):
     from megatron_zeppelin.megatron.train_cpu import build_parser, train
 
     # Three short documents over four micro-batches: every step leaves some empty.
