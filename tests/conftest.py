@@ -1,4 +1,8 @@
-"""Shared fixtures: a one-process gloo world (processes tier, in-process)."""
+"""Shared fixtures (a one-process gloo world) and the rule that every test names its tier.
+
+Tiers, cheapest first (``pyproject.toml`` describes each marker): ``pure``, ``threads``,
+``dist``, ``host``, ``gpu``. The edit loop is ``pytest -m "not dist and not host and not gpu"``.
+"""
 
 from __future__ import annotations
 
@@ -32,3 +36,22 @@ def one_rank(one_process_group):
     from megatron_zeppelin.megatron.runtime import init_megatron_parallel
 
     return init_megatron_parallel(1)
+
+
+TIERS = ("pure", "threads", "dist", "host", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Refuse a test that names no tier, or more than one: the quick loop selects by tier."""
+    wrong = []
+    for item in items:
+        tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(tiers) != 1:
+            wrong.append(f"{item.nodeid}: {sorted(tiers) or 'no tier marker'}")
+    if wrong:
+        raise pytest.UsageError(
+            "every test needs exactly one tier marker ("
+            + ", ".join(TIERS)
+            + "):\n  "
+            + "\n  ".join(wrong)
+        )

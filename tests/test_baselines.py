@@ -20,6 +20,8 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.plan import AttentionComm, Tier
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.pure
+
 TOPO = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
 CAPACITY = 4096
 COST = CostModel.default(get_model("llama-7b"), TOPO)

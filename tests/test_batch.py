@@ -16,6 +16,8 @@ from megatron_zeppelin.megatron.sampler import DocumentSlice
 from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.pure
+
 TOPOLOGY = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=1)
 VOCAB_PER_DOC = 1000  # document d uses token ids [d * 1000, d * 1000 + 1000): leaks are visible
 

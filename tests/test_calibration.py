@@ -28,6 +28,8 @@ from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
+pytestmark = pytest.mark.pure
+
 MODEL = get_model("llama-7b")
 COST = CostModel.default(MODEL, get_topology("dgx-h100", num_nodes=2))
 DIMS = {

@@ -14,6 +14,8 @@ import pytest
 from megatron_zeppelin.cli import COMMANDS, load_command, main
 from megatron_zeppelin.planner.plan import Plan
 
+pytestmark = pytest.mark.pure
+
 CLUSTER = ["--nodes", "2", "--gpus-per-node", "4", "--nics-per-node", "2", "--model", "llama-3b"]
 
 

@@ -95,6 +95,7 @@ def payload_rows(step: int, msg: Message) -> torch.Tensor:
 # --- pure -----------------------------------------------------------------------------------
 
 
+@pytest.mark.pure
 def test_legs_cover_every_message_row_once_and_skip_same_gpu_hops():
     plan = hand_plan()
     routes = {(r.src, r.dst): r for r in plan.routes}
@@ -115,6 +116,7 @@ def test_legs_cover_every_message_row_once_and_skip_same_gpu_hops():
                 assert len(crossings) == (0 if plan.topology.same_node(msg.src, msg.dst) else 1)
 
 
+@pytest.mark.pure
 def test_counters_classify_like_the_prediction():
     topo = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
     counters = LinkCounters(topo)
@@ -127,6 +129,7 @@ def test_counters_classify_like_the_prediction():
         counters.add({"pcie": 1})
 
 
+@pytest.mark.pure
 def test_gradient_schedule_brings_every_block_gradient_home_along_the_ring():
     plan = hand_plan()
     sizes = block_tokens(plan)
@@ -146,6 +149,7 @@ def test_gradient_schedule_brings_every_block_gradient_home_along_the_ring():
             assert {n for _, _, n in hops} <= {sizes.get((seq.id, origin), 0)}
 
 
+@pytest.mark.pure
 def test_training_bytes_are_kv_twice_plus_gradients_per_link_class():
     plan = hand_plan()
     for routing in (False, True):
@@ -222,6 +226,7 @@ def _exchange_worker(rank: int, world_size: int) -> dict:
     return measured
 
 
+@pytest.mark.dist
 def test_exchange_routed_and_direct_deliver_the_same_rows_and_count_the_predicted_bytes():
     plan = hand_plan()
     results = run_distributed(_exchange_worker, plan.world_size, timeout_s=TIMEOUT_S)
@@ -264,6 +269,7 @@ def _failure_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_slow_or_dead_peer_raises_an_error_naming_the_tag_within_the_timeout():
     out = run_distributed(_failure_worker, 2, timeout_s=TIMEOUT_S)[0]
     message, elapsed = out["fwd step 0 (slow peer)"]
@@ -283,6 +289,7 @@ def _world_mismatch_worker(rank: int, world_size: int) -> str:
     return "unreachable"
 
 
+@pytest.mark.dist
 def test_harness_names_the_failing_rank_and_kills_stragglers():
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError, match="rank 1 of 2 raised KeyError") as info:
@@ -354,6 +361,7 @@ def subworld_and_relay() -> list[dict]:
     return run_distributed(_subworld_and_relay_worker, 4, timeout_s=TIMEOUT_S)
 
 
+@pytest.mark.dist
 def test_zeppelin_worlds_on_a_subset_or_permutation_of_the_processes(subworld_and_relay):
     results = [r["subworld"] for r in subworld_and_relay]
     plan, small = hand_plan(), _small_plan()
@@ -410,6 +418,7 @@ def _relay_worker(rank: int, world_size: int) -> dict:
     return out
 
 
+@pytest.mark.dist
 def test_a_proxy_relays_before_it_calls_wait(subworld_and_relay):
     results = [r["relay"] for r in subworld_and_relay]
     # Overlapped: the destination has its rows while both proxies still sleep.

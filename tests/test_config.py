@@ -17,6 +17,8 @@ from megatron_zeppelin.megatron.args import (
     zeppelin_world_size,
 )
 
+pytestmark = pytest.mark.pure
+
 
 def _parser() -> argparse.ArgumentParser:
     return ZeppelinConfig.add_arguments(argparse.ArgumentParser())

@@ -26,6 +26,8 @@ from megatron_zeppelin.planner.costmodel import FIGURES, CostModel, Efficiency, 
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.pure
+
 MODEL = get_model("tiny")
 TOPOLOGY = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 FULL = Efficiency(2e10, 64.0, 1e-4)

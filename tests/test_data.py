@@ -14,6 +14,8 @@ import torch
 from megatron_zeppelin.megatron.data import DocumentDataset
 from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
+pytestmark = pytest.mark.pure
+
 
 def _write_multi_sequence(prefix: str, docs: list[list[list[int]]]) -> None:
     """Documents made of several sequences (as ``--split-sentences`` writes them)."""

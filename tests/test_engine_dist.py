@@ -22,6 +22,8 @@ from megatron_zeppelin.planner.remap_layout import linear_to_attention_layout
 from megatron_zeppelin.testing.dist import run_distributed
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.dist
+
 TOPOLOGY = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 SPEC = EngineSpec(num_heads=4, num_kv_heads=2, head_dim=8, dtype="float64", timeout_s=120.0)
 # Small thresholds so that batches of a few thousand tokens use every tier; an even linear

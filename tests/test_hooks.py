@@ -93,6 +93,7 @@ def dataset_prefix(tmp_path) -> str:
     return prefix
 
 
+@pytest.mark.pure
 def test_hook_signatures_accept_megatrons_calls() -> None:
     # get_model: model_provider_func(pre_process=, post_process=, [vp_stage=,] config=,
     # pg_collection=); the data builder asserts vp_stage is a parameter under virtual pipelining.
@@ -104,6 +105,7 @@ def test_hook_signatures_accept_megatrons_calls() -> None:
     assert step_params[:2] == ["data_iterator", "model"]
 
 
+@pytest.mark.threads
 def test_hooks_build_train_and_return_megatrons_per_token_loss(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
@@ -148,6 +150,7 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
+@pytest.mark.threads
 def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
@@ -171,6 +174,7 @@ def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
     assert int(loss_func(output)[1]) > 0
 
 
+@pytest.mark.threads
 def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
@@ -188,6 +192,7 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
         hooks.model_provider(pre_process=True, post_process=True)
 
 
+@pytest.mark.pure
 def test_pretrain_gpt_hands_megatron_the_hooks(monkeypatch) -> None:
     from megatron_zeppelin import pretrain_gpt
 

@@ -45,6 +45,7 @@ def _dense_pairs(q, k, v, lengths_q, lengths_k, *, causal: bool, scale: float): 
     return torch.cat(outs), torch.cat(lses)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("block_size", [8, 128])
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (4, 1)])
 def test_causal_documents_match_reference(block_size: int, heads: tuple[int, int]) -> None:
@@ -69,6 +70,7 @@ def test_causal_documents_match_reference(block_size: int, heads: tuple[int, int
         assert_close(got, want, dtype=torch.float64, name=name)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("causal", [True, False])
 def test_unequal_pairs_match_dense(causal: bool) -> None:
     # Causal pairs with more keys than queries (a chunk against its prefix), with fewer keys
@@ -91,6 +93,7 @@ def test_unequal_pairs_match_dense(causal: bool) -> None:
         )
 
 
+@pytest.mark.pure
 def test_rows_without_keys_get_zero_gradients() -> None:
     lengths_q, lengths_k = [6], [2]  # causal: queries 0..3 see nothing, 4 sees one key
     q, _, _ = random_qkv(6, num_heads=2, head_dim=4, seed=4)
@@ -104,6 +107,7 @@ def test_rows_without_keys_get_zero_gradients() -> None:
     assert dq[4:].abs().sum() > 0
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("causal", [True, False])
 def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
     lengths_q, lengths_k = [1, 40, 300, 17], [1, 64, 300, 17]
@@ -126,6 +130,7 @@ def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
     assert torch.equal(seen, want)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("causal", [True, False])
 def test_whole_tiles_skip_masks_and_match_dense(causal: bool) -> None:
     lengths_q, lengths_k = [64, 40, 96, 5], [64, 72, 96, 9]
@@ -153,6 +158,7 @@ def test_whole_tiles_skip_masks_and_match_dense(causal: bool) -> None:
         assert_close(got, ref, dtype=torch.float64, name=name)
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
     lengths = [3, 50, 20]
@@ -166,6 +172,7 @@ def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
     assert_close(out, ref, dtype=dtype, name="out")
 
 
+@pytest.mark.pure
 def test_registry_resolves_and_rejects() -> None:
     assert get_kernel("auto", device="cpu", dtype=torch.bfloat16).name == "torch"
     assert get_kernel("torch").name == "torch"
@@ -180,6 +187,7 @@ def test_registry_resolves_and_rejects() -> None:
             get_kernel("flash")
 
 
+@pytest.mark.pure
 def test_batch_rejects_bad_lengths() -> None:
     with pytest.raises(ValueError):
         VarlenBatch([1, 2], [1], causal=True)

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 
 from megatron_zeppelin.attention.merge import merge, merge_rows, merge_rows_
 
+pytestmark = pytest.mark.pure
+
 
 def _partial(q_nd: torch.Tensor, k_knd: torch.Tensor, v_knd: torch.Tensor, keys: list[int]):
     """Dense attention of queries q (t, n, d) over the key subset ``keys``: (out, lse)."""

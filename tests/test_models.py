@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from megatron_zeppelin.planner.costmodel import causal_pairs
 from megatron_zeppelin.planner.models import MODEL_PRESETS, get_model
 
+pytestmark = pytest.mark.pure
+
 
 def brute_pairs(q0: int, q1: int, k0: int, k1: int) -> int:
     return sum(1 for q in range(q0, q1) for k in range(k0, k1) if k <= q)

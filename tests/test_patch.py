@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "patches" / "pretrain_gpt_zeppelin.patch"
 HUNK = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")

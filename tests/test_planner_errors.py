@@ -17,6 +17,8 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
+pytestmark = pytest.mark.pure
+
 TOPO = get_topology("zeppelin-C", num_nodes=2)
 COST = CostModel.default(get_model("llama-7b"), TOPO)
 

@@ -28,6 +28,8 @@ from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import PRESETS, get_topology
 
+pytestmark = pytest.mark.pure
+
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 

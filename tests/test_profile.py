@@ -57,6 +57,7 @@ def calibration_file(tmp_path_factory) -> str:
     return path
 
 
+@pytest.mark.pure
 def test_quick_profile_writes_a_loadable_calibration(calibration_file):
     cal = load_calibration(calibration_file)
     model = get_model("tiny")
@@ -76,6 +77,7 @@ def test_quick_profile_writes_a_loadable_calibration(calibration_file):
     assert os.stat(calibration_file).st_mode & 0o777 == 0o644  # shareable, not mkstemp's 0600
 
 
+@pytest.mark.pure
 def test_calibrated_cost_model_reports_measured_sources(calibration_file):
     topology = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
     default = CostModel.default(get_model("tiny"), topology)
@@ -91,6 +93,7 @@ def test_calibrated_cost_model_reports_measured_sources(calibration_file):
     assert other.linear_time(4096) == measured.linear_time(4096)
 
 
+@pytest.mark.pure
 def test_compare_command_prints_measured_and_default_sources(calibration_file, capsys):
     code = cli_main(["compare", "--dist", "wikipedia", "--tokens", "4096", "--nodes", "1",
                      "--gpus-per-node", "2", "--nics-per-node", "1", "--model", "tiny",
@@ -125,6 +128,7 @@ def _synthetic(eff: Efficiency, link: LinkCost) -> RankMeasurements:
     return RankMeasurements(attention, linear, links, "cpu: synthetic")
 
 
+@pytest.mark.pure
 def test_fits_reproduce_synthetic_points():
     eff = Efficiency(flops_per_s=2e10, half_tokens=300.0, overhead_s=2e-4)
     link = LinkCost(bytes_per_s=3e9, latency_s=5e-5)
@@ -146,6 +150,7 @@ def test_fits_reproduce_synthetic_points():
         assert point["predicted_s"] == pytest.approx(point["forward_s"] + point["backward_s"])
 
 
+@pytest.mark.pure
 def test_ranks_combine_by_median():
     eff = Efficiency(flops_per_s=2e10, half_tokens=300.0, overhead_s=2e-4)
     link = LinkCost(bytes_per_s=3e9, latency_s=5e-5)
@@ -159,6 +164,7 @@ def _listing(directory) -> list[str]:
     return sorted(os.listdir(directory))
 
 
+@pytest.mark.pure
 def test_interrupted_profile_leaves_no_file(tmp_path):
     path = tmp_path / "cal.json"
 
@@ -171,6 +177,7 @@ def test_interrupted_profile_leaves_no_file(tmp_path):
     assert _listing(tmp_path) == []
 
 
+@pytest.mark.pure
 def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "cal.json"
     path.write_text("previous")
@@ -185,6 +192,7 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     assert _listing(tmp_path) == ["cal.json"]
 
 
+@pytest.mark.pure
 def test_calibration_for_another_model_dtype_or_device_is_refused(calibration_file, tmp_path):
     topology = Topology(num_nodes=1, gpus_per_node=2, nics_per_node=1)
     cal = load_calibration(calibration_file)
@@ -202,6 +210,7 @@ def test_calibration_for_another_model_dtype_or_device_is_refused(calibration_fi
         calibrated_cost_model(settings, topology)
 
 
+@pytest.mark.pure
 def test_bad_profile_settings_are_refused():
     with pytest.raises(ValueError, match="unknown model"):
         ProfileSettings(model="llama-1000b")
@@ -214,6 +223,7 @@ def test_bad_profile_settings_are_refused():
     assert parse_sizes("64,4K,2M") == (64, 4096, 2 << 20)
 
 
+@pytest.mark.pure
 def test_report_errors_follow_the_measurements():
     settings = ValidationSettings(device="cpu", emulate=(1, 2), tokens=2048, num_batches=2,
                                   thresholds=(64, 128))  # fmt: skip
@@ -261,6 +271,7 @@ def test_validation_runs_planned_batches(calibration_file, tmp_path):
     assert (tmp_path / "v.png").stat().st_size > 0
 
 
+@pytest.mark.pure
 def test_prediction_prices_phases_by_mask_and_couples_rings():
     settings = ValidationSettings(device="cpu", emulate=(2, 2), tokens=4096, num_batches=2,
                                   thresholds=(64, 128))  # fmt: skip
@@ -282,6 +293,7 @@ def test_prediction_prices_phases_by_mask_and_couples_rings():
         assert step == max(p["linear_s"] + p["attention_s"] for p in predicted)
 
 
+@pytest.mark.pure
 def test_profile_passes_combine_by_median():
     one = LinearPoint(64, 1e6, 1.0, 2.0)
     passes = [[one], [LinearPoint(64, 1e6, 3.0, 1.0)], [LinearPoint(64, 1e6, 2.0, 9.0)]]

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.pure
+
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_zeppelin"
 
 

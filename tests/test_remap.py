@@ -7,6 +7,7 @@ Hypothesis) and processes (``comm.remap`` on 4 gloo ranks: forward, backward, ro
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,6 +71,7 @@ def two_layouts(draw) -> tuple[Layout, Layout]:
     return layout(), layout()
 
 
+@pytest.mark.pure
 @settings(max_examples=60, deadline=None)
 @given(two_layouts())
 def test_simulated_remap_lands_every_token_where_the_target_layout_says(layouts):
@@ -89,6 +91,7 @@ def test_simulated_remap_lands_every_token_where_the_target_layout_says(layouts)
             assert moves[r].send_counts[s] == moves[s].recv_counts[r]
 
 
+@pytest.mark.pure
 def test_plan_remap_keeps_rows_that_stay_and_round_trips():
     plan = hand_plan()
     world = plan.world_size
@@ -139,5 +142,6 @@ def _remap_worker(rank: int, world_size: int) -> None:
         raise AssertionError("a tensor with the wrong token count was accepted")
 
 
+@pytest.mark.dist
 def test_remap_all_to_all_forward_backward_and_round_trip():
     run_distributed(_remap_worker, hand_plan().world_size, timeout_s=60.0)

@@ -44,6 +44,8 @@ from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub, run_ra
 from megatron_zeppelin.testing.tolerances import assert_close
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.threads
+
 TOPO_2X2 = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 TOPO_2X3 = Topology(num_nodes=2, gpus_per_node=3, nics_per_node=3)
 

@@ -17,6 +17,8 @@ from hypothesis import strategies as st
 from megatron_zeppelin.megatron.rotary import apply_rotary, positions_of_ranges, rotary_dim
 from megatron_zeppelin.planner.plan import TokenRange
 
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("base,percent", [(10000.0, 1.0), (500.0, 0.5)])
 def test_matches_megatron_rope_on_one_document(base: float, percent: float) -> None:

@@ -19,6 +19,8 @@ from megatron_zeppelin.megatron.sampler import (
     balance_by_cost,
 )
 
+pytestmark = pytest.mark.pure
+
 lengths_strategy = st.lists(st.integers(0, 3000), min_size=1, max_size=60).filter(
     lambda xs: any(xs)
 )

@@ -22,16 +22,19 @@ def run_script(*argv: str, timeout: float = 240.0) -> str:
     return done.stdout
 
 
+@pytest.mark.pure
 def test_planner_latency_benchmark_prints_its_table() -> None:
     out = run_script("scripts/bench_planner.py", "--quick", "--seeds", "1")
     assert "| 1024 |" in out and "wikipedia" in out
 
 
+@pytest.mark.dist
 def test_comparison_sweep_prints_speedups() -> None:
     out = run_script("scripts/compare_sweep.py", "--quick", "--steps", "1")
     assert "speedup_vs_te" in out
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("script", ["scripts/gen_flag_docs.py"])
 def test_flag_table_matches_the_megatron_doc(script: str) -> None:
     table = [line for line in run_script(script).splitlines() if line.startswith("| `--")]
@@ -39,6 +42,7 @@ def test_flag_table_matches_the_megatron_doc(script: str) -> None:
     assert table and all(line in doc for line in table), "rerun scripts/gen_flag_docs.py"
 
 
+@pytest.mark.dist
 def test_engine_overhead_benchmark_runs_on_a_small_plan() -> None:
     out = run_script(
         "scripts/bench_engine_overhead.py", "--num-docs", "40", "--long-lengths", "2048",

@@ -21,6 +21,8 @@ from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes, rin
 from megatron_zeppelin.planner.simulator import simulate, simulate_rounds, step_transfer_times
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.pure
+
 TOPO = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
 CAPACITY = 4096
 MODEL = get_model("llama-7b")

@@ -95,6 +95,7 @@ def _types(spec: ModuleSpec) -> dict[str, object]:
     return out
 
 
+@pytest.mark.pure
 def test_local_spec_is_megatrons_with_only_core_attention_replaced() -> None:
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -110,6 +111,7 @@ def test_local_spec_is_megatrons_with_only_core_attention_replaced() -> None:
     assert core_attention_of(megatron_spec) is not ZeppelinCoreAttention
 
 
+@pytest.mark.pure
 def test_spec_attributes_work_with_megatrons_spec_flag() -> None:
     local = import_module(("megatron_zeppelin.megatron.spec", "local"))
     assert core_attention_of(local).module is ZeppelinCoreAttention
@@ -118,6 +120,7 @@ def test_spec_attributes_work_with_megatrons_spec_flag() -> None:
     assert params["rotary_base"] == 500.0
 
 
+@pytest.mark.pure
 def test_unknown_or_unavailable_kinds_are_refused() -> None:
     with pytest.raises(ValueError, match="local"):
         zeppelin_layer_spec("flash")
@@ -126,6 +129,7 @@ def test_unknown_or_unavailable_kinds_are_refused() -> None:
             zeppelin_layer_spec("te")
 
 
+@pytest.mark.threads
 def test_gpt_with_zeppelin_core_attention_matches_plain_attention(one_rank) -> None:
     from megatron_zeppelin.megatron.check import ReferencePackedSeqParams, reference_spec
     from megatron_zeppelin.megatron.rotary import positions_of_ranges

@@ -75,12 +75,14 @@ TRAIN_CASES = [
 ]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize("flags, needle", TRAIN_CASES)
 def test_train_refuses_bad_flags_before_launch(flags, needle, tmp_path, capsys, no_launch):
     assert main(_train(tmp_path, *flags)) == 2
     assert needle in _one_error_line(capsys, "train")
 
 
+@pytest.mark.pure
 def test_train_refuses_missing_corrupt_or_foreign_data(tmp_path, capsys, no_launch, dataset):
     assert main(_train(tmp_path, "--dataset", str(tmp_path / "absent"))) == 2
     assert "does not exist" in _one_error_line(capsys, "train")
@@ -96,6 +98,7 @@ def test_train_refuses_missing_corrupt_or_foreign_data(tmp_path, capsys, no_laun
     assert "outside the model's vocabulary" in _one_error_line(capsys, "train")
 
 
+@pytest.mark.pure
 def test_train_refuses_a_checkpoint_it_cannot_resume(tmp_path, capsys, no_launch):
     assert main(_train(tmp_path, "--load", str(tmp_path / "ckpt"))) == 2
     assert "no such directory" in _one_error_line(capsys, "train")
@@ -111,6 +114,7 @@ def test_train_refuses_a_checkpoint_it_cannot_resume(tmp_path, capsys, no_launch
     assert "saved by 2 processes but this run starts 4" in _one_error_line(capsys, "train")
 
 
+@pytest.mark.pure
 def test_train_refuses_a_calibration_for_another_model_in_one_line(tmp_path, capsys, no_launch):
     from megatron_zeppelin.megatron.train_cpu import MACHINE_CALIBRATION
 
@@ -126,6 +130,7 @@ def test_train_refuses_a_calibration_for_another_model_in_one_line(tmp_path, cap
     assert "not valid JSON" in _one_error_line(capsys, "train")
 
 
+@pytest.mark.pure
 def test_good_flags_pass_the_checks_and_reach_the_launcher(tmp_path, monkeypatch, dataset):
     launched = []
     monkeypatch.setattr(train_command, "_launch", lambda args: launched.append(args) or 0)
@@ -137,6 +142,7 @@ def test_good_flags_pass_the_checks_and_reach_the_launcher(tmp_path, monkeypatch
     assert len(launched) == 2 and launched[1].nproc == 2
 
 
+@pytest.mark.pure
 def test_check_refuses_options_before_spawning(capsys):
     assert main(["check", "--tensor-parallel", "3"]) == 2
     assert "does not divide the check's 4 processes" in _one_error_line(capsys, "check")
@@ -146,6 +152,7 @@ def test_check_refuses_options_before_spawning(capsys):
     assert "--tolerance must be positive" in _one_error_line(capsys, "check")
 
 
+@pytest.mark.pure
 def test_check_reports_rank_zeros_error_else_the_first(tmp_path):
     from megatron_zeppelin.megatron.check import _first_error
 
@@ -156,6 +163,7 @@ def test_check_reports_rank_zeros_error_else_the_first(tmp_path):
     assert _first_error(str(tmp_path), 4) == "zero"
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     "argv, needle",
     [
@@ -202,6 +210,7 @@ def test_a_worker_side_value_error_is_one_line_without_traceback(tmp_path, capfd
     assert "Traceback" not in out + err
 
 
+@pytest.mark.threads
 def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_process_group):
     from megatron_zeppelin.megatron.train_cpu import build_parser, train
 

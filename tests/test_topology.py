@@ -18,6 +18,8 @@ from megatron_zeppelin.topology import (
 )
 from megatron_zeppelin.topology.model import Topology
 
+pytestmark = pytest.mark.pure
+
 CONFIGS = Path(__file__).resolve().parents[1] / "configs" / "topology"
 
 

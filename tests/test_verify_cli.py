@@ -14,6 +14,7 @@ from megatron_zeppelin.cli import main as cli_main
 from megatron_zeppelin.commands.verify import main as verify_main
 
 
+@pytest.mark.dist
 def test_default_run_passes_and_writes_a_report(tmp_path, capsys):
     report_path = tmp_path / "verify.json"
     assert cli_main(["verify", "--json", str(report_path)]) == 0
@@ -36,6 +37,7 @@ def test_default_run_passes_and_writes_a_report(tmp_path, capsys):
     assert zeppelin[True]["measured_bytes"]["nic"] == zeppelin[False]["measured_bytes"]["nic"]
 
 
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
