@@ -182,10 +182,10 @@ def test_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     path = tmp_path / "cal.json"
     path.write_text("previous")
 
-    def broken_dump(*args, **kwargs):
+    def broken_fsync(*args, **kwargs):  # the bytes are written, the disk refuses to keep them
         raise OSError("disk full")
 
-    monkeypatch.setattr("megatron_zeppelin.planner.calibration.json.dump", broken_dump)
+    monkeypatch.setattr("megatron_zeppelin.fileio.os.fsync", broken_fsync)
     with pytest.raises(OSError, match="disk full"):
         profile(tiny_settings(), output=str(path))
     assert path.read_text() == "previous"

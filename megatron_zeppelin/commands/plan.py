@@ -18,6 +18,8 @@ import math
 import sys
 from typing import Any
 
+from megatron_zeppelin.fileio import format_bytes
+
 DEFAULT_MODEL = "llama-7b"
 DEFAULT_TOKENS = 262144
 NEVER = 1 << 40
@@ -200,13 +202,6 @@ def zeppelin_plan(lengths: list[int], *, topology, cost_model, capacity: int, op
 
     return plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
                       options=options)  # fmt: skip
-
-
-def format_bytes(num_bytes: float) -> str:
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if num_bytes >= size:
-            return f"{num_bytes / size:.2f} {unit}"
-    return f"{num_bytes:.0f} B"
 
 
 def cost_sources_line(cost_model) -> str:

@@ -25,7 +25,6 @@ from megatron_zeppelin.commands.plan import (
     add_planner_arguments,
     capacity_for,
     cost_sources_line,
-    format_bytes,
     planner_options,
     read_batches,
     read_cost_model,
@@ -33,6 +32,7 @@ from megatron_zeppelin.commands.plan import (
     summary_lines,
     zeppelin_plan,
 )
+from megatron_zeppelin.fileio import format_bytes
 
 ZEPPELIN = "zeppelin"
 TE_RING_CP = "te-ring-cp"

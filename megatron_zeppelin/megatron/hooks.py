@@ -44,9 +44,10 @@ from typing import Any
 
 import torch
 
+from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.megatron.args import extra_args_provider, is_enabled
 
-__all__ = ["extra_args_provider", "format_bytes", "forward_step", "is_enabled", "model_provider",
+__all__ = ["extra_args_provider", "forward_step", "is_enabled", "model_provider",
            "plan_line", "setup", "train_valid_test_datasets_provider"]  # fmt: skip
 
 
@@ -349,15 +350,6 @@ def _is_logging_rank() -> bool:
     import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def format_bytes(n: float) -> str:
-    """``123 B``, ``1.5 KB``, ``2.0 MB``... (powers of 1024)."""
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def plan_line(step: int, summary: dict) -> str:

@@ -34,9 +34,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
+from megatron_zeppelin.fileio import format_bytes  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
 from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
-from megatron_zeppelin.megatron.hooks import format_bytes, plan_line  # noqa: E402
+from megatron_zeppelin.megatron.hooks import plan_line  # noqa: E402
 from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,

@@ -36,22 +36,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from megatron_zeppelin.fileio import atomic_write_text
 from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
 
 CALIBRATION_FORMAT = "zeppelin-calibration/1"
 LINK_NAMES = ("nvlink", "nic", "alltoall")
 COMPUTE_NAMES = ("attention", "attention_diagonal", "linear")
 _HEADER = ("format", "device", "machine", "dtype", "model", "versions", "date", "links")
-FILE_MODE = 0o644
-"""Calibration files are meant to be shared and read by every rank's user."""
 # Model dimensions that change per-layer kernel shapes; a file measured with other values is
 # refused. num_layers and vocab_size do not enter per-layer figures.
 MODEL_DIMS = (
@@ -283,23 +280,9 @@ def load_calibration(path: str) -> Calibration:
 
 
 def save_calibration(cal: Calibration, path: str) -> None:
-    """Write ``cal`` (its ``extra`` sections included) atomically with mode ``FILE_MODE``: a
-    reader sees the old file or the whole new one, never a part."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".calibration-", suffix=".tmp", dir=directory)
-    try:
-        os.chmod(tmp, FILE_MODE)  # mkstemp makes the file private (0600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(cal.to_dict(), f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
+    """Write ``cal`` (its ``extra`` sections included) atomically: a reader sees the old file or
+    the whole new one, never a part."""
+    atomic_write_text(path, json.dumps(cal.to_dict(), indent=1) + "\n")
 
 
 def normalize_dtype(dtype: str) -> str:
