@@ -7,8 +7,9 @@ tensors (``layout.py``), so a call only moves tensors. The call runs the concurr
 computed while both travel, then every ring step's blocks are computed (one varlen call per tier
 and mask kind) while the next step's blocks travel. Backward sends dK/dV back around the rings.
 
-Transport is the ``exchanger`` (``comm.exchange.DistExchanger`` across processes,
-``testing.threads.ThreadExchanger`` across threads); the engine only calls its ``start``. When
+Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
+across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
+``start``. When
 the exchanger has ``set_plan`` (the routed transports do), the engine hands it the plan once, at
 construction, so routes always match the plan being executed.
 
@@ -19,13 +20,12 @@ heads, d head dim.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron_zeppelin.attention.kernels import available_kernels
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.ring import RingAttentionFunction, RingRuntime
+from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.planner.plan import AttentionComm, Plan
 
 __all__ = ["ZeppelinAttention"]
@@ -38,7 +38,7 @@ class ZeppelinAttention:
         self,
         plan: Plan,
         rank: int,
-        exchanger: Any,
+        exchanger: Exchanger,
         *,
         kernel: str = "auto",
         softmax_scale: float | None = None,

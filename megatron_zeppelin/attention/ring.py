@@ -40,9 +40,11 @@ from typing import Any
 
 import torch
 
-from megatron_zeppelin.attention.kernels import AttentionKernel, compute_dtype, get_kernel
+from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtype
+from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, Rows, TierLayout
 from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.comm.protocol import Exchanger, Pending
 
 __all__ = ["RingAttentionFunction", "RingRuntime"]
 
@@ -84,7 +86,7 @@ class RingRuntime:
     """A rank's layout bound to an exchanger, a kernel name and a softmax scale."""
 
     def __init__(
-        self, layout: RankLayout, exchanger: Any, *, kernel: str, softmax_scale: float | None
+        self, layout: RankLayout, exchanger: Exchanger, *, kernel: str, softmax_scale: float | None
     ) -> None:
         self.layout = layout
         self.exchanger = exchanger
@@ -116,7 +118,7 @@ class RingRuntime:
         return x.index_select(0, self.on(index, x.device))
 
     # --- exchanges -------------------------------------------------------------------------
-    def _start(self, tier: TierLayout, step: int, source, *, grad: bool) -> Any:  # noqa: ANN001
+    def _start(self, tier: TierLayout, step: int, source, *, grad: bool) -> Pending:  # noqa: ANN001
         """Post one step. ``source`` is the travelling buffer ``(t, 2, nkv, d)`` of this
         compute, or ``(k_tnd, v_tnd)`` of this rank's own buffer: own K and V are never
         stacked whole, only the rows that leave are (a few ring blocks of a large buffer)."""
@@ -142,7 +144,7 @@ class RingRuntime:
         )
 
     def _received(
-        self, tier: TierLayout, step: int, pending: Any, empty: torch.Tensor | None
+        self, tier: TierLayout, step: int, pending: Pending, empty: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The rows received at ``step`` in message order (``empty`` when none came)."""
         got = pending.wait()
@@ -251,7 +253,7 @@ class RingRuntime:
             self._add_grads(tier, tier.num_steps - 1, grads[tier.tier], None, dk, dv)
         return dq.result(), dk.result(), dv.result()
 
-    def _add_grads(self, tier: TierLayout, step: int, pending: Any, dkv, dk, dv) -> None:  # noqa: ANN001
+    def _add_grads(self, tier: TierLayout, step: int, pending: Pending, dkv, dk, dv) -> None:  # noqa: ANN001
         """Add the gradients received at ``step`` to the held buffer's ``dkv`` (still
         travelling) and to this rank's own ``dk``/``dv`` (home)."""
         got = self._received(tier, step, pending, None)
