@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
-from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError, plan_legs
+from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError
 from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.pending import step_legs
 from megatron_zeppelin.planner.plan import (
     Plan,
     Route,
@@ -100,9 +101,9 @@ def test_legs_cover_every_message_row_once_and_skip_same_gpu_hops():
     plan = hand_plan()
     routes = {(r.src, r.dst): r for r in plan.routes}
     for step in ring_schedule(plan):
-        legs = plan_legs(step, routes)
+        legs = step_legs(step, routes)
         for index, msg in enumerate(step):
-            mine = [leg for leg in legs if leg.message == index]
+            mine = [leg for message, leg in legs if message == index]
             covered = sorted((leg.offset, leg.offset + leg.num_tokens) for leg in mine)
             pos = 0
             for lo, hi in covered:
