@@ -338,8 +338,16 @@ def _subworld_worker(rank: int, world_size: int) -> dict:
     # Two Zeppelin worlds of two processes each, exchanging at the same time.
     small = _small_plan()
     mine = next(w for w in HALVES if rank in w)
-    groups = ZeppelinGroups.create(small.topology, ranks=mine)
+    reduced, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, group=None, **kw: (reduced.append(group), real(t, group=group, **kw))[1]  # fmt: skip  # noqa: E501
+    try:
+        groups = ZeppelinGroups.create(small.topology, ranks=mine, timeout_s=30)
+    finally:
+        dist.all_reduce = real
     assert groups.global_ranks == mine and groups.rank == mine.index(rank)
+    # Warmed at creation, in creation order: the sub-world's own group, its node, its rail.
+    mine_groups = [groups.world, *(g for g in groups.nodes if g), *(g for g in groups.rails if g)]
+    out["warmed"] = len(reduced) == 3 and all(a is b for a, b in zip(reduced, mine_groups))
     counters = LinkCounters(small.topology)
     ex = DistExchanger(groups, plan=small, routing=True, counters=counters, timeout_s=30)
     _run_steps(ex, small, groups.rank)
@@ -376,6 +384,8 @@ def test_zeppelin_worlds_on_a_subset_or_permutation_of_the_processes(subworld_an
     )
     # Each world's counters sum that world's sends only, not the other world's.
     assert predicted["nic"] > 0 and all(r["halves"] == predicted for r in results)
+    # Every group of a sub-world (tensor parallelism) is warmed up collectively at creation.
+    assert all(r["warmed"] for r in results)
 
 
 # --- overlapped relays ------------------------------------------------------------------------

@@ -9,9 +9,11 @@ and mask kind) while the next step's blocks travel. Backward sends dK/dV back ar
 
 Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
 across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
-``start``. When
-the exchanger has ``set_plan`` (the routed transports do), the engine hands it the plan once, at
-construction, so routes always match the plan being executed.
+``start``. When the exchanger has ``set_plan`` (the routed transports do), the engine hands it
+the plan once, at construction, so routes always match the plan being executed. ``timer`` (a
+``step_timing.RingTimer``, optional) records compute and communication per tier and ring step.
+On CUDA every kernel runs on the caller's current stream (``ring.py`` says how the transfers
+overlap it).
 
 Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)``: t tokens of this rank's
 attention buffer (``plan.attention_ranges(rank)`` order), nq query heads grouped over nkv K/V
@@ -25,6 +27,7 @@ import torch
 from megatron_zeppelin.attention.kernels import available_kernels
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.ring import RingAttentionFunction, RingRuntime
+from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.planner.plan import AttentionComm, Plan
 
@@ -42,6 +45,7 @@ class ZeppelinAttention:
         *,
         kernel: str = "auto",
         softmax_scale: float | None = None,
+        timer: RingTimer | None = None,
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the plan's ranks 0..{plan.world_size - 1}")
@@ -73,7 +77,7 @@ class ZeppelinAttention:
         self.softmax_scale = softmax_scale
         self.layout = RankLayout(plan, rank)
         self._runtime = RingRuntime(
-            self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale
+            self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale, timer=timer
         )
 
     @property

@@ -22,6 +22,14 @@ passes the sum on; after the last compute one more hop brings the total home to 
 owner. The owner's own contribution at compute 0 never leaves it. Gradients of query rows stay
 local. Each pair's gradient uses the final output and lse, so it is exact on its own.
 
+Streams (CUDA): everything here runs on the caller's current stream, the compute stream: every
+kernel call, merge and copy, and the posting of every exchange. The exchanger's transfers run on
+its communicators' own streams (``comm/exchange.py``), which wait for the compute stream at
+posting, and ``wait`` makes the compute stream wait for them; neither blocks the host on NCCL. So
+while the kernels of compute ``c`` run, the transfers of step ``c`` are in flight. A
+``step_timing.RingTimer`` (optional) marks events around both and reports per tier the compute,
+the communication and the part of it the compute stream waited for.
+
 Gradients travel in float32 for half-precision inputs (they are sums over the whole ring);
 K/V travel in the input dtype. Letters: t rows of a buffer, n heads, d head dim; the travelling
 rows are ``kv_t2nd`` ``(t, 2, nkv, d)`` (K and V of a token side by side, one message per edge).
@@ -36,6 +44,7 @@ buffers are what the host pays for most (page faults), far more than the per-ste
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -44,6 +53,7 @@ from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtyp
 from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, Rows, TierLayout
 from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.comm.protocol import Exchanger, Pending
 
 __all__ = ["RingAttentionFunction", "RingRuntime"]
@@ -86,13 +96,24 @@ class RingRuntime:
     """A rank's layout bound to an exchanger, a kernel name and a softmax scale."""
 
     def __init__(
-        self, layout: RankLayout, exchanger: Exchanger, *, kernel: str, softmax_scale: float | None
+        self,
+        layout: RankLayout,
+        exchanger: Exchanger,
+        *,
+        kernel: str,
+        softmax_scale: float | None,
+        timer: RingTimer | None = None,
     ) -> None:
         self.layout = layout
         self.exchanger = exchanger
         self.kernel_name = kernel
         self.softmax_scale = softmax_scale
+        self.timer = timer
         self._moved: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _compute(self, tier: str):  # noqa: ANN202
+        """Context of one tier's kernel calls at one step (timed when there is a timer)."""
+        return nullcontext() if self.timer is None else self.timer.compute(tier)
 
     def kernel(self, like: torch.Tensor) -> AttentionKernel:
         return get_kernel(self.kernel_name, device=like.device, dtype=like.dtype)
@@ -135,19 +156,26 @@ class RingRuntime:
             payload = {(self.layout.rank, dst): self._rows(source, i) for dst, i in sends.items()}
             row_shape, dtype = tuple(source.shape[1:]), source.dtype
         kind = "grad" if grad else "kv"
-        return self.exchanger.start(
+        pending = self.exchanger.start(
             messages,
             payload,
             row_shape=row_shape,
             dtype=dtype,
             tag=f"zeppelin/{tier.tier.value}/{kind}/{step}",
         )
+        if self.timer is not None:
+            self.timer.posted(pending, tier.tier.value)
+        return pending
 
     def _received(
         self, tier: TierLayout, step: int, pending: Pending, empty: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The rows received at ``step`` in message order (``empty`` when none came)."""
+        if self.timer is not None:
+            self.timer.waiting(pending)
         got = pending.wait()
+        if self.timer is not None:
+            self.timer.landed(pending)
         parts = [got[(src, self.layout.rank)] for src in tier.recv_from[step]]
         if not parts:
             return empty
@@ -212,7 +240,8 @@ class RingRuntime:
         layout = self.layout
         empty = k.new_zeros((0, 2, *k.shape[1:]))
         pending = {t.tier: self._start(t, 0, (k, v), grad=False) for t in layout.tiers}
-        out, lse = self.forward_calls(layout.own_calls, q, k, v, None, None)
+        with self._compute("own"):
+            out, lse = self.forward_calls(layout.own_calls, q, k, v, None, None)
         for c in range(1, layout.num_steps + 1):
             for tier in reversed(layout.tiers):  # intra-node first: it lands first
                 if c > tier.num_steps:
@@ -220,7 +249,8 @@ class RingRuntime:
                 held = self._received(tier, c - 1, pending[tier.tier], empty)
                 if c < tier.num_steps:
                     pending[tier.tier] = self._start(tier, c, held, grad=False)
-                self.forward_calls(tier.calls[c], q, held[:, 0], held[:, 1], out, lse)
+                with self._compute(tier.tier.value):
+                    self.forward_calls(tier.calls[c], q, held[:, 0], held[:, 1], out, lse)
         return out, lse
 
     def backward(self, dout, q, k, v, out, lse):  # noqa: ANN001
@@ -232,7 +262,8 @@ class RingRuntime:
         empty = k.new_zeros((0, 2, *k.shape[1:]))
         pending = {t.tier: self._start(t, 0, (k, v), grad=False) for t in layout.tiers}
         grads: dict[Any, Any] = {}
-        self.backward_calls(layout.own_calls, saved, k, v, dq, dk, dv)
+        with self._compute("own"):
+            self.backward_calls(layout.own_calls, saved, k, v, dq, dk, dv)
         for c in range(1, layout.num_steps + 1):
             for tier in reversed(layout.tiers):
                 if c > tier.num_steps:
@@ -242,9 +273,10 @@ class RingRuntime:
                     pending[tier.tier] = self._start(tier, c, held, grad=False)
                 block = (held.shape[0], *k.shape[1:])
                 dk_held, dv_held = _RowSum(block, dtype, k.device), _RowSum(block, dtype, k.device)
-                self.backward_calls(
-                    tier.calls[c], saved, held[:, 0], held[:, 1], dq, dk_held, dv_held
-                )
+                with self._compute(tier.tier.value):
+                    self.backward_calls(
+                        tier.calls[c], saved, held[:, 0], held[:, 1], dq, dk_held, dv_held
+                    )
                 dkv = torch.stack((dk_held.result(), dv_held.result()), 1)
                 if c >= 2:  # the gradient of these blocks from the ranks before this one
                     self._add_grads(tier, c - 2, grads[tier.tier], dkv, dk, dv)
