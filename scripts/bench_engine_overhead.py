@@ -186,7 +186,7 @@ def main() -> None:
     engine = ZeppelinAttention(plan, rank, exchanger, kernel="noop")
     computes = 1 + sum(tier.num_steps for tier in engine.layout.tiers)
     calls = len(engine.layout.own_calls) + sum(
-        len(tier.calls[c]) for tier in engine.layout.tiers for c in range(1, tier.num_steps + 1)
+        len(step.calls) for tier in engine.layout.tiers for step in tier.steps
     )
     print(
         f"rank {rank}: {t} tokens, {len(engine.layout.own_spans)} documents, "
