@@ -310,7 +310,14 @@ class RankLayout:
         for seq in plan.sequences:
             for span in seq.attention:
                 self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
-        own_pairs = [p for seq, spans in self.own_spans.items() for p in block_pairs(spans, spans)]
+        # 2-D documents' attention runs on the head layout (``head_layout.py``).
+        self.two_d = frozenset(seq.id for seq in plan.sequences if seq.is_two_d)
+        own_pairs = [
+            p
+            for seq, spans in self.own_spans.items()
+            if seq not in self.two_d
+            for p in block_pairs(spans, spans)
+        ]
         self.own_calls = kernel_calls(
             own_pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens
         )

@@ -77,6 +77,9 @@ def interleave(runs: Iterable[Iterator[None]]) -> None:
 
 _DONE = object()
 
+Forward = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]
+"""``out_tnd``, ``lse_tn`` and any more tensors the backward needs."""
+
 
 class _RowSum:
     """A running sum of kernel parts over the rows of one buffer, allocated lazily.
@@ -258,17 +261,16 @@ class RingRuntime:
             dv.add(k_rows, dv_p.to(dv.dtype))
 
     # --- the two passes --------------------------------------------------------------------
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Forward:
+        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype (nothing
+        more to save for the backward)."""
         buffers = Buffers(q, k, v)
         runs = self.forward_runs(buffers)
         for run in runs:  # post every tier's step 0, inter-node (slowest links) first
             next(run)
         self.forward_own(buffers)
         interleave(reversed(runs))  # intra-node first: it lands first
-        return buffers.out, buffers.lse
+        return buffers.out, buffers.lse, ()
 
     def forward_own(self, buffers: Buffers) -> None:
         """Compute 0: local documents and this rank's own blocks; starts ``out``/``lse``."""
@@ -291,7 +293,7 @@ class RingRuntime:
             self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
             yield
 
-    def backward(self, dout, q, k, v, out, lse):  # noqa: ANN001
+    def backward(self, dout, q, k, v, out, lse, saved=()):  # noqa: ANN001
         """``dq``, ``dk``, ``dv`` of this rank's buffer, in the compute dtype."""
         grads = self.backward_grads(Buffers(q, k, v, out, lse, dout))
         runs = self.backward_runs(grads)
@@ -364,20 +366,21 @@ class RingRuntime:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan."""
+    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan; ``runtime``
+    is a ``RingRuntime`` or anything with its ``forward`` and ``backward``."""
 
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: RingRuntime
     ) -> torch.Tensor:
-        out, lse = runtime.forward(q, k, v)
+        out, lse, saved = runtime.forward(q, k, v)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.runtime = runtime
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # noqa: ANN205
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.runtime.backward(dout.contiguous(), q, k, v, out, lse)
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        dq, dk, dv = ctx.runtime.backward(dout.contiguous(), q, k, v, out, lse, tuple(saved))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -215,7 +215,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     add_planner_arguments(parser)
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="OUT", help="write the plan file (zeppelin-plan/1)")
+    out.add_argument("--json", metavar="OUT", help="write the plan file (zeppelin-plan/2)")
     out.add_argument("--plot", metavar="PNG", help="chart of per-rank attention, linear and comm")
 
 
