@@ -83,6 +83,10 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-split", action="store_true", help="split only documents that capacity forces"
     )
     group.add_argument(
+        "--no-2d", action="store_true", help="keep every inter-node document on a flat ring "
+        "(default: the cost model may split its heads inside each node and ring across nodes)",
+    )  # fmt: skip
+    group.add_argument(
         "--linear-layout", choices=("auto", "attention", "node", "even"), default="auto",
         help="where linear modules run: auto (the fastest the cost model predicts), the "
         "attention layout, tokens even inside each node, or even over all GPUs",
@@ -177,6 +181,8 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
         wanted["remap"] = False
     if getattr(args, "no_split", False):
         wanted["allow_split"] = False
+    if getattr(args, "no_2d", False):
+        wanted["two_d"] = False
     if getattr(args, "linear_layout", "auto") != "auto":
         wanted["linear_layout"] = args.linear_layout
     if not wanted:
@@ -231,8 +237,10 @@ def summary_lines(plan, result, cost_model) -> list[str]:
         seqs = [s for s in plan.sequences if Tier(s.tier) == tier]
         tokens = sum(s.length for s in seqs)
         longest = max((s.length for s in seqs), default=0)
+        two_d = sum(s.is_two_d for s in seqs)
+        note = f", {two_d} with heads split across nodes (2-D)" if two_d else ""
         lines.append(f"  {tier.value:>5}: {len(seqs):5d} documents {tokens:9d} tokens "
-                     f"(longest {longest})")  # fmt: skip
+                     f"(longest {longest}{note})")  # fmt: skip
     attention = [r.attention_s for r in result.per_rank]
     linear = [plan.num_linear_tokens(r) for r in range(world)]
     lines.append(f"  imbalance (max/mean): attention {_imbalance(attention):.3f}, "

@@ -38,6 +38,7 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
+from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.planner.plan import (
     Plan,
     SequencePlan,
@@ -121,6 +122,20 @@ class AttentionShape:
 
     def groups(self, num_groups: int) -> HeadGroups:
         return head_groups(self.num_heads, self.num_kv_heads, num_groups)
+
+    @classmethod
+    def of_model(cls, model: ModelSpec) -> AttentionShape:
+        """One GPU's heads under the model's tensor parallelism (K/V heads replicated when
+        fewer than the TP size), every value in the model's dtype (the simulator's
+        convention)."""
+        tp = model.tensor_parallel
+        return cls(
+            num_heads=model.num_heads // tp,
+            num_kv_heads=max(1, model.num_kv_heads // tp),
+            head_dim=model.head_dim,
+            value_bytes=model.dtype_bytes,
+            grad_value_bytes=model.dtype_bytes,
+        )
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ A plan answers three questions for one micro-batch:
   then the document's spans in the order listed (zigzag: chunk ``i`` then chunk ``2g-1-i``).
 * **linear layout**: per rank, the token ranges it holds for embedding, QKV, projections, MLP and
   loss; its buffer is the ranges in the order listed.
+* **scheme**: a document across whole nodes may run with its heads split inside each node and
+  one ring per rail across the nodes (``Scheme.TWO_D``; ``heads.py``); its attention spans are
+  then where its tokens arrive, and the engine moves heads itself.
 * **routing**: for every ring edge that crosses nodes, how its messages are split over proxy
   GPUs so that every NIC carries a share (``Route``). Edges with no route go direct.
 

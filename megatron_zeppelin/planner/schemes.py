@@ -1,0 +1,181 @@
+"""Per inter-node document, the flat ring or the 2-D scheme: whichever the cost model says is
+faster (the scheme itself: ``heads.py``).
+
+A document placed on a ring of ``g = n * G`` ranks over ``n`` whole nodes can instead split its
+heads inside each node and run one ring per rail across the nodes. Both are priced for the
+document alone, per rank, with the formulas the simulator applies step by step (zigzag makes
+every step of a ring alike, so a closed form does): attention compute, plus for each ring step
+the part of its transfer the step's compute does not hide (forward: K/V while the forward runs;
+backward: K/V and dK/dV while the backward runs), plus, for the 2-D scheme, its four head
+all-to-alls (which hide behind nothing).
+
+    flat ring   g - 1 steps of L/g query tokens against L/g keys, all heads; a step moves
+                L/g tokens of K/V, cross-node edges over every NIC of the node with routing
+    2-D         n - 1 steps of L/n query tokens against L/n keys, 1/G of the heads; a step
+                moves L/n tokens of one group's K/V heads over the rank's own rail
+
+Per step the 2-D scheme computes ``G`` times more for the same bytes per rank (with K/V heads
+split; replicated K/V heads send ``G/nkv`` times more), so it wins where the flat ring's steps are
+too short to hide their transfers: long documents over several nodes. A document keeps the flat
+ring when the model's heads do not split over the node's GPUs (``heads.head_groups``).
+
+``choose_schemes`` is the planner's hook, called on the placed documents before the linear layout
+and routing: a document that switches keeps its token spans (the flat zigzag spans already lie in
+the node chunks the scheme needs) and lists its ring node by node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.heads import AttentionShape, head_groups
+from megatron_zeppelin.planner.plan import Plan, Scheme, SequencePlan, Tier
+from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.thresholds import FWD_SHARE
+from megatron_zeppelin.topology.model import Topology
+
+__all__ = [
+    "choose_schemes",
+    "every_two_d",
+    "faster_scheme",
+    "flat_ring_seconds",
+    "scheme_seconds",
+    "two_d_seconds",
+]
+
+
+def _nodes_of(seq: SequencePlan, topology: Topology) -> list[int] | None:
+    """The nodes of ``seq``'s ring in ring order when the ring is whole nodes, else ``None``."""
+    k = topology.gpus_per_node
+    if len(seq.ring) % k:
+        return None
+    nodes = [topology.node_of(seq.ring[i]) for i in range(0, len(seq.ring), k)]
+    whole = {r for n in nodes for r in topology.ranks_of_node(n)}
+    return nodes if len(set(nodes)) == len(nodes) and whole == set(seq.ring) else None
+
+
+def _ring_seconds(
+    cost: CostModel, length: int, ring: int, *, share: float, step_s, step_2x_s
+) -> float:  # noqa: ANN001
+    """One rank of a zigzag ring of ``ring`` ranks: compute (``share`` of the heads) plus the
+    transfers it does not hide; ``step_s`` / ``step_2x_s``: one step's forward / backward
+    transfer seconds."""
+    chunk = length / ring
+    pairs = length * length / (2 * ring) * share
+    own = cost.attention_call_time([(chunk, pairs / ring)], diagonal=True)
+    step = cost.attention_call_time([(chunk, pairs / ring)], diagonal=False)
+    exposed = max(0.0, step_s - FWD_SHARE * step) + max(0.0, step_2x_s - (1 - FWD_SHARE) * step)
+    return own + (ring - 1) * (step + exposed)
+
+
+def flat_ring_seconds(
+    cost: CostModel, topology: Topology, length: int, ring_size: int, *, routing: bool
+) -> float:
+    """One rank's attention seconds of a flat zigzag ring of ``ring_size`` ranks that crosses
+    nodes (module docstring)."""
+    nic, nvlink = cost.nic, cost.nvlink
+    links = topology.nics_per_node if routing else 1
+
+    def step(num_bytes: float) -> float:
+        # The slowest message of a step is a cross-node edge's. Direct, it leaves through the
+        # sender's NIC. Routed, it is split over the node's NICs and relayed over NVLink
+        # (three hops); a relaying GPU's NVLink port also carries its own ring message.
+        if links == 1:
+            return max(nvlink.time(num_bytes), nic.time(num_bytes))
+        drain = max(num_bytes * (1 + 1 / links) / nvlink.bytes_per_s,
+                    num_bytes / links / nic.bytes_per_s)  # fmt: skip
+        return drain + 2 * nvlink.latency_s + nic.latency_s
+
+    kv = cost.kv_bytes(1) * length / ring_size
+    return _ring_seconds(cost, length, ring_size, share=1.0, step_s=step(kv),
+                         step_2x_s=step(2 * kv))  # fmt: skip
+
+
+def two_d_seconds(cost: CostModel, topology: Topology, length: int, num_nodes: int) -> float | None:
+    """One rank's attention seconds of the 2-D scheme over ``num_nodes`` whole nodes (module
+    docstring); ``None`` when the model's heads do not split over a node's GPUs."""
+    k = topology.gpus_per_node
+    shape = AttentionShape.of_model(cost.model)
+    try:
+        groups = head_groups(shape.num_heads, shape.num_kv_heads, k)
+    except ValueError:
+        return None
+    n, d, value, nic = num_nodes, shape.head_dim, shape.value_bytes, cost.nic
+    # A rail's NIC is shared by the ranks next to it when a node has fewer NICs than GPUs.
+    per_nic = max(1.0, k / topology.nics_per_node)
+    block = length / n * 2 * groups.num_kv * d * value * per_nic
+    ring = _ring_seconds(
+        cost, length, n, share=groups.num_q / shape.num_heads,
+        step_s=nic.latency_s + block / nic.bytes_per_s,
+        step_2x_s=nic.latency_s + 2 * block / nic.bytes_per_s,
+    )  # fmt: skip
+    if k == 1:
+        return ring
+    # Four all-to-alls: a rank sends its L/(nG) tokens to the G - 1 others, a group's heads.
+    tokens = length / (n * k) * (k - 1)
+    qkv, o = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
+    return ring + 2 * cost.nvlink.time(tokens * qkv) + 2 * cost.nvlink.time(tokens * o)
+
+
+def scheme_seconds(
+    seq: SequencePlan, topology: Topology, cost_model: CostModel, *, routing: bool
+) -> dict[Scheme, float]:
+    """Predicted attention seconds (one layer, forward and backward) of one rank of ``seq``,
+    an inter-node document, for each scheme it can run: the 2-D scheme only on whole nodes
+    with heads that split."""
+    seconds = {
+        Scheme.RING: flat_ring_seconds(
+            cost_model, topology, seq.length, len(seq.ring), routing=routing
+        )
+    }
+    nodes = _nodes_of(seq, topology)
+    if nodes is not None:
+        two_d = two_d_seconds(cost_model, topology, seq.length, len(nodes))
+        if two_d is not None:
+            seconds[Scheme.TWO_D] = two_d
+    return seconds
+
+
+def faster_scheme(
+    seq: SequencePlan, topology: Topology, cost_model: CostModel, *, routing: bool
+) -> Scheme:
+    """The scheme ``scheme_seconds`` predicts faster for ``seq`` (the flat ring on ties)."""
+    seconds = scheme_seconds(seq, topology, cost_model, routing=routing)
+    return min(seconds, key=lambda scheme: (seconds[scheme], scheme != Scheme.RING))
+
+
+def choose_schemes(
+    sequences: Sequence[SequencePlan], topology: Topology, cost_model: CostModel, *, routing: bool
+) -> tuple[SequencePlan, ...]:
+    """``sequences`` with every inter-node ring the cost model prefers as 2-D turned into one
+    (see the module docstring); the others unchanged."""
+    out = []
+    for seq in sequences:
+        if seq.tier == Tier.INTER and not seq.is_two_d:
+            if faster_scheme(seq, topology, cost_model, routing=routing) == Scheme.TWO_D:
+                seq = _as_two_d(seq, topology)
+        out.append(seq)
+    return tuple(out)
+
+
+def _as_two_d(seq: SequencePlan, topology: Topology) -> SequencePlan:
+    nodes = _nodes_of(seq, topology)
+    assert nodes is not None, "the 2-D scheme runs on whole nodes only"
+    ring = tuple(r for n in nodes for r in topology.ranks_of_node(n))
+    return replace(seq, ring=ring, scheme=Scheme.TWO_D)
+
+
+def every_two_d(plan: Plan) -> Plan:
+    """``plan`` with every inter-node document on whole nodes run with the 2-D scheme, whatever
+    the cost model says (routes rebuilt when the plan had any; tokens stay where they are):
+    how ``zeppelin verify`` exercises the scheme on any batch."""
+    topo = plan.topology
+    sequences = tuple(
+        _as_two_d(s, topo) if s.tier == Tier.INTER and _nodes_of(s, topo) else s
+        for s in plan.sequences
+    )
+    routes = build_routes(sequences, topo) if plan.routes else ()
+    return replace(plan, sequences=sequences, routes=routes, name=f"{plan.name}-2d",
+                   meta=dict(plan.meta))  # fmt: skip
