@@ -3,6 +3,7 @@ plan, the head all-to-all's messages and bytes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -94,10 +95,11 @@ def test_malformed_two_d_documents_are_refused() -> None:
                              Scheme.TWO_D)  # fmt: skip
     with pytest.raises(ValueError, match="whole nodes"):
         plan_of([part_node])
-    shuffled = SequencePlan(0, 500, Tier.INTER, (1, 0, 2, 3, 4, 5, 6, 7), good.attention,
-                            Scheme.TWO_D)  # fmt: skip
+    # A node's ranks in any order (a rank's head group is its local index), but together.
+    assert plan_of([dataclasses.replace(good, ring=(1, 0, 3, 2, 7, 4, 5, 6))])
+    interleaved = dataclasses.replace(good, ring=(0, 4, 1, 5, 2, 6, 3, 7))
     with pytest.raises(ValueError, match="whole nodes"):
-        plan_of([shuffled])
+        plan_of([interleaved])
     # A flat zigzag ring's spans lie inside the node chunks of the same node order (a flat
     # inter-node document becomes 2-D without moving a token), not inside another order's.
     assert plan_of([SequencePlan(0, 500, Tier.INTER, good.ring, zigzag_spans(500, good.ring),

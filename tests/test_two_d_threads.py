@@ -82,25 +82,27 @@ def mixed_plan(topology: Topology, docs, *, spans=None, routed: bool = False) ->
 
 
 PLANS = {
-    # A 2-D document over both nodes beside flat inter-node, intra-node and local ones.
+    # 2-D documents over both nodes (one in each token layout) beside flat inter-node,
+    # intra-node and local ones.
     "2x2": lambda: mixed_plan(
         TOPO_2X2,
         [
-            (37, (0, 1, 2, 3), True),
+            (37, (0, 1, 2, 3), "zigzag"),
             (5, (1,), False),
             (23, (2, 3), False),
-            (29, (2, 3, 0, 1), True),
+            (29, (2, 3, 0, 1), "pieces"),
             (41, (3, 0, 1), False),
             (1, (0,), False),
         ],
     ),  # fmt: skip
-    # Three nodes, a 2-D document on two of them and one on all three, 3 tokens on 6 ranks.
+    # Three nodes: a 2-D document on two of them in the planner's rotated in-node order, two on
+    # all three (one of 3 tokens on 6 ranks).
     "3x2": lambda: mixed_plan(
         TOPO_3X2,
         [
-            (50, (0, 1, 2, 3, 4, 5), True),
-            (31, (4, 5, 0, 1), True),
-            (3, (2, 3, 4, 5, 0, 1), True),
+            (50, (0, 1, 2, 3, 4, 5), "pieces"),
+            (31, (5, 4, 1, 0), "zigzag"),
+            (3, (2, 3, 4, 5, 0, 1), "zigzag"),
             (19, (2, 3), False),
             (7, (5,), False),
         ],
@@ -184,3 +186,19 @@ def test_head_counts_that_do_not_split_are_refused() -> None:
     q, k, v = random_qkv(engine.num_tokens, num_heads=4, num_kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match="3 GPUs of each node"):
         engine(q, k, v)
+
+
+def test_planner_plans_with_two_d_documents_match_reference() -> None:
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.distributions import sample_lengths
+    from megatron_zeppelin.planner.models import get_model
+    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+
+    cost = CostModel.default(get_model("tiny"), TOPO_2X2)  # 4 heads over 2 K/V heads
+    lengths = sample_lengths("prolong", num_tokens=500, seed=1, max_length=400) + [1, 2, 9, 31]
+    plan = plan_batch(lengths, topology=TOPO_2X2, cost_model=cost, capacity=200,
+                      options=PlannerOptions(thresholds=(8, 16)))  # fmt: skip
+    assert plan.has_two_d and plan.tier_counts()["intra"] and plan.tier_counts()["local"]
+    ref, got = run_engine(plan, torch.float64, heads=(4, 2), seed=2)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_close(got[name], ref[name], dtype=torch.float64, name=f"planned {name}")

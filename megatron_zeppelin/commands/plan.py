@@ -248,10 +248,30 @@ def summary_lines(plan, result, cost_model) -> list[str]:
     lines.append("  bytes per layer (forward): " + ", ".join(
         f"{k} {format_bytes(v)}" for k, v in sorted(result.link_bytes.items()) if ":" not in k
     ) + f" (remapping: {format_bytes(sum(result.remap_bytes.values()))})")  # fmt: skip
+    lines += tier_lines(plan, cost_model)
     lines.append(f"  predicted step {result.step_time_s * 1e3:.1f} ms, lower bound "
                  f"{result.lower_bound_s * 1e3:.1f} ms, efficiency {result.efficiency:.3f}, "
                  f"MFU {result.mfu:.3f}")  # fmt: skip
     lines.append("  " + cost_sources_line(cost_model))
+    return lines
+
+
+def tier_lines(plan, cost_model) -> list[str]:
+    """Each kind of split document alone on its busiest rank (``simulator.tier_figures``)."""
+    from megatron_zeppelin.planner.simulator import tier_figures
+
+    figures = tier_figures(plan, cost_model, routing=bool(plan.routes))
+    if not figures:
+        return []
+    lines = ["  split documents, each kind alone (busiest rank, one layer, forward + backward):"]
+    for name, f in figures.items():
+        hidden = 1 - f["exposed_s"] / f["transfer_s"] if f["transfer_s"] > 0 else 1.0
+        lines.append(
+            f"    {name:>5}: {f['documents']:4d} documents, compute {f['compute_s'] * 1e3:.2f} ms, "
+            f"transfers {f['transfer_s'] * 1e3:.2f} ms ({hidden:.0%} hidden, "
+            f"{f['exposed_s'] * 1e3:.2f} ms exposed); forward bytes NVLink "
+            f"{format_bytes(f['nvlink_bytes'])}, NIC {format_bytes(f['nic_bytes'])}"
+        )
     return lines
 
 

@@ -160,9 +160,9 @@ def head_plan(plan: Plan) -> HeadPlan | None:
     topo = plan.topology
     sequences, document = [], []
     for seq in (s for s in plan.sequences if s.is_two_d):
-        grid = node_grid(seq.ring, topo)
-        for j in range(topo.gpus_per_node):
-            column = tuple(row[j] for row in grid)
+        nodes = [topo.node_of(row[0]) for row in node_grid(seq.ring, topo)]
+        for j in range(topo.gpus_per_node):  # column j: local GPU j of every node, one rail
+            column = tuple(topo.rank_of(node, j) for node in nodes)
             tier = Tier.INTER if len(column) > 1 else Tier.LOCAL
             spans = zigzag_spans(seq.length, column)
             sequences.append(SequencePlan(len(sequences), seq.length, tier, column, spans))

@@ -95,10 +95,11 @@ class SequencePlan:
     attention: tuple[Span, ...]
     """Query ranges per rank; they partition ``[0, length)``. Empty spans are not listed."""
     scheme: Scheme = Scheme.RING
-    """``TWO_D``: ``ring`` lists whole nodes, node by node in ring order, each node's ranks in
-    order (``node_grid``); ``attention`` is where the document's tokens arrive with all their
-    heads, each rank's spans inside its node's zigzag chunks (``node_chunks``). The engine
-    moves heads between the node's ranks itself."""
+    """``TWO_D``: ``ring`` lists whole nodes, node by node in ring order (``node_grid``; the
+    order inside a node does not matter: a rank's head group is its local GPU index);
+    ``attention`` is where the document's tokens arrive with all their heads, each rank's spans
+    inside its node's zigzag chunks (``node_chunks``). The engine moves heads between the
+    node's ranks itself."""
 
     @property
     def is_two_d(self) -> bool:
@@ -176,17 +177,16 @@ def node_chunks(length: int, num_nodes: int, position: int) -> list[tuple[int, i
 
 
 def node_grid(ring: tuple[int, ...], topology: Topology) -> tuple[tuple[int, ...], ...]:
-    """A 2-D document's ring as one row per node (its ranks in order), nodes in ring order;
-    ``ValueError`` unless the ring lists whole nodes, each node's ranks together and in order."""
+    """A 2-D document's ring as one row per node (its ranks as listed), nodes in ring order;
+    ``ValueError`` unless the ring lists whole nodes, each node's ranks together."""
     k = topology.gpus_per_node
     rows = tuple(tuple(ring[i : i + k]) for i in range(0, len(ring), k))
     nodes = [topology.node_of(row[0]) for row in rows]
-    if any(row != tuple(topology.ranks_of_node(n)) for row, n in zip(rows, nodes)) or len(
-        set(nodes)
-    ) != len(nodes):
+    whole = all(sorted(row) == list(topology.ranks_of_node(n)) for row, n in zip(rows, nodes))
+    if not whole or len(set(nodes)) != len(nodes):
         raise ValueError(
             f"ring {ring} of a 2-D document must list whole nodes: every rank of each of its "
-            f"nodes, node by node, in order ({k} per node)"
+            f"nodes ({k} per node), node by node"
         )
     return rows
 

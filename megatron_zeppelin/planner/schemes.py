@@ -20,8 +20,8 @@ too short to hide their transfers: long documents over several nodes. A document
 ring when the model's heads do not split over the node's GPUs (``heads.head_groups``).
 
 ``choose_schemes`` is the planner's hook, called on the placed documents before the linear layout
-and routing: a document that switches keeps its token spans (the flat zigzag spans already lie in
-the node chunks the scheme needs) and lists its ring node by node.
+and routing: a document that switches keeps its ring and its token spans (the flat zigzag spans
+over whole nodes already lie in the node chunks the scheme needs); only its scheme changes.
 """
 
 from __future__ import annotations
@@ -161,15 +161,13 @@ def choose_schemes(
 
 
 def _as_two_d(seq: SequencePlan, topology: Topology) -> SequencePlan:
-    nodes = _nodes_of(seq, topology)
-    assert nodes is not None, "the 2-D scheme runs on whole nodes only"
-    ring = tuple(r for n in nodes for r in topology.ranks_of_node(n))
-    return replace(seq, ring=ring, scheme=Scheme.TWO_D)
+    assert _nodes_of(seq, topology) is not None, "the 2-D scheme runs on whole nodes only"
+    return replace(seq, scheme=Scheme.TWO_D)
 
 
 def every_two_d(plan: Plan) -> Plan:
     """``plan`` with every inter-node document on whole nodes run with the 2-D scheme, whatever
-    the cost model says (routes rebuilt when the plan had any; tokens stay where they are):
+    the cost model says (routes rebuilt when the plan had any; rings and tokens unchanged):
     how ``zeppelin verify`` exercises the scheme on any batch."""
     topo = plan.topology
     sequences = tuple(

@@ -51,7 +51,13 @@ from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
 from megatron_zeppelin.planner.heads import AttentionShape, head_plan
 from megatron_zeppelin.planner.linear_layout import remap_seconds
 from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
-from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
+from megatron_zeppelin.planner.plan import (
+    AttentionComm,
+    Plan,
+    SequencePlan,
+    Tier,
+    split_by_weights,
+)
 from megatron_zeppelin.planner.schedule import (
     Message,
     exchange_messages,
@@ -368,10 +374,10 @@ def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[f
         ]
         return merged, [2 * c for c in comm]
     two_d = TwoDLayer.of(plan, cost, routing)
-    if two_d is None:
-        return [sum(c) for c in compute], _exposed(plan, cost, routing, compute, steps, None)
-    compute = two_d.add_compute(cost, compute)
-    return [sum(c) for c in compute], _exposed(plan, cost, routing, compute, steps, two_d)
+    if two_d is not None:
+        compute = two_d.add_compute(cost, compute)
+    exposed, _ = _exposed(plan, cost, routing, compute, steps, two_d)
+    return [sum(c) for c in compute], exposed
 
 
 def _exposed(
@@ -381,8 +387,9 @@ def _exposed(
     compute: list[list[float]],
     steps: list[list[Message]],
     two_d: TwoDLayer | None,
-) -> list[float]:
-    """Per rank, the ring transfers (and head all-to-alls) its compute does not hide."""
+) -> tuple[list[float], list[float]]:
+    """Per rank, the ring transfers (and head all-to-alls) its compute does not hide, and all
+    of their seconds (each ring step's forward and backward transfers and the all-to-alls)."""
     kv = cost.model.kv_bytes_per_token()
     num_steps = max(len(steps), len(two_d.steps) if two_d is not None else 0)
     fwd, bwd = [], []
@@ -393,13 +400,50 @@ def _exposed(
         bwd.append(step_transfer_times(plan, cost, step, 2 * kv, routing,
                                        more=[(ms, 2 * b) for ms, b in more]))  # fmt: skip
     exposed = list(two_d.all_to_all_s) if two_d is not None else [0.0] * plan.world_size
+    transfer = list(exposed)
     for r in range(plan.world_size):
         for k, c in enumerate(compute[r]):
             # A phase lasts max(compute, transfer): only the transfer's excess is exposed.
             tf = fwd[k][r] if k < len(fwd) else 0.0
             tb = bwd[k][r] if k < len(bwd) else 0.0
             exposed[r] += max(0.0, tf - c * FWD_SHARE) + max(0.0, tb - c * (1 - FWD_SHARE))
-    return exposed
+            transfer[r] += tf + tb
+    return exposed, transfer
+
+
+def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dict]:
+    """Each kind of split document alone (intra-node rings, flat inter-node rings, 2-D), one
+    layer on its busiest rank: attention compute, transfer and exposed seconds (forward and
+    backward), and the forward bytes per link class. What a tier's own steps hide of its own
+    transfers; in the step all tiers share the phases and the links."""
+    kinds = {
+        "intra": [s for s in plan.sequences if s.tier == Tier.INTRA and not s.is_two_d],
+        "inter": [s for s in plan.sequences if s.tier == Tier.INTER and not s.is_two_d],
+        "2d": [s for s in plan.sequences if s.is_two_d],
+    }
+    out = {}
+    for name, sequences in kinds.items():
+        if not sequences:
+            continue
+        sub = _subplan(plan, tuple(sequences))
+        phases = attention_phases(sub, sub.sequences)
+        compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
+                   for p in phases]  # fmt: skip
+        two_d = TwoDLayer.of(sub, cost, routing)
+        if two_d is not None:
+            compute = two_d.add_compute(cost, compute)
+        exposed, transfer = _exposed(sub, cost, routing, compute, ring_schedule(sub), two_d)
+        busiest = max(range(sub.world_size), key=lambda r: sum(compute[r]) + exposed[r])
+        sent, _ = _bytes(sub, cost, routing, remap=False)
+        out[name] = {
+            "documents": len(sequences),
+            "compute_s": sum(compute[busiest]),
+            "transfer_s": transfer[busiest],
+            "exposed_s": exposed[busiest],
+            "nvlink_bytes": sent.get("nvlink", 0),
+            "nic_bytes": sent.get("nic", 0),
+        }
+    return out
 
 
 def _subplan(plan: Plan, sequences: tuple[SequencePlan, ...]) -> Plan:
