@@ -26,7 +26,7 @@ from megatron_zeppelin.planner.plan import (
 )
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schemes import choose_schemes, faster_scheme, scheme_seconds
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.simulator import simulate, tier_figures
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -127,3 +127,16 @@ def test_planner_uses_the_scheme_where_it_is_faster_and_can_be_told_not_to() -> 
     assert Plan.from_json(plans[True].to_json()) == plans[True]
     steps = {two_d: simulate(plan, cost).step_time_s for two_d, plan in plans.items()}
     assert steps[True] < steps[False]
+    # Each kind of split document alone: the kinds' bytes add up to the plan's ring bytes, and
+    # the 2-D document hides more of its transfers than the same document as a flat ring.
+    kinds = {two_d: tier_figures(plan, cost, routing=True) for two_d, plan in plans.items()}
+    for two_d, plan in plans.items():
+        ring = simulate(plan, cost).ring_bytes
+        for link in ("nvlink", "nic"):
+            assert sum(f[f"{link}_bytes"] for f in kinds[two_d].values()) == ring[link]
+    assert set(kinds[True]) == {"intra", "2d"} and set(kinds[False]) == {"intra", "inter"}
+    exposed = {
+        k: f["exposed_s"] / f["transfer_s"]
+        for k, f in ((True, kinds[True]["2d"]), (False, kinds[False]["inter"]))
+    }
+    assert exposed[True] < exposed[False]

@@ -28,7 +28,6 @@ from typing import Any
 import torch
 
 from megatron_zeppelin.attention.head_layout import HeadLayout
-from megatron_zeppelin.attention.kernels import compute_dtype
 from megatron_zeppelin.attention.ring import Buffers, Forward, RingRuntime, interleave
 from megatron_zeppelin.comm.heads import HeadAllToAll
 from megatron_zeppelin.planner.heads import HeadGroups, head_groups
@@ -68,27 +67,18 @@ class TwoDRuntime:
                 ) from None
         return self._groups[key]
 
-    def _head_buffers(self, qkv: torch.Tensor, g: HeadGroups) -> Buffers:
-        q, k, v = (x.contiguous() for x in qkv.split([g.num_q, g.num_kv, g.num_kv], dim=1))
-        return Buffers(q, k, v)
-
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Forward:
         """``out_tnd``, ``lse_tn`` of the token buffer (the 2-D rows' lse is not kept: their
         backward runs on the head buffer) and the head buffer's tensors to save."""
         g = self.groups(q.shape[1], k.shape[1])
         heads, a2a = self.heads, self.all_to_all
-
-        def qkv_heads(group: int) -> list[tuple[int, int]]:
-            return [g.q[group], g.kv[group], g.kv[group]]
-
-        inbound = a2a.start(heads.to_heads, (q, k, v), qkv_heads, tag=f"{_TAG}/qkv")
+        inbound = a2a.start(heads.to_heads, (q, k, v), g.of, tag=f"{_TAG}/qkv")
         tokens = Buffers(q, k, v)
         flat_runs = self.flat.forward_runs(tokens)
         for run in flat_runs:
             next(run)
-        qkv = q.new_empty((heads.num_rows, g.num_q + 2 * g.num_kv, q.shape[2]))
-        a2a.finish(inbound, (qkv,), lambda group: [(0, qkv.shape[1])])
-        head = self._head_buffers(qkv, g)
+        head = Buffers(*(q.new_empty((heads.num_rows, n, q.shape[2])) for n in g.widths))
+        a2a.finish(inbound, (head.q, head.k, head.v), lambda group: g.whole)
         column_runs = self.columns.forward_runs(head)
         for run in column_runs:
             next(run)
@@ -121,13 +111,9 @@ class TwoDRuntime:
         self.columns.backward_own(head)
         interleave([*reversed(flat_runs), *reversed(column_runs)])
         dq, dk, dv = tokens.dq.result(), tokens.dk.result(), tokens.dv.result()
-        # dQ, dK, dV of the head buffer side by side, back to the tokens' owners; the 2-D rows
-        # of the token buffer hold nothing yet (no flat call touches them), so adding is exact.
-        dqkv = torch.cat([head.dq.result(), head.dk.result(), head.dv.result()], dim=1)
-        dqkv = dqkv.to(compute_dtype(q.dtype))
-        width = dqkv.shape[1]
-        outbound = a2a.start(heads.to_tokens, (dqkv,), lambda group: [(0, width)],
-                             tag=f"{_TAG}/dqkv")  # fmt: skip
-        a2a.finish(outbound, (dq, dk, dv), lambda group: [g.q[group], g.kv[group], g.kv[group]],
-                   add=True)  # fmt: skip
+        # dQ, dK, dV of the head buffer back to the tokens' owners; the 2-D rows of the token
+        # buffer hold nothing yet (no flat call touches them), so adding is exact.
+        dqkv = (head.dq.result(), head.dk.result(), head.dv.result())
+        outbound = a2a.start(heads.to_tokens, dqkv, lambda group: g.whole, tag=f"{_TAG}/dqkv")
+        a2a.finish(outbound, (dq, dk, dv), g.of, add=True)
         return dq, dk, dv

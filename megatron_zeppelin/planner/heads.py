@@ -80,6 +80,20 @@ class HeadGroups:
     def num_kv(self) -> int:
         return self.kv[0][1] - self.kv[0][0]
 
+    def of(self, group: int) -> list[tuple[int, int]]:
+        """Group ``group``'s head ranges in full Q, K and V tensors."""
+        return [self.q[group], self.kv[group], self.kv[group]]
+
+    @property
+    def widths(self) -> tuple[int, int, int]:
+        """Heads of one group's Q, K and V."""
+        return (self.num_q, self.num_kv, self.num_kv)
+
+    @property
+    def whole(self) -> list[tuple[int, int]]:
+        """Every head of a group's Q, K and V tensors (their head ranges in the head layout)."""
+        return [(0, n) for n in self.widths]
+
 
 def head_groups(num_heads: int, num_kv_heads: int, num_groups: int) -> HeadGroups:
     """The head groups of the module docstring; ``ValueError`` when the heads do not split."""
