@@ -17,7 +17,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel, Link
 from megatron_zeppelin.planner.plan import zigzag_bounds
-from megatron_zeppelin.planner.schemes import two_d_seconds
+from megatron_zeppelin.planner.schemes import SchemePrices
 from megatron_zeppelin.planner.thresholds import FWD_SHARE, linear_seconds_per_token
 from megatron_zeppelin.topology.model import Topology
 
@@ -66,8 +66,9 @@ class Loads:
         two_d: bool = False,
     ) -> None:
         self.topology = topology
-        self.two_d = two_d
-        """Price a ring over whole nodes as the faster of the flat ring and the 2-D scheme."""
+        self.two_d = SchemePrices(cost_model, topology) if two_d else None
+        """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
+        the 2-D scheme (``schemes.py``)."""
         self.num_links = num_links
         """Links a cross-node ring edge uses: every NIC of the node with routing, else one."""
         self.capacity = capacity
@@ -129,8 +130,8 @@ class Loads:
         exposed += max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step)
         flat = attention + (g - 1) * exposed
         k = self.topology.gpus_per_node
-        if link == "nic" and self.two_d and g % k == 0:
-            two_d = two_d_seconds(self.cost_model, self.topology, length, g // k)
+        if link == "nic" and self.two_d is not None and g % k == 0:
+            two_d = self.two_d.two_d(length, g // k)
             flat = min(flat, two_d) if two_d is not None else flat
         return flat + self.token_weight * per_rank
 

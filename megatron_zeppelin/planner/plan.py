@@ -199,10 +199,14 @@ def _check_two_d(seq: SequencePlan, topology: Topology) -> None:
         grid = node_grid(seq.ring, topology)
     except ValueError as exc:
         raise ValueError(f"sequence {seq.id}: {exc}") from None
+    n = len(grid)
+    bounds = zigzag_bounds(seq.length, n)  # node i holds chunks i and 2n-1-i
     row_of = {rank: i for i, row in enumerate(grid) for rank in row}
     for span in seq.attention:
-        chunks = node_chunks(seq.length, len(grid), row_of[span.rank])
-        if not any(start <= span.start and span.end <= end for start, end in chunks):
+        i = row_of[span.rank]
+        (a, b), (c, d) = bounds[i], bounds[2 * n - 1 - i]
+        if not (a <= span.start and span.end <= b or c <= span.start and span.end <= d):
+            chunks = node_chunks(seq.length, n, i)
             raise ValueError(
                 f"sequence {seq.id}: span [{span.start}, {span.end}) on rank {span.rank} lies "
                 f"outside its node's chunks {chunks}"

@@ -29,8 +29,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.heads import AttentionShape, head_groups
+from megatron_zeppelin.planner.costmodel import CostModel, Efficiency
+from megatron_zeppelin.planner.heads import AttentionShape, HeadGroups, head_groups
 from megatron_zeppelin.planner.plan import Plan, Scheme, SequencePlan, Tier
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.thresholds import FWD_SHARE
@@ -40,9 +40,8 @@ __all__ = [
     "choose_schemes",
     "every_two_d",
     "faster_scheme",
-    "flat_ring_seconds",
+    "SchemePrices",
     "scheme_seconds",
-    "two_d_seconds",
 ]
 
 
@@ -56,93 +55,127 @@ def _nodes_of(seq: SequencePlan, topology: Topology) -> list[int] | None:
     return nodes if len(set(nodes)) == len(nodes) and whole == set(seq.ring) else None
 
 
-def _ring_seconds(
-    cost: CostModel, length: int, ring: int, *, share: float, step_s, step_2x_s
-) -> float:  # noqa: ANN001
-    """One rank of a zigzag ring of ``ring`` ranks: compute (``share`` of the heads) plus the
-    transfers it does not hide; ``step_s`` / ``step_2x_s``: one step's forward / backward
-    transfer seconds."""
-    chunk = length / ring
-    pairs = length * length / (2 * ring) * share
-    own = cost.attention_call_time([(chunk, pairs / ring)], diagonal=True)
-    step = cost.attention_call_time([(chunk, pairs / ring)], diagonal=False)
-    exposed = max(0.0, step_s - FWD_SHARE * step) + max(0.0, step_2x_s - (1 - FWD_SHARE) * step)
-    return own + (ring - 1) * (step + exposed)
+def _curve(curve: Efficiency, flops_per_pair: float) -> tuple[float, float, float, float]:
+    """``(overhead, seconds per pair at the peak, half_tokens, 1 / fall_tokens)`` of a curve:
+    ``CostModel.attention_call_time`` of a call of one block in scalar arithmetic (the planner
+    prices thousands of rings per batch)."""
+    inverse_fall = 1.0 / curve.fall_tokens if curve.fall_tokens else 0.0
+    return curve.overhead_s, flops_per_pair / curve.flops_per_s, curve.half_tokens, inverse_fall
 
 
-def flat_ring_seconds(
-    cost: CostModel, topology: Topology, length: int, ring_size: int, *, routing: bool
-) -> float:
-    """One rank's attention seconds of a flat zigzag ring of ``ring_size`` ranks that crosses
-    nodes (module docstring)."""
-    nic, nvlink = cost.nic, cost.nvlink
-    links = topology.nics_per_node if routing else 1
-
-    def step(num_bytes: float) -> float:
-        # The slowest message of a step is a cross-node edge's. Direct, it leaves through the
-        # sender's NIC. Routed, it is split over the node's NICs and relayed over NVLink
-        # (three hops); a relaying GPU's NVLink port also carries its own ring message.
-        if links == 1:
-            return max(nvlink.time(num_bytes), nic.time(num_bytes))
-        drain = max(num_bytes * (1 + 1 / links) / nvlink.bytes_per_s,
-                    num_bytes / links / nic.bytes_per_s)  # fmt: skip
-        return drain + 2 * nvlink.latency_s + nic.latency_s
-
-    kv = cost.kv_bytes(1) * length / ring_size
-    return _ring_seconds(cost, length, ring_size, share=1.0, step_s=step(kv),
-                         step_2x_s=step(2 * kv))  # fmt: skip
+def _call_seconds(curve: tuple[float, float, float, float], num_q: float, pairs: float) -> float:
+    overhead, pair_s, half, inverse_fall = curve
+    if num_q <= 0 or pairs <= 0:
+        return 0.0
+    return overhead + pairs * pair_s * (1.0 + half / num_q + num_q * inverse_fall)
 
 
-def two_d_seconds(cost: CostModel, topology: Topology, length: int, num_nodes: int) -> float | None:
-    """One rank's attention seconds of the 2-D scheme over ``num_nodes`` whole nodes (module
-    docstring); ``None`` when the model's heads do not split over a node's GPUs."""
-    k = topology.gpus_per_node
-    shape = AttentionShape.of_model(cost.model)
-    try:
-        groups = head_groups(shape.num_heads, shape.num_kv_heads, k)
-    except ValueError:
-        return None
-    n, d, value, nic = num_nodes, shape.head_dim, shape.value_bytes, cost.nic
-    # A rail's NIC is shared by the ranks next to it when a node has fewer NICs than GPUs.
-    per_nic = max(1.0, k / topology.nics_per_node)
-    block = length / n * 2 * groups.num_kv * d * value * per_nic
-    ring = _ring_seconds(
-        cost, length, n, share=groups.num_q / shape.num_heads,
-        step_s=nic.latency_s + block / nic.bytes_per_s,
-        step_2x_s=nic.latency_s + 2 * block / nic.bytes_per_s,
-    )  # fmt: skip
-    if k == 1:
-        return ring
-    # Four all-to-alls: a rank sends its L/(nG) tokens to the G - 1 others, a group's heads.
-    tokens = length / (n * k) * (k - 1)
-    qkv, o = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
-    return ring + 2 * cost.nvlink.time(tokens * qkv) + 2 * cost.nvlink.time(tokens * o)
+class SchemePrices:
+    """Per-rank seconds of a document's ring across whole nodes, flat or 2-D, for one cost
+    model and topology. The constants are computed once: the planner prices every candidate
+    node count of every long document."""
+
+    def __init__(self, cost: CostModel, topology: Topology) -> None:
+        self.cost, self.topology = cost, topology
+        flops = cost.model.attn_flops_per_pair()
+        self._diagonal, self._unmasked = _curve(cost.diagonal, flops), _curve(cost.attention, flops)
+        shape = AttentionShape.of_model(cost.model)
+        k = topology.gpus_per_node
+        try:
+            self.groups: HeadGroups | None = head_groups(shape.num_heads, shape.num_kv_heads, k)
+        except ValueError:
+            self.groups = None
+        if self.groups is not None:
+            g, d, value = self.groups, shape.head_dim, shape.value_bytes
+            self._share = g.num_q / shape.num_heads
+            # A rail's NIC is shared by the ranks next to it when a node has fewer NICs.
+            self._rail_bytes = 2 * g.num_kv * d * value * max(1.0, k / topology.nics_per_node)
+            self._qkv_bytes = (g.num_q + 2 * g.num_kv) * d * value
+            self._o_bytes = g.num_q * d * value
+
+    def _ring(self, length: int, ring: int, share: float, step_s: float, step_2x_s: float):  # noqa: ANN202
+        """One rank of a zigzag ring of ``ring`` ranks: compute (``share`` of the heads) plus
+        the transfers it does not hide; ``step_s`` / ``step_2x_s``: one step's forward and
+        backward transfer seconds."""
+        chunk = length / ring
+        pairs = length * length / (2 * ring) * share / ring
+        own = _call_seconds(self._diagonal, chunk, pairs)
+        step = _call_seconds(self._unmasked, chunk, pairs)
+        exposed = max(0.0, step_s - FWD_SHARE * step)
+        exposed += max(0.0, step_2x_s - (1 - FWD_SHARE) * step)
+        return own + (ring - 1) * (step + exposed)
+
+    def flat(self, length: int, ring_size: int, *, routing: bool) -> float:
+        """One rank of a flat zigzag ring of ``ring_size`` ranks that crosses nodes."""
+        nic, nvlink = self.cost.nic, self.cost.nvlink
+        links = self.topology.nics_per_node if routing else 1
+
+        def step(num_bytes: float) -> float:
+            # The slowest message of a step is a cross-node edge's. Direct, it leaves through
+            # the sender's NIC. Routed, it is split over the node's NICs and relayed over
+            # NVLink (three hops); a relaying GPU's NVLink port also carries its own message.
+            if links == 1:
+                return max(nvlink.time(num_bytes), nic.time(num_bytes))
+            drain = max(num_bytes * (1 + 1 / links) / nvlink.bytes_per_s,
+                        num_bytes / links / nic.bytes_per_s)  # fmt: skip
+            return drain + 2 * nvlink.latency_s + nic.latency_s
+
+        kv = self.cost.kv_bytes(1) * length / ring_size
+        return self._ring(length, ring_size, 1.0, step(kv), step(2 * kv))
+
+    def two_d(self, length: int, num_nodes: int) -> float | None:
+        """One rank of the 2-D scheme over ``num_nodes`` whole nodes; ``None`` when the
+        model's heads do not split over a node's GPUs."""
+        if self.groups is None:
+            return None
+        k, nic, nvlink = self.topology.gpus_per_node, self.cost.nic, self.cost.nvlink
+        block = length / num_nodes * self._rail_bytes
+        ring = self._ring(length, num_nodes, self._share, nic.latency_s + block / nic.bytes_per_s,
+                          nic.latency_s + 2 * block / nic.bytes_per_s)  # fmt: skip
+        if k == 1:
+            return ring
+        # Four all-to-alls: a rank sends its L/(nG) tokens to the G - 1 others, a group's
+        # heads: Q, K, V and dO in; the output and dQ, dK, dV back.
+        tokens = length / (num_nodes * k) * (k - 1)
+        return (
+            ring
+            + 2 * nvlink.time(tokens * self._qkv_bytes)
+            + 2 * nvlink.time(tokens * self._o_bytes)
+        )
 
 
 def scheme_seconds(
-    seq: SequencePlan, topology: Topology, cost_model: CostModel, *, routing: bool
+    seq: SequencePlan,
+    topology: Topology,
+    cost_model: CostModel,
+    *,
+    routing: bool,
+    prices: SchemePrices | None = None,
 ) -> dict[Scheme, float]:
     """Predicted attention seconds (one layer, forward and backward) of one rank of ``seq``,
     an inter-node document, for each scheme it can run: the 2-D scheme only on whole nodes
-    with heads that split."""
-    seconds = {
-        Scheme.RING: flat_ring_seconds(
-            cost_model, topology, seq.length, len(seq.ring), routing=routing
-        )
-    }
+    with heads that split. ``prices``: ``SchemePrices(cost_model, topology)`` when the caller
+    prices several documents."""
+    prices = prices or SchemePrices(cost_model, topology)
+    seconds = {Scheme.RING: prices.flat(seq.length, len(seq.ring), routing=routing)}
     nodes = _nodes_of(seq, topology)
     if nodes is not None:
-        two_d = two_d_seconds(cost_model, topology, seq.length, len(nodes))
+        two_d = prices.two_d(seq.length, len(nodes))
         if two_d is not None:
             seconds[Scheme.TWO_D] = two_d
     return seconds
 
 
 def faster_scheme(
-    seq: SequencePlan, topology: Topology, cost_model: CostModel, *, routing: bool
+    seq: SequencePlan,
+    topology: Topology,
+    cost_model: CostModel,
+    *,
+    routing: bool,
+    prices: SchemePrices | None = None,
 ) -> Scheme:
     """The scheme ``scheme_seconds`` predicts faster for ``seq`` (the flat ring on ties)."""
-    seconds = scheme_seconds(seq, topology, cost_model, routing=routing)
+    seconds = scheme_seconds(seq, topology, cost_model, routing=routing, prices=prices)
     return min(seconds, key=lambda scheme: (seconds[scheme], scheme != Scheme.RING))
 
 
@@ -151,10 +184,11 @@ def choose_schemes(
 ) -> tuple[SequencePlan, ...]:
     """``sequences`` with every inter-node ring the cost model prefers as 2-D turned into one
     (see the module docstring); the others unchanged."""
-    out = []
+    out, prices = [], SchemePrices(cost_model, topology)
     for seq in sequences:
         if seq.tier == Tier.INTER and not seq.is_two_d:
-            if faster_scheme(seq, topology, cost_model, routing=routing) == Scheme.TWO_D:
+            faster = faster_scheme(seq, topology, cost_model, routing=routing, prices=prices)
+            if faster == Scheme.TWO_D:
                 seq = _as_two_d(seq, topology)
         out.append(seq)
     return tuple(out)
