@@ -11,11 +11,12 @@ efficiency (lower bound / step time), and the average speedups.
     python scripts/compare_sweep.py --json out.json
     python scripts/compare_sweep.py --ablation      # also Zeppelin without routing / remap / 2-D
 
-The ablation plans every batch three times more with Zeppelin: ``PlannerOptions(routing=False)``
+The ablation plans every batch four times more with Zeppelin: ``PlannerOptions(routing=False)``
 (cross-node ring edges leave through the sender's own NIC), ``remap=False`` (linear modules on
-the attention layout) and ``two_d=False`` (every ring flat: no document splits its heads inside
-nodes), and reports their mean step times next to the full method, and for every batch with a
-document across nodes its efficiency with and without the 2-D scheme.
+the attention layout), ``two_d=False`` (every ring flat: no document splits its heads inside
+nodes) and both ``two_d=False`` and ``routing=False``, and reports their mean step times next to
+the full method, and for every batch with a document across nodes its efficiency with and
+without the 2-D scheme.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def run_point(
             ("no_routing", PlannerOptions(routing=False), True),
             ("no_remap", PlannerOptions(remap=False), False),
             ("no_2d", PlannerOptions(two_d=False), True),
+            ("no_2d_no_routing", PlannerOptions(two_d=False, routing=False), True),
         ):
             runs = compare_batches(batches, topology=topology, cost_model=cost,
                                    capacity=point["capacity"], builders=("zeppelin",),
@@ -150,15 +152,16 @@ def ablation_markdown(records: list[dict]) -> str:
     ring CP's, as speedups over TE ring CP (the paper's ablation)."""
     lines = [
         "| model | cluster | GPUs | data | Zeppelin ms | no routing ms | no remap ms | no 2-D ms "
-        "| vs TE | vs TE, no routing | vs TE, no remap | vs TE, no 2-D |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| no 2-D, no routing ms | vs TE | vs TE, no routing | vs TE, no remap | vs TE, no 2-D "
+        "| vs TE, no 2-D, no routing |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         z, te = rec["rows"]["zeppelin"], rec["rows"]["te-ring-cp"]
         if "error" in z or "error" in te:
             continue
         full, te_s = z["step_time_s"], te["step_time_s"]
-        off = [rec.get(k) for k in ("no_routing", "no_remap", "no_2d")]
+        off = [rec.get(k) for k in ("no_routing", "no_remap", "no_2d", "no_2d_no_routing")]
         lines.append(
             f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
             f"| {full * 1e3:.0f} | "

@@ -202,3 +202,19 @@ def test_planner_plans_with_two_d_documents_match_reference() -> None:
     ref, got = run_engine(plan, torch.float64, heads=(4, 2), seed=2)
     for name in ("out", "dq", "dk", "dv"):
         assert_close(got[name], ref[name], dtype=torch.float64, name=f"planned {name}")
+
+
+def test_flat_documents_around_two_d_rows_are_taken_as_views() -> None:
+    # The 2-D document sits between flat ones in every token buffer: the flat documents' own
+    # calls must not gather around its rows.
+    plan = mixed_plan(
+        TOPO_2X2,
+        [(40, (0, 1), False), (9, (0,), False), (37, (0, 1, 2, 3), "zigzag"), (7, (1,), False),
+         (30, (2, 3), False), (5, (0,), False)],
+    )  # fmt: skip
+    hub = ThreadHub(plan.world_size)
+    for rank in range(plan.world_size):
+        engine = ZeppelinAttention(plan, rank, ThreadExchanger(hub, rank), kernel="torch")
+        calls = engine.layout.own_calls
+        assert calls and all(isinstance(c.q_index, slice) for c in calls), rank
+        assert all(isinstance(c.k_index, slice) for c in calls), rank

@@ -310,17 +310,22 @@ class RankLayout:
         for seq in plan.sequences:
             for span in seq.attention:
                 self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
-        # 2-D documents' attention runs on the head layout (``head_layout.py``).
+        # 2-D documents' attention runs on the head layout (``head_layout.py``). The other
+        # documents between two of them make one run of rows: one set of calls per run takes
+        # its rows as views instead of gathering around the 2-D rows.
         self.two_d = frozenset(seq.id for seq in plan.sequences if seq.is_two_d)
-        own_pairs = [
-            p
-            for seq, spans in self.own_spans.items()
-            if seq not in self.two_d
-            for p in block_pairs(spans, spans)
+        runs: list[list[Pair]] = [[]]
+        for seq, spans in self.own_spans.items():
+            if seq in self.two_d:
+                runs.append([])
+            else:
+                runs[-1] += block_pairs(spans, spans)
+        self.own_calls = [
+            call
+            for pairs in runs
+            if pairs
+            for call in kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens)
         ]
-        self.own_calls = kernel_calls(
-            own_pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens
-        )
         # Inter-node first: its messages are the slowest, so they are posted first.
         sizes = block_tokens(plan)  # shared by the four schedules below
         self.tiers = [

@@ -213,7 +213,8 @@ class RingRuntime:
     def forward_calls(self, calls, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         """Merge the attention of ``calls`` into the running ``out``/``lse`` (in place) and
         return them. ``out is None``: nothing merged yet, so the first call's output is
-        adopted when it covers every row, else ``out``/``lse`` start empty."""
+        adopted when it covers every row, else ``out``/``lse`` start empty and the first call
+        is written into its rows (merging into nothing is a copy)."""
         kernel = self.kernel(q)
         scale = self.scale(q.shape[-1])
         dtype = compute_dtype(q.dtype)
@@ -229,10 +230,14 @@ class RingRuntime:
             if out is None and call.q_index is None:
                 out, lse = part, part_lse
                 continue
+            q_rows = self.on(call.q_index, q.device)
             if out is None:
                 out = q.new_zeros(q.shape, dtype=dtype)
                 lse = q.new_full(q.shape[:2], float("-inf"), dtype=dtype)
-            q_rows = self.on(call.q_index, q.device)
+                if call.q_unique:  # rows of a buffer 2-D documents share (``two_d.py``)
+                    _put(out, q_rows, part)
+                    _put(lse, q_rows, part_lse)
+                    continue
             merge_rows_(out, lse, q_rows, part, part_lse, unique=call.q_unique)
         if out is None:
             out = q.new_zeros(q.shape, dtype=dtype)
@@ -363,6 +368,14 @@ class RingRuntime:
             dst = self.on(into_own.dst, dev)
             dk.add(dst, rows[:, 0])
             dv.add(dst, rows[:, 1])
+
+
+def _put(x: torch.Tensor, rows: Rows, part: torch.Tensor) -> None:
+    """``x[rows] = part`` for ``layout.Rows`` (never ``None`` here: that part is adopted)."""
+    if isinstance(rows, slice):
+        x[rows] = part
+    else:
+        x.index_copy_(0, rows, part)
 
 
 class RingAttentionFunction(torch.autograd.Function):
