@@ -184,7 +184,7 @@ def test_head_counts_that_do_not_split_are_refused() -> None:
     engine = ZeppelinAttention(plan, 0, ThreadExchanger(hub, 0), kernel="torch")
     assert engine.heads is not None and engine.num_steps >= 1
     q, k, v = random_qkv(engine.num_tokens, num_heads=4, num_kv_heads=2, head_dim=8)
-    with pytest.raises(ValueError, match="3 GPUs of each node"):
+    with pytest.raises(ValueError, match="3 GPUs of each node.*--no-2d"):
         engine(q, k, v)
 
 

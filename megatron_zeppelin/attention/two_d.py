@@ -60,10 +60,12 @@ class TwoDRuntime:
         if key not in self._groups:
             try:
                 self._groups[key] = head_groups(num_heads, num_kv_heads, self.heads.num_groups)
-            except ValueError as exc:
+            except ValueError:
                 raise ValueError(
-                    f"the plan runs documents with heads split over the {self.heads.num_groups} "
-                    f"GPUs of each node, but {exc}"
+                    f"the plan splits some documents' heads over the {self.heads.num_groups} "
+                    f"GPUs of each node, but {num_heads} query heads over {num_kv_heads} K/V "
+                    "heads do not split that way: plan with the model's head counts in the cost "
+                    "model, or with every ring flat (--no-2d, PlannerOptions(two_d=False))"
                 ) from None
         return self._groups[key]
 

@@ -68,7 +68,10 @@ def _write(target: torch.Tensor, rows: Rows, part: torch.Tensor, *, add: bool) -
     part = part.to(target.dtype)
     if rows is None or isinstance(rows, slice):
         view = target if rows is None else target[rows]
-        view.add_(part) if add else view.copy_(part)
+        if add:
+            view.add_(part)
+        else:
+            view.copy_(part)
     elif add:
         target.index_add_(0, rows.to(target.device), part)
     else:
