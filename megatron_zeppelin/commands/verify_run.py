@@ -191,24 +191,25 @@ def worker(rank: int, world_size: int, cases: list[Case], spec: EngineSpec) -> l
 # --- references ---------------------------------------------------------------------------------
 def predicted_bytes(plan, spec: EngineSpec, *, routing: bool) -> dict[str, int]:
     """Bytes per link class one forward and backward of the engine sends for ``plan``
-    (``schedule.training_link_bytes``): K and V around the rings in the forward, again in the
-    backward, and dK, dV behind them (float32 for half-precision inputs, as the engine sends)."""
+    (``schedule.engine_link_bytes``): K and V around the flat rings in the forward, again in
+    the backward, and dK, dV behind them; for 2-D documents the head all-to-alls and the rings
+    across nodes too (gradients in float32 for half-precision inputs, as the engine sends)."""
+    from megatron_zeppelin.comm.counters import comparable
+    from megatron_zeppelin.planner.schedule import engine_link_bytes
+
+    return comparable(engine_link_bytes(plan, _shape(spec), routing=routing))
+
+
+def _shape(spec: EngineSpec):  # noqa: ANN202
+    """The ``heads.AttentionShape`` of a verification run."""
     import torch
 
-    from megatron_zeppelin.comm.counters import comparable
-    from megatron_zeppelin.planner.schedule import training_link_bytes
+    from megatron_zeppelin.planner.heads import AttentionShape
 
     dtype = getattr(torch, spec.dtype)
     grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    per_row = 2 * spec.num_kv_heads * spec.head_dim  # K and V of one token
-    return comparable(
-        training_link_bytes(
-            plan,
-            kv_bytes_per_token=per_row * dtype.itemsize,
-            grad_bytes_per_token=per_row * grad_dtype.itemsize,
-            routing=routing,
-        )
-    )
+    return AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize,
+                          grad_dtype.itemsize)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
