@@ -7,7 +7,8 @@ The engine (``ring.py``) marks events, when it is given a ``RingTimer``, at five
 * ``waiting`` and ``landed``: right before and after its ``wait`` (on CUDA the current stream
   waits there for the NCCL stream: ``landed`` completes when the rows have arrived);
 * ``compute`` start and end: around the kernel calls of one tier at one ring step (tier
-  ``own`` for compute 0: local documents and each ring document's own block).
+  ``own`` for compute 0: local documents and each ring document's own block; the 2-D scheme's
+  column rings as ``2d own`` and ``2d inter``, its head all-to-all untimed).
 
 Per tier: **compute** is the sum of the kernel spans; **communication** the sum of
 ``posted -> landed`` (from when a transfer could start until its rows were usable); **exposed**
