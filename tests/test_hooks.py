@@ -129,7 +129,7 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
     loader = iter(torch.utils.data.DataLoader(markers, batch_size=1))
 
     # Peek at the step the hooks draw next, then rewind the sampler to it.
-    sampler = hooks._STATE.sampler
+    sampler = hooks._STATE.feed.sampler
     before = sampler.state_dict()
     step = sampler.next_step()
     sampler.load_state_dict(before)
@@ -152,15 +152,21 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
 
 @pytest.mark.threads
 def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
-    megatron_training, one_rank, dataset_prefix
+    megatron_training, one_rank, dataset_prefix, monkeypatch
 ) -> None:
+    from megatron_zeppelin.megatron.feed import FedMicroBatch
+    from megatron_zeppelin.megatron.sampler import StepBatch
+
     args = _megatron_args(dataset_prefix)
     megatron_training(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = hooks.model_provider(pre_process=True, post_process=True)
     hooks.train_valid_test_datasets_provider([4, 0, 0])
-    hooks._STATE.pending = [()]  # what the sampler hands over when a step has too few documents
+    # What the sampler hands over when a step has too few documents: an empty micro-batch.
+    feed = hooks._STATE.feed
+    empty = FedMicroBatch(StepBatch(step=0, epoch=0, micro_batches=((),)), 0, None)
+    monkeypatch.setattr(feed, "next", lambda: (monkeypatch.undo(), empty)[1])
     output, loss_func = hooks.forward_step(None, model)
     loss, num_tokens, report = loss_func(output)
     assert int(num_tokens) == 0 and float(loss.detach()) == 0.0
