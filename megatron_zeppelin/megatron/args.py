@@ -16,7 +16,9 @@ cannot run, each with the flag to change:
 * sequence parallelism is supported: each rank's linear layout is padded to a multiple of the
   tensor-parallel size (``batch.py``), padding that the loss and the plan never see;
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
-  with different token counts equals the single-GPU one.
+  with different token counts equals the single-GPU one;
+* Megatron's fused RoPE is switched off (``apply_rope_fusion``): RoPE runs per document inside
+  Zeppelin's core attention, never in Megatron's attention.
 
 Megatron's rank order puts tensor parallelism fastest: global rank ``g`` has TP index ``g % tp``
 and data-parallel (Zeppelin) rank ``g // tp``; ``zeppelin_ranks`` lists one Zeppelin world.
@@ -203,6 +205,10 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True
+    # Zeppelin's core attention applies RoPE per document; Megatron's fused RoPE never runs,
+    # so its config must not ask for the TransformerEngine kernel behind it.
+    if hasattr(args, "apply_rope_fusion"):
+        args.apply_rope_fusion = False
     return config
 
 
