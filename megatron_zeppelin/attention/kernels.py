@@ -106,9 +106,12 @@ def choose_kernel(
         return name, f"{name}: asked for by name"
     on_cuda = device is not None and torch.device(device).type == "cuda"
     if not on_cuda:
-        return "torch", "torch (tiled PyTorch kernel): the ranks do not run on CUDA"
+        return "torch", "no CUDA device: the tiled PyTorch kernel"
     if dtype not in (torch.float16, torch.bfloat16):
-        return "torch", f"torch (tiled PyTorch kernel): the flash kernels take no {dtype}"
+        return "torch", (
+            f"{str(dtype).removeprefix('torch.')} activations (the flash kernels take float16 "
+            "or bfloat16): the tiled PyTorch kernel"
+        )
     skipped = []
     for candidate in AUTO_ORDER:
         problem = _UNAVAILABLE.get(candidate, lambda: None)()
@@ -116,7 +119,7 @@ def choose_kernel(
             before = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             return candidate, f"{candidate}: the fastest kernel that runs here{before}"
         skipped.append(f"{candidate}: {problem}")
-    return "torch", "torch (tiled PyTorch kernel, slower): " + "; ".join(skipped)
+    return "torch", f"no flash kernel runs here ({'; '.join(skipped)}): the tiled PyTorch kernel"
 
 
 def get_kernel(
