@@ -100,8 +100,8 @@ def choose_kernel(
         problem = _UNAVAILABLE[name]() if name in _UNAVAILABLE else None
         if problem is not None:
             raise ValueError(
-                f"attention kernel {name!r} cannot run here: {problem}. Install it, or use "
-                "'auto' (which picks the best kernel that runs) or 'torch'"
+                f"attention kernel {name!r} cannot run here: {problem}; use 'auto' (which "
+                "picks the best kernel that runs here) or 'torch' instead"
             )
         return name, f"{name}: asked for by name"
     on_cuda = device is not None and torch.device(device).type == "cuda"
