@@ -42,6 +42,12 @@ from megatron_zeppelin.megatron.loss import (  # noqa: E402
     global_mean_loss,
     token_loss_sum,
 )
+from megatron_zeppelin.megatron.precision import (  # noqa: E402
+    DEVICES,
+    DTYPES,
+    job_device,
+    make_optimizer,
+)
 from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
@@ -61,7 +67,7 @@ CPU_DEFAULTS = {
     "zeppelin_capacity": 2048,
     "zeppelin_intra_threshold": "256",
     "zeppelin_inter_threshold": "1024",
-    "zeppelin_kernel": "torch",
+    "zeppelin_kernel": "auto",
     "zeppelin_log_plan_every": 5,
     "zeppelin_max_document_length": 2048,
     "zeppelin_comm_timeout_s": 120.0,
@@ -81,6 +87,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Megatron's sequence parallelism inside each tensor-parallel group.",
     )
+    job.add_argument("--device", choices=DEVICES, default="cpu",
+                     help="cpu: gloo processes; cuda: one GPU per process (NCCL).")  # fmt: skip
+    job.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                     help="Model precision; bf16 keeps float32 main weights in Adam.")  # fmt: skip
     job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
     job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
     job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
@@ -101,6 +111,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     dims = parser.add_argument_group("model")
     for name, default in vars(ModelDims()).items():
+        if name == "dtype":
+            continue  # --dtype, above
         kind = type(default)
         dims.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     ZeppelinConfig.add_arguments(parser)
@@ -172,11 +184,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     config = ZeppelinConfig.from_args(args)
+    device, dtype = job_device(args.device), DTYPES[args.dtype]
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
     calibration, why = pick_calibration(args, config)
-    cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
+    cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why, args)
     exchanger, counters = create_transport(topology, ctx, config)
     # As Megatron does, sequence parallelism is off without tensor parallelism.
     sequence_parallel = args.sequence_parallel and ctx.tensor_parallel > 1
@@ -193,10 +206,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     dataset = _dataset(args, dist.get_rank())
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
     model = build_gpt(dims, seed=args.seed, sequence_parallel=sequence_parallel)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # Every parameter in the run's dtype, norms included (Megatron's Float16Module does the same).
+    model.to(device=device, dtype=dtype)
+    optimizer = make_optimizer(model, lr=args.lr, dtype=dtype)
     start = 0
     if args.load:
-        state = torch.load(checkpoint_path(args.load, dist.get_rank()), weights_only=False)
+        state = torch.load(checkpoint_path(args.load, dist.get_rank()), weights_only=False,
+                           map_location=device)  # fmt: skip
+        if state.get("dtype", "float32") != args.dtype:
+            raise ValueError(
+                f"checkpoint {args.load} was trained with --dtype {state.get('dtype', 'float32')}"
+                f": resume with the same --dtype (this run asked for {args.dtype})"
+            )
         model.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
@@ -207,7 +228,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
-        kernel = chosen_kernel(config.kernel, device="cpu", dtype=torch.float32)
+        kernel = chosen_kernel(config.kernel, device=device.type, dtype=dtype)
         lines = startup_lines(
             runtime, tensor_parallel=ctx.tensor_parallel, kernel=kernel, calibration_why=why
         )
@@ -224,12 +245,12 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
                 bar.write(plan_line(step, record["plans"][0]))
             if args.save and args.save_every and (step + 1) % args.save_every == 0:
-                _save(args.save, model, optimizer, feed, step + 1)
+                _save(args.save, model, optimizer, feed, step + 1, args.dtype)
     finally:
         feed.close()
     bar.close()
     if args.save:
-        _save(args.save, model, optimizer, feed, args.steps)
+        _save(args.save, model, optimizer, feed, args.steps, args.dtype)
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     result["summary"]["planning"] = feed.stats.to_dict()
@@ -303,16 +324,16 @@ def pick_calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[
     found = os.path.join(args.run_dir, "calibration.json")
     if os.path.exists(found):
         return found, "run directory"
-    if os.path.exists(MACHINE_CALIBRATION):
+    if os.path.exists(MACHINE_CALIBRATION) and (args.device, args.dtype) == ("cpu", "float32"):
         return MACHINE_CALIBRATION, "default"
     return None, "none found"
 
 
 def job_cost_model(
-    dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str
+    dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str, args
 ) -> CostModel:
-    """The cost model; a calibration must be for a float32 CPU run of this model's dimensions
-    (the job's model runs in float32 on CPU), otherwise the job stops and says what to do."""
+    """The cost model; a calibration must be for this job's device kind and dtype and this
+    model's dimensions, otherwise the job stops and says what to do."""
     if path is None:
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=None)
     from megatron_zeppelin.planner.calibration import load_calibration, normalize_dtype
@@ -324,10 +345,11 @@ def job_cost_model(
         else ""
     )
     cal = load_calibration(path)
-    if normalize_dtype(cal.dtype) != "fp32" or not cal.device.lower().startswith("cpu"):
+    same_device = cal.device.lower().startswith("cpu") == (args.device == "cpu")
+    if normalize_dtype(cal.dtype) != normalize_dtype(args.dtype) or not same_device:
         raise ValueError(
             f"calibration {path} was measured on {cal.device!r} in {cal.dtype}, but this job "
-            f"runs float32 on CPU: profile this machine (zeppelin profile){hint}"
+            f"runs {args.dtype} on {args.device}: profile this machine (zeppelin profile){hint}"
         )
     try:
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=path)
@@ -335,9 +357,10 @@ def job_cost_model(
         raise ValueError(f"{exc}{hint}") from exc
 
 
-def _save(directory: str, model, optimizer, sampler, step: int) -> None:
+def _save(directory: str, model, optimizer, sampler, step: int, dtype: str) -> None:
     os.makedirs(directory, exist_ok=True)
     state = {
+        "dtype": dtype,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "sampler": sampler.state_dict(),
@@ -445,7 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     torch.set_num_threads(1)  # several processes share few cores
     try:
-        dist.init_process_group("gloo")
+        if args.device == "cuda":
+            torch.cuda.set_device(job_device("cuda"))
+            # Host tensors (the loss, the counters) on gloo, the model's on NCCL.
+            dist.init_process_group("cpu:gloo,cuda:nccl")
+        else:
+            dist.init_process_group("gloo")
         train(args)
     except ValueError as exc:
         # Bad input (a flag, a file, a document): one line, not one traceback per rank.
