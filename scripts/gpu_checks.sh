@@ -36,7 +36,7 @@ run_step() {
              --zeppelin-nodes 1 --zeppelin-capacity 16384 --tokens-per-step 16384 \
              --zeppelin-max-document-length 8192 --num-layers 4 --hidden-size 1024 --num-heads 16 \
              --num-kv-heads 4 --ffn-hidden-size 2816 --lr 1e-3 --steps 80 \
-             --dataset-tokens 2000000 --run-dir "$out/train" --json "$out/train.json" ;;
+             --dataset-tokens 2000000 --run-dir "${TMPDIR:-/tmp}/zeppelin-gpu-train" --json "$out/train.json" ;;
     *) echo "gpu_checks: no step called $1" >&2; return 2 ;;
   esac
 }
