@@ -254,6 +254,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     result["summary"]["planning"] = feed.stats.to_dict()
+    result["summary"]["parameter_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     if is_main:
         if not args.quiet:
             print(summary_text(result["summary"]))
