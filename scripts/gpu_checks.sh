@@ -13,7 +13,7 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [STEP...]}"
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests kernels profile validate train)
+[ ${#steps[@]} -gt 0 ] || steps=(tests kernels train profile validate)
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -35,7 +35,7 @@ run_step() {
              -m megatron_zeppelin.megatron.train_cpu --device cuda --dtype bf16 \
              --zeppelin-nodes 1 --zeppelin-capacity 16384 --tokens-per-step 16384 \
              --zeppelin-max-document-length 8192 --num-layers 4 --hidden-size 1024 --num-heads 16 \
-             --num-kv-heads 4 --ffn-hidden-size 2816 --lr 1e-3 --steps 80 \
+             --num-kv-heads 4 --ffn-hidden-size 2816 --lr 5e-4 --steps 300 \
              --dataset-tokens 2000000 --run-dir "${TMPDIR:-/tmp}/zeppelin-gpu-train" --json "$out/train.json" ;;
     *) echo "gpu_checks: no step called $1" >&2; return 2 ;;
   esac
