@@ -27,7 +27,7 @@ run_step() {
     tests) "$python" -m pytest -q -p no:cacheprovider -m gpu -rA tests ;;
     kernels) "$python" scripts/bench_kernels.py --json "$out/kernels.json" ;;
     profile) "$python" -m megatron_zeppelin.cli profile --model "$model" --dtype bf16 \
-               --device cuda --output "$calibration" ;;
+               --device cuda --rounds "${PROFILE_ROUNDS:-3}" --output "$calibration" ;;
     validate) "$python" -m megatron_zeppelin.cli validate-cost-model --calibration "$calibration" \
                 --model "$model" --dtype bf16 --device cuda --tokens 65536 --batches 6 \
                 --json "$out/validate.json" ;;

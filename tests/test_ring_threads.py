@@ -121,13 +121,16 @@ def run_engine(
     )
     ref_out.backward(dout)
     ref = {"out": ref_out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    # Inputs reach the device from the main thread: the ranks only index them there.
+    inputs = [x.detach().to(device, dtype) for x in (q, k, v, dout)]
 
     def rank_fn(rank: int, exchanger: ThreadExchanger):
         rows = attention_rows(plan, rank)
-        ql, kl, vl = (x.detach()[rows].to(device, dtype).requires_grad_() for x in (q, k, v))
+        index = rows.to(device)
+        ql, kl, vl = (x[index].requires_grad_() for x in inputs[:3])
         out = ZeppelinAttention(plan, rank, exchanger, kernel=kernel)(ql, kl, vl)
         if backward:
-            out.backward(dout[rows].to(device, dtype))
+            out.backward(inputs[3][index])
         grads = (None if x.grad is None else x.grad.cpu() for x in (ql, kl, vl))
         return rows, out.detach().cpu(), *grads
 
