@@ -13,11 +13,10 @@ from megatron_zeppelin.planner.baselines import (
     BASELINES,
     build_baseline,
     megatron_dynamic_cp,
-    zigzag_loads,
 )
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import AttentionComm, Tier
+from megatron_zeppelin.planner.plan import AttentionComm, Tier, zigzag_loads
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

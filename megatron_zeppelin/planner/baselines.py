@@ -49,7 +49,7 @@ from megatron_zeppelin.planner.plan import (
     SequencePlan,
     Tier,
     TokenRange,
-    zigzag_bounds,
+    zigzag_loads,
     zigzag_spans,
 )
 from megatron_zeppelin.topology.model import Topology
@@ -83,14 +83,6 @@ def _pow2_at_least(n: float) -> int:
     return size
 
 
-def zigzag_loads(length: int, ring_size: int) -> list[int]:
-    """Tokens each ring position holds when a document is split zigzag over ``ring_size``."""
-    bounds = zigzag_bounds(length, ring_size)
-    g = ring_size
-    return [bounds[i][1] - bounds[i][0] + bounds[2 * g - 1 - i][1] - bounds[2 * g - 1 - i][0]
-            for i in range(g)]  # fmt: skip
-
-
 def group_size_for(length: int, capacity: int, world_size: int) -> int:
     """Smallest power-of-two ring whose zigzag split keeps every rank within ``capacity``."""
     size = _pow2_at_least(length / capacity)
@@ -108,8 +100,7 @@ def sequence_on(
     seq_id: int, length: int, ring: tuple[int, ...], topology: Topology
 ) -> SequencePlan:
     """A document split zigzag over ``ring`` (kept whole for a ring of one)."""
-    nodes = {topology.node_of(r) for r in ring}
-    tier = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+    tier = Tier.of_ring(ring, topology.gpus_per_node)
     return SequencePlan(seq_id, length, tier, ring, zigzag_spans(length, ring))
 
 

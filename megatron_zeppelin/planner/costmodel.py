@@ -26,10 +26,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD, ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
 Link = Literal["nvlink", "nic", "alltoall"]
+
+FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
+"""The forward pass's share of a block's fwd+bwd attention time: a ring step's forward hides
+its K/V transfer behind this share of the block's compute, the backward its K/V and dK/dV
+behind the rest."""
 
 
 def causal_pairs(q_start: int, q_end: int, k_start: int, k_end: int) -> int:

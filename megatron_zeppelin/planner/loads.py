@@ -15,24 +15,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from megatron_zeppelin.planner.costmodel import CostModel, Link
-from megatron_zeppelin.planner.plan import zigzag_bounds
-from megatron_zeppelin.planner.thresholds import FWD_SHARE, linear_seconds_per_token
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Link
+from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.thresholds import linear_seconds_per_token
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["Loads", "min_ring", "position_tokens"]
+__all__ = ["Loads", "LoadsSnapshot", "min_ring"]
 
-
-def position_tokens(length: int, ring_size: int) -> list[int]:
-    """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
-    if ring_size == 1:
-        return [length]
-    bounds = zigzag_bounds(length, ring_size)
-    g2 = 2 * ring_size - 1
-    return [
-        bounds[i][1] - bounds[i][0] + bounds[g2 - i][1] - bounds[g2 - i][0]
-        for i in range(ring_size)
-    ]
+LoadsSnapshot = tuple[tuple[int, ...], list[tuple[float, float, int]]]
+"""Some ranks and their ``(cost, attention, tokens)`` at the time of ``Loads.snapshot``."""
 
 
 def min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -> int | None:
@@ -41,7 +32,7 @@ def min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -
     g = max(start, math.ceil(length / capacity))
     g = multiple * math.ceil(g / multiple)
     while g <= length + multiple:
-        if max(position_tokens(length, g)) <= capacity:
+        if max(zigzag_loads(length, g)) <= capacity:
             return g
         g += multiple
     return None
@@ -134,15 +125,15 @@ class Loads:
                 return n
         return 1 + int(np.argmin(times))
 
-    def add_ring(self, ring: Sequence[int], length: int) -> None:
+    def add_ring(self, ring: Sequence[int], length: int, link: Link = "nvlink") -> None:
+        """Add a document split zigzag over ``ring`` (whole for a ring of one); ``link``:
+        ``"nic"`` when the ring spans nodes."""
         g = len(ring)
         seconds = self.ring_seconds(length, g)
         # Transfers the ring cannot hide keep its ranks busy as surely as compute does.
-        same = all(self.topology.same_node(ring[0], r) for r in ring)
-        link: Link = "nvlink" if same else "nic"
         exposed = self.ring_finish(length, g, link, self.num_links) - seconds
         exposed -= self.token_weight * length / g
-        for rank, n in zip(ring, position_tokens(length, g)):
+        for rank, n in zip(ring, zigzag_loads(length, g)):
             self.cost[rank] += seconds + exposed + self.token_weight * n
             self.attention[rank] += seconds
             self.tokens[rank] += n
@@ -152,6 +143,16 @@ class Loads:
         self.cost[rank] += seconds + self.token_weight * length
         self.attention[rank] += seconds
         self.tokens[rank] += length
+
+    def snapshot(self, ranks: Sequence[int]) -> LoadsSnapshot:
+        """The loads of ``ranks``, to ``restore`` when a placement on them is given up."""
+        ranks = tuple(ranks)
+        return ranks, [(self.cost[r], self.attention[r], self.tokens[r]) for r in ranks]
+
+    def restore(self, snapshot: LoadsSnapshot) -> None:
+        ranks, values = snapshot
+        for r, (cost, attention, tokens) in zip(ranks, values):
+            self.cost[r], self.attention[r], self.tokens[r] = cost, attention, tokens
 
     def load(self, rank: int) -> float:
         return self.cost[rank]

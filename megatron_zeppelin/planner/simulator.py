@@ -41,13 +41,10 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
 from megatron_zeppelin.planner.linear_layout import remap_seconds
-from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
 from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
 from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
-
-FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
 
 
 @dataclass(frozen=True)

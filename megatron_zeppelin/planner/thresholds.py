@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_zeppelin.planner.costmodel import CostModel, Link
-from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
-
-FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
-"""The forward pass's share of a block's fwd+bwd attention time."""
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Link
 
 _MAX_CHUNK = 1 << 40
 
