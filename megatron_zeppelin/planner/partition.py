@@ -51,7 +51,6 @@ Everything iterates lists and sorted keys, so the same input always gives the sa
 from __future__ import annotations
 
 import gc
-import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -62,20 +61,15 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.linear_layout import (
     LAYOUTS,
     attention_ranges_by_rank,
-    choose_linear_layout,
+    build_linear_layout,
     moved_tokens,
 )
-from megatron_zeppelin.planner.loads import Loads, min_ring
-from megatron_zeppelin.planner.placement import (
-    CapacityError,
-    Placement,
-    TierChoice,
-    place_across_nodes,
-    place_within_nodes,
-)
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, zigzag_spans
-from megatron_zeppelin.planner.routing import build_routes
-from megatron_zeppelin.planner.thresholds import attention_costs, tier_thresholds
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.placement import CapacityError
+from megatron_zeppelin.planner.plan import Plan, Tier
+from megatron_zeppelin.planner.search import Candidate, search
+from megatron_zeppelin.planner.thresholds import tier_thresholds
+from megatron_zeppelin.planner.tiers import TierRules, chunk_thresholds
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = ["CapacityError", "PlannerOptions", "plan_batch", "tier_thresholds"]
@@ -116,14 +110,6 @@ class PlannerOptions:
                 f"thresholds ({intra}, {inter}): need 1 <= intra-node <= inter-node tokens"
             )
         return intra, inter
-
-
-_SPLIT_SHARE = 0.5
-"""A document at least ``T_intra`` long is split once its work passes this fraction of a GPU's
-fair share: greedy packing finishes within one item of the optimum, so items of half a share or
-more leave GPUs visibly uneven."""
-_MIN_BALANCE_CHUNK = 64
-"""Tokens per zigzag chunk below which no document is split for balance alone."""
 
 
 def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> np.ndarray:
@@ -208,181 +194,70 @@ def _plan(
     options: PlannerOptions,
     thresholds: tuple[int, int],
 ) -> Plan:
-    """The three stages, then the plan around their placements."""
+    """The fastest of the candidate placements (``search``), assembled into a plan."""
+    chunks = chunk_thresholds(thresholds, topology, options.routing)
+    rules = TierRules(options.allow_split, options.thresholds == "auto", thresholds, chunks)
     num_links = topology.nics_per_node if options.routing else 1
-    loads = Loads(topology, capacity, cost_model, num_links)
-    chunks = _chunk_thresholds(thresholds, topology, options.routing)
-    choice = assign_tiers(array, loads, options, chunks)
-    placements: list[Placement | None] = [None] * len(array)
-    by_node, promotions = place_across_nodes(array, choice, loads, placements)
-    promotions += place_within_nodes(array, choice, by_node, loads, placements)
+    best, tried = search(
+        array,
+        lambda balance_linear: Loads(topology, capacity, cost_model, num_links,
+                                     balance_linear=balance_linear),
+        rules,
+        _layout_candidates(options),
+        routing=options.routing,
+    )  # fmt: skip
     meta = {
         "thresholds": list(thresholds),
         "chunk_thresholds": {"nvlink": chunks[0], "nic": chunks[1]},
-        "capacity_promotions": promotions,
+        "capacity_promotions": best.promotions,
+        "candidates": tried,
     }
-    return _assemble(array, placements, cost_model, capacity, options, loads, meta)
+    return _assemble(best, cost_model, meta)
 
 
-def _chunk_thresholds(
-    thresholds: tuple[int, int], topology: Topology, routing: bool
-) -> tuple[int, int]:
-    """Per-rank chunk (tokens) below which a ring on NVLink, and across NICs, stops hiding its
-    transfers: half the tier threshold (a two-rank ring), over every NIC when routed."""
-    nvlink_chunk = max(1, thresholds[0] // 2)
-    nic_chunk = max(1, thresholds[1] // 2)
-    if routing:  # routed, one cross-node edge uses every NIC of its node
-        nic_chunk = max(1, math.ceil(nic_chunk / topology.nics_per_node))
-    return nvlink_chunk, nic_chunk
-
-
-# --- stage 1: tiers --------------------------------------------------------------------------
-def assign_tiers(
-    array: np.ndarray, loads: Loads, options: PlannerOptions, chunks: tuple[int, int]
-) -> TierChoice:
-    """Every document's tier (module docstring), vectorized over the batch."""
-    topology = loads.topology
-    # A document's work on one GPU: its attention plus its tokens' linear modules.
-    work = attention_costs(loads.cost_model, array) + loads.token_weight * array
-    split, inter = _capacity_splits(array, loads.capacity, topology.gpus_per_node)
-    if options.allow_split:
-        split |= _balance_splits(array, work, options, topology, chunks[0])
-    if topology.num_nodes == 1:
-        inter[:] = False
-    wanted_nodes = _inter_node_choices(array, work, inter, loads, options, chunks[1])
-    largest = np.full(len(array), 2, dtype=np.int64)
-    if options.allow_split:  # rings stay small enough that every chunk hides its transfer
-        largest = np.maximum(2, np.minimum(topology.gpus_per_node, array // chunks[0]))
-    return TierChoice(work, split, inter, wanted_nodes, largest)
-
-
-def _capacity_splits(
-    array: np.ndarray, capacity: int, gpus_per_node: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Documents that fit no GPU (``split``) and no node (``inter``). Zigzag rounding may put
-    a token or two more than ``L/g`` on a rank, so documents near a node's capacity are checked
-    exactly."""
-    k = gpus_per_node
-    split = array > capacity
-    inter = array > capacity * k
-    for doc in np.flatnonzero(~inter & (array > (capacity - 2) * k)).tolist():
-        inter[doc] = (min_ring(int(array[doc]), capacity) or k + 1) > k
-    return split, inter
-
-
-def _balance_splits(
-    array: np.ndarray,
-    work: np.ndarray,
-    options: PlannerOptions,
-    topology: Topology,
-    nvlink_chunk: int,
-) -> np.ndarray:
-    """Documents worth a ring for balance: at least ``T_intra`` long with more than half a GPU's
-    share of work; with automatic thresholds also any document worth two GPUs' shares, which
-    unbalances whichever GPU holds it whole more than an NVLink ring that does not quite hide
-    its transfers costs (few documents per GPU: large clusters, small micro-batches). Explicit
-    thresholds are the user's word and stay as given."""
-    gpu_share = float(work.sum()) / topology.world_size
-    intra_threshold = 2 * nvlink_chunk
-    split = (array >= intra_threshold) & (work > _SPLIT_SHARE * gpu_share)
-    if options.thresholds == "auto":
-        split |= (array >= 2 * min(nvlink_chunk, _MIN_BALANCE_CHUNK)) & (work > 2 * gpu_share)
-    return split
-
-
-def _inter_node_choices(
-    array: np.ndarray,
-    work: np.ndarray,
-    inter: np.ndarray,
-    loads: Loads,
-    options: PlannerOptions,
-    nic_chunk: int,
-) -> dict[int, int]:
-    """Documents no node can balance go across nodes when the cost model says the cross-node
-    ring (its exposed NIC transfers included) beats a ring on one node; marks them in ``inter``
-    and returns how many nodes each ring spans."""
-    topology = loads.topology
-    k, num_nodes = topology.gpus_per_node, topology.num_nodes
-    wanted_nodes: dict[int, int] = {}
-    if num_nodes == 1:
-        return wanted_nodes
-    node_share = float(work.sum()) / num_nodes
-    gpu_share = float(work.sum()) / topology.world_size
-    auto = options.thresholds == "auto"
-    candidates = options.allow_split & (work > node_share)
-    if not auto:
-        # Explicit thresholds keep the paper's rule: at least ``T_inter`` long and more
-        # attention than one node's share of the batch's attention.
-        inter_threshold = options.resolved_thresholds(loads.cost_model)[1]
-        attention = work - loads.token_weight * array
-        candidates = options.allow_split & (array >= inter_threshold)
-        candidates &= attention > attention.sum() / num_nodes
-    for doc in np.flatnonzero(inter | candidates).tolist():
-        length, best = int(array[doc]), 2
-        if options.allow_split and auto:
-            best = loads.best_num_nodes(length, gpu_share, loads.num_links)
-        elif options.allow_split:  # explicit thresholds: the user's word, no cost veto
-            by_share = math.ceil(float(work[doc]) / node_share)
-            best = max(2, min(by_share, length // (k * nic_chunk), num_nodes))
-        if best > 1 or inter[doc]:
-            inter[doc] = True
-            wanted_nodes[doc] = max(2, best)
-    return wanted_nodes
+def _layout_candidates(options: PlannerOptions) -> tuple[str, ...]:
+    if not options.remap:
+        return ("attention",)
+    return LAYOUTS if options.linear_layout == "auto" else (options.linear_layout,)
 
 
 # --- the plan ------------------------------------------------------------------------------------
-def _assemble(
-    array: np.ndarray,
-    placements: list[Placement | None],
-    cost_model: CostModel,
-    capacity: int,
-    options: PlannerOptions,
-    loads: Loads,
-    meta: dict,
-) -> Plan:
+def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
+    loads = best.loads
     topology = loads.topology
-    sequences = []
-    for doc, placement in enumerate(placements):
-        assert placement is not None, doc
-        length, ring = int(array[doc]), placement.ring
-        spans = (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
-        sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
-    by_rank = attention_ranges_by_rank(sequences, topology.world_size)
-    if not options.remap:
-        candidates: tuple[str, ...] = ("attention",)
-    elif options.linear_layout == "auto":
-        candidates = LAYOUTS
-    else:
-        candidates = (options.linear_layout,)
-    linear, moves, layout, predicted = choose_linear_layout(
-        by_rank, topology, cost_model, loads.attention, candidates=candidates
-    )
-    routes = build_routes(sequences, topology) if options.routing else ()
-    cost = np.asarray(loads.attention)
-    work = np.asarray(loads.cost)
-    tokens = np.asarray(loads.tokens)
+    by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
+    layout = best.layout
+    linear, moves = build_linear_layout(by_rank, topology, layout)
+    attention = np.asarray(loads.attention)
     counts = {t.value: 0 for t in Tier}
-    for placement in placements:
-        counts[placement.tier.value] += 1  # type: ignore[union-attr]
+    for placement in best.placements:
+        counts[placement.tier.value] += 1
     meta = {
         **meta,
+        "balance": best.balance,
         "tier_counts": counts,
-        "max_ring_size": max(len(p.ring) for p in placements),  # type: ignore[union-attr]
-        "attention_imbalance": float(cost.max() / cost.mean()) if cost.mean() > 0 else 1.0,
-        "load_imbalance": float(work.max() / work.mean()),
-        "attention_token_imbalance": float(tokens.max() / tokens.mean()),
+        "max_ring_size": max(len(p.ring) for p in best.placements),
+        "attention_imbalance": _imbalance(attention),
+        "load_imbalance": _imbalance(np.asarray(loads.cost)),
+        "attention_token_imbalance": _imbalance(np.asarray(loads.tokens)),
         "linear_layout": layout,
-        "linear_layout_seconds": predicted,
+        "linear_layout_seconds": best.simulated,
+        "predicted_step_s": cost_model.model.num_layers * best.seconds,
         "remap_tokens": moved_tokens(moves, topology),
-        "num_routes": len(routes),
+        "num_routes": len(best.routes),
         "cost_sources": dict(cost_model.sources),
     }
     return Plan(
         topology=topology,
-        sequences=tuple(sequences),
+        sequences=best.sequences,
         linear=linear,
-        routes=routes,
-        capacity=capacity,
+        routes=best.routes,
+        capacity=loads.capacity,
         name="zeppelin",
         meta=meta,
     )
+
+
+def _imbalance(values: np.ndarray) -> float:
+    mean = float(values.mean())
+    return float(values.max()) / mean if mean > 0 else 1.0

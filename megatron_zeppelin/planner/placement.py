@@ -9,7 +9,7 @@ predicted work to ``Loads``.
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -48,6 +48,14 @@ class TierChoice:
     """Per inter-node document, how many nodes its ring should span."""
     largest_ring: np.ndarray
     """Per document, the largest in-node ring whose chunks still hide their NVLink transfers."""
+    splittable: np.ndarray
+    """Documents that may still become rings where whole documents leave GPUs uneven."""
+
+    def with_rings(self, docs: list[int]) -> TierChoice:
+        """The same choice with ``docs`` split over in-node rings as well."""
+        split = self.split.copy()
+        split[docs] = True
+        return replace(self, split=split)
 
 
 class CapacityError(ValueError):
@@ -112,16 +120,19 @@ def _nodes_by_lpt(
     heap: Heap = []
 
     def refresh() -> None:
-        """Node loads: their GPUs' inter-node shares plus the documents given to them so far."""
+        """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
+        attention and linear work alike."""
         heap.clear()
         for n in range(num_nodes):
             ranks = topo.ranks_of_node(n)
             node_tokens[n] = sum(loads.tokens[r] for r in ranks) + assigned_tokens[n]
-            heap.append((sum(loads.cost[r] for r in ranks) + assigned_key[n], n))
+            busy = sum(loads.attention[r] + loads.exposed[r] for r in ranks)
+            busy += loads.token_weight * sum(loads.tokens[r] for r in ranks)
+            heap.append((busy + assigned_key[n], n))
         heapq.heapify(heap)
 
     refresh()
-    key = choice.work[rest]
+    key = _placed_work(lengths, rest, choice, loads)
     node_room = loads.capacity * k
     # Filling a node to the last token leaves its GPUs no room to pack documents whole: nodes
     # keep a small reserve while any other node has room, and give it up only when none has.
@@ -149,6 +160,25 @@ def _nodes_by_lpt(
         promotions += 1
         refresh()
     return by_node, promotions
+
+
+def _placed_work(
+    lengths: np.ndarray, rest: np.ndarray, choice: TierChoice, loads: Loads
+) -> np.ndarray:
+    """What each document will cost its node: its work, or for an in-node ring its members'
+    total (chunks compute less efficiently, transfers may not hide) at the smallest ring whose
+    members stay within one GPU's share of the batch's work."""
+    key = choice.work[rest].copy()
+    k = loads.topology.gpus_per_node
+    share = float(choice.work.sum()) / loads.topology.world_size
+    for i in np.flatnonzero(choice.split[rest]).tolist():
+        length = int(lengths[rest[i]])
+        for g in range(2, k + 1):
+            finish = loads.ring_finish(length, g, "nvlink")
+            if finish <= share or g == k:
+                key[i] = g * finish
+                break
+    return key
 
 
 # --- stage 3: within nodes -----------------------------------------------------------------------
@@ -188,11 +218,12 @@ def place_within_nodes(
     overflow: list[int] = []
     for node in range(topo.num_nodes):
         ranks = list(topo.ranks_of_node(node))
+        docs = by_node[node]
         saved = loads.snapshot(ranks)
         for attempt in _ATTEMPTS:
             try:
                 promotions += _place_node(
-                    by_node[node], ranks, lengths, choice.split,
+                    docs, {d for d in docs if choice.split[d]}, ranks, lengths, choice.work,
                     k if attempt.spread else 2,
                     spread if attempt.spread else choice.largest_ring,
                     loads, placements, by_room=attempt.by_room,
@@ -210,9 +241,10 @@ def place_within_nodes(
 
 def _place_node(
     docs: list[int],
+    rings: set[int],
     ranks: list[int],
     lengths: np.ndarray,
-    split: np.ndarray,
+    work: np.ndarray,
     smallest: int,
     largest: np.ndarray,
     loads: Loads,
@@ -221,13 +253,17 @@ def _place_node(
     by_room: bool = False,
     overflow: list[int] | None = None,
 ) -> int:
-    """One node: rings first (longest first), then local documents by LPT. Returns how many
-    local documents had to become rings for lack of room. With ``overflow``, documents that
-    find no room are appended to it instead of failing."""
+    """One node: rings first (longest first), each sized to end within the node's mean load
+    where it can, then local documents by LPT. Returns how many local documents had to become
+    rings for lack of room. With ``overflow``, documents that find no room are appended to it
+    instead of failing."""
+    target = (sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, work, loads)) / len(
+        ranks
+    )
 
     def ring(doc: int, length: int) -> Placement | None:
         try:
-            return place_intra(doc, length, smallest, int(largest[doc]), ranks, loads)
+            return place_intra(doc, length, smallest, int(largest[doc]), ranks, loads, target)
         except CapacityError:
             if overflow is None:
                 raise
@@ -235,14 +271,14 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc in _longest_first((d for d in docs if split[d]), lengths):
+    for doc in _longest_first((d for d in docs if d in rings), lengths):
         placements[doc] = ring(doc, int(lengths[doc]))
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
     tokens_of, capacity = loads.tokens, loads.capacity
-    for doc in _longest_first((d for d in docs if not split[d]), lengths):
+    for doc in _longest_first((d for d in docs if d not in rings), lengths):
         length = int(lengths[doc])
         found = pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
@@ -257,6 +293,15 @@ def _place_node(
         heap = [(key_of[r], r) for r in ranks]
         heapq.heapify(heap)
     return promotions
+
+
+def _node_work(docs: list[int], lengths: np.ndarray, work: np.ndarray, loads: Loads) -> float:
+    """What the documents add to a node's ``cost``: their work, less their linear seconds when
+    only attention is balanced."""
+    total = float(sum(work[d] for d in docs))
+    if not loads.balance_linear:
+        total -= loads.token_weight * float(sum(lengths[d] for d in docs))
+    return total
 
 
 # --- rings ---------------------------------------------------------------------------------------
@@ -325,15 +370,23 @@ def place_inter(
 
 
 def place_intra(
-    doc: int, length: int, smallest: int, largest: int, ranks: list[int], loads: Loads
+    doc: int,
+    length: int,
+    smallest: int,
+    largest: int,
+    ranks: list[int],
+    loads: Loads,
+    target: float | None = None,
 ) -> Placement:
     """Ring of the least-loaded GPUs of one node that have room, in local-index order (one GPU
     when the node has only one).
 
-    Among ring sizes ``smallest..largest`` (more if capacity needs them), the one whose busiest
-    member finishes first wins: ``g`` least-loaded GPUs end at ``load_g + ring_finish(g)``, and
-    bigger rings trade shorter per-rank work for less efficient chunks and more steps. When no
-    such ring has room, smaller rings are tried (a full GPU cannot join any ring).
+    Sizes ``smallest..largest`` are candidates (more if capacity needs them). ``g`` least-loaded
+    GPUs end at ``load_g + ring_key(g)``: bigger rings trade shorter per-rank work for less
+    efficient chunks and more steps. With a ``target``, the smallest ring whose members all end
+    within it wins (the other GPUs stay free for whole documents); otherwise, or when none does,
+    the size whose busiest member finishes first. When no such ring has room, smaller rings are
+    tried (a full GPU cannot join any ring).
     """
     k = len(ranks)
     node = loads.topology.node_of(ranks[0])
@@ -344,13 +397,15 @@ def place_intra(
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
     for g in sizes:
-        if best is not None and (g > max(largest, start) or g < start):
+        if best is not None and (g < start or g > max(largest, start)):
             break
-        per_rank = max(zigzag_loads(length, g))
-        chosen = [r for r in by_load if loads.room(r) >= per_rank][:g]
-        if len(chosen) < g:
+        chosen = _least_loaded_with_room(by_load, length, g, loads)
+        if chosen is None:
             continue
-        finish = max(loads.load(r) for r in chosen) + loads.ring_finish(length, g, "nvlink")
+        finish = max(loads.load(r) for r in chosen) + loads.ring_key(length, g, "nvlink")
+        if target is not None and finish <= target:
+            best = (finish, g, chosen)
+            break
         if best is None or finish < best[0]:
             best = (finish, g, chosen)
     if best is None:
@@ -358,3 +413,11 @@ def place_intra(
     ring = tuple(sorted(best[2]))
     loads.add_ring(ring, length)
     return Placement(Tier.LOCAL if len(ring) == 1 else Tier.INTRA, ring)
+
+
+def _least_loaded_with_room(
+    by_load: list[int], length: int, ring_size: int, loads: Loads
+) -> list[int] | None:
+    per_rank = max(zigzag_loads(length, ring_size))
+    chosen = [r for r in by_load if loads.room(r) >= per_rank][:ring_size]
+    return chosen if len(chosen) == ring_size else None

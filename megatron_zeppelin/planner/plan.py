@@ -190,6 +190,8 @@ class Plan:
         object.__setattr__(self, "linear", tuple(tuple(r) for r in self.linear))
         object.__setattr__(self, "routes", tuple(self.routes))
         self.validate()
+        # Not a field: an index for ``route_of``, which the schedule asks once per message.
+        object.__setattr__(self, "_route_index", {(r.src, r.dst): r for r in self.routes})
 
     # --- invariants (one pass over spans and ranges: plans of thousands of documents on a
     # thousand GPUs are validated every step) ------------------------------------------------
@@ -250,10 +252,7 @@ class Plan:
         raise KeyError(seq_id)
 
     def route_of(self, src: int, dst: int) -> Route | None:
-        for r in self.routes:
-            if r.src == src and r.dst == dst:
-                return r
-        return None
+        return self._route_index.get((src, dst))  # type: ignore[attr-defined]
 
     def tier_counts(self) -> dict[str, int]:
         counts = {t.value: 0 for t in Tier}

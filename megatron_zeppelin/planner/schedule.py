@@ -16,9 +16,10 @@ ordered by document id.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from megatron_zeppelin.planner.plan import Plan, Tier, split_by_weights
+from megatron_zeppelin.planner.plan import Plan, SequencePlan, Tier, split_by_weights
 
 
 @dataclass(frozen=True)
@@ -57,18 +58,22 @@ def ring_schedule(
     tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER),
     *,
     sizes: dict[tuple[int, int], int] | None = None,
+    sequences: Sequence[SequencePlan] | None = None,
 ) -> list[list[Message]]:
     """Messages per ring step for the documents of the given tiers (see the module docstring).
 
     Messages in a step are sorted by ``(src, dst)``; every rank computes the same list.
     ``sizes``: ``block_tokens(plan)`` when the caller already has it (it walks every span of
     the plan, so callers building several schedules of one plan compute it once).
+    ``sequences``: only these documents of the plan (default: all).
     """
     if sizes is None:
         sizes = block_tokens(plan)
     wanted = {Tier(t) for t in tiers}
+    if sequences is None:
+        sequences = plan.sequences
     # Ring size first: most documents are local, and the tier test is the slower one.
-    rings = [s for s in plan.sequences if s.ring_size > 1 and Tier(s.tier) in wanted]
+    rings = [s for s in sequences if s.ring_size > 1 and Tier(s.tier) in wanted]
     num_steps = max((s.ring_size - 1 for s in rings), default=0)
     steps: list[list[Message]] = []
     for step in range(num_steps):

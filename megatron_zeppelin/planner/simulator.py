@@ -10,8 +10,9 @@ Timeline of one layer on one rank:
   attention layout and dQ/dK/dV back. Each is a synchronization point: every rank waits for the
   slowest before attention and after it, so a layer takes ``max(linear) + all-to-alls +
   max(attention)``. Without remapping a layer takes ``max(linear + attention)`` over ranks.
+  Both are ``steptime.layer_seconds``, the function the planner minimizes.
   Each all-to-all drains every GPU's NVLink port and every NIC (per direction) in parallel and
-  overlaps with nothing (``linear_layout.remap_seconds``, which the planner uses as well).
+  overlaps with nothing (``steptime.remap_seconds``, which the planner uses as well).
 * **ring attention**: phase 0 computes the local documents and every ring document's own
   diagonal block while ring step 0 is in flight; phase ``k`` computes the blocks received in
   step ``k-1`` while step ``k`` travels (``schedule.ring_schedule``). A phase lasts
@@ -39,12 +40,25 @@ builders on the same footing.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
-from megatron_zeppelin.planner.linear_layout import remap_seconds
-from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
+from megatron_zeppelin.planner.phases import attention_blocks, call_key, phase_seconds
+from megatron_zeppelin.planner.plan import (
+    AttentionComm,
+    Plan,
+    Route,
+    SequencePlan,
+    split_by_weights,
+)
 from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
+from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
+from megatron_zeppelin.planner.transfers import ring_messages, transfer_times
+from megatron_zeppelin.topology.model import Topology
 
 
 @dataclass(frozen=True)
@@ -121,37 +135,22 @@ def phase_compute_time(
     return cost.attention_call_time(blocks, diagonal=diagonal)
 
 
-def _spans_by_rank(seq: SequencePlan) -> dict[int, list[tuple[int, int]]]:
-    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for s in seq.attention:
-        spans[s.rank].append((s.start, s.end))
-    return spans
-
-
 def attention_phases(plan: Plan, sequences: tuple[SequencePlan, ...]) -> list[list[list]]:
-    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (module docstring)."""
-    world = plan.world_size
-    num_phases = max((s.ring_size for s in sequences), default=1)
-    phases: list[list[list]] = [[[] for _ in range(num_phases)] for _ in range(world)]
-    for seq in sequences:
-        spans = _spans_by_rank(seq)
-        g = seq.ring_size
-        for i, rank in enumerate(seq.ring):
-            mine = spans.get(rank, [])
-            num_q = sum(e - s for s, e in mine)
-            if not num_q:
-                continue
-            for k in range(g):
-                theirs = spans.get(seq.ring[(i - k) % g], [])
-                pairs = sum(causal_pairs(qs, qe, ks, ke) for qs, qe in mine for ks, ke in theirs)
-                phases[rank][k].append((num_q, pairs))
+    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (``phases.py``)."""
+    blocks = attention_blocks(sequences)
+    phases: list[list[list]] = [
+        [[] for _ in range(blocks.num_phases)] for _ in range(plan.world_size)
+    ]
+    for rank, phase, num_q, pairs in zip(
+        blocks.rank.tolist(), blocks.phase.tolist(), blocks.num_q.tolist(), blocks.pairs.tolist()
+    ):
+        phases[rank][phase].append((int(num_q), int(pairs)))
     return phases
 
 
 # --- communication -----------------------------------------------------------------------------
-def _message_paths(plan: Plan, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
+def _message_paths(topo: Topology, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
     """``(tokens, hops)`` per part of a message; a hop is ``(link kind, out port, in port)``."""
-    topo = plan.topology
 
     def hop(a: int, b: int) -> tuple:
         if topo.same_node(a, b):
@@ -184,16 +183,29 @@ def step_transfer_times(
     """Per rank, the time until its messages of one ring step (sent and received) arrive, with
     every link's bandwidth shared by all the step's traffic on it."""
     routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
-    paths = [(msg, _message_paths(plan, msg, routes)) for msg in messages]
-    load: dict[tuple, float] = defaultdict(float)
+    (per_rank,) = _step_times(plan, cost, messages, routes, (bytes_per_token,))
+    return [per_rank.get(r, 0.0) for r in range(plan.world_size)]
+
+
+def _step_times(
+    plan: Plan,
+    cost: CostModel,
+    messages: list[Message],
+    routes: dict,
+    bytes_per_token: tuple[float, ...],
+) -> list[dict[int, float]]:
+    """``step_transfer_times`` for several message sizes at once (the forward's K/V, the
+    backward's K/V and dK/dV), as ``{rank: seconds}`` for the ranks that send or receive."""
+    paths = [(msg, _message_paths(plan.topology, msg, routes)) for msg in messages]
+    load: dict[tuple, float] = defaultdict(float)  # tokens per port
     for _, parts in paths:
         for n, hops in parts:
             for _kind, out_port, in_port in hops:
-                load[out_port] += n * bytes_per_token
-                load[in_port] += n * bytes_per_token
-    per_rank = [0.0] * plan.world_size
+                load[out_port] += n
+                load[in_port] += n
+    out: list[dict[int, float]] = [defaultdict(float) for _ in bytes_per_token]
     for msg, parts in paths:
-        finish = 0.0
+        finish = [0.0] * len(bytes_per_token)
         for n, hops in parts:
             if n <= 0:
                 continue
@@ -203,10 +215,13 @@ def step_transfer_times(
                 for kind, out_port, in_port in hops
                 for port in (out_port, in_port)
             )
-            finish = max(finish, drain + sum(cost.link(kind).latency_s for kind, _, _ in hops))
-        per_rank[msg.src] = max(per_rank[msg.src], finish)
-        per_rank[msg.dst] = max(per_rank[msg.dst], finish)
-    return per_rank
+            latency = sum(cost.link(kind).latency_s for kind, _, _ in hops)
+            for i, size in enumerate(bytes_per_token):
+                finish[i] = max(finish[i], drain * size + latency)
+        for per_rank, t in zip(out, finish):
+            per_rank[msg.src] = max(per_rank[msg.src], t)
+            per_rank[msg.dst] = max(per_rank[msg.dst], t)
+    return out
 
 
 def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
@@ -236,78 +251,106 @@ class _Layer:
     remap_s: float
 
 
-def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[float], list[float]]:
-    """Per rank, attention compute seconds and the communication seconds it does not hide."""
-    world = plan.world_size
+def exposed_seconds(compute: float, forward_s: float, backward_s: float) -> float:
+    """Transfer time a ring phase cannot hide: the forward moves K/V behind ``FWD_SHARE`` of the
+    phase's compute, the backward K/V plus dK/dV behind the rest; a phase lasts the longer of
+    its compute and its transfer, so only the excess is exposed."""
+    return max(0.0, forward_s - compute * FWD_SHARE) + max(
+        0.0, backward_s - compute * (1 - FWD_SHARE)
+    )
+
+
+def attention_seconds(
+    sequences: Sequence[SequencePlan],
+    topology: Topology,
+    cost: CostModel,
+    routes: dict[tuple[int, int], Route],
+    *,
+    sequential: bool = False,
+    allgather: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the attention compute seconds of one layer and the communication seconds it
+    does not hide (module docstring). ``routes``: the routes in use, by edge; ``sequential``:
+    every document is its own pass (no overlap between documents)."""
+    world = topology.world_size
+    pass_ids = list(range(len(sequences))) if sequential else None
+    blocks = attention_blocks(sequences, pass_ids)
+    pass_of, rank_of, phase_of, seconds = phase_seconds(
+        blocks, cost, world, merge_ring_phases=allgather
+    )
+    compute = np.bincount(rank_of, weights=seconds, minlength=world)
+    messages = ring_messages(sequences, pass_ids)
     kv = cost.model.kv_bytes_per_token()
-    phases = attention_phases(plan, plan.sequences)
-    compute = [
-        [phase_compute_time(cost, blocks, diagonal=k == 0) for k, blocks in enumerate(per_rank)]
-        for per_rank in phases
-    ]
-    steps = ring_schedule(plan)
-    if AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER:
+    groups, ranks, (forward, backward) = transfer_times(
+        messages, topology, cost, routes,
+        partial(_message_paths, topology, routes=routes), (kv, 2 * kv),
+    )  # fmt: skip
+    if allgather:
         # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
-        comm = [0.0] * world
-        for step in steps:
-            for r, t in enumerate(step_transfer_times(plan, cost, step, kv, routing)):
-                comm[r] += t
-        # One call over every block: the phases merge into a single kernel launch.
-        merged = [
-            phase_compute_time(cost, p[0], diagonal=True)
-            + phase_compute_time(cost, [b for blocks in p[1:] for b in blocks])
-            for p in phases
-        ]
-        return merged, [2 * c for c in comm]
-    fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]
-    bwd = [step_transfer_times(plan, cost, step, 2 * kv, routing) for step in steps]
-    exposed = [0.0] * world
-    for r in range(world):
-        for k, c in enumerate(compute[r]):
-            # A phase lasts max(compute, transfer): only the transfer's excess is exposed.
-            tf = fwd[k][r] if k < len(fwd) else 0.0
-            tb = bwd[k][r] if k < len(bwd) else 0.0
-            exposed[r] += max(0.0, tf - c * FWD_SHARE) + max(0.0, tb - c * (1 - FWD_SHARE))
-    return [sum(c) for c in compute], exposed
+        return compute, np.bincount(ranks, weights=2 * forward, minlength=world)
+    # Step k of a pass hides behind phase k of the same pass (the last phase hides nothing).
+    steps = max(messages.num_steps, 1)
+    wanted = call_key(groups // steps, ranks, groups % steps, world, blocks.num_phases)
+    calls = call_key(pass_of, rank_of, phase_of, world, blocks.num_phases)
+    hidden = np.zeros(len(wanted))
+    if len(calls):
+        at = np.minimum(np.searchsorted(calls, wanted), len(calls) - 1)
+        hidden = np.where(calls[at] == wanted, seconds[at], 0.0)
+    exposed = np.maximum(0.0, forward - hidden * FWD_SHARE)
+    exposed += np.maximum(0.0, backward - hidden * (1 - FWD_SHARE))
+    return compute, np.bincount(ranks, weights=exposed, minlength=world)
 
 
-def _subplan(plan: Plan, sequences: tuple[SequencePlan, ...]) -> Plan:
-    """The plan reduced to ``sequences``, run concurrently (no builder meta)."""
-    ids = {s.id for s in sequences}
-    linear = tuple(tuple(r for r in ranges if r.seq in ids) for ranges in plan.linear)
-    return Plan(plan.topology, sequences, linear, routes=plan.routes, capacity=None,
-                attention_comm=plan.attention_comm, name=plan.name)  # fmt: skip
+def _attention_layer(
+    plan: Plan, cost: CostModel, routing: bool, *, sequential: bool = False
+) -> tuple[list[float], list[float]]:
+    """``attention_seconds`` of a plan, with its routes when ``routing``."""
+    routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
+    allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
+    compute, exposed = attention_seconds(
+        plan.sequences, plan.topology, cost, routes, sequential=sequential, allgather=allgather
+    )
+    return compute.tolist(), exposed.tolist()
+
+
+def _linear_seconds(plan: Plan, cost: CostModel, *, layout: str, sequential: bool) -> list[float]:
+    """Per rank, linear seconds over its tokens of the ``"linear"`` or ``"attention"`` layout;
+    ``sequential``: one GEMM pass per document."""
+    world = plan.world_size
+    if sequential:
+        rank, tokens = [], []
+        for seq in plan.sequences:
+            held: dict[int, int] = defaultdict(int)
+            for span in seq.attention:
+                held[span.rank] += span.num_tokens
+            rank += list(held)
+            tokens += list(held.values())
+        times = cost.linear_times(np.asarray(tokens, dtype=np.float64))
+        ranks = np.asarray(rank, dtype=np.int64)
+        return np.bincount(ranks, weights=times, minlength=world).tolist()
+    if layout == "linear":
+        counts = [sum(r.end - r.start for r in ranges) for ranges in plan.linear]
+    else:
+        counts = [0] * world
+        for seq in plan.sequences:
+            for span in seq.attention:
+                counts[span.rank] += span.end - span.start
+    return cost.linear_times(np.asarray(counts, dtype=np.float64)).tolist()
 
 
 def _layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
-    world = plan.world_size
-    if plan.meta.get("execution") == "sequential":
-        # Every document is its own pass: sum per rank, no overlap between documents.
-        total = _Layer([0.0] * world, [0.0] * world, [0.0] * world, [0.0] * world, 0.0)
-        for seq in plan.sequences:
-            one = _concurrent_layer(_subplan(plan, (seq,)), cost, routing, remap=False)
-            for r in range(world):
-                total.linear[r] += one.linear[r]
-                total.attention[r] += one.attention[r]
-                total.attention_compute[r] += one.attention_compute[r]
-                total.attention_exposed[r] += one.attention_exposed[r]
-        return total
-    return _concurrent_layer(plan, cost, routing, remap)
-
-
-def _concurrent_layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
-    world = plan.world_size
-    attn_compute, attn_exposed = _attention_layer(plan, cost, routing)
+    sequential = plan.meta.get("execution") == "sequential"
+    attn_compute, attn_exposed = _attention_layer(plan, cost, routing, sequential=sequential)
     wall = [c + e for c, e in zip(attn_compute, attn_exposed)]
-    moved = remap_matrix(plan) if remap else {}
+    moved = remap_matrix(plan) if remap and not sequential else {}
     if moved:
-        linear = [cost.linear_time(plan.num_linear_tokens(r)) for r in range(world)]
+        linear = _linear_seconds(plan, cost, layout="linear", sequential=False)
         # Q/K/V (then dQ/dK/dV) to the attention holders, the output (then its gradient) back:
         # four all-to-alls, the same pricing the planner uses to choose the layout.
         by_attention_holder = {(b, a): n for (a, b), n in moved.items()}
         remap_s = remap_seconds(by_attention_holder, plan.topology, cost)
     else:
-        linear = [cost.linear_time(plan.num_attention_tokens(r)) for r in range(world)]
+        linear = _linear_seconds(plan, cost, layout="attention", sequential=sequential)
         remap_s = 0.0
     return _Layer(linear, wall, attn_compute, attn_exposed, remap_s)
 
@@ -368,10 +411,7 @@ def simulate_rounds(
     for plan in plans:
         use_routes = bool(plan.routes) if routing is None else routing
         layer = _layer(plan, cost_model, use_routes, remap)
-        if layer.remap_s > 0:
-            layer_time = max(layer.linear) + layer.remap_s + max(layer.attention)
-        else:
-            layer_time = max(a + b for a, b in zip(layer.linear, layer.attention))
+        layer_time = layer_seconds(layer.linear, layer.attention, layer.remap_s)
         step += layers * layer_time
         for r in range(world):
             linear[r] += layers * layer.linear[r]

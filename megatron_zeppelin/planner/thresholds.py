@@ -80,11 +80,7 @@ def attention_costs(
     if pairs is None:
         pairs = lengths * (lengths + 1.0) / 2.0
     flops = pairs * cost_model.model.attn_flops_per_pair()
-    # Vectorized ``Efficiency.rate``: the same curve the simulator prices calls with.
-    slowdown = 1.0 + eff.half_tokens / lengths
-    if eff.fall_tokens is not None:
-        slowdown = slowdown + lengths / eff.fall_tokens
-    return flops * slowdown / eff.flops_per_s
+    return eff.busy_seconds(flops, lengths)
 
 
 def linear_seconds_per_token(cost_model: CostModel) -> float:

@@ -1,0 +1,210 @@
+"""The planner's search: candidate placements of a batch, kept by the simulator's step time.
+
+A placement can balance two things (``Loads.balance_linear``):
+
+* **attention + linear**: every GPU's attention (with the ring transfers it cannot hide) plus its
+  tokens' linear seconds, so the linear modules can run where the attention tokens are and no
+  remapping is needed; the layer then takes ``max(linear + attention)``;
+* **attention alone**: the attention layout balances attention and the linear layout evens the
+  tokens (inside nodes, or over the world), the remapping all-to-alls paid between them; the layer
+  takes ``max(linear) + remap + max(attention)``.
+
+For each, stage 1's rings are placed first; where that leaves the predicted layer above the
+GPUs' mean (few documents per GPU cannot be packed evenly whole), the busiest GPU's longest local
+document becomes an in-node ring too, with every longer local document, while that helps. Every
+placement is priced under every allowed linear layout (``linear_layout.price_linear_layouts``, so
+mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
+pays).
+
+Placements are built with ``Loads``' per-document predictions; the few whose prediction is
+within ``_SHORTLIST`` of the best are then timed with the simulator's own functions
+(``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept, so the
+plan's ``meta["predicted_step_s"]`` is what ``simulate`` reports for it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from megatron_zeppelin.planner.linear_layout import fastest, price_linear_layouts
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.placement import (
+    CapacityError,
+    Placement,
+    TierChoice,
+    place_across_nodes,
+    place_within_nodes,
+)
+from megatron_zeppelin.planner.plan import Route, SequencePlan, Span, zigzag_spans
+from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.simulator import attention_seconds
+from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
+
+__all__ = ["Candidate", "search"]
+
+_EVEN_ENOUGH = 1.01
+"""A placement predicted within this factor of its GPUs' mean work needs no more rings."""
+_MAX_TRIES = 8
+"""Placements tried per balance mode."""
+_MAX_MISSES = 2
+"""More rings are given up after this many placements in a row that predict no gain (the
+busiest GPU may hold none of the documents the next rings take)."""
+_SHORTLIST = 1.05
+"""Placements predicted within this factor of the best are timed by the simulator."""
+
+
+@dataclass
+class Candidate:
+    """One placement of the batch and its layer time under each allowed linear layout."""
+
+    placements: list[Placement]
+    loads: Loads
+    promotions: int
+    extra_rings: int
+    predicted: dict[str, float]
+    """``Loads``' prediction of the layer time per linear layout."""
+    simulated: dict[str, float] = field(default_factory=dict)
+    """The simulator's, for candidates on the shortlist."""
+    sequences: tuple[SequencePlan, ...] = ()
+    routes: tuple[Route, ...] = ()
+
+    @property
+    def balance(self) -> str:
+        return "attention+linear" if self.loads.balance_linear else "attention"
+
+    @property
+    def seconds(self) -> float:
+        """The simulator's layer time under the best layout (after ``simulate``)."""
+        return min(self.simulated.values())
+
+    @property
+    def layout(self) -> str:
+        return fastest(self.simulated)
+
+    def even_enough(self) -> bool:
+        """Predicted within ``_EVEN_ENOUGH`` of the GPUs' mean attention plus linear seconds."""
+        attention = np.add(self.loads.attention, self.loads.exposed)
+        linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
+        return min(self.predicted.values()) <= _EVEN_ENOUGH * float((attention + linear).mean())
+
+    def simulate(self, array: np.ndarray, layouts: tuple[str, ...], routing: bool) -> None:
+        """The plan's sequences and routes, and the simulator's layer time per layout."""
+        sequences = []
+        for doc, placement in enumerate(self.placements):
+            length, ring = int(array[doc]), placement.ring
+            spans = (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
+            sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
+        self.sequences = tuple(sequences)
+        topology, cost = self.loads.topology, self.loads.cost_model
+        self.routes = build_routes(self.sequences, topology) if routing else ()
+        compute, exposed = attention_seconds(
+            self.sequences, topology, cost, {(r.src, r.dst): r for r in self.routes}
+        )
+        self.simulated = price_linear_layouts(
+            self.loads.tokens, (compute + exposed).tolist(), topology, cost, layouts
+        )
+
+    def summary(self) -> dict:
+        out = {
+            "balance": self.balance,
+            "extra_rings": self.extra_rings,
+            "predicted_layer_s": min(self.predicted.values()),
+        }
+        if self.simulated:
+            out.update(layout=self.layout, simulated_layer_s=self.seconds)
+        return out
+
+
+def search(
+    array: np.ndarray,
+    new_loads: Callable[[bool], Loads],
+    rules: TierRules,
+    layouts: tuple[str, ...],
+    *,
+    routing: bool,
+) -> tuple[Candidate, list[dict]]:
+    """The fastest candidate (module docstring) and a summary of every one tried.
+    ``new_loads(balance_linear)`` gives empty loads to place on."""
+    found: list[Candidate] = []
+    for balance_linear in (True, False) if set(layouts) - {"attention"} else (True,):
+        if not balance_linear and any(c.even_enough() for c in found):
+            break  # balancing attention alone cannot beat a plan already at its mean
+        base = assign_tiers(array, new_loads(balance_linear), rules)
+        found += _candidates(array, base, partial(new_loads, balance_linear), layouts,
+                             first=not found)  # fmt: skip
+    best_prediction = min(min(c.predicted.values()) for c in found)
+    shortlist = [c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
+    for candidate in shortlist:
+        candidate.simulate(array, layouts, routing)
+    best = min(shortlist, key=lambda c: c.seconds)
+    return best, [c.summary() for c in found]
+
+
+def _candidates(
+    array: np.ndarray,
+    base: TierChoice,
+    new_loads: Callable[[], Loads],
+    layouts: tuple[str, ...],
+    *,
+    first: bool,
+) -> Iterator[Candidate]:
+    """Placements with stage 1's rings, then with more in-node rings while that helps: the
+    busiest GPU's longest local document, and every longer local document with it (a longer
+    document never lands in a lower tier than a shorter one). Only the very first placement may
+    fail on capacity (``plan_batch`` then splits less); later ones that run out of room are
+    skipped."""
+    extra = np.flatnonzero(base.splittable)
+    extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
+    count, best, misses = 0, math.inf, 0
+    for _ in range(_MAX_TRIES):
+        try:
+            rings = extra[:count].tolist()
+            candidate = _place(array, base.with_rings(rings), new_loads(), layouts, count)
+        except CapacityError:
+            if first and count == 0:
+                raise
+            candidate = None
+        if candidate is not None:
+            yield candidate
+            predicted = min(candidate.predicted.values())
+            misses = misses + 1 if predicted >= best else 0
+            if candidate.even_enough() or misses == _MAX_MISSES:
+                return
+            best = min(best, predicted)
+            wanted = _busiest_local(candidate, array, extra, count)
+        else:
+            wanted = count + 1
+        if wanted > len(extra):
+            return
+        count = wanted
+
+
+def _busiest_local(candidate: Candidate, array: np.ndarray, extra: np.ndarray, count: int) -> int:
+    """How many of ``extra`` (longest first) must become rings for the busiest GPU's longest
+    document that may still become a ring to be one; at least one more than ``count``."""
+    loads = candidate.loads
+    busiest = int(np.argmax(loads.cost))
+    on_busiest = [d for d in extra[count:].tolist() if candidate.placements[d].ring == (busiest,)]
+    if not on_busiest:
+        return count + 1
+    longest = max(int(array[d]) for d in on_busiest)
+    return max(count + 1, int(np.searchsorted(-array[extra], -longest, side="right")))
+
+
+def _place(
+    array: np.ndarray, choice: TierChoice, loads: Loads, layouts: tuple[str, ...], extra: int
+) -> Candidate:
+    """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout."""
+    placements: list[Placement | None] = [None] * len(array)
+    by_node, promotions = place_across_nodes(array, choice, loads, placements)
+    promotions += place_within_nodes(array, choice, by_node, loads, placements)
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    predicted = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+    )
+    return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]

@@ -1,0 +1,255 @@
+"""Ring transfers of many documents, step by step, timed on shared links, as arrays.
+
+The same timing as ``simulator.step_transfer_times``, for every step of every pass at once: in one
+ring step all messages (and route parts) that use the same GPU's NVLink port or the same NIC (per
+direction) split its bandwidth; a message finishes when its most loaded link has drained, plus one
+latency per hop; a rank waits for the last of the messages it sends or receives. Messages follow
+``schedule.ring_schedule``: at step ``s`` ring position ``i`` sends the block of position
+``(i - s) mod g`` to position ``i + 1``; blocks of several documents on one edge in one step
+travel as one message. Messages over a route are split into parts by the caller's ``paths_of``
+(the simulator's route split), all others are timed here without leaving numpy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.plan import Route, SequencePlan, split_by_weights
+from megatron_zeppelin.planner.schedule import Message, Segment
+from megatron_zeppelin.topology.model import Topology
+
+__all__ = ["RingMessages", "ring_messages", "transfer_times"]
+
+PathsOf = Callable[[Message], list[tuple[int, list[tuple]]]]
+"""A routed message's ``(tokens, hops)`` parts; a hop is ``(link kind, out port, in port)``."""
+
+
+@dataclass(frozen=True)
+class RingMessages:
+    """One row per message: its pass and step (``group = pass * num_steps + step``), its edge
+    and its tokens."""
+
+    group: np.ndarray
+    src: np.ndarray
+    dst: np.ndarray
+    tokens: np.ndarray
+    num_steps: int
+    """Steps per pass: ``max(ring size) - 1``."""
+
+
+def _block_sizes(seq: SequencePlan) -> list[int]:
+    held: dict[int, int] = defaultdict(int)
+    for span in seq.attention:
+        held[span.rank] += span.num_tokens
+    return [held.get(rank, 0) for rank in seq.ring]
+
+
+def ring_messages(
+    sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
+) -> RingMessages:
+    """Every ring message of ``sequences`` (one pass unless ``pass_ids`` says otherwise)."""
+    by_size: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
+    for i, seq in enumerate(sequences):
+        if len(seq.ring) > 1:
+            by_size[len(seq.ring)].append((0 if pass_ids is None else pass_ids[i], seq))
+    num_steps = max(by_size, default=1) - 1
+    columns: list[list[np.ndarray]] = [[], [], [], []]
+    for g, docs in by_size.items():
+        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)  # (doc, position)
+        sizes = np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
+        passes = np.asarray([p for p, _ in docs], dtype=np.int64)
+        step = np.arange(g - 1)[:, None]
+        position = np.arange(g)[None, :]
+        origin = (position - step) % g  # (step, position)
+        shape = (len(docs), g - 1, g)
+        columns[0].append(np.broadcast_to((passes * num_steps)[:, None, None] + step, shape))
+        columns[1].append(np.broadcast_to(rings[:, None, :], shape))
+        columns[2].append(np.broadcast_to(np.roll(rings, -1, axis=1)[:, None, :], shape))
+        columns[3].append(sizes[:, origin])
+    if not columns[0]:
+        empty = np.zeros(0, dtype=np.int64)
+        return RingMessages(empty, empty, empty, empty, num_steps)
+    group, src, dst, tokens = (np.concatenate([c.reshape(-1) for c in col]) for col in columns)
+    # Blocks of several documents on one edge in one step are one message.
+    width = int(max(src.max(), dst.max())) + 1
+    key = (group * width + src) * width + dst
+    unique, inverse = np.unique(key, return_inverse=True)
+    tokens = np.bincount(inverse, weights=tokens, minlength=len(unique)).astype(np.int64)
+    edge = unique % (width * width)
+    return RingMessages(unique // (width * width), edge // width, edge % width, tokens, num_steps)
+
+
+def transfer_times(
+    messages: RingMessages,
+    topology: Topology,
+    cost: CostModel,
+    routes: dict[tuple[int, int], Route],
+    paths_of: PathsOf,
+    bytes_per_token: tuple[float, ...],
+) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
+    """Per (group, rank) that sends or receives: the time until its messages of that step have
+    arrived, for each message size of ``bytes_per_token``. A cross-node edge in ``routes`` is
+    split by its route's weights (``split_by_weights``) into the parts ``paths_of`` gives the
+    hops of. Returns the groups, the ranks and one array of seconds per size."""
+    world = topology.world_size
+    k, m = topology.gpus_per_node, topology.nics_per_node
+    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
+    group, src, dst, tokens = messages.group, messages.src, messages.dst, messages.tokens
+    same = src // k == dst // k
+    is_routed = np.asarray(
+        [not s and (a, b) in routes for s, a, b in zip(same.tolist(), src.tolist(), dst.tolist())],
+        dtype=bool,
+    )
+    direct = ~is_routed
+    # Port ids: GPU out / in (NVLink), then NIC out / in per (node, NIC).
+    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
+    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
+                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
+    hops = _routed_hops(messages, is_routed, routes, paths_of, topology, cost)
+    num_ports = 2 * world + 2 * topology.num_nodes * m
+    load_keys = np.concatenate([
+        group[direct] * num_ports + out_port[direct], group[direct] * num_ports + in_port[direct],
+        hops.group * num_ports + hops.out_port, hops.group * num_ports + hops.in_port,
+    ])  # fmt: skip
+    load_tokens = np.concatenate([tokens[direct], tokens[direct], hops.tokens, hops.tokens]).astype(
+        np.float64
+    )
+    keys, inverse = np.unique(load_keys, return_inverse=True)
+    load = np.bincount(inverse, weights=load_tokens, minlength=len(keys))
+
+    def load_of(g: np.ndarray, port: np.ndarray) -> np.ndarray:
+        return load[np.searchsorted(keys, g * num_ports + port)]
+
+    nv, nic = cost.nvlink, cost.nic
+    bw = np.where(same, nv.bytes_per_s, nic.bytes_per_s)[direct]
+    drain = (
+        np.maximum(
+            load_of(group[direct], out_port[direct]), load_of(group[direct], in_port[direct])
+        )
+        / bw
+    )
+    latency = np.where(same, nv.latency_s, nic.latency_s)[direct]
+    busy = tokens[direct] > 0
+    rows_group = [group[direct][busy]]
+    rows_src, rows_dst = [src[direct][busy]], [dst[direct][busy]]
+    finish = [[(drain * b + latency)[busy]] for b in bytes_per_token]
+    if len(hops.group):
+        part_drain = np.zeros(hops.num_parts)
+        hop_drain = np.maximum(load_of(hops.group, hops.out_port),
+                               load_of(hops.group, hops.in_port)) / hops.bandwidth  # fmt: skip
+        np.maximum.at(part_drain, hops.part, hop_drain)
+        part_latency = np.bincount(hops.part, weights=hops.latency, minlength=hops.num_parts)
+        part_tokens = np.zeros(hops.num_parts, dtype=np.int64)
+        part_tokens[hops.part] = hops.tokens
+        busy_part = part_tokens > 0  # a part of no tokens sends nothing
+        for sizes, b in zip(finish, bytes_per_token):
+            per_message = np.zeros(len(hops.message_group))
+            np.maximum.at(per_message, hops.part_message[busy_part],
+                          (part_drain * b + part_latency)[busy_part])  # fmt: skip
+            sizes.append(per_message)
+        rows_group.append(hops.message_group)
+        rows_src.append(hops.message_src)
+        rows_dst.append(hops.message_dst)
+    return _per_rank(rows_group, rows_src, rows_dst, finish, world)
+
+
+def _per_rank(rows_group, rows_src, rows_dst, finish, world: int):
+    """The latest finish per (group, rank) over the messages a rank sends or receives."""
+    group = np.concatenate(rows_group * 2)
+    rank = np.concatenate(rows_src + rows_dst)
+    key = group * world + rank
+    unique, inverse = np.unique(key, return_inverse=True)
+    out = []
+    for sizes in finish:
+        values = np.concatenate(sizes * 2)
+        latest = np.zeros(len(unique))
+        np.maximum.at(latest, inverse, values)
+        out.append(latest)
+    return unique // world, unique % world, out
+
+
+@dataclass(frozen=True)
+class _Hops:
+    """The hops of every part of every routed message: per hop its group, ports, tokens,
+    bandwidth, latency and part; per part its message; per message its group and edge."""
+
+    group: np.ndarray
+    out_port: np.ndarray
+    in_port: np.ndarray
+    tokens: np.ndarray
+    bandwidth: np.ndarray
+    latency: np.ndarray
+    part: np.ndarray
+    num_parts: int
+    part_message: np.ndarray
+    message_group: np.ndarray
+    message_src: np.ndarray
+    message_dst: np.ndarray
+
+
+def _routed_hops(
+    messages: RingMessages,
+    is_routed: np.ndarray,
+    routes: dict[tuple[int, int], Route],
+    paths_of: PathsOf,
+    topology: Topology,
+    cost: CostModel,
+) -> _Hops:
+    """Hops of the routed messages. A route's parts and hops are the same in every step, only
+    the tokens differ: ``paths_of`` is asked once per edge for the hops of each part."""
+    world, m = topology.world_size, topology.nics_per_node
+    k, num_nodes = topology.gpus_per_node, topology.num_nodes
+    chosen = np.flatnonzero(is_routed)
+    columns: list[list] = [[], [], [], [], [], [], []]  # group, out, in, tokens, bw, lat, part
+    part_message: list[np.ndarray] = []
+    num_parts = 0
+    edges = messages.src[chosen] * world + messages.dst[chosen]
+    for edge in np.unique(edges).tolist():
+        rows = chosen[edges == edge]  # message indices on this edge
+        src, dst = edge // world, edge % world
+        weights = [p.weight for p in routes[(src, dst)].parts]
+        tokens = np.asarray(
+            [split_by_weights(n, weights) for n in messages.tokens[rows].tolist()], dtype=np.int64
+        )  # (message, part)
+        any_tokens = max(1, int(messages.tokens[rows].max()))
+        hops_of_part = [
+            hops for _, hops in paths_of(Message(src, dst, (Segment(-1, -1, any_tokens),)))
+        ]
+        part_ids = num_parts + np.arange(tokens.size).reshape(tokens.shape)
+        num_parts += tokens.size
+        part_message.append(np.repeat(np.searchsorted(chosen, rows), tokens.shape[1]))
+        for p, hops in enumerate(hops_of_part):
+            for kind, out, into in hops:
+                link = cost.link(kind)
+                columns[0].append(messages.group[rows])
+                columns[1].append(np.full(len(rows), _port_id(out, world, k, m, num_nodes)))
+                columns[2].append(np.full(len(rows), _port_id(into, world, k, m, num_nodes)))
+                columns[3].append(tokens[:, p])
+                columns[4].append(np.full(len(rows), link.bytes_per_s))
+                columns[5].append(np.full(len(rows), link.latency_s))
+                columns[6].append(part_ids[:, p])
+    group, out_port, in_port, tokens, bandwidth, latency, part = (
+        np.concatenate(c) if c else np.zeros(0) for c in columns
+    )
+    return _Hops(
+        group.astype(np.int64), out_port.astype(np.int64), in_port.astype(np.int64),
+        tokens.astype(np.int64), bandwidth.astype(np.float64), latency.astype(np.float64),
+        part.astype(np.int64), num_parts,
+        np.concatenate(part_message) if part_message else np.zeros(0, dtype=np.int64),
+        messages.group[chosen], messages.src[chosen], messages.dst[chosen],
+    )  # fmt: skip
+
+
+def _port_id(port: tuple, world: int, k: int, m: int, num_nodes: int) -> int:
+    """The simulator's port tuples as the integer ids used here."""
+    if port[0] == "gpu-out":
+        return port[1]
+    if port[0] == "gpu-in":
+        return world + port[1]
+    base = 2 * world + (0 if port[0] == "nic-out" else num_nodes * m)
+    return base + port[1] * m + port[2]
