@@ -84,12 +84,9 @@ def _covered_once(ranges_by_doc: dict[int, list[tuple[int, int]]], lengths: list
 @SETTINGS
 @given(batches(slack=(1.05, 3.0)))
 def test_every_token_once_and_capacity_respected(batch):
+    """Any batch that fits the cluster plans (the last resort lays documents end to end)."""
     lengths, topo, capacity = batch
-    try:
-        plan = _plan(lengths, topo, capacity)
-    except ValueError as exc:  # documented outcome under tight capacity, never a bad plan
-        assert "capacity" in str(exc)
-        return
+    plan = _plan(lengths, topo, capacity)
     attention, linear = defaultdict(list), defaultdict(list)
     for rank in range(topo.world_size):
         for r in plan.attention_ranges(rank):

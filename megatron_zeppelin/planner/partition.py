@@ -67,7 +67,7 @@ from megatron_zeppelin.planner.linear_layout import (
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import CapacityError
 from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.search import Candidate, search
+from megatron_zeppelin.planner.search import Candidate, search, spread_evenly
 from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, chunk_thresholds
 from megatron_zeppelin.topology.model import Topology
@@ -176,14 +176,39 @@ def plan_batch(
         try:
             return _plan(array, topology, cost_model, capacity, options, thresholds)
         except CapacityError:
-            # Balance splits and cross-node rings can fragment a tight cluster; plan again
-            # splitting only what capacity forces (every GPU then keeps the most room).
-            if not options.allow_split:
-                raise
-            options = replace(options, allow_split=False)
-            plan = _plan(array, topology, cost_model, capacity, options, thresholds)
-            plan.meta["fallback"] = "capacity: balance splits off"
-            return plan
+            pass
+        # Balance splits and cross-node rings can fragment a tight cluster; plan again
+        # splitting only what capacity forces (every GPU then keeps the most room).
+        if options.allow_split:
+            try:
+                plan = _plan(array, topology, cost_model, capacity,
+                             replace(options, allow_split=False), thresholds)  # fmt: skip
+                plan.meta["fallback"] = "capacity: balance splits off"
+                return plan
+            except CapacityError:
+                pass
+        return _spread_plan(array, topology, cost_model, capacity, options, thresholds)
+
+
+def _spread_plan(
+    array: np.ndarray,
+    topology: Topology,
+    cost_model: CostModel,
+    capacity: int,
+    options: PlannerOptions,
+    thresholds: tuple[int, int],
+) -> Plan:
+    """The last resort (``search.spread_evenly``): always fits a batch that fits the cluster."""
+    loads = Loads(topology, capacity, cost_model, topology.nics_per_node if options.routing else 1)
+    best = spread_evenly(array, loads, ("attention",))
+    best.simulate(array, ("attention",), options.routing)
+    meta = {
+        "thresholds": list(thresholds),
+        "capacity_promotions": 0,
+        "candidates": [],
+        "fallback": "capacity: documents laid end to end over every GPU",
+    }
+    return _assemble(best, cost_model, meta)
 
 
 def _plan(
@@ -225,10 +250,10 @@ def _layout_candidates(options: PlannerOptions) -> tuple[str, ...]:
 def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     loads = best.loads
     topology = loads.topology
+    tokens = np.asarray(loads.tokens, dtype=np.float64)
     by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
     layout = best.layout
     linear, moves = build_linear_layout(by_rank, topology, layout)
-    attention = np.asarray(loads.attention)
     counts = {t.value: 0 for t in Tier}
     for placement in best.placements:
         counts[placement.tier.value] += 1
@@ -237,9 +262,9 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "balance": best.balance,
         "tier_counts": counts,
         "max_ring_size": max(len(p.ring) for p in best.placements),
-        "attention_imbalance": _imbalance(attention),
-        "load_imbalance": _imbalance(np.asarray(loads.cost)),
-        "attention_token_imbalance": _imbalance(np.asarray(loads.tokens)),
+        "attention_imbalance": _imbalance(best.attention_s),
+        "load_imbalance": _imbalance(best.attention_s + cost_model.linear_times(tokens)),
+        "attention_token_imbalance": _imbalance(tokens),
         "linear_layout": layout,
         "linear_layout_seconds": best.simulated,
         "predicted_step_s": cost_model.model.num_layers * best.seconds,

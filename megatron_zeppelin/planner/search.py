@@ -40,12 +40,12 @@ from megatron_zeppelin.planner.placement import (
     place_across_nodes,
     place_within_nodes,
 )
-from megatron_zeppelin.planner.plan import Route, SequencePlan, Span, zigzag_spans
+from megatron_zeppelin.planner.plan import Route, SequencePlan, Span, Tier, zigzag_spans
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.simulator import attention_seconds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
 
-__all__ = ["Candidate", "search"]
+__all__ = ["Candidate", "search", "spread_evenly"]
 
 _EVEN_ENOUGH = 1.01
 """A placement predicted within this factor of its GPUs' mean work needs no more rings."""
@@ -72,6 +72,8 @@ class Candidate:
     """The simulator's, for candidates on the shortlist."""
     sequences: tuple[SequencePlan, ...] = ()
     routes: tuple[Route, ...] = ()
+    attention_s: np.ndarray | None = None
+    """The simulator's attention seconds per rank (compute plus exposed transfers)."""
 
     @property
     def balance(self) -> str:
@@ -93,20 +95,25 @@ class Candidate:
         return min(self.predicted.values()) <= _EVEN_ENOUGH * float((attention + linear).mean())
 
     def simulate(self, array: np.ndarray, layouts: tuple[str, ...], routing: bool) -> None:
-        """The plan's sequences and routes, and the simulator's layer time per layout."""
-        sequences = []
-        for doc, placement in enumerate(self.placements):
-            length, ring = int(array[doc]), placement.ring
-            spans = (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
-            sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
-        self.sequences = tuple(sequences)
+        """The plan's sequences (zigzag over each ring, unless given) and routes, and the
+        simulator's layer time per layout."""
+        if not self.sequences:
+            sequences = []
+            for doc, placement in enumerate(self.placements):
+                length, ring = int(array[doc]), placement.ring
+                spans = (
+                    (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
+                )
+                sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
+            self.sequences = tuple(sequences)
         topology, cost = self.loads.topology, self.loads.cost_model
         self.routes = build_routes(self.sequences, topology) if routing else ()
         compute, exposed = attention_seconds(
             self.sequences, topology, cost, {(r.src, r.dst): r for r in self.routes}
         )
+        self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
-            self.loads.tokens, (compute + exposed).tolist(), topology, cost, layouts
+            self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
         )
 
     def summary(self) -> dict:
@@ -208,3 +215,33 @@ def _place(
         loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
     )
     return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
+
+
+def spread_evenly(array: np.ndarray, loads: Loads, layouts: tuple[str, ...]) -> Candidate:
+    """The last resort under tight capacity, feasible whenever the batch fits the cluster: the
+    documents, longest first, laid end to end over the ranks in order, ``ceil(tokens / world)``
+    per rank; a document that does not end on its rank continues on the next ones, a ring of
+    contiguous pieces (the ring engine takes any spans)."""
+    topology = loads.topology
+    world = topology.world_size
+    per_rank = -(-int(array.sum()) // world)
+    assert per_rank <= loads.capacity, "plan_batch checks the batch fits the cluster"
+    rank, room = 0, per_rank
+    placements: list[Placement | None] = [None] * len(array)
+    sequences: list[SequencePlan | None] = [None] * len(array)
+    for doc in np.lexsort((np.arange(len(array)), -array)).tolist():
+        length, pos, spans = int(array[doc]), 0, []
+        while pos < length:
+            take = min(length - pos, room)
+            spans.append(Span(rank, pos, pos + take))
+            loads.tokens[rank] += take
+            pos, room = pos + take, room - take
+            if room == 0 and rank + 1 < world:
+                rank, room = rank + 1, per_rank
+        ring = tuple(dict.fromkeys(span.rank for span in spans))
+        tier = Tier.of_ring(ring, topology.gpus_per_node)
+        placements[doc] = Placement(tier, ring)
+        sequences[doc] = SequencePlan(doc, length, tier, ring, tuple(spans))
+    candidate = Candidate(placements, loads, 0, 0, {})  # type: ignore[arg-type]
+    candidate.sequences = tuple(sequences)  # type: ignore[arg-type]
+    return candidate
