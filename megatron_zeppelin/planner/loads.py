@@ -184,6 +184,8 @@ class Loads:
             end = max(t, (rest_work + n * k * t) / world)
             if end < best[0] * (1 - 1e-9):
                 best = (end, n)
+            if t * world <= rest_work + n * k * t:
+                break  # the mean sets the end from here on, and more ranks only raise it
         return best[1]
 
     def add_ring(self, ring: Sequence[int], length: int, link: Link = "nvlink") -> None:

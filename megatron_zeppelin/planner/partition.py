@@ -201,7 +201,8 @@ def _spread_plan(
     """The last resort (``search.spread_evenly``): always fits a batch that fits the cluster."""
     loads = Loads(topology, capacity, cost_model, topology.nics_per_node if options.routing else 1)
     best = spread_evenly(array, loads, ("attention",))
-    best.simulate(array, ("attention",), options.routing)
+    best.build(array, options.routing)
+    best.simulate(("attention",))
     meta = {
         "thresholds": list(thresholds),
         "capacity_promotions": 0,
@@ -268,6 +269,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "linear_layout": layout,
         "linear_layout_seconds": best.simulated,
         "predicted_step_s": cost_model.model.num_layers * best.seconds,
+        "timed_by": "simulator" if best.timed else "planner estimate",
         "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(best.routes),
         "cost_sources": dict(cost_model.sources),

@@ -16,10 +16,13 @@ placement is priced under every allowed linear layout (``linear_layout.price_lin
 mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
 pays).
 
-Placements are built with ``Loads``' per-document predictions; the few whose prediction is
-within ``_SHORTLIST`` of the best are then timed with the simulator's own functions
-(``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept, so the
-plan's ``meta["predicted_step_s"]`` is what ``simulate`` reports for it.
+Placements are built with ``Loads``' per-document predictions; when several are predicted
+within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
+(``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept; the
+plan's ``meta["predicted_step_s"]`` is then what ``simulate`` reports for it
+(``meta["timed_by"] == "simulator"``). A lone candidate keeps ``Loads``' prediction
+(``"planner estimate"``): there is nothing to choose, and timing a thousand-GPU plan costs as
+much as placing it.
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ _MAX_MISSES = 2
 busiest GPU may hold none of the documents the next rings take)."""
 _SHORTLIST = 1.05
 """Placements predicted within this factor of the best are timed by the simulator."""
+_WORTH_A_REMAP = 1.05
+"""Balancing attention alone is tried only where the best placement so far is predicted this
+far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
 
 
 @dataclass
@@ -73,7 +79,9 @@ class Candidate:
     sequences: tuple[SequencePlan, ...] = ()
     routes: tuple[Route, ...] = ()
     attention_s: np.ndarray | None = None
-    """The simulator's attention seconds per rank (compute plus exposed transfers)."""
+    """Attention seconds per rank (compute plus exposed transfers)."""
+    timed: bool = True
+    """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
 
     @property
     def balance(self) -> str:
@@ -88,15 +96,33 @@ class Candidate:
     def layout(self) -> str:
         return fastest(self.simulated)
 
-    def even_enough(self) -> bool:
-        """Predicted within ``_EVEN_ENOUGH`` of the GPUs' mean attention plus linear seconds."""
+    def even_enough(self, factor: float = 0.0) -> bool:
+        """Predicted within ``factor`` (default ``_EVEN_ENOUGH``) of the GPUs' mean attention
+        plus linear seconds."""
         attention = np.add(self.loads.attention, self.loads.exposed)
         linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
-        return min(self.predicted.values()) <= _EVEN_ENOUGH * float((attention + linear).mean())
+        mean = float((attention + linear).mean())
+        return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * mean
 
-    def simulate(self, array: np.ndarray, layouts: tuple[str, ...], routing: bool) -> None:
-        """The plan's sequences (zigzag over each ring, unless given) and routes, and the
-        simulator's layer time per layout."""
+    def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
+        """No other placement is worth trying: this one is ``even_enough(factor)``, or one
+        document's share of the busiest GPU already exceeds the mean load (its ring, not the
+        packing of the others, sets the step)."""
+        if self.even_enough(factor):
+            return True
+        loads = self.loads
+        busiest = int(np.argmax(loads.cost))
+        mean = float(np.mean(loads.cost))
+        for doc, placement in enumerate(self.placements):
+            ring = placement.ring
+            if len(ring) > 1 and busiest in ring:
+                link = "nvlink" if placement.tier == Tier.INTRA else "nic"
+                if loads.ring_key(int(array[doc]), len(ring), link) >= mean:  # type: ignore[arg-type]
+                    return True
+        return False
+
+    def build(self, array: np.ndarray, routing: bool) -> None:
+        """The plan's sequences (zigzag over each ring, unless given) and routes."""
         if not self.sequences:
             sequences = []
             for doc, placement in enumerate(self.placements):
@@ -106,8 +132,11 @@ class Candidate:
                 )
                 sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
             self.sequences = tuple(sequences)
+        self.routes = build_routes(self.sequences, self.loads.topology) if routing else ()
+
+    def simulate(self, layouts: tuple[str, ...]) -> None:
+        """The simulator's layer time per layout (after ``build``)."""
         topology, cost = self.loads.topology, self.loads.cost_model
-        self.routes = build_routes(self.sequences, topology) if routing else ()
         compute, exposed = attention_seconds(
             self.sequences, topology, cost, {(r.src, r.dst): r for r in self.routes}
         )
@@ -116,13 +145,19 @@ class Candidate:
             self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
         )
 
+    def keep_estimate(self) -> None:
+        """Take ``Loads``' prediction as the layer time (nothing left to compare it with)."""
+        self.attention_s = np.add(self.loads.attention, self.loads.exposed)
+        self.simulated = dict(self.predicted)
+        self.timed = False
+
     def summary(self) -> dict:
         out = {
             "balance": self.balance,
             "extra_rings": self.extra_rings,
             "predicted_layer_s": min(self.predicted.values()),
         }
-        if self.simulated:
+        if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
 
@@ -139,15 +174,19 @@ def search(
     ``new_loads(balance_linear)`` gives empty loads to place on."""
     found: list[Candidate] = []
     for balance_linear in (True, False) if set(layouts) - {"attention"} else (True,):
-        if not balance_linear and any(c.even_enough() for c in found):
-            break  # balancing attention alone cannot beat a plan already at its mean
+        if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in found):
+            break  # balancing attention alone cannot win back its remapping here
         base = assign_tiers(array, new_loads(balance_linear), rules)
         found += _candidates(array, base, partial(new_loads, balance_linear), layouts,
                              first=not found)  # fmt: skip
     best_prediction = min(min(c.predicted.values()) for c in found)
     shortlist = [c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
     for candidate in shortlist:
-        candidate.simulate(array, layouts, routing)
+        candidate.build(array, routing)
+        if len(shortlist) > 1:
+            candidate.simulate(layouts)
+        else:
+            candidate.keep_estimate()
     best = min(shortlist, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
 
@@ -167,6 +206,8 @@ def _candidates(
     skipped."""
     extra = np.flatnonzero(base.splittable)
     extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
+    # Rings aimed at the busiest GPU: more of them than GPUs no longer are.
+    limit = new_loads().topology.world_size
     count, best, misses = 0, math.inf, 0
     for _ in range(_MAX_TRIES):
         try:
@@ -180,25 +221,29 @@ def _candidates(
             yield candidate
             predicted = min(candidate.predicted.values())
             misses = misses + 1 if predicted >= best else 0
-            if candidate.even_enough() or misses == _MAX_MISSES:
+            if candidate.settled(array) or misses == _MAX_MISSES:
                 return
             best = min(best, predicted)
             wanted = _busiest_local(candidate, array, extra, count)
+            if wanted is None:
+                return  # the busiest GPU holds nothing more rings could take from it
         else:
             wanted = count + 1
-        if wanted > len(extra):
+        if wanted > len(extra) or wanted > limit:
             return
         count = wanted
 
 
-def _busiest_local(candidate: Candidate, array: np.ndarray, extra: np.ndarray, count: int) -> int:
+def _busiest_local(
+    candidate: Candidate, array: np.ndarray, extra: np.ndarray, count: int
+) -> int | None:
     """How many of ``extra`` (longest first) must become rings for the busiest GPU's longest
-    document that may still become a ring to be one; at least one more than ``count``."""
+    document that may still become a ring to be one; ``None`` when it holds none."""
     loads = candidate.loads
     busiest = int(np.argmax(loads.cost))
     on_busiest = [d for d in extra[count:].tolist() if candidate.placements[d].ring == (busiest,)]
     if not on_busiest:
-        return count + 1
+        return None
     longest = max(int(array[d]) for d in on_busiest)
     return max(count + 1, int(np.searchsorted(-array[extra], -longest, side="right")))
 

@@ -14,8 +14,9 @@ linear layouts) call ``layer_seconds``; the remapping is priced by ``remap_secon
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
+
+import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.topology.model import Topology
@@ -36,26 +37,24 @@ def all_to_all_seconds(
 ) -> float:
     """One all-to-all moving ``moves[(src, dst)]`` tokens: every GPU's NVLink port and every NIC
     (per direction) drains its bytes in parallel; the slowest drain plus one latency."""
-    load: dict[tuple, float] = defaultdict(float)
-    kinds = set()
-    for (src, dst), num_tokens in moves.items():
-        num_bytes = num_tokens * bytes_per_token
-        if topology.same_node(src, dst):
-            kind = "nvlink"
-            ports = (("gpu-out", src), ("gpu-in", dst))
-        else:
-            kind = "nic"
-            ports = (
-                ("nic-out", topology.node_of(src), topology.nic_of(src)),
-                ("nic-in", topology.node_of(dst), topology.nic_of(dst)),
-            )
-        kinds.add(kind)
-        for port in ports:
-            load[(kind, port)] += num_bytes
-    if not load:
+    if not moves:
         return 0.0
-    drain = max(v / cost_model.link(kind).bytes_per_s for (kind, _), v in load.items())
-    return drain + max(cost_model.link(k).latency_s for k in kinds)
+    world, k, m = topology.world_size, topology.gpus_per_node, topology.nics_per_node
+    pairs = np.fromiter((x for edge in moves for x in edge), dtype=np.int64, count=2 * len(moves))
+    src, dst = pairs[0::2], pairs[1::2]
+    num_bytes = np.fromiter(moves.values(), dtype=np.float64, count=len(moves)) * bytes_per_token
+    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
+    same = src // k == dst // k
+    # Ports: GPU out / in (NVLink), NIC out / in per (node, NIC).
+    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
+    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
+                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
+    load = np.bincount(np.concatenate([out_port, in_port]), weights=np.tile(num_bytes, 2))
+    bandwidth = np.full(len(load), cost_model.link("nic").bytes_per_s)
+    bandwidth[: 2 * world] = cost_model.link("nvlink").bytes_per_s
+    latency = max(cost_model.link(kind).latency_s for kind, used in
+                  (("nvlink", same.any()), ("nic", (~same).any())) if used)  # fmt: skip
+    return float((load / bandwidth).max()) + latency
 
 
 def remap_seconds(moves: Moves, topology: Topology, cost_model: CostModel) -> float:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.plan import Route, SequencePlan, split_by_weights
+from megatron_zeppelin.planner.plan import Route, SequencePlan, split_by_weights_array
 from megatron_zeppelin.planner.schedule import Message, Segment
 from megatron_zeppelin.topology.model import Topology
 
@@ -213,26 +213,26 @@ def _routed_hops(
         rows = chosen[edges == edge]  # message indices on this edge
         src, dst = edge // world, edge % world
         weights = [p.weight for p in routes[(src, dst)].parts]
-        tokens = np.asarray(
-            [split_by_weights(n, weights) for n in messages.tokens[rows].tolist()], dtype=np.int64
-        )  # (message, part)
+        tokens = split_by_weights_array(messages.tokens[rows], weights)  # (message, part)
         any_tokens = max(1, int(messages.tokens[rows].max()))
-        hops_of_part = [
-            hops for _, hops in paths_of(Message(src, dst, (Segment(-1, -1, any_tokens),)))
-        ]
+        paths = paths_of(Message(src, dst, (Segment(-1, -1, any_tokens),)))
+        hops = [(p, hop) for p, (_, path) in enumerate(paths) for hop in path]
+        part_of_hop = np.asarray([p for p, _ in hops], dtype=np.int64)
+        links = [cost.link(kind) for _, (kind, _, _) in hops]
+        shape = (len(rows), len(hops))
         part_ids = num_parts + np.arange(tokens.size).reshape(tokens.shape)
         num_parts += tokens.size
         part_message.append(np.repeat(np.searchsorted(chosen, rows), tokens.shape[1]))
-        for p, hops in enumerate(hops_of_part):
-            for kind, out, into in hops:
-                link = cost.link(kind)
-                columns[0].append(messages.group[rows])
-                columns[1].append(np.full(len(rows), _port_id(out, world, k, m, num_nodes)))
-                columns[2].append(np.full(len(rows), _port_id(into, world, k, m, num_nodes)))
-                columns[3].append(tokens[:, p])
-                columns[4].append(np.full(len(rows), link.bytes_per_s))
-                columns[5].append(np.full(len(rows), link.latency_s))
-                columns[6].append(part_ids[:, p])
+        columns[0].append(np.repeat(messages.group[rows], len(hops)))
+        for column, values in (
+            (1, [_port_id(out, world, k, m, num_nodes) for _, (_, out, _) in hops]),
+            (2, [_port_id(into, world, k, m, num_nodes) for _, (_, _, into) in hops]),
+            (4, [link.bytes_per_s for link in links]),
+            (5, [link.latency_s for link in links]),
+        ):
+            columns[column].append(np.broadcast_to(np.asarray(values)[None, :], shape).ravel())
+        columns[3].append(tokens[:, part_of_hop].ravel())
+        columns[6].append(part_ids[:, part_of_hop].ravel())
     group, out_port, in_port, tokens, bandwidth, latency, part = (
         np.concatenate(c) if c else np.zeros(0) for c in columns
     )
