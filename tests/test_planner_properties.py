@@ -120,8 +120,9 @@ def test_zigzag_chunks_even_and_linear_layout_balanced(batch):
     counts = [even.num_linear_tokens(r) for r in range(topo.world_size)]
     assert max(counts) - min(counts) <= 1
     assert all(c.get("layout", "even") == "even" for c in even.meta["candidates"])
-    step = simulate(even, _cost(topo)).step_time_s
-    assert even.meta["predicted_step_s"] == pytest.approx(step, rel=1e-9)
+    if even.meta["timed_by"] == "simulator":
+        step = simulate(even, _cost(topo)).step_time_s
+        assert even.meta["predicted_step_s"] == pytest.approx(step, rel=1e-9)
 
 
 def _check_linear_layout(plan: Plan) -> None:
