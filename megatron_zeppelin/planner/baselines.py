@@ -29,9 +29,12 @@ Assumptions, one per baseline:
 * ``flexsp``: FlexSP-style heterogeneous sequence-parallel groups, greedy instead of a MILP. Each
   document needs a power-of-two group holding it; longest first, a document opens a new aligned
   group of its size while free ranks remain and the least loaded existing group of that size
-  would pass the average load, else it joins the least loaded group that is large enough. Groups
-  run concurrently, each packing its documents into one ring-attention pass (FlexSP uses
-  all-to-all sequence parallelism; the ring keeps one communication model across baselines).
+  would pass the average load, else it joins the least loaded group that is large enough. Group
+  sizes follow memory, as Megatron's dynamic CP does (FlexSP's solver also weighs cost): where
+  one document's group outlasts every other rank's work, both baselines take that document's
+  time on its group, to the microsecond. Groups run concurrently, each packing its documents
+  into one ring-attention pass (FlexSP uses all-to-all sequence parallelism; the ring keeps one
+  communication model across baselines).
 
 Every baseline runs its linear modules where its attention tokens are (no remapping) and has no
 routes: cross-node traffic leaves through each sender's own NIC.
@@ -39,6 +42,7 @@ routes: cross-node traffic leaves through each sender's own NIC.
 
 from __future__ import annotations
 
+import heapq
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -239,6 +243,7 @@ def hybrid_dp(
         tokens = [0] * world
         group_cost = [0.0] * (world // cp_size)
         placed, left = [], []
+        fewest: list[tuple[int, int]] | None = None  # (tokens, rank), once long ones are placed
         for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
             if n > threshold:
                 add = zigzag_loads(n, cp_size)
@@ -254,9 +259,13 @@ def hybrid_dp(
                 else:
                     left.append((seq_id, n))
             else:
-                rank = min(range(world), key=lambda r: (tokens[r], r))
+                if fewest is None:  # every long document is placed (longest first)
+                    fewest = [(t, r) for r, t in enumerate(tokens)]
+                    heapq.heapify(fewest)
+                _, rank = fewest[0]  # the GPU holding the fewest tokens
                 if tokens[rank] + n <= capacity:
                     tokens[rank] += n
+                    heapq.heapreplace(fewest, (tokens[rank], rank))
                     placed.append(sequence_on(seq_id, n, (rank,), topology))
                 else:
                     left.append((seq_id, n))
@@ -289,6 +298,61 @@ def _fits(
     return all(t + a <= capacity for t, a in zip(tokens, zigzag_loads(length, len(ring))))
 
 
+class _FlexspRound:
+    """Groups of one FlexSP round: each size's groups in a heap by load (entries whose load has
+    changed since are skipped), and each size's first aligned block that may still be free."""
+
+    def __init__(self, world: int, capacity: int) -> None:
+        self.world, self.capacity = world, capacity
+        self.free = [True] * world
+        self.groups: list[Group] = []
+        self.heaps: dict[int, list[tuple[float, int]]] = {}
+        self.next_block: dict[int, int] = {}
+
+    def least_loaded(self, size: int, length: int) -> int | None:
+        """The least loaded group of ``size`` with room for ``length`` (ties: the oldest)."""
+        heap = self.heaps.get(size, [])
+        skipped, found = [], None
+        while heap:
+            load, index = heapq.heappop(heap)
+            group = self.groups[index]
+            if load != group[2][0]:
+                continue  # stale entry: the group was pushed again with its new load
+            skipped.append((load, index))
+            if _fits(group, length, self.capacity):
+                found = index
+                break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def free_block(self, size: int) -> int | None:
+        block = self.next_block.get(size, 0)
+        while block + size <= self.world and not all(self.free[block : block + size]):
+            block += size
+        self.next_block[size] = block
+        return block if block + size <= self.world else None
+
+    def load(self, index: int) -> float:
+        return self.groups[index][2][0]
+
+    def open(self, block: int, size: int) -> int:
+        ring = tuple(range(block, block + size))
+        for r in ring:
+            self.free[r] = False
+        self.groups.append((ring, [0] * size, [0.0]))
+        heapq.heappush(self.heaps.setdefault(size, []), (0.0, len(self.groups) - 1))
+        return len(self.groups) - 1
+
+    def add(self, index: int, length: int, cost: float) -> tuple[int, ...]:
+        ring, tokens, load = self.groups[index]
+        for i, a in enumerate(zigzag_loads(length, len(ring))):
+            tokens[i] += a
+        load[0] += cost / len(ring)
+        heapq.heappush(self.heaps[len(ring)], (load[0], index))
+        return ring
+
+
 def flexsp(
     lengths: Sequence[int],
     *,
@@ -307,34 +371,23 @@ def flexsp(
 
     def build_round(docs: list[tuple[int, int]]):
         target = sum(doc_cost(n) for _, n in docs) / world
-        free = [True] * world
-        groups: list[Group] = []
+        groups = _FlexspRound(world, capacity)
         placed, left = [], []
         for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
             size = group_size_for(n, capacity, world)
             per_rank = doc_cost(n) / size
-            same = [g for g in groups if len(g[0]) == size and _fits(g, n, capacity)]
-            best = min(same, key=lambda g: g[2][0], default=None)
-            block = next(
-                (b for b in range(0, world - size + 1, size) if all(free[b : b + size])), None
-            )
-            if block is not None and (best is None or best[2][0] + per_rank > target):
-                ring = tuple(range(block, block + size))
-                for r in ring:
-                    free[r] = False
-                best = (ring, [0] * size, [0.0])
-                groups.append(best)
+            best = groups.least_loaded(size, n)
+            block = groups.free_block(size)
+            if block is not None and (best is None or groups.load(best) + per_rank > target):
+                best = groups.open(block, size)
             elif best is None:
-                larger = [g for g in groups if len(g[0]) > size and _fits(g, n, capacity)]
-                best = min(larger, key=lambda g: g[2][0], default=None)
+                larger = [g for s in groups.heaps if s > size
+                          if (g := groups.least_loaded(s, n)) is not None]  # fmt: skip
+                best = min(larger, key=lambda g: (groups.load(g), g), default=None)
                 if best is None:
                     left.append((seq_id, n))
                     continue
-            ring, tokens, cost = best
-            add = zigzag_loads(n, len(ring))
-            for i, a in enumerate(add):
-                tokens[i] += a
-            cost[0] += doc_cost(n) / len(ring)
+            ring = groups.add(best, n, doc_cost(n))
             placed.append(sequence_on(seq_id, n, ring, topology))
         return placed, left
 

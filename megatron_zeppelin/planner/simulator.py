@@ -39,6 +39,7 @@ builders on the same footing.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -55,7 +56,7 @@ from megatron_zeppelin.planner.plan import (
     SequencePlan,
     split_by_weights,
 )
-from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
+from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes
 from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
 from megatron_zeppelin.planner.transfers import ring_messages, transfer_times
 from megatron_zeppelin.topology.model import Topology
@@ -226,16 +227,21 @@ def _step_times(
 
 def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
     """Tokens the remapping moves from each linear holder to each attention holder."""
-    owners: dict[int, list[tuple[int, int, int]]] = {}
+    owners: dict[int, tuple[list[int], list[tuple[int, int, int]]]] = {}
     for seq in plan.sequences:
-        owners[seq.id] = sorted((s.start, s.end, s.rank) for s in seq.attention)
+        pieces = sorted((s.start, s.end, s.rank) for s in seq.attention)
+        owners[seq.id] = ([start for start, _, _ in pieces], pieces)
     moved: dict[tuple[int, int], int] = defaultdict(int)
     for rank, ranges in enumerate(plan.linear):
         for r in ranges:
-            for start, end, owner in owners[r.seq]:
-                overlap = min(end, r.end) - max(start, r.start)
-                if overlap > 0 and owner != rank:
-                    moved[(rank, owner)] += overlap
+            starts, pieces = owners[r.seq]
+            # The attention pieces partition the document: those overlapping [start, end)
+            # run from the last one starting at or before ``start``.
+            for start, end, owner in pieces[max(0, bisect_right(starts, r.start) - 1) :]:
+                if start >= r.end:
+                    break
+                if owner != rank:
+                    moved[(rank, owner)] += min(end, r.end) - max(start, r.start)
     return dict(moved)
 
 
@@ -338,12 +344,12 @@ def _linear_seconds(plan: Plan, cost: CostModel, *, layout: str, sequential: boo
     return cost.linear_times(np.asarray(counts, dtype=np.float64)).tolist()
 
 
-def _layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
+def _layer(plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, int], int]) -> _Layer:
+    """One layer of ``plan``; ``moved``: its remapping (``remap_matrix``, empty: none)."""
     sequential = plan.meta.get("execution") == "sequential"
     attn_compute, attn_exposed = _attention_layer(plan, cost, routing, sequential=sequential)
     wall = [c + e for c, e in zip(attn_compute, attn_exposed)]
-    moved = remap_matrix(plan) if remap and not sequential else {}
-    if moved:
+    if moved and not sequential:
         linear = _linear_seconds(plan, cost, layout="linear", sequential=False)
         # Q/K/V (then dQ/dK/dV) to the attention holders, the output (then its gradient) back:
         # four all-to-alls, the same pricing the planner uses to choose the layout.
@@ -355,14 +361,26 @@ def _layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
     return _Layer(linear, wall, attn_compute, attn_exposed, remap_s)
 
 
-def _bytes(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> tuple[dict, dict]:
-    steps = ring_schedule(plan)
-    ring = link_bytes(plan, steps, bytes_per_token=cost.model.kv_bytes_per_token(), routing=routing)
+def _ring_steps(plan: Plan) -> list[list[Message]]:
+    """``ring_schedule(plan)``'s messages with their token counts (what ``link_bytes`` reads),
+    from ``transfers.ring_messages`` without building a segment per document block."""
+    found = ring_messages(plan.sequences)
+    steps: list[list[Message]] = [[] for _ in range(found.num_steps)]
+    for step, src, dst, n in zip(found.group.tolist(), found.src.tolist(), found.dst.tolist(),
+                                 found.tokens.tolist()):  # fmt: skip
+        steps[step].append(Message(src, dst, (Segment(-1, -1, n),)))
+    return steps
+
+
+def _bytes(
+    plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, int], int]
+) -> tuple[dict, dict]:
+    kv = cost.model.kv_bytes_per_token()
+    ring = link_bytes(plan, _ring_steps(plan), bytes_per_token=kv, routing=routing)
     remap_out = {"nvlink": 0, "nic": 0}
-    if remap:
-        per_token = cost.remap_bytes(1)
-        for (a, b), n in remap_matrix(plan).items():
-            remap_out["nvlink" if plan.topology.same_node(a, b) else "nic"] += n * per_token
+    per_token = cost.remap_bytes(1)
+    for (a, b), n in moved.items():
+        remap_out["nvlink" if plan.topology.same_node(a, b) else "nic"] += n * per_token
     return ring, remap_out
 
 
@@ -410,7 +428,8 @@ def simulate_rounds(
     lengths: list[int] = []
     for plan in plans:
         use_routes = bool(plan.routes) if routing is None else routing
-        layer = _layer(plan, cost_model, use_routes, remap)
+        moved = remap_matrix(plan) if remap else {}
+        layer = _layer(plan, cost_model, use_routes, moved)
         layer_time = layer_seconds(layer.linear, layer.attention, layer.remap_s)
         step += layers * layer_time
         for r in range(world):
@@ -420,7 +439,7 @@ def simulate_rounds(
         breakdown["linear_s"] += layers * max(layer.linear)
         breakdown["attention_s"] += layers * max(layer.attention)
         breakdown["remap_s"] += layers * layer.remap_s
-        ring, remap_bytes = _bytes(plan, cost_model, use_routes, remap)
+        ring, remap_bytes = _bytes(plan, cost_model, use_routes, moved)
         for k, v in ring.items():
             ring_total[k] += v
         for k, v in remap_bytes.items():
