@@ -50,6 +50,8 @@ class TierChoice:
     """Per document, the largest in-node ring whose chunks still hide their NVLink transfers."""
     splittable: np.ndarray
     """Documents that may still become rings where whole documents leave GPUs uneven."""
+    pack: bool = True
+    """In-node rings as small as end within the node's mean (else as soon as possible)."""
 
     def with_rings(self, docs: list[int]) -> TierChoice:
         """The same choice with ``docs`` split over in-node rings as well."""
@@ -104,6 +106,36 @@ def place_across_nodes(
     return _nodes_by_lpt(lengths, rest, choice, loads, placements, len(inter_docs))
 
 
+class _Nodes:
+    """Node loads (work) and tokens during level 1, and the least-loaded node with room: from
+    a heap while its top has room (the common case), else by one pass over all nodes (a
+    fragmented, nearly full cluster would otherwise pop most of the heap for every document).
+    Heap entries whose load has changed since are skipped."""
+
+    def __init__(self, load: list[float], tokens: list[int], room: int) -> None:
+        self.load = np.asarray(load, dtype=np.float64)
+        self.tokens = np.asarray(tokens, dtype=np.int64)
+        self.room = room
+        self.heap: Heap = [(value, n) for n, value in enumerate(load)]
+        heapq.heapify(self.heap)
+
+    def pick(self, needed: int) -> int | None:
+        heap = self.heap
+        while heap and heap[0][0] != self.load[heap[0][1]]:
+            heapq.heappop(heap)  # stale
+        if heap and self.room - self.tokens[heap[0][1]] >= needed:
+            return heap[0][1]
+        fits = self.room - self.tokens >= needed
+        if not fits.any():
+            return None
+        return int(np.argmin(np.where(fits, self.load, np.inf)))
+
+    def add(self, node: int, work: float, tokens: int) -> None:
+        self.load[node] += work
+        self.tokens[node] += tokens
+        heapq.heappush(self.heap, (float(self.load[node]), node))
+
+
 def _nodes_by_lpt(
     lengths: np.ndarray,
     rest: np.ndarray,
@@ -116,49 +148,44 @@ def _nodes_by_lpt(
     k, num_nodes = topo.gpus_per_node, topo.num_nodes
     by_node: list[list[int]] = [[] for _ in range(num_nodes)]
     assigned_key, assigned_tokens = [0.0] * num_nodes, [0] * num_nodes
-    node_tokens = [0] * num_nodes
-    heap: Heap = []
 
-    def refresh() -> None:
+    def nodes() -> _Nodes:
         """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
         attention and linear work alike."""
-        heap.clear()
+        load, tokens = [], []
         for n in range(num_nodes):
             ranks = topo.ranks_of_node(n)
-            node_tokens[n] = sum(loads.tokens[r] for r in ranks) + assigned_tokens[n]
+            held = sum(loads.tokens[r] for r in ranks)
             busy = sum(loads.attention[r] + loads.exposed[r] for r in ranks)
-            busy += loads.token_weight * sum(loads.tokens[r] for r in ranks)
-            heap.append((busy + assigned_key[n], n))
-        heapq.heapify(heap)
+            load.append(busy + loads.token_weight * held + assigned_key[n])
+            tokens.append(held + assigned_tokens[n])
+        return _Nodes(load, tokens, loads.capacity * k)
 
-    refresh()
+    state = nodes()
     key = _placed_work(lengths, rest, choice, loads)
-    node_room = loads.capacity * k
     # Filling a node to the last token leaves its GPUs no room to pack documents whole: nodes
     # keep a small reserve while any other node has room, and give it up only when none has.
-    reserve = min(node_room // 32, 4 * int(lengths.max()))
+    reserve = min(state.room // 32, 4 * int(lengths.max()))
     promotions = 0
     for idx in np.lexsort((rest, -key)).tolist():
         doc, length = int(rest[idx]), int(lengths[rest[idx]])
         # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
         needed = length + 2 * k if choice.split[doc] else length
-        found = pop_with_room(heap, node_tokens, node_room, needed + reserve)
-        if found is None:
-            found = pop_with_room(heap, node_tokens, node_room, needed)
-        if found is not None:
-            load, node = found
+        node = state.pick(needed + reserve)
+        if node is None:
+            node = state.pick(needed)
+        if node is not None:
             by_node[node].append(doc)
             assigned_key[node] += float(key[idx])
             assigned_tokens[node] += length
-            node_tokens[node] += length
-            heapq.heappush(heap, (load + float(key[idx]), node))
+            state.add(node, float(key[idx]), length)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
             raise capacity_error(doc, length, "on the node")
         placements[doc] = place_inter(doc, length, 2, num_inter, loads, assigned_tokens)
         promotions += 1
-        refresh()
+        state = nodes()
     return by_node, promotions
 
 
@@ -226,7 +253,7 @@ def place_within_nodes(
                     docs, {d for d in docs if choice.split[d]}, ranks, lengths, choice.work,
                     k if attempt.spread else 2,
                     spread if attempt.spread else choice.largest_ring,
-                    loads, placements, by_room=attempt.by_room,
+                    loads, placements, pack=choice.pack, by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
                 )  # fmt: skip
                 break
@@ -250,16 +277,20 @@ def _place_node(
     loads: Loads,
     placements: list[Placement | None],
     *,
+    pack: bool = True,
     by_room: bool = False,
     overflow: list[int] | None = None,
 ) -> int:
-    """One node: rings first (longest first), each sized to end within the node's mean load
-    where it can, then local documents by LPT. Returns how many local documents had to become
-    rings for lack of room. With ``overflow``, documents that find no room are appended to it
-    instead of failing."""
-    target = (sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, work, loads)) / len(
-        ranks
-    )
+    """One node: rings first (longest first), then local documents by LPT. With ``pack``, each
+    ring is the smallest that ends within the node's mean load where one does (the other GPUs
+    stay free for whole documents); otherwise the one that ends soonest (wide rings, which
+    spread the tokens too: better where the node is short of token room). Returns how many
+    local documents had to become rings for lack of room. With ``overflow``, documents that
+    find no room are appended to it instead of failing."""
+    target: float | None = None
+    if pack:
+        target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, work, loads)
+        target /= len(ranks)
 
     def ring(doc: int, length: int) -> Placement | None:
         try:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
@@ -55,8 +55,12 @@ _EVEN_ENOUGH = 1.01
 _MAX_TRIES = 8
 """Placements tried per balance mode."""
 _MAX_MISSES = 2
-"""More rings are given up after this many placements in a row that predict no gain (the
-busiest GPU may hold none of the documents the next rings take)."""
+"""More rings are given up after this many placements in a row that predict less than
+``_MIN_GAIN`` over the best so far."""
+_MIN_GAIN = 0.0
+_PLACEMENT_BUDGET = 40_000
+"""Documents placed over all tries of one batch: a few thousand documents get a dozen tries, a
+hundred thousand the first alone (where they are many per GPU, packing them whole is even)."""
 _SHORTLIST = 1.05
 """Placements predicted within this factor of the best are timed by the simulator."""
 _WORTH_A_REMAP = 1.05
@@ -82,6 +86,10 @@ class Candidate:
     """Attention seconds per rank (compute plus exposed transfers)."""
     timed: bool = True
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
+
+    @property
+    def balance_linear(self) -> bool:
+        return self.loads.balance_linear
 
     @property
     def balance(self) -> str:
@@ -113,13 +121,17 @@ class Candidate:
         loads = self.loads
         busiest = int(np.argmax(loads.cost))
         mean = float(np.mean(loads.cost))
-        for doc, placement in enumerate(self.placements):
-            ring = placement.ring
-            if len(ring) > 1 and busiest in ring:
-                link = "nvlink" if placement.tier == Tier.INTRA else "nic"
-                if loads.ring_key(int(array[doc]), len(ring), link) >= mean:  # type: ignore[arg-type]
-                    return True
+        for doc, placement in self.rings_on(busiest):
+            link = "nvlink" if placement.tier == Tier.INTRA else "nic"
+            if loads.ring_key(int(array[doc]), len(placement.ring), link) >= mean:  # type: ignore[arg-type]
+                return True
         return False
+
+    def rings_on(self, rank: int) -> Iterator[tuple[int, Placement]]:
+        """The split documents with a share on ``rank``."""
+        for doc, placement in enumerate(self.placements):
+            if placement.tier != Tier.LOCAL and rank in placement.ring:
+                yield doc, placement
 
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
@@ -173,12 +185,18 @@ def search(
     """The fastest candidate (module docstring) and a summary of every one tried.
     ``new_loads(balance_linear)`` gives empty loads to place on."""
     found: list[Candidate] = []
-    for balance_linear in (True, False) if set(layouts) - {"attention"} else (True,):
+    budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
+    modes = (True, False) if set(layouts) - {"attention"} else (True,)
+    for balance_linear, pack in [(mode, pack) for mode in modes for pack in (True, False)]:
         if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in found):
             break  # balancing attention alone cannot win back its remapping here
-        base = assign_tiers(array, new_loads(balance_linear), rules)
+        if not pack and any(c.settled(array) for c in found if c.balance_linear == balance_linear):
+            continue
+        if budget[0] < len(array):
+            break
+        base = replace(assign_tiers(array, new_loads(balance_linear), rules), pack=pack)
         found += _candidates(array, base, partial(new_loads, balance_linear), layouts,
-                             first=not found)  # fmt: skip
+                             budget, first=not found)  # fmt: skip
     best_prediction = min(min(c.predicted.values()) for c in found)
     shortlist = [c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
     for candidate in shortlist:
@@ -196,6 +214,7 @@ def _candidates(
     base: TierChoice,
     new_loads: Callable[[], Loads],
     layouts: tuple[str, ...],
+    budget: list[int],
     *,
     first: bool,
 ) -> Iterator[Candidate]:
@@ -210,6 +229,9 @@ def _candidates(
     limit = new_loads().topology.world_size
     count, best, misses = 0, math.inf, 0
     for _ in range(_MAX_TRIES):
+        if budget[0] < len(array):
+            return
+        budget[0] -= len(array)
         try:
             rings = extra[:count].tolist()
             candidate = _place(array, base.with_rings(rings), new_loads(), layouts, count)
@@ -220,7 +242,7 @@ def _candidates(
         if candidate is not None:
             yield candidate
             predicted = min(candidate.predicted.values())
-            misses = misses + 1 if predicted >= best else 0
+            misses = misses + 1 if predicted >= best * (1 - _MIN_GAIN) else 0
             if candidate.settled(array) or misses == _MAX_MISSES:
                 return
             best = min(best, predicted)

@@ -95,80 +95,53 @@ def transfer_times(
     """Per (group, rank) that sends or receives: the time until its messages of that step have
     arrived, for each message size of ``bytes_per_token``. A cross-node edge in ``routes`` is
     split by its route's weights (``split_by_weights``) into the parts ``paths_of`` gives the
-    hops of. Returns the groups, the ranks and one array of seconds per size."""
-    world = topology.world_size
-    k, m = topology.gpus_per_node, topology.nics_per_node
-    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
-    group, src, dst, tokens = messages.group, messages.src, messages.dst, messages.tokens
+    hops of; any other message is one part of one hop. Returns the groups, the ranks and one
+    array of seconds per size."""
+    k = topology.gpus_per_node
+    src, dst = messages.src, messages.dst
     same = src // k == dst // k
-    is_routed = np.asarray(
+    routed = np.asarray(
         [not s and (a, b) in routes for s, a, b in zip(same.tolist(), src.tolist(), dst.tolist())],
         dtype=bool,
     )
-    direct = ~is_routed
-    # Port ids: GPU out / in (NVLink), then NIC out / in per (node, NIC).
-    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
-    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
-                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
-    hops = _routed_hops(messages, is_routed, routes, paths_of, topology, cost)
-    num_ports = 2 * world + 2 * topology.num_nodes * m
-    load_keys = np.concatenate([
-        group[direct] * num_ports + out_port[direct], group[direct] * num_ports + in_port[direct],
-        hops.group * num_ports + hops.out_port, hops.group * num_ports + hops.in_port,
-    ])  # fmt: skip
-    load_tokens = np.concatenate([tokens[direct], tokens[direct], hops.tokens, hops.tokens]).astype(
-        np.float64
+    hops = _joined(
+        _direct_hops(messages, ~routed, topology, cost),
+        _routed_hops(messages, routed, routes, paths_of, topology, cost),
     )
-    keys, inverse = np.unique(load_keys, return_inverse=True)
-    load = np.bincount(inverse, weights=load_tokens, minlength=len(keys))
-
-    def load_of(g: np.ndarray, port: np.ndarray) -> np.ndarray:
-        return load[np.searchsorted(keys, g * num_ports + port)]
-
-    nv, nic = cost.nvlink, cost.nic
-    bw = np.where(same, nv.bytes_per_s, nic.bytes_per_s)[direct]
-    drain = (
-        np.maximum(
-            load_of(group[direct], out_port[direct]), load_of(group[direct], in_port[direct])
-        )
-        / bw
-    )
-    latency = np.where(same, nv.latency_s, nic.latency_s)[direct]
-    busy = tokens[direct] > 0
-    rows_group = [group[direct][busy]]
-    rows_src, rows_dst = [src[direct][busy]], [dst[direct][busy]]
-    finish = [[(drain * b + latency)[busy]] for b in bytes_per_token]
-    if len(hops.group):
-        part_drain = np.zeros(hops.num_parts)
-        hop_drain = np.maximum(load_of(hops.group, hops.out_port),
-                               load_of(hops.group, hops.in_port)) / hops.bandwidth  # fmt: skip
-        np.maximum.at(part_drain, hops.part, hop_drain)
-        part_latency = np.bincount(hops.part, weights=hops.latency, minlength=hops.num_parts)
-        part_tokens = np.zeros(hops.num_parts, dtype=np.int64)
-        part_tokens[hops.part] = hops.tokens
-        busy_part = part_tokens > 0  # a part of no tokens sends nothing
-        for sizes, b in zip(finish, bytes_per_token):
-            per_message = np.zeros(len(hops.message_group))
-            np.maximum.at(per_message, hops.part_message[busy_part],
-                          (part_drain * b + part_latency)[busy_part])  # fmt: skip
-            sizes.append(per_message)
-        rows_group.append(hops.message_group)
-        rows_src.append(hops.message_src)
-        rows_dst.append(hops.message_dst)
-    return _per_rank(rows_group, rows_src, rows_dst, finish, world)
+    # Tokens per (group, port): every hop loads its out port and its in port.
+    num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
+    keys, inverse = np.unique(
+        np.concatenate([hops.group * num_ports + hops.out_port,
+                        hops.group * num_ports + hops.in_port]),
+        return_inverse=True,
+    )  # fmt: skip
+    load = np.bincount(inverse, weights=np.tile(hops.tokens, 2).astype(np.float64))
+    out_load, in_load = load[inverse[: len(hops.group)]], load[inverse[len(hops.group) :]]
+    # A part drains at the pace of its most loaded port and pays every hop's latency.
+    part_drain = np.zeros(hops.num_parts)
+    np.maximum.at(part_drain, hops.part, np.maximum(out_load, in_load) / hops.bandwidth)
+    part_latency = np.bincount(hops.part, weights=hops.latency, minlength=hops.num_parts)
+    part_tokens = np.zeros(hops.num_parts, dtype=np.int64)
+    part_tokens[hops.part] = hops.tokens
+    busy = part_tokens > 0  # a part of no tokens sends nothing
+    finish = []
+    for size in bytes_per_token:
+        per_message = np.zeros(len(hops.message_group))
+        np.maximum.at(per_message, hops.part_message[busy],
+                      (part_drain * size + part_latency)[busy])  # fmt: skip
+        finish.append(per_message)
+    return _per_rank(hops, finish, topology.world_size)
 
 
-def _per_rank(rows_group, rows_src, rows_dst, finish, world: int):
+def _per_rank(hops: _Hops, finish: list[np.ndarray], world: int):
     """The latest finish per (group, rank) over the messages a rank sends or receives."""
-    group = np.concatenate(rows_group * 2)
-    rank = np.concatenate(rows_src + rows_dst)
-    key = group * world + rank
-    unique, inverse = np.unique(key, return_inverse=True)
+    group = np.tile(hops.message_group, 2)
+    rank = np.concatenate([hops.message_src, hops.message_dst])
+    unique, inverse = np.unique(group * world + rank, return_inverse=True)
     out = []
-    for sizes in finish:
-        values = np.concatenate(sizes * 2)
+    for values in finish:
         latest = np.zeros(len(unique))
-        np.maximum.at(latest, inverse, values)
+        np.maximum.at(latest, inverse, np.tile(values, 2))
         out.append(latest)
     return unique // world, unique % world, out
 
@@ -190,6 +163,44 @@ class _Hops:
     message_group: np.ndarray
     message_src: np.ndarray
     message_dst: np.ndarray
+
+
+def _direct_hops(
+    messages: RingMessages, chosen_mask: np.ndarray, topology: Topology, cost: CostModel
+) -> _Hops:
+    """Messages that take one hop: inside a node over NVLink, across nodes over the sender's
+    and the receiver's NICs."""
+    world, k, m = topology.world_size, topology.gpus_per_node, topology.nics_per_node
+    chosen = np.flatnonzero(chosen_mask)
+    group, src, dst = messages.group[chosen], messages.src[chosen], messages.dst[chosen]
+    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
+    same = src // k == dst // k
+    # Port ids: GPU out / in (NVLink), then NIC out / in per (node, NIC).
+    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
+    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
+                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
+    nv, nic = cost.nvlink, cost.nic
+    parts = np.arange(len(chosen))
+    return _Hops(
+        group, out_port, in_port, messages.tokens[chosen],
+        np.where(same, nv.bytes_per_s, nic.bytes_per_s),
+        np.where(same, nv.latency_s, nic.latency_s),
+        parts, len(chosen), parts, group, src, dst,
+    )  # fmt: skip
+
+
+def _joined(a: _Hops, b: _Hops) -> _Hops:
+    """The hops of both, parts and messages of ``b`` numbered after ``a``'s."""
+    cat = np.concatenate
+    return _Hops(
+        cat([a.group, b.group]), cat([a.out_port, b.out_port]), cat([a.in_port, b.in_port]),
+        cat([a.tokens, b.tokens]), cat([a.bandwidth, b.bandwidth]),
+        cat([a.latency, b.latency]), cat([a.part, b.part + a.num_parts]),
+        a.num_parts + b.num_parts,
+        cat([a.part_message, b.part_message + len(a.message_group)]),
+        cat([a.message_group, b.message_group]), cat([a.message_src, b.message_src]),
+        cat([a.message_dst, b.message_dst]),
+    )  # fmt: skip
 
 
 def _routed_hops(
