@@ -46,6 +46,8 @@ import heapq
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import (
     AttentionComm,
@@ -170,19 +172,7 @@ def _packed_cp(
                 f"{capacity} tokens: raise cp_size or capacity"
             )
     num_groups = world // cp_size
-    # First fit decreasing into samples; a sample's per-rank load must stay within capacity.
-    samples: list[tuple[list[int], list[tuple[int, int]]]] = []
-    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        add = zigzag_loads(lengths[seq_id], cp_size)
-        for loads, docs in samples:  # noqa: B007 (the loop leaves the chosen sample bound)
-            if all(a + b <= capacity for a, b in zip(loads, add)):
-                break
-        else:
-            loads, docs = [0] * cp_size, []
-            samples.append((loads, docs))
-        for i, b in enumerate(add):
-            loads[i] += b
-        docs.append((seq_id, lengths[seq_id]))
+    samples = _first_fit_samples(lengths, cp_size, capacity)
     plans = []
     num_rounds = -(-len(samples) // num_groups)
     for k in range(num_rounds):
@@ -195,6 +185,29 @@ def _packed_cp(
         plans.append(plan_without_remap(sequences, topology, name=name, capacity=capacity,
                                         attention_comm=comm, meta=meta))  # fmt: skip
     return plans
+
+
+def _first_fit_samples(
+    lengths: list[int], cp_size: int, capacity: int
+) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+    """First fit decreasing into samples of ``cp_size`` ranks: a document joins the first sample
+    whose every rank keeps within ``capacity`` with its zigzag share added. Samples' per-rank
+    loads are rows of one array, so each document scans them at once."""
+    loads = np.zeros((16, cp_size), dtype=np.int64)
+    samples: list[list[tuple[int, int]]] = []
+    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        add = np.asarray(zigzag_loads(lengths[seq_id], cp_size), dtype=np.int64)
+        fits = np.flatnonzero((loads[: len(samples)] + add <= capacity).all(axis=1))
+        if len(fits):
+            index = int(fits[0])
+        else:
+            index = len(samples)
+            if index == len(loads):
+                loads = np.concatenate([loads, np.zeros_like(loads)])
+            samples.append([])
+        loads[index] += add
+        samples[index].append((seq_id, lengths[seq_id]))
+    return [(loads[i], docs) for i, docs in enumerate(samples)]
 
 
 def te_ring_cp(

@@ -25,7 +25,14 @@ import numpy as np
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import SequencePlan
 
-__all__ = ["Blocks", "attention_blocks", "call_key", "causal_pairs_array", "phase_seconds"]
+__all__ = [
+    "Blocks",
+    "attention_blocks",
+    "call_key",
+    "causal_pairs_array",
+    "is_zigzag",
+    "phase_seconds",
+]
 
 
 @dataclass(frozen=True)
@@ -56,7 +63,7 @@ def causal_pairs_array(
     return np.where(valid, total, 0)
 
 
-def _is_zigzag(seq: SequencePlan) -> bool:
+def is_zigzag(seq: SequencePlan) -> bool:
     """Spans are two per ring position, in ring order (``plan.zigzag_spans``)."""
     spans, ring = seq.attention, seq.ring
     if len(spans) != 2 * len(ring):
@@ -97,7 +104,7 @@ def attention_blocks(
     for pass_id, seq in zip(pass_ids, sequences):
         if len(seq.ring) == 1:  # every query sees every earlier key on the same rank
             local.append((pass_id, seq.ring[0], seq.length))
-        elif _is_zigzag(seq):
+        elif is_zigzag(seq):
             zigzag[len(seq.ring)].append((pass_id, seq))
         else:
             _add_any(rows, pass_id, seq)

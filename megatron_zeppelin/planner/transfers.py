@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.phases import is_zigzag
 from megatron_zeppelin.planner.plan import Route, SequencePlan, split_by_weights_array
 from megatron_zeppelin.planner.schedule import Message, Segment
 from megatron_zeppelin.topology.model import Topology
@@ -49,6 +50,15 @@ def _block_sizes(seq: SequencePlan) -> list[int]:
     return [held.get(rank, 0) for rank in seq.ring]
 
 
+def _sizes(docs: list[tuple[int, SequencePlan]], g: int) -> np.ndarray:
+    """Tokens of every (document, ring position) block."""
+    if all(is_zigzag(seq) for _, seq in docs):  # two spans per position, in ring order
+        bounds = np.asarray([[(s.start, s.end) for s in seq.attention] for _, seq in docs],
+                            dtype=np.int64).reshape(len(docs), g, 2, 2)  # fmt: skip
+        return (bounds[..., 1] - bounds[..., 0]).sum(axis=2)
+    return np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
+
+
 def ring_messages(
     sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
 ) -> RingMessages:
@@ -61,7 +71,7 @@ def ring_messages(
     columns: list[list[np.ndarray]] = [[], [], [], []]
     for g, docs in by_size.items():
         rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)  # (doc, position)
-        sizes = np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
+        sizes = _sizes(docs, g)
         passes = np.asarray([p for p, _ in docs], dtype=np.int64)
         step = np.arange(g - 1)[:, None]
         position = np.arange(g)[None, :]
