@@ -205,8 +205,11 @@ class Loads:
             self.exposed[rank] += exposed
             self.tokens[rank] += n
 
-    def add_local(self, rank: int, length: int) -> None:
-        seconds = self.ring_seconds(length, 1)
+    def add_local(self, rank: int, length: int, seconds: float | None = None) -> None:
+        """Add a whole document; ``seconds``: its ``ring_seconds(length, 1)`` when known (the
+        planner computes them for the whole batch at once)."""
+        if seconds is None:
+            seconds = self.ring_seconds(length, 1)
         self.cost[rank] += seconds + self.linear_weight * length
         self.attention[rank] += seconds
         self.tokens[rank] += length

@@ -40,6 +40,8 @@ class TierChoice:
 
     work: np.ndarray
     """Seconds on one GPU: attention plus linear modules."""
+    attention: np.ndarray
+    """Seconds of attention on one GPU (``Loads.ring_seconds(length, 1)``)."""
     split: np.ndarray
     """Split over a ring (inside a node unless ``inter``)."""
     inter: np.ndarray
@@ -87,7 +89,8 @@ def pop_with_room(heap: Heap, used: list[int], limit: int, needed: int) -> tuple
 
 
 def _longest_first(docs, lengths: np.ndarray) -> list[int]:
-    return sorted(docs, key=lambda d: (-int(lengths[d]), d))
+    docs = np.fromiter(docs, dtype=np.int64)
+    return docs[np.lexsort((docs, -lengths[docs]))].tolist()
 
 
 # --- stage 2: across nodes -----------------------------------------------------------------------
@@ -113,27 +116,25 @@ class _Nodes:
     Heap entries whose load has changed since are skipped."""
 
     def __init__(self, load: list[float], tokens: list[int], room: int) -> None:
-        self.load = np.asarray(load, dtype=np.float64)
-        self.tokens = np.asarray(tokens, dtype=np.int64)
-        self.room = room
+        self.load, self.tokens, self.room = load, tokens, room
         self.heap: Heap = [(value, n) for n, value in enumerate(load)]
         heapq.heapify(self.heap)
 
     def pick(self, needed: int) -> int | None:
-        heap = self.heap
-        while heap and heap[0][0] != self.load[heap[0][1]]:
+        heap, load = self.heap, self.load
+        while heap[0][0] != load[heap[0][1]]:
             heapq.heappop(heap)  # stale
-        if heap and self.room - self.tokens[heap[0][1]] >= needed:
+        if self.room - self.tokens[heap[0][1]] >= needed:
             return heap[0][1]
-        fits = self.room - self.tokens >= needed
+        fits = self.room - np.asarray(self.tokens) >= needed
         if not fits.any():
             return None
-        return int(np.argmin(np.where(fits, self.load, np.inf)))
+        return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
 
     def add(self, node: int, work: float, tokens: int) -> None:
         self.load[node] += work
         self.tokens[node] += tokens
-        heapq.heappush(self.heap, (float(self.load[node]), node))
+        heapq.heappush(self.heap, (self.load[node], node))
 
 
 def _nodes_by_lpt(
@@ -167,18 +168,19 @@ def _nodes_by_lpt(
     # keep a small reserve while any other node has room, and give it up only when none has.
     reserve = min(state.room // 32, 4 * int(lengths.max()))
     promotions = 0
-    for idx in np.lexsort((rest, -key)).tolist():
-        doc, length = int(rest[idx]), int(lengths[rest[idx]])
-        # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
-        needed = length + 2 * k if choice.split[doc] else length
+    order = np.lexsort((rest, -key))
+    # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
+    needs = (lengths[rest] + np.where(choice.split[rest], 2 * k, 0))[order].tolist()
+    for doc, length, needed, work in zip(rest[order].tolist(), lengths[rest][order].tolist(),
+                                         needs, key[order].tolist()):  # fmt: skip
         node = state.pick(needed + reserve)
         if node is None:
             node = state.pick(needed)
         if node is not None:
             by_node[node].append(doc)
-            assigned_key[node] += float(key[idx])
+            assigned_key[node] += work
             assigned_tokens[node] += length
-            state.add(node, float(key[idx]), length)
+            state.add(node, work, length)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
@@ -250,7 +252,7 @@ def place_within_nodes(
         for attempt in _ATTEMPTS:
             try:
                 promotions += _place_node(
-                    docs, {d for d in docs if choice.split[d]}, ranks, lengths, choice.work,
+                    docs, {d for d in docs if choice.split[d]}, ranks, lengths, choice,
                     k if attempt.spread else 2,
                     spread if attempt.spread else choice.largest_ring,
                     loads, placements, pack=choice.pack, by_room=attempt.by_room,
@@ -271,7 +273,7 @@ def _place_node(
     rings: set[int],
     ranks: list[int],
     lengths: np.ndarray,
-    work: np.ndarray,
+    choice: TierChoice,
     smallest: int,
     largest: np.ndarray,
     loads: Loads,
@@ -289,7 +291,7 @@ def _place_node(
     find no room are appended to it instead of failing."""
     target: float | None = None
     if pack:
-        target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, work, loads)
+        target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, choice.work, loads)
         target /= len(ranks)
 
     def ring(doc: int, length: int) -> Placement | None:
@@ -309,13 +311,16 @@ def _place_node(
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
     tokens_of, capacity = loads.tokens, loads.capacity
-    for doc in _longest_first((d for d in docs if d not in rings), lengths):
-        length = int(lengths[doc])
+    whole = _longest_first((d for d in docs if d not in rings), lengths)
+    local = {r: Placement(Tier.LOCAL, (r,)) for r in ranks}  # one record per GPU, shared
+    # Seconds of each document whole on one GPU, computed for the batch at once.
+    for doc, length, seconds in zip(whole, lengths[whole].tolist(),
+                                    choice.attention[whole].tolist()):  # fmt: skip
         found = pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]
-            loads.add_local(rank, length)
-            placements[doc] = Placement(Tier.LOCAL, (rank,))
+            loads.add_local(rank, length, seconds)
+            placements[doc] = local[rank]
             heapq.heappush(heap, (key_of[rank], rank))
             continue
         # No GPU has room for it whole: a ring of the GPUs with room.

@@ -72,7 +72,7 @@ def assign_tiers(array: np.ndarray, loads: Loads, rules: TierRules) -> TierChoic
     # Automatic thresholds only: explicit ones are the user's word.
     splittable = ~split & ~inter & (rules.allow_split and rules.auto)
     splittable &= array >= 2 * min(rules.chunks[0], _MIN_BALANCE_CHUNK)
-    return TierChoice(work, split, inter, wanted_nodes, largest, splittable)
+    return TierChoice(work, attention, split, inter, wanted_nodes, largest, splittable)
 
 
 def _capacity_splits(
