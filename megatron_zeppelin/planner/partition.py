@@ -1,51 +1,55 @@
 """Zeppelin's hierarchical sequence partitioning: lengths + topology + cost model -> ``Plan``.
 
-What is balanced is each GPU's predicted **work**: its attention seconds plus its tokens' linear
-seconds (``linear_seconds_per_token``), plus the ring transfers its compute cannot hide
-(``Loads.ring_finish``). Linear modules are most of a step at typical lengths; balancing
-attention alone leaves tokens uneven and the remapping then has to move them across nodes.
+The objective is the step the engine runs, ``steptime.layer_seconds``: without a remapping a
+layer takes ``max(linear + attention)`` over GPUs, with one ``max(linear) + remap +
+max(attention)``, where a GPU's attention counts the ring transfers its compute cannot hide.
+``search.py`` builds several placements (balancing attention plus linear work, or attention
+alone with the linear layout evening the tokens; more documents as rings where whole documents
+leave the busiest GPU above the mean; in-node rings packed or wide), prices each under every
+allowed linear layout, and keeps the fastest, timed by the simulator where several are close.
 
-Every document gets a tier first:
+Every placement runs three stages. **Tiers** (``tiers.assign_tiers``):
 
-* **inter-node** when it cannot fit one node (capacity), or when its work exceeds one node's fair
-  share and the cost model predicts that a ring over ``n >= 2`` whole nodes (exposed NIC
-  transfers included, over every NIC when routing) beats a ring on one node; ``n`` is the fewest
-  nodes whose per-rank time fits one GPU's share, else the fastest (with explicit thresholds:
-  at least ``T_inter`` long and more attention than a node's share of the batch's attention);
+* **inter-node** when a document cannot fit one node (capacity), or when its balanced work
+  exceeds one node's fair share and the cost model predicts that a ring over ``n >= 2`` whole
+  nodes ends the step sooner than a ring on one node (``Loads.best_num_nodes``: the ring's
+  per-rank time against the rest of the batch spread around it; with explicit thresholds: at
+  least ``T_inter`` long and more attention than a node's share of the batch's attention);
 * **intra-node** when it cannot fit one GPU, or when it is at least ``T_intra`` long and its
   work exceeds half a GPU's fair share, or (automatic thresholds only) when its work exceeds
-  twice a GPU's share, which unbalances its GPU more than a ring's unhidden NVLink steps cost;
+  twice a GPU's share; the search may add the longest local documents (module ``search``);
 * **local** otherwise: the whole document on one GPU.
 
-Work and the tier rules grow with length, so a longer document never lands in a lower tier
-than a shorter one (see ``thresholds.py`` for ``T_intra < T_inter``).
+Work and the tier rules grow with length, and the search adds rings longest first, so a longer
+document never lands in a lower tier than a shorter one (see ``thresholds.py`` for
+``T_intra < T_inter``).
 
-Level 1 (across nodes). Inter-node documents, longest first, take ``n`` consecutive nodes. The
-window of nodes with the lowest peak load and room wins (ties: leftmost). The ring visits the
-nodes in order and all GPUs of each node, so it has exactly ``n`` cross-node edges; each document
-starts its in-node order at another GPU so the cross-node edges of different documents leave from
-different GPUs (and NICs). The other documents go to nodes by greedy LPT (longest processing time
-first) on work; a node keeps a small token reserve while any other node has room, so its GPUs can
-still pack documents whole.
+**Across nodes** (``placement.place_across_nodes``). Inter-node documents, longest first, take
+``n`` consecutive nodes: the window with the lowest peak load and room (ties: leftmost). The
+ring visits the nodes in order and all GPUs of each node, so it has exactly ``n`` cross-node
+edges; each document starts its in-node order at another GPU so the cross-node edges of
+different documents leave from different GPUs (and NICs). The other documents go to nodes by
+greedy LPT on what they will cost there (a ring's members' total); a node keeps a small token
+reserve while any other node has room, so its GPUs can still pack documents whole.
 
-Level 2 (inside each node). Intra-node documents, longest first, take a ring of the
-least-loaded GPUs with room. The ring size (any size from what capacity needs to the node's GPUs,
-but no larger than keeps each chunk above the NVLink chunk threshold) is the one whose busiest
-member would finish first (``Loads.ring_finish``). Local documents then go by LPT to the
-least-loaded GPU with room, counting the shares GPUs already carry from inter-node rings.
+**Within nodes** (``placement.place_within_nodes``). Intra-node documents, longest first, take a
+ring of the least-loaded GPUs with room: the smallest that ends within the node's mean, or the
+one that ends soonest (no larger than keeps each chunk above the NVLink chunk threshold). Local
+documents then go by LPT to the least-loaded GPU with room, counting the shares GPUs already
+carry from inter-node rings.
 
 Tight capacity. A local document that finds no GPU with room becomes a ring (counted in
 ``meta["capacity_promotions"]``: the one case that can break the tier order). A node whose
 documents do not fit is placed again with local documents on the GPU with the most room, then
 with every ring over all its GPUs, handing what still does not fit to other nodes. If placement
-still runs out of room, the whole batch is planned again splitting only what capacity forces
-(``meta["fallback"]``). A ``ValueError`` then means the batch truly cannot be placed.
+still runs out of room, the batch is planned again splitting only what capacity forces, and as
+a last resort its documents are laid end to end over every GPU (``search.spread_evenly``;
+``meta["fallback"]`` says which). Every batch that fits the cluster is planned; a ``ValueError``
+means it does not (a document or the batch over ``capacity x GPUs``).
 
-The stages: ``assign_tiers`` (here), ``place_across_nodes`` and ``place_within_nodes``
-(``placement.py``), then ``_assemble``. Zigzag chunks come from ``zigzag_spans``; the linear
-layout from ``linear_layout.py`` (the candidate the cost model predicts fastest); routing of
-cross-node ring edges from ``routing.py``.
-Everything iterates lists and sorted keys, so the same input always gives the same plan.
+Zigzag chunks come from ``zigzag_spans``; the linear layout from ``linear_layout.py``; routing
+of cross-node ring edges from ``routing.py``. Everything iterates lists and sorted keys, so the
+same input always gives the same plan.
 """
 
 from __future__ import annotations

@@ -58,9 +58,9 @@ _MAX_MISSES = 2
 """More rings are given up after this many placements in a row that predict less than
 ``_MIN_GAIN`` over the best so far."""
 _MIN_GAIN = 0.0
-_PLACEMENT_BUDGET = 20_000
+_PLACEMENT_BUDGET = 12_000
 """Documents placed over all tries of one batch: a thousand documents get a dozen tries, ten
-thousand two, more the first alone (where they are many per GPU, packing them whole is even)."""
+thousand the first alone (where they are many per GPU, packing them whole is even)."""
 _SHORTLIST = 1.05
 """Placements predicted within this factor of the best are timed by the simulator."""
 _WORTH_A_REMAP = 1.05
