@@ -8,6 +8,7 @@ validation.
 
     python scripts/bench_planner.py                 # full grid
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
+    python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
     python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
 
@@ -33,7 +34,7 @@ from megatron_zeppelin.planner.distributions import (
     sample_lengths,
 )
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 GPUS = (16, 64, 256, 1024)
@@ -44,7 +45,9 @@ def capacity_for(num_tokens: int, world_size: int) -> int:
     return max(65536, math.ceil(1.25 * num_tokens / world_size))
 
 
-def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> dict:
+def measure(
+    num_gpus: int, num_tokens: int, distribution: str, seeds: int, options: PlannerOptions
+) -> dict:
     topology = get_topology("zeppelin-C", num_nodes=num_gpus // 8)
     cost_model = CostModel.default(get_model("llama-7b"), topology)
     capacity = capacity_for(num_tokens, num_gpus)
@@ -53,7 +56,8 @@ def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> di
         lengths = sample_lengths(distribution, num_tokens=num_tokens, seed=seed)
         gc.collect()  # start every run from the same collector state
         start, cpu_start = time.perf_counter(), time.process_time()
-        plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity)
+        plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
+                          options=options)  # fmt: skip
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         docs.append(len(lengths))
@@ -78,7 +82,7 @@ def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> di
     }
 
 
-def by_documents(counts: list[int], seeds: int) -> list[dict]:
+def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list[dict]:
     """1024 GPUs, batches of about ``count`` documents (module docstring)."""
     rows = []
     print("| GPUs | documents | distribution | tokens | median ms | p90 ms | CPU median ms "
@@ -87,7 +91,7 @@ def by_documents(counts: list[int], seeds: int) -> list[dict]:
     for count in sorted(counts):
         for distribution in DISTRIBUTIONS:
             tokens = int(count * distribution_mean(distribution))
-            row = measure(1024, tokens, distribution, seeds)
+            row = measure(1024, tokens, distribution, seeds, options)
             rows.append(row)
             print(f"| 1024 | {row['documents']} | {distribution} | {tokens} "
                   f"| {row['median_ms']:.1f} | {row['p90_ms']:.1f} | {row['cpu_median_ms']:.1f} "
@@ -101,9 +105,11 @@ def main() -> None:
     parser.add_argument("--docs", type=int, nargs="+", help="batches of this many documents")
     parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--no-2d", action="store_true", help="every ring flat (PlannerOptions)")
     args = parser.parse_args()
+    options = PlannerOptions(two_d=not args.no_2d)
     if args.docs:
-        rows = by_documents(args.docs, args.seeds)
+        rows = by_documents(args.docs, args.seeds, options)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -117,7 +123,7 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for num_gpus, num_tokens in grid:
         for distribution in DISTRIBUTIONS:
-            row = measure(num_gpus, num_tokens, distribution, args.seeds)
+            row = measure(num_gpus, num_tokens, distribution, args.seeds, options)
             rows.append(row)
             print(
                 f"| {num_gpus} | {num_tokens >> 20}M | {distribution} | {row['documents']} | "

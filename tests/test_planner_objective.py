@@ -1,8 +1,7 @@
 """The planner's objective is the simulator's step time: one function, and the same numbers.
 
-Tier: pure. The reference timelines here are the simulator's earlier, message-by-message
-implementation (``step_transfer_times`` per ring step, ``attention_phases`` per rank), kept as
-the oracle of the array implementation.
+Tier: pure. The oracle of the simulator's array timeline is ``stepwise.reference_attention``,
+the same timeline computed one ring step and one rank at a time.
 """
 
 from __future__ import annotations
@@ -21,19 +20,14 @@ from megatron_zeppelin.planner.baselines import (
     plan_without_remap,
     sequence_on,
 )
-from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import AttentionComm, Plan, Span
-from megatron_zeppelin.planner.schedule import ring_schedule
-from megatron_zeppelin.planner.simulator import (
-    attention_phases,
-    phase_compute_time,
-    remap_matrix,
-    simulate,
-    step_transfer_times,
-)
+from megatron_zeppelin.planner.plan import Span
+from megatron_zeppelin.planner.schemes import every_two_d
+from megatron_zeppelin.planner.simulator import remap_matrix, simulate
+from megatron_zeppelin.planner.stepwise import reference_attention
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -41,34 +35,6 @@ pytestmark = pytest.mark.pure
 
 MODEL = get_model("llama-7b")
 SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-
-
-def _reference_attention(plan: Plan, cost: CostModel, routing: bool) -> tuple[list, list]:
-    """Per rank compute and exposed seconds, one ring step and one rank at a time."""
-    world = plan.world_size
-    kv = cost.model.kv_bytes_per_token()
-    phases = attention_phases(plan, plan.sequences)
-    compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
-               for p in phases]  # fmt: skip
-    steps = ring_schedule(plan)
-    if AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER:
-        comm = [0.0] * world
-        for step in steps:
-            for r, t in enumerate(step_transfer_times(plan, cost, step, kv, routing)):
-                comm[r] += 2 * t
-        merged = [phase_compute_time(cost, p[0], diagonal=True)
-                  + phase_compute_time(cost, [b for blocks in p[1:] for b in blocks])
-                  for p in phases]  # fmt: skip
-        return merged, comm
-    fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]
-    bwd = [step_transfer_times(plan, cost, step, 2 * kv, routing) for step in steps]
-    exposed = [0.0] * world
-    for r in range(world):
-        for k, c in enumerate(compute[r]):
-            tf = fwd[k][r] if k < len(fwd) else 0.0
-            tb = bwd[k][r] if k < len(bwd) else 0.0
-            exposed[r] += max(0.0, tf - c * FWD_SHARE) + max(0.0, tb - c * (1 - FWD_SHARE))
-    return [sum(c) for c in compute], exposed
 
 
 def _close(a, b) -> bool:
@@ -104,11 +70,27 @@ def test_array_timeline_matches_the_step_by_step_one(batch, builder, routing) ->
             want = ([0.0] * topo.world_size, [0.0] * topo.world_size)
             for seq in plan.sequences:
                 alone = plan_without_remap([seq], topo, name="one", capacity=None)
-                for total, part in zip(want, _reference_attention(alone, cost, routing)):
+                for total, part in zip(want, reference_attention(alone, cost, routing)):
                     for r, value in enumerate(part):
                         total[r] += value
         else:
-            want = _reference_attention(plan, cost, routing)
+            want = reference_attention(plan, cost, routing)
+        assert _close(got[0], want[0]) and _close(got[1], want[1])
+
+
+@pytest.mark.parametrize(("preset", "nodes"), [("zeppelin-A", 3), ("zeppelin-C", 2)])
+def test_two_d_documents_are_timed_like_the_stepwise_timeline(preset: str, nodes: int) -> None:
+    """Column rings share the phases and the links with the flat rings; the head all-to-alls
+    hide behind nothing: the same seconds as the stepwise timeline."""
+    topo = get_topology(preset, num_nodes=nodes)
+    cost = CostModel.default(MODEL, topo)
+    lengths = [*sample_lengths("prolong", num_tokens=6_000 * topo.world_size, seed=1),
+               9 * 16_384, 7 * 16_384]  # fmt: skip
+    plan = every_two_d(plan_batch(lengths, topology=topo, cost_model=cost, capacity=32_768))
+    assert any(s.is_two_d for s in plan.sequences)
+    for routing in (True, False):
+        got = simulator._attention_layer(plan, cost, routing)
+        want = reference_attention(plan, cost, routing)
         assert _close(got[0], want[0]) and _close(got[1], want[1])
 
 
@@ -122,7 +104,7 @@ def test_any_spans_are_timed_like_zigzag_ones() -> None:
     plan = plan_without_remap([dataclasses.replace(seq, attention=pieces)], topo, name="x",
                               capacity=None)  # fmt: skip
     got = simulator._attention_layer(plan, cost, True)
-    assert _close(got[0], _reference_attention(plan, cost, True)[0])
+    assert _close(got[0], reference_attention(plan, cost, True)[0])
     assert got[0][3] > got[0][0]  # the last piece sees the most keys
 
 

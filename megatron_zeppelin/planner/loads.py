@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Link
 from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.schemes import SchemePrices
 from megatron_zeppelin.planner.thresholds import linear_seconds_per_token
 from megatron_zeppelin.topology.model import Topology
 
@@ -66,8 +67,9 @@ class Loads:
     attention layout is balanced and the linear layout evens the tokens (the remapping pays the
     difference).
 
-    What a split document costs each of its ranks comes from one function, ``rank_share``
-    (a zigzag ring here); a second scheme for split documents supplies its own."""
+    What a split document costs each of its ranks comes from one function, ``rank_share``: a
+    zigzag ring, or over whole nodes the 2-D scheme where the cost model prices it faster
+    (``schemes.SchemePrices``, with ``two_d``)."""
 
     def __init__(
         self,
@@ -77,8 +79,12 @@ class Loads:
         num_links: int = 1,
         *,
         balance_linear: bool = True,
+        two_d: bool = False,
     ) -> None:
         self.topology = topology
+        self.two_d = SchemePrices(cost_model, topology) if two_d else None
+        """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
+        the 2-D scheme (``schemes.py``)."""
         self.num_links = num_links
         """Links a cross-node ring edge uses: every NIC of the node with routing, else one."""
         self.capacity = capacity
@@ -155,7 +161,15 @@ class Loads:
             forward = max(0.0, transfer(kv) - FWD_SHARE * step)
             return (g - 1) * (forward + max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step))
 
-        return RankShare(compute, exposed(edge), exposed(inner) if link == "nic" else None)
+        k = self.topology.gpus_per_node
+        flat = RankShare(compute, exposed(edge), exposed(inner) if link == "nic" else None)
+        if link == "nic" and self.two_d is not None and g % k == 0:
+            # The second scheme for a ring over whole nodes: its price is compute and unhidden
+            # transfers (head all-to-alls included) together.
+            two_d = self.two_d.two_d(length, g // k)
+            if two_d is not None and two_d < compute + flat.exposed_s:
+                return RankShare(two_d, 0.0)
+        return flat
 
     def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
         """One ring rank's predicted seconds for a document: its ``rank_share`` and its tokens'

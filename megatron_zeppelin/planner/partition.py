@@ -47,9 +47,11 @@ a last resort its documents are laid end to end over every GPU (``search.spread_
 ``meta["fallback"]`` says which). Every batch that fits the cluster is planned; a ``ValueError``
 means it does not (a document or the batch over ``capacity x GPUs``).
 
-Zigzag chunks come from ``zigzag_spans``; the linear layout from ``linear_layout.py``; routing
-of cross-node ring edges from ``routing.py``. Everything iterates lists and sorted keys, so the
-same input always gives the same plan.
+Zigzag chunks come from ``zigzag_spans``; the 2-D scheme, for the inter-node documents the cost
+model predicts faster with it, from ``schemes.py`` (``Loads.rank_share`` prices both while
+placing); the linear layout from ``linear_layout.py``; routing of cross-node ring edges from
+``routing.py``. Everything iterates lists and sorted keys, so the same input always gives the
+same plan.
 """
 
 from __future__ import annotations
@@ -98,6 +100,9 @@ class PlannerOptions:
     linear_layout: str = "auto"
     """With ``remap``: ``"auto"`` (the fastest predicted of ``attention``, ``node``, ``even``) or
     one of those three forced."""
+    two_d: bool = True
+    """Let the cost model run inter-node documents with their heads split inside each node and
+    one ring per rail across nodes (``schemes.py``). ``False``: every ring is flat."""
 
     def resolved_thresholds(self, cost_model: CostModel) -> tuple[int, int]:
         if self.thresholds == "auto":
@@ -231,7 +236,7 @@ def _plan(
     best, tried = search(
         array,
         lambda balance_linear: Loads(topology, capacity, cost_model, num_links,
-                                     balance_linear=balance_linear),
+                                     balance_linear=balance_linear, two_d=options.two_d),
         rules,
         _layout_candidates(options),
         routing=options.routing,
@@ -276,6 +281,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "timed_by": "simulator" if best.timed else "planner estimate",
         "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(best.routes),
+        "two_d_documents": sum(seq.is_two_d for seq in best.sequences),
         "cost_sources": dict(cost_model.sources),
     }
     return Plan(

@@ -34,7 +34,12 @@ from functools import partial
 
 import numpy as np
 
-from megatron_zeppelin.planner.linear_layout import fastest, price_linear_layouts
+from megatron_zeppelin.planner.linear_layout import (
+    attention_ranges_by_rank,
+    build_linear_layout,
+    fastest,
+    price_linear_layouts,
+)
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import (
     CapacityError,
@@ -43,8 +48,9 @@ from megatron_zeppelin.planner.placement import (
     place_across_nodes,
     place_within_nodes,
 )
-from megatron_zeppelin.planner.plan import Route, SequencePlan, Span, Tier, zigzag_spans
+from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
 from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.schemes import choose_schemes
 from megatron_zeppelin.planner.simulator import attention_seconds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
 
@@ -144,14 +150,21 @@ class Candidate:
                 )
                 sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
             self.sequences = tuple(sequences)
-        self.routes = build_routes(self.sequences, self.loads.topology) if routing else ()
+        topology = self.loads.topology
+        if self.loads.two_d is not None:  # before routing and the linear layout read the rings
+            self.sequences = choose_schemes(
+                self.sequences, topology, self.loads.cost_model, routing=routing
+            )
+        self.routes = build_routes(self.sequences, topology) if routing else ()
 
     def simulate(self, layouts: tuple[str, ...]) -> None:
-        """The simulator's layer time per layout (after ``build``)."""
+        """The simulator's layer time per layout (after ``build``): its attention timeline on
+        the attention layout (which is all it reads of a plan), priced under every layout."""
         topology, cost = self.loads.topology, self.loads.cost_model
-        compute, exposed = attention_seconds(
-            self.sequences, topology, cost, {(r.src, r.dst): r for r in self.routes}
-        )
+        by_rank = attention_ranges_by_rank(self.sequences, topology.world_size)
+        linear, _ = build_linear_layout(by_rank, topology, "attention")
+        plan = Plan(topology, self.sequences, linear, routes=self.routes)
+        compute, exposed = attention_seconds(plan, cost, {(r.src, r.dst): r for r in self.routes})
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
             self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts

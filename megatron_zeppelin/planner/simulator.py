@@ -19,8 +19,16 @@ Timeline of one layer on one rank:
   ``max(compute, transfer)``. Convention for forward plus backward: the forward phase computes
   ``1 / (1 + 2.5)`` of a block's fwd+bwd time and moves K/V; the backward phase computes the rest
   and moves K/V plus dK/dV, twice the bytes.
+* **2-D documents** (``Scheme.TWO_D``, ``stepwise.TwoDLayer``): their column rings
+  (``heads.head_plan``) compute a head group's share of the pairs in one more call per phase and
+  send a group's K/V heads in the same ring steps as the flat rings, sharing their links; the
+  four head all-to-alls inside each node (Q/K/V in and the output back, dO in and dQ/dK/dV back)
+  hide behind nothing.
 * **all-gather attention** (``AttentionComm.ALLGATHER``): the same messages all-gather K/V before
   any compute (forward) and reduce-scatter dK/dV after it (backward), not overlapped.
+
+The timeline is computed with arrays for every phase and step at once (``phases.py``,
+``transfers.py``); ``stepwise.py`` computes it message by message and is its reference.
 
 Transfers share links: in one ring step all messages (and route parts) that use the same GPU's
 NVLink port (per direction) or the same NIC (per direction) split its bandwidth; a message
@@ -41,25 +49,50 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
+from megatron_zeppelin.planner.heads import AttentionShape, head_plan
 from megatron_zeppelin.planner.phases import attention_blocks, call_key, phase_seconds
-from megatron_zeppelin.planner.plan import (
-    AttentionComm,
-    Plan,
-    Route,
-    SequencePlan,
-    split_by_weights,
+from megatron_zeppelin.planner.plan import AttentionComm, Plan, Route, Tier
+from megatron_zeppelin.planner.schedule import (
+    Message,
+    Segment,
+    exchange_messages,
+    link_bytes,
+    ring_schedule,
 )
-from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes
 from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
-from megatron_zeppelin.planner.transfers import ring_messages, transfer_times
-from megatron_zeppelin.topology.model import Topology
+from megatron_zeppelin.planner.stepwise import (
+    TwoDLayer,
+    attention_phases,
+    exposed_and_transfer,
+    message_paths,
+    phase_compute_time,
+    step_transfer_times,
+    subplan,
+    two_d_forward_bytes,
+    two_d_forward_messages,
+)
+from megatron_zeppelin.planner.transfers import RingMessages, ring_messages, transfer_times
+
+__all__ = [
+    "RankTime",
+    "SimResult",
+    "attention_phases",
+    "attention_seconds",
+    "lower_bound",
+    "phase_compute_time",
+    "remap_matrix",
+    "simulate",
+    "simulate_rounds",
+    "step_transfer_times",
+    "tier_figures",
+    "two_d_forward_messages",
+]
 
 
 @dataclass(frozen=True)
@@ -125,106 +158,6 @@ class SimResult:
         }
 
 
-# --- compute -----------------------------------------------------------------------------------
-def phase_compute_time(
-    cost: CostModel, blocks: list[tuple[int, int]], *, diagonal: bool = False
-) -> float:
-    """One varlen attention call over ``blocks`` of ``(num_query_tokens, causal_pairs)``: each
-    block runs at the efficiency of its own query count, the call overhead is paid once.
-    ``diagonal``: the blocks are cut by the causal diagonal (phase 0: whole local documents and
-    every ring document's own block), priced on the cost model's diagonal curve."""
-    return cost.attention_call_time(blocks, diagonal=diagonal)
-
-
-def attention_phases(plan: Plan, sequences: tuple[SequencePlan, ...]) -> list[list[list]]:
-    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (``phases.py``)."""
-    blocks = attention_blocks(sequences)
-    phases: list[list[list]] = [
-        [[] for _ in range(blocks.num_phases)] for _ in range(plan.world_size)
-    ]
-    for rank, phase, num_q, pairs in zip(
-        blocks.rank.tolist(), blocks.phase.tolist(), blocks.num_q.tolist(), blocks.pairs.tolist()
-    ):
-        phases[rank][phase].append((int(num_q), int(pairs)))
-    return phases
-
-
-# --- communication -----------------------------------------------------------------------------
-def _message_paths(topo: Topology, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
-    """``(tokens, hops)`` per part of a message; a hop is ``(link kind, out port, in port)``."""
-
-    def hop(a: int, b: int) -> tuple:
-        if topo.same_node(a, b):
-            return ("nvlink", ("gpu-out", a), ("gpu-in", b))
-        return (
-            "nic",
-            ("nic-out", topo.node_of(a), topo.nic_of(a)),
-            ("nic-in", topo.node_of(b), topo.nic_of(b)),
-        )
-
-    route = routes.get((msg.src, msg.dst))
-    if route is None or topo.same_node(msg.src, msg.dst):
-        return [(msg.num_tokens, [hop(msg.src, msg.dst)])]
-    parts = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-    paths = []
-    for part, n in zip(route.parts, parts):
-        hops = []
-        if part.src_proxy != msg.src:
-            hops.append(hop(msg.src, part.src_proxy))
-        hops.append(hop(part.src_proxy, part.dst_proxy))
-        if part.dst_proxy != msg.dst:
-            hops.append(hop(part.dst_proxy, msg.dst))
-        paths.append((n, hops))
-    return paths
-
-
-def step_transfer_times(
-    plan: Plan, cost: CostModel, messages: list[Message], bytes_per_token: float, routing: bool
-) -> list[float]:
-    """Per rank, the time until its messages of one ring step (sent and received) arrive, with
-    every link's bandwidth shared by all the step's traffic on it."""
-    routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
-    (per_rank,) = _step_times(plan, cost, messages, routes, (bytes_per_token,))
-    return [per_rank.get(r, 0.0) for r in range(plan.world_size)]
-
-
-def _step_times(
-    plan: Plan,
-    cost: CostModel,
-    messages: list[Message],
-    routes: dict,
-    bytes_per_token: tuple[float, ...],
-) -> list[dict[int, float]]:
-    """``step_transfer_times`` for several message sizes at once (the forward's K/V, the
-    backward's K/V and dK/dV), as ``{rank: seconds}`` for the ranks that send or receive."""
-    paths = [(msg, _message_paths(plan.topology, msg, routes)) for msg in messages]
-    load: dict[tuple, float] = defaultdict(float)  # tokens per port
-    for _, parts in paths:
-        for n, hops in parts:
-            for _kind, out_port, in_port in hops:
-                load[out_port] += n
-                load[in_port] += n
-    out: list[dict[int, float]] = [defaultdict(float) for _ in bytes_per_token]
-    for msg, parts in paths:
-        finish = [0.0] * len(bytes_per_token)
-        for n, hops in parts:
-            if n <= 0:
-                continue
-            # Pipelined over its hops: the most loaded link sets the pace, every hop adds latency.
-            drain = max(
-                load[port] / cost.link(kind).bytes_per_s
-                for kind, out_port, in_port in hops
-                for port in (out_port, in_port)
-            )
-            latency = sum(cost.link(kind).latency_s for kind, _, _ in hops)
-            for i, size in enumerate(bytes_per_token):
-                finish[i] = max(finish[i], drain * size + latency)
-        for per_rank, t in zip(out, finish):
-            per_rank[msg.src] = max(per_rank[msg.src], t)
-            per_rank[msg.dst] = max(per_rank[msg.dst], t)
-    return out
-
-
 def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
     """Tokens the remapping moves from each linear holder to each attention holder."""
     owners: dict[int, tuple[list[int], list[tuple[int, int, int]]]] = {}
@@ -266,45 +199,98 @@ def exposed_seconds(compute: float, forward_s: float, backward_s: float) -> floa
     )
 
 
+@dataclass(frozen=True)
+class _Calls:
+    """Kernel calls as arrays: pass, rank, phase and seconds of each (``phases.phase_seconds``)."""
+
+    pass_id: np.ndarray
+    rank: np.ndarray
+    phase: np.ndarray
+    seconds: np.ndarray
+
+    def keys(self, world: int, num_phases: int) -> np.ndarray:
+        return call_key(self.pass_id, self.rank, self.phase, world, num_phases)
+
+    def plus(self, other: _Calls, world: int, num_phases: int) -> _Calls:
+        """Both sets of calls, seconds summed per (pass, rank, phase)."""
+        keys, inverse = np.unique(
+            np.concatenate([self.keys(world, num_phases), other.keys(world, num_phases)]),
+            return_inverse=True,
+        )
+        seconds = np.bincount(inverse, weights=np.concatenate([self.seconds, other.seconds]))
+        pass_rank, phase = keys // num_phases, keys % num_phases
+        return _Calls(pass_rank // world, pass_rank % world, phase, seconds)
+
+
+def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarray, int] | None:
+    """A plan's 2-D documents (``stepwise.TwoDLayer`` as arrays): their column rings' calls
+    (a head group's share of the pairs), their K/V messages (scaled to the flat rings' bytes
+    per token), every rank's seconds in the four head all-to-alls, and their phases."""
+    heads = head_plan(plan)
+    if heads is None:
+        return None
+    shape = AttentionShape.of_model(cost.model)
+    groups = shape.groups(heads.num_groups)
+    d, value, kv = shape.head_dim, shape.value_bytes, cost.model.kv_bytes_per_token()
+    blocks = attention_blocks(heads.plan.sequences)
+    blocks = replace(blocks, pairs=blocks.pairs * (groups.num_q / shape.num_heads))
+    calls = _Calls(*phase_seconds(blocks, cost, plan.world_size))
+    rings = ring_messages(heads.plan.sequences)
+    rings = replace(rings, scale=np.full(len(rings.tokens), 2 * groups.num_kv * d * value / kv))
+    # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back. One group each.
+    qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
+    inbound, outbound = (exchange_messages(plan, to_heads=t) for t in (True, False))
+    exchanges = RingMessages.of([inbound, outbound, inbound, outbound],
+                                [qkv / kv, out / kv, out / kv, qkv / kv])  # fmt: skip
+    _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, None, (kv,))
+    all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
+    return calls, rings, all_to_all, blocks.num_phases
+
+
 def attention_seconds(
-    sequences: Sequence[SequencePlan],
-    topology: Topology,
+    plan: Plan,
     cost: CostModel,
     routes: dict[tuple[int, int], Route],
     *,
     sequential: bool = False,
-    allgather: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the attention compute seconds of one layer and the communication seconds it
     does not hide (module docstring). ``routes``: the routes in use, by edge; ``sequential``:
     every document is its own pass (no overlap between documents)."""
-    world = topology.world_size
-    pass_ids = list(range(len(sequences))) if sequential else None
-    blocks = attention_blocks(sequences, pass_ids)
-    pass_of, rank_of, phase_of, seconds = phase_seconds(
-        blocks, cost, world, merge_ring_phases=allgather
-    )
-    compute = np.bincount(rank_of, weights=seconds, minlength=world)
-    messages = ring_messages(sequences, pass_ids)
+    world, topology = plan.world_size, plan.topology
+    allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
+    flat = [s for s in plan.sequences if not s.is_two_d]
+    pass_ids = list(range(len(flat))) if sequential else None
+    blocks = attention_blocks(flat, pass_ids)
+    calls = _Calls(*phase_seconds(blocks, cost, world, merge_ring_phases=allgather))
+    messages = ring_messages(flat, pass_ids)
+    num_phases, exposed = blocks.num_phases, np.zeros(world)
+    two_d = None if sequential or allgather else _two_d(plan, cost)
+    if two_d is not None:
+        more_calls, rings, exposed, phases = two_d
+        num_phases = max(num_phases, phases)
+        calls = calls.plus(more_calls, world, num_phases)
+        messages = messages.joined(rings)
+    compute = np.bincount(calls.rank, weights=calls.seconds, minlength=world)
     kv = cost.model.kv_bytes_per_token()
     groups, ranks, (forward, backward) = transfer_times(
         messages, topology, cost, routes,
-        partial(_message_paths, topology, routes=routes), (kv, 2 * kv),
+        partial(message_paths, topology, routes=routes), (kv, 2 * kv),
     )  # fmt: skip
     if allgather:
         # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
         return compute, np.bincount(ranks, weights=2 * forward, minlength=world)
     # Step k of a pass hides behind phase k of the same pass (the last phase hides nothing).
     steps = max(messages.num_steps, 1)
-    wanted = call_key(groups // steps, ranks, groups % steps, world, blocks.num_phases)
-    calls = call_key(pass_of, rank_of, phase_of, world, blocks.num_phases)
+    wanted = call_key(groups // steps, ranks, groups % steps, world, num_phases)
+    keys = calls.keys(world, num_phases)
     hidden = np.zeros(len(wanted))
-    if len(calls):
-        at = np.minimum(np.searchsorted(calls, wanted), len(calls) - 1)
-        hidden = np.where(calls[at] == wanted, seconds[at], 0.0)
-    exposed = np.maximum(0.0, forward - hidden * FWD_SHARE)
-    exposed += np.maximum(0.0, backward - hidden * (1 - FWD_SHARE))
-    return compute, np.bincount(ranks, weights=exposed, minlength=world)
+    if len(keys):
+        at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+        hidden = np.where(keys[at] == wanted, calls.seconds[at], 0.0)
+    step_exposed = np.maximum(0.0, forward - hidden * FWD_SHARE)
+    step_exposed += np.maximum(0.0, backward - hidden * (1 - FWD_SHARE))
+    return compute, exposed + np.bincount(ranks, weights=step_exposed, minlength=world)
 
 
 def _attention_layer(
@@ -312,11 +298,45 @@ def _attention_layer(
 ) -> tuple[list[float], list[float]]:
     """``attention_seconds`` of a plan, with its routes when ``routing``."""
     routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
-    allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
-    compute, exposed = attention_seconds(
-        plan.sequences, plan.topology, cost, routes, sequential=sequential, allgather=allgather
-    )
+    compute, exposed = attention_seconds(plan, cost, routes, sequential=sequential)
     return compute.tolist(), exposed.tolist()
+
+
+def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dict]:
+    """Each kind of split document alone (intra-node rings, flat inter-node rings, 2-D), one
+    layer on its busiest rank: attention compute, transfer and exposed seconds (forward and
+    backward), and the forward bytes per link class. What a tier's own steps hide of its own
+    transfers; in the step all tiers share the phases and the links (``stepwise``'s timeline,
+    which also adds up the transfers)."""
+    kinds = {
+        "intra": [s for s in plan.sequences if s.tier == Tier.INTRA and not s.is_two_d],
+        "inter": [s for s in plan.sequences if s.tier == Tier.INTER and not s.is_two_d],
+        "2d": [s for s in plan.sequences if s.is_two_d],
+    }
+    out = {}
+    for name, sequences in kinds.items():
+        if not sequences:
+            continue
+        sub = subplan(plan, tuple(sequences))
+        phases = attention_phases(sub, sub.sequences)
+        compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
+                   for p in phases]  # fmt: skip
+        two_d = TwoDLayer.of(sub, cost, routing)
+        if two_d is not None:
+            compute = two_d.add_compute(cost, compute)
+        exposed, transfer = exposed_and_transfer(sub, cost, routing, compute,
+                                                 ring_schedule(sub), two_d)  # fmt: skip
+        busiest = max(range(sub.world_size), key=lambda r: sum(compute[r]) + exposed[r])
+        sent, _ = _bytes(sub, cost, routing, {})
+        out[name] = {
+            "documents": len(sequences),
+            "compute_s": sum(compute[busiest]),
+            "transfer_s": transfer[busiest],
+            "exposed_s": exposed[busiest],
+            "nvlink_bytes": sent.get("nvlink", 0),
+            "nic_bytes": sent.get("nic", 0),
+        }
+    return out
 
 
 def _linear_seconds(plan: Plan, cost: CostModel, *, layout: str, sequential: bool) -> list[float]:
@@ -363,8 +383,9 @@ def _layer(plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, in
 
 def _ring_steps(plan: Plan) -> list[list[Message]]:
     """``ring_schedule(plan)``'s messages with their token counts (what ``link_bytes`` reads),
-    from ``transfers.ring_messages`` without building a segment per document block."""
-    found = ring_messages(plan.sequences)
+    from ``transfers.ring_messages`` without building a segment per document block (2-D
+    documents ring on the head layout: ``two_d_forward_bytes``)."""
+    found = ring_messages([s for s in plan.sequences if not s.is_two_d])
     steps: list[list[Message]] = [[] for _ in range(found.num_steps)]
     for step, src, dst, n in zip(found.group.tolist(), found.src.tolist(), found.dst.tolist(),
                                  found.tokens.tolist()):  # fmt: skip
@@ -377,6 +398,8 @@ def _bytes(
 ) -> tuple[dict, dict]:
     kv = cost.model.kv_bytes_per_token()
     ring = link_bytes(plan, _ring_steps(plan), bytes_per_token=kv, routing=routing)
+    for key, value in two_d_forward_bytes(plan, cost, routing).items():
+        ring[key] = ring.get(key, 0) + value
     remap_out = {"nvlink": 0, "nic": 0}
     per_token = cost.remap_bytes(1)
     for (a, b), n in moved.items():

@@ -41,6 +41,31 @@ class RingMessages:
     tokens: np.ndarray
     num_steps: int
     """Steps per pass: ``max(ring size) - 1``."""
+    scale: np.ndarray | None = None
+    """Per message, its bytes per token over the sizes ``transfer_times`` is given (``None``:
+    all 1; the 2-D documents' column rings carry a head group's K/V)."""
+
+    def scaled(self) -> np.ndarray:
+        return np.ones(len(self.tokens)) if self.scale is None else self.scale
+
+    def joined(self, other: RingMessages) -> RingMessages:
+        """Both lists of messages, as separate messages (groups numbered alike)."""
+        cat = np.concatenate
+        return RingMessages(
+            cat([self.group, other.group]), cat([self.src, other.src]),
+            cat([self.dst, other.dst]), cat([self.tokens, other.tokens]),
+            max(self.num_steps, other.num_steps), cat([self.scaled(), other.scaled()]),
+        )  # fmt: skip
+
+    @classmethod
+    def of(cls, groups: list[list[Message]], scales: list[float]) -> RingMessages:
+        """Message lists, list ``i`` as group ``i`` with bytes-per-token scale ``scales[i]``."""
+        rows = [(i, m.src, m.dst, m.num_tokens, scale)
+                for i, (ms, scale) in enumerate(zip(groups, scales)) for m in ms]  # fmt: skip
+        group, src, dst, tokens, scale = (np.asarray(c) for c in zip(*rows)) if rows else (
+            np.zeros(0, dtype=np.int64),) * 5  # fmt: skip
+        return cls(group.astype(np.int64), src.astype(np.int64), dst.astype(np.int64),
+                   tokens.astype(np.int64), len(groups), scale.astype(np.float64))  # fmt: skip
 
 
 def _block_sizes(seq: SequencePlan) -> list[int]:
@@ -118,14 +143,14 @@ def transfer_times(
         _direct_hops(messages, ~routed, topology, cost),
         _routed_hops(messages, routed, routes, paths_of, topology, cost),
     )
-    # Tokens per (group, port): every hop loads its out port and its in port.
+    # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
     keys, inverse = np.unique(
         np.concatenate([hops.group * num_ports + hops.out_port,
                         hops.group * num_ports + hops.in_port]),
         return_inverse=True,
     )  # fmt: skip
-    load = np.bincount(inverse, weights=np.tile(hops.tokens, 2).astype(np.float64))
+    load = np.bincount(inverse, weights=np.tile(hops.tokens * hops.scale, 2))
     out_load, in_load = load[inverse[: len(hops.group)]], load[inverse[len(hops.group) :]]
     # A part drains at the pace of its most loaded port and pays every hop's latency.
     part_drain = np.zeros(hops.num_parts)
@@ -165,6 +190,7 @@ class _Hops:
     out_port: np.ndarray
     in_port: np.ndarray
     tokens: np.ndarray
+    scale: np.ndarray
     bandwidth: np.ndarray
     latency: np.ndarray
     part: np.ndarray
@@ -192,7 +218,7 @@ def _direct_hops(
     nv, nic = cost.nvlink, cost.nic
     parts = np.arange(len(chosen))
     return _Hops(
-        group, out_port, in_port, messages.tokens[chosen],
+        group, out_port, in_port, messages.tokens[chosen], messages.scaled()[chosen],
         np.where(same, nv.bytes_per_s, nic.bytes_per_s),
         np.where(same, nv.latency_s, nic.latency_s),
         parts, len(chosen), parts, group, src, dst,
@@ -204,7 +230,7 @@ def _joined(a: _Hops, b: _Hops) -> _Hops:
     cat = np.concatenate
     return _Hops(
         cat([a.group, b.group]), cat([a.out_port, b.out_port]), cat([a.in_port, b.in_port]),
-        cat([a.tokens, b.tokens]), cat([a.bandwidth, b.bandwidth]),
+        cat([a.tokens, b.tokens]), cat([a.scale, b.scale]), cat([a.bandwidth, b.bandwidth]),
         cat([a.latency, b.latency]), cat([a.part, b.part + a.num_parts]),
         a.num_parts + b.num_parts,
         cat([a.part_message, b.part_message + len(a.message_group)]),
@@ -226,7 +252,8 @@ def _routed_hops(
     world, m = topology.world_size, topology.nics_per_node
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
     chosen = np.flatnonzero(is_routed)
-    columns: list[list] = [[], [], [], [], [], [], []]  # group, out, in, tokens, bw, lat, part
+    # group, out port, in port, tokens, bandwidth, latency, part, scale
+    columns: list[list] = [[], [], [], [], [], [], [], []]
     part_message: list[np.ndarray] = []
     num_parts = 0
     edges = messages.src[chosen] * world + messages.dst[chosen]
@@ -254,12 +281,14 @@ def _routed_hops(
             columns[column].append(np.broadcast_to(np.asarray(values)[None, :], shape).ravel())
         columns[3].append(tokens[:, part_of_hop].ravel())
         columns[6].append(part_ids[:, part_of_hop].ravel())
-    group, out_port, in_port, tokens, bandwidth, latency, part = (
+        columns[7].append(np.repeat(messages.scaled()[rows], len(hops)))
+    group, out_port, in_port, tokens, bandwidth, latency, part, scale = (
         np.concatenate(c) if c else np.zeros(0) for c in columns
     )
     return _Hops(
         group.astype(np.int64), out_port.astype(np.int64), in_port.astype(np.int64),
-        tokens.astype(np.int64), bandwidth.astype(np.float64), latency.astype(np.float64),
+        tokens.astype(np.int64), scale.astype(np.float64), bandwidth.astype(np.float64),
+        latency.astype(np.float64),
         part.astype(np.int64), num_parts,
         np.concatenate(part_message) if part_message else np.zeros(0, dtype=np.int64),
         messages.group[chosen], messages.src[chosen], messages.dst[chosen],
