@@ -235,8 +235,9 @@ def _plan(
     num_links = topology.nics_per_node if options.routing else 1
     best, tried = search(
         array,
-        lambda balance_linear: Loads(topology, capacity, cost_model, num_links,
-                                     balance_linear=balance_linear, two_d=options.two_d),
+        lambda balance_linear, two_d: Loads(topology, capacity, cost_model, num_links,
+                                            balance_linear=balance_linear,
+                                            two_d=two_d and options.two_d),
         rules,
         _layout_candidates(options),
         routing=options.routing,

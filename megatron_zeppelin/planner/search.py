@@ -9,6 +9,10 @@ A placement can balance two things (``Loads.balance_linear``):
   tokens (inside nodes, or over the world), the remapping all-to-alls paid between them; the layer
   takes ``max(linear) + remap + max(attention)``.
 
+Where documents cross nodes and the 2-D scheme is allowed, a placement with every ring flat is a
+candidate too: the scheme is chosen per document (``schemes.choose_schemes``), the step is what
+decides.
+
 For each, stage 1's rings are placed first; where that leaves the predicted layer above the
 GPUs' mean (few documents per GPU cannot be packed evenly whole), the busiest GPU's longest local
 document becomes an in-node ring too, with every longer local document, while that helps. Every
@@ -102,6 +106,11 @@ class Candidate:
         return "attention+linear" if self.loads.balance_linear else "attention"
 
     @property
+    def rings(self) -> str:
+        """``"2-D where faster"`` or ``"flat"``: how documents across nodes may run."""
+        return "flat" if self.loads.two_d is None else "2-D where faster"
+
+    @property
     def seconds(self) -> float:
         """The simulator's layer time under the best layout (after ``simulate``)."""
         return min(self.simulated.values())
@@ -179,6 +188,7 @@ class Candidate:
     def summary(self) -> dict:
         out = {
             "balance": self.balance,
+            "rings": self.rings,
             "extra_rings": self.extra_rings,
             "predicted_layer_s": min(self.predicted.values()),
         }
@@ -189,27 +199,31 @@ class Candidate:
 
 def search(
     array: np.ndarray,
-    new_loads: Callable[[bool], Loads],
+    new_loads: Callable[[bool, bool], Loads],
     rules: TierRules,
     layouts: tuple[str, ...],
     *,
     routing: bool,
 ) -> tuple[Candidate, list[dict]]:
     """The fastest candidate (module docstring) and a summary of every one tried.
-    ``new_loads(balance_linear)`` gives empty loads to place on."""
+    ``new_loads(balance_linear, two_d)`` gives empty loads to place on (``two_d``: where the
+    planner's options allow the 2-D scheme)."""
     found: list[Candidate] = []
     budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
     modes = (True, False) if set(layouts) - {"attention"} else (True,)
-    for balance_linear, pack in [(mode, pack) for mode in modes for pack in (True, False)]:
+    variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
+    for balance_linear, pack, two_d in [*variants, (True, True, False)]:
+        if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
+            break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
         if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in found):
-            break  # balancing attention alone cannot win back its remapping here
+            continue  # balancing attention alone cannot win back its remapping here
         if not pack and any(c.settled(array) for c in found if c.balance_linear == balance_linear):
             continue
         if budget[0] < len(array):
             break
-        base = replace(assign_tiers(array, new_loads(balance_linear), rules), pack=pack)
-        found += _candidates(array, base, partial(new_loads, balance_linear), layouts,
-                             budget, first=not found)  # fmt: skip
+        loads = partial(new_loads, balance_linear, two_d)
+        base = replace(assign_tiers(array, loads(), rules), pack=pack)
+        found += _candidates(array, base, loads, layouts, budget, first=not found)
     best_prediction = min(min(c.predicted.values()) for c in found)
     shortlist = [c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
     for candidate in shortlist:
@@ -220,6 +234,10 @@ def search(
             candidate.keep_estimate()
     best = min(shortlist, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
+
+
+def _spans_nodes(found: list[Candidate]) -> bool:
+    return any(p.tier == Tier.INTER for c in found for p in c.placements)
 
 
 def _candidates(
