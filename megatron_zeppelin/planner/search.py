@@ -67,12 +67,14 @@ _MAX_TRIES = 8
 _MAX_MISSES = 2
 """More rings are given up after this many placements in a row that predict less than
 ``_MIN_GAIN`` over the best so far."""
-_MIN_GAIN = 0.0
+_MIN_GAIN = 0.005
 _PLACEMENT_BUDGET = 12_000
 """Documents placed over all tries of one batch: a thousand documents get a dozen tries, ten
 thousand the first alone (where they are many per GPU, packing them whole is even)."""
 _SHORTLIST = 1.05
-"""Placements predicted within this factor of the best are timed by the simulator."""
+"""Placements predicted within this factor of the best are timed by the simulator..."""
+_MAX_TIMED = 2
+"""... the best predicted few of them."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -224,8 +226,12 @@ def search(
         loads = partial(new_loads, balance_linear, two_d)
         base = replace(assign_tiers(array, loads(), rules), pack=pack)
         found += _candidates(array, base, loads, layouts, budget, first=not found)
+    found = _distinct(found)
     best_prediction = min(min(c.predicted.values()) for c in found)
-    shortlist = [c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
+    shortlist = sorted(
+        (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
+        key=lambda c: min(c.predicted.values()),
+    )[:_MAX_TIMED]
     for candidate in shortlist:
         candidate.build(array, routing)
         if len(shortlist) > 1:
@@ -234,6 +240,18 @@ def search(
             candidate.keep_estimate()
     best = min(shortlist, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
+
+
+def _distinct(found: list[Candidate]) -> list[Candidate]:
+    """The candidates less those that repeat an earlier placement (another variant may land on
+    the same one)."""
+    seen, out = set(), []
+    for candidate in found:
+        key = tuple((p.tier, p.ring) for p in candidate.placements)
+        if key not in seen:
+            seen.add(key)
+            out.append(candidate)
+    return out
 
 
 def _spans_nodes(found: list[Candidate]) -> bool:

@@ -55,13 +55,12 @@ from functools import partial
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
-from megatron_zeppelin.planner.heads import AttentionShape, head_plan
+from megatron_zeppelin.planner.heads import AttentionShape, head_plan, node_members
 from megatron_zeppelin.planner.phases import attention_blocks, call_key, phase_seconds
 from megatron_zeppelin.planner.plan import AttentionComm, Plan, Route, Tier
 from megatron_zeppelin.planner.schedule import (
     Message,
     Segment,
-    exchange_messages,
     link_bytes,
     ring_schedule,
 )
@@ -239,12 +238,39 @@ def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarra
     rings = replace(rings, scale=np.full(len(rings.tokens), 2 * groups.num_kv * d * value / kv))
     # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back. One group each.
     qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
-    inbound, outbound = (exchange_messages(plan, to_heads=t) for t in (True, False))
-    exchanges = RingMessages.of([inbound, outbound, inbound, outbound],
-                                [qkv / kv, out / kv, out / kv, qkv / kv])  # fmt: skip
+    exchanges = _head_exchanges(plan, [(True, qkv / kv), (False, out / kv), (True, out / kv),
+                                       (False, qkv / kv)])  # fmt: skip
     _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, None, (kv,))
     all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
     return calls, rings, all_to_all, blocks.num_phases
+
+
+def _head_exchanges(plan: Plan, kinds: list[tuple[bool, float]]) -> RingMessages:
+    """``schedule.exchange_messages`` of every ``(to_heads, scale)`` in ``kinds``, one group
+    each, as arrays: inside each node of a 2-D document every rank sends every other one its
+    own tokens (to the head layout) or the other's (back)."""
+    src, dst, own, theirs = [], [], [], []
+    for _, row, tokens in node_members(plan):
+        ranks = np.asarray(row, dtype=np.int64)
+        held = np.asarray([tokens.get(r, 0) for r in row], dtype=np.int64)
+        a, b = np.nonzero(~np.eye(len(row), dtype=bool))
+        src.append(ranks[a]), dst.append(ranks[b]), own.append(held[a]), theirs.append(held[b])
+    src, dst, own, theirs = (np.concatenate(c) for c in (src, dst, own, theirs))
+    width = plan.world_size
+    merged = []
+    for tokens in (own, theirs):  # a rank's messages to one other rank are one message
+        keys, inverse = np.unique(src * width + dst, return_inverse=True)
+        merged.append((keys, np.bincount(inverse, weights=tokens).astype(np.int64)))
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    for group, (to_heads, scale) in enumerate(kinds):
+        keys, tokens = merged[0 if to_heads else 1]
+        busy = tokens > 0
+        for column, values in zip(columns, (np.full(busy.sum(), group), keys[busy] // width,
+                                            keys[busy] % width, tokens[busy],
+                                            np.full(busy.sum(), scale))):  # fmt: skip
+            column.append(values)
+    group, src, dst, tokens, scale = (np.concatenate(c) for c in columns)
+    return RingMessages(group, src, dst, tokens, len(kinds), scale)
 
 
 def attention_seconds(
