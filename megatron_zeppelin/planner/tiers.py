@@ -116,7 +116,8 @@ def _inter_node_choices(
     """Documents whose balanced ``work`` exceeds a node's share go across nodes when
     ``Loads.best_num_nodes`` says a cross-node ring (its exposed NIC transfers included) ends
     the step sooner than a ring on one node; marks them in ``inter`` and returns how many nodes
-    each ring spans."""
+    each ring spans. Longest first, a ring takes no more nodes than the longer ones have left
+    (rings that share a node add up on its GPUs), unless capacity needs them."""
     topology = loads.topology
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
     wanted_nodes: dict[int, int] = {}
@@ -129,7 +130,9 @@ def _inter_node_choices(
         # attention than one node's share of the batch's attention.
         candidates = rules.allow_split & (array >= rules.thresholds[1])
         candidates &= attention > attention.sum() / num_nodes
-    for doc in np.flatnonzero(inter | candidates).tolist():
+    spread = np.flatnonzero(inter | candidates)
+    free = num_nodes
+    for doc in spread[np.lexsort((spread, -array[spread]))].tolist():
         length, best = int(array[doc]), 2
         if rules.allow_split and rules.auto:
             best = loads.best_num_nodes(length, float(work.sum() - work[doc]))
@@ -137,6 +140,8 @@ def _inter_node_choices(
             by_share = math.ceil(float(work[doc]) / node_share)
             best = max(2, min(by_share, length // (k * rules.chunks[1]), num_nodes))
         if best > 1 or inter[doc]:
+            needed = -(-(min_ring(length, loads.capacity) or length) // k)
             inter[doc] = True
-            wanted_nodes[doc] = max(2, best)
+            wanted_nodes[doc] = max(2, needed, min(best, free))
+            free = max(0, free - wanted_nodes[doc])
     return wanted_nodes
