@@ -152,3 +152,18 @@ def test_planner_keeps_the_candidate_the_simulator_times_fastest(preset, nodes, 
         else:
             assert not timed
             assert plan.meta["predicted_step_s"] == pytest.approx(step, rel=0.05)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    weights=st.lists(st.integers(0, 9), min_size=1, max_size=8).filter(lambda w: sum(w) > 0),
+    tokens=st.lists(st.integers(0, 200_000), min_size=1, max_size=6),
+)
+def test_route_split_of_many_messages_is_the_route_split_of_each(weights, tokens) -> None:
+    """The array timeline splits every message of an edge at once, exactly as the plan's one
+    split function splits each."""
+    from megatron_zeppelin.planner.plan import split_by_weights
+    from megatron_zeppelin.planner.transfers import split_by_weights_array
+
+    parts = split_by_weights_array(np.asarray(tokens), weights)
+    assert [list(row) for row in parts] == [split_by_weights(n, weights) for n in tokens]

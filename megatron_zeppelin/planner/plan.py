@@ -22,12 +22,9 @@ baseline) produces this one type so one simulator and one engine serve them all.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
-
-import numpy as np
 
 from megatron_zeppelin.topology.model import Topology
 
@@ -156,20 +153,6 @@ def split_by_weights(num_tokens: int, weights: tuple[int, ...] | list[int]) -> l
     for i in order[:rest]:
         base[i] += 1
     return base
-
-
-def split_by_weights_array(num_tokens: np.ndarray, weights: Sequence[int]) -> np.ndarray:
-    """``split_by_weights`` of each of ``num_tokens`` (one row of parts per entry)."""
-    w = np.asarray(weights, dtype=np.int64)
-    total = int(w.sum())
-    n = np.asarray(num_tokens, dtype=np.int64)[:, None]
-    base = n * w // total
-    rest = (n[:, 0] - base.sum(axis=1))[:, None]
-    # Largest remainder first, ties to the lower index: a stable sort keeps index order.
-    order = np.argsort(-(n * w % total), axis=1, kind="stable")
-    extra = np.zeros_like(base)
-    np.put_along_axis(extra, order, np.arange(len(w))[None, :] < rest, axis=1)
-    return base + extra
 
 
 def zigzag_bounds(length: int, ring_size: int) -> list[tuple[int, int]]:
@@ -607,10 +590,8 @@ def _check_routes(routes: tuple[Route, ...], topology: Topology) -> None:
 
 
 def _check_capacity(capacity: int, attention_tokens: list[int], linear_tokens: list[int]) -> None:
-    for rank, (attention, linear) in enumerate(zip(attention_tokens, linear_tokens)):
-        for label, n in (("attention", attention), ("linear", linear)):
+    for rank, pair in enumerate(zip(attention_tokens, linear_tokens)):
+        for label, n in zip(("attention", "linear"), pair):
             if n > capacity:
-                raise ValueError(
-                    f"rank {rank} holds {n} tokens in the {label} layout, over its "
-                    f"capacity of {capacity}"
-                )
+                raise ValueError(f"rank {rank} holds {n} tokens in the {label} layout, over its "
+                                 f"capacity of {capacity}")  # fmt: skip

@@ -20,11 +20,11 @@ import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.phases import is_zigzag
-from megatron_zeppelin.planner.plan import Route, SequencePlan, split_by_weights_array
+from megatron_zeppelin.planner.plan import Route, SequencePlan
 from megatron_zeppelin.planner.schedule import Message, Segment
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["RingMessages", "ring_messages", "transfer_times"]
+__all__ = ["RingMessages", "ring_messages", "split_by_weights_array", "transfer_times"]
 
 PathsOf = Callable[[Message], list[tuple[int, list[tuple]]]]
 """A routed message's ``(tokens, hops)`` parts; a hop is ``(link kind, out port, in port)``."""
@@ -66,6 +66,21 @@ class RingMessages:
             np.zeros(0, dtype=np.int64),) * 5  # fmt: skip
         return cls(group.astype(np.int64), src.astype(np.int64), dst.astype(np.int64),
                    tokens.astype(np.int64), len(groups), scale.astype(np.float64))  # fmt: skip
+
+
+def split_by_weights_array(num_tokens: np.ndarray, weights: Sequence[int]) -> np.ndarray:
+    """``plan.split_by_weights`` of each of ``num_tokens`` (one row of parts per entry): the
+    route split of every message on one edge at once."""
+    w = np.asarray(weights, dtype=np.int64)
+    total = int(w.sum())
+    n = np.asarray(num_tokens, dtype=np.int64)[:, None]
+    base = n * w // total
+    rest = (n[:, 0] - base.sum(axis=1))[:, None]
+    # Largest remainder first, ties to the lower index: a stable sort keeps index order.
+    order = np.argsort(-(n * w % total), axis=1, kind="stable")
+    extra = np.zeros_like(base)
+    np.put_along_axis(extra, order, np.arange(len(w))[None, :] < rest, axis=1)
+    return base + extra
 
 
 def _block_sizes(seq: SequencePlan) -> list[int]:
