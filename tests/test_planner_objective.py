@@ -24,7 +24,7 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Span
+from megatron_zeppelin.planner.plan import Route, RoutePart, Span
 from megatron_zeppelin.planner.schemes import every_two_d
 from megatron_zeppelin.planner.simulator import remap_matrix, simulate
 from megatron_zeppelin.planner.stepwise import reference_attention
@@ -106,6 +106,33 @@ def test_any_spans_are_timed_like_zigzag_ones() -> None:
     got = simulator._attention_layer(plan, cost, True)
     assert _close(got[0], reference_attention(plan, cost, True)[0])
     assert got[0][3] > got[0][0]  # the last piece sees the most keys
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 24), min_size=1, max_size=3),
+    weights=st.lists(st.integers(0, 3), min_size=4, max_size=4).filter(lambda w: sum(w) > 0),
+)
+def test_routes_with_idle_parts_are_timed_like_the_stepwise_timeline(lengths, weights) -> None:
+    """Route parts of no weight, and messages too short to give every part a row, leave legs
+    out of ``schedule.message_legs``; the array timeline still puts each part's tokens on that
+    part's own hops."""
+    topo = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
+    cost = CostModel.default(MODEL, topo)
+    a, b = topo.rank_of(0, 0), topo.rank_of(1, 1)
+    seqs = [sequence_on(i, n, (a, b), topo) for i, n in enumerate(lengths)]
+    routes = tuple(
+        Route(src, dst, tuple(RoutePart(topo.rank_of(topo.node_of(src), j),
+                                        topo.rank_of(topo.node_of(dst), (j + 1) % 4), w)
+                              for j, w in enumerate(weights)))
+        for src, dst in ((a, b), (b, a))
+    )  # fmt: skip
+    plan = dataclasses.replace(
+        plan_without_remap(seqs, topo, name="routed", capacity=None), routes=routes
+    )
+    got = simulator._attention_layer(plan, cost, True)
+    want = reference_attention(plan, cost, True)
+    assert _close(got[0], want[0]) and _close(got[1], want[1])
 
 
 def test_step_time_is_the_shared_layer_function() -> None:

@@ -54,6 +54,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
 from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
 from megatron_zeppelin.planner.simulator import attention_seconds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
@@ -175,7 +176,7 @@ class Candidate:
         by_rank = attention_ranges_by_rank(self.sequences, topology.world_size)
         linear, _ = build_linear_layout(by_rank, topology, "attention")
         plan = Plan(topology, self.sequences, linear, routes=self.routes)
-        compute, exposed = attention_seconds(plan, cost, {(r.src, r.dst): r for r in self.routes})
+        compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan))
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
             self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts

@@ -50,7 +50,6 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
-from functools import partial
 
 import numpy as np
 
@@ -63,13 +62,13 @@ from megatron_zeppelin.planner.schedule import (
     Segment,
     link_bytes,
     ring_schedule,
+    routes_by_edge,
 )
 from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
 from megatron_zeppelin.planner.stepwise import (
     TwoDLayer,
     attention_phases,
     exposed_and_transfer,
-    message_paths,
     phase_compute_time,
     step_transfer_times,
     subplan,
@@ -240,7 +239,7 @@ def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarra
     qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
     exchanges = _head_exchanges(plan, [(True, qkv / kv), (False, out / kv), (True, out / kv),
                                        (False, qkv / kv)])  # fmt: skip
-    _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, None, (kv,))
+    _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, (kv,))
     all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
     return calls, rings, all_to_all, blocks.num_phases
 
@@ -301,7 +300,7 @@ def attention_seconds(
     kv = cost.model.kv_bytes_per_token()
     groups, ranks, (forward, backward) = transfer_times(
         messages, topology, cost, routes,
-        partial(message_paths, topology, routes=routes), (kv, 2 * kv),
+        (kv, 2 * kv),
     )  # fmt: skip
     if allgather:
         # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
@@ -323,7 +322,7 @@ def _attention_layer(
     plan: Plan, cost: CostModel, routing: bool, *, sequential: bool = False
 ) -> tuple[list[float], list[float]]:
     """``attention_seconds`` of a plan, with its routes when ``routing``."""
-    routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
+    routes = routes_by_edge(plan, routing=routing)
     compute, exposed = attention_seconds(plan, cost, routes, sequential=sequential)
     return compute.tolist(), exposed.tolist()
 

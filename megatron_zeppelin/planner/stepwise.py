@@ -2,11 +2,11 @@
 
 The simulator itself (``simulator.py``) computes the same timeline with arrays, for every phase
 and ring step at once; this module is its reference and the home of the pieces both use:
-``attention_phases`` (what every rank computes in every phase), ``message_paths`` (a message's
-route parts and hops), ``step_transfer_times`` (one ring step on shared links), the 2-D
-documents' column rings and head all-to-alls (``TwoDLayer``), and ``reference_attention``, the
-whole timeline of one layer (tests compare the array version with it). See the simulator's
-module docstring for the model.
+``attention_phases`` (what every rank computes in every phase), ``message_paths`` and
+``route_hops`` (a message's legs, ``schedule.message_legs``, and the hops of a route's parts),
+``step_transfer_times`` (one ring step on shared links), the 2-D documents' column rings and
+head all-to-alls (``TwoDLayer``), and ``reference_attention``, the whole timeline of one layer
+(tests compare the array version with it). See the simulator's module docstring for the model.
 """
 
 from __future__ import annotations
@@ -17,12 +17,15 @@ from dataclasses import dataclass
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
 from megatron_zeppelin.planner.heads import AttentionShape, head_plan
-from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
+from megatron_zeppelin.planner.plan import AttentionComm, Plan, Route, SequencePlan
 from megatron_zeppelin.planner.schedule import (
     Message,
     exchange_messages,
     link_bytes,
+    message_legs,
     ring_schedule,
+    route_paths,
+    routes_by_edge,
 )
 from megatron_zeppelin.topology.model import Topology
 
@@ -30,9 +33,11 @@ __all__ = [
     "TwoDLayer",
     "attention_phases",
     "exposed_and_transfer",
+    "hop_ports",
     "message_paths",
     "phase_compute_time",
     "reference_attention",
+    "route_hops",
     "step_transfer_times",
     "subplan",
     "two_d_forward_bytes",
@@ -83,32 +88,30 @@ def attention_phases(
 
 
 # --- communication -----------------------------------------------------------------------------
+def hop_ports(topo: Topology, a: int, b: int) -> tuple:
+    """The hop ``a -> b`` as ``(link kind, out port, in port)``: NVLink inside a node (the
+    GPUs' ports), across nodes the NICs next to ``a`` and ``b``."""
+    if topo.same_node(a, b):
+        return ("nvlink", ("gpu-out", a), ("gpu-in", b))
+    return (
+        "nic",
+        ("nic-out", topo.node_of(a), topo.nic_of(a)),
+        ("nic-in", topo.node_of(b), topo.nic_of(b)),
+    )
+
+
 def message_paths(topo: Topology, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
-    """``(tokens, hops)`` per part of a message; a hop is ``(link kind, out port, in port)``."""
+    """``(tokens, hops)`` per leg of a message (``schedule.message_legs``); a hop is
+    ``hop_ports``."""
+    legs = message_legs(msg, routes.get((msg.src, msg.dst)))
+    return [(leg.num_tokens, [hop_ports(topo, a, b) for a, b in leg.hops]) for leg in legs]
 
-    def hop(a: int, b: int) -> tuple:
-        if topo.same_node(a, b):
-            return ("nvlink", ("gpu-out", a), ("gpu-in", b))
-        return (
-            "nic",
-            ("nic-out", topo.node_of(a), topo.nic_of(a)),
-            ("nic-in", topo.node_of(b), topo.nic_of(b)),
-        )
 
-    route = routes.get((msg.src, msg.dst))
-    if route is None or topo.same_node(msg.src, msg.dst):
-        return [(msg.num_tokens, [hop(msg.src, msg.dst)])]
-    parts = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-    paths = []
-    for part, n in zip(route.parts, parts):
-        hops = []
-        if part.src_proxy != msg.src:
-            hops.append(hop(msg.src, part.src_proxy))
-        hops.append(hop(part.src_proxy, part.dst_proxy))
-        if part.dst_proxy != msg.dst:
-            hops.append(hop(part.dst_proxy, msg.dst))
-        paths.append((n, hops))
-    return paths
+def route_hops(topo: Topology, route: Route) -> list[list[tuple]]:
+    """The hops (``hop_ports``) of each of ``route``'s parts, in part order, whatever the
+    tokens (``schedule.route_paths``): the array timeline splits the tokens itself."""
+    return [[hop_ports(topo, a, b) for a, b in zip(path[:-1], path[1:])]
+            for path in route_paths(route)]  # fmt: skip
 
 
 def step_transfer_times(
@@ -123,7 +126,7 @@ def step_transfer_times(
     """Per rank, the time until its messages of one ring step (sent and received) arrive, with
     every link's bandwidth shared by all the step's traffic on it. ``more``: other messages of
     the same step with their own bytes per token (the 2-D documents' column rings)."""
-    routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
+    routes = routes_by_edge(plan, routing=routing)
     weighted = [(m, bytes_per_token) for m in messages] + [(m, b) for ms, b in more for m in ms]
     paths = [(msg, message_paths(plan.topology, msg, routes)) for msg, _ in weighted]
     load: dict[tuple, float] = defaultdict(float)

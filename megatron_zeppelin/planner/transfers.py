@@ -6,14 +6,15 @@ direction) split its bandwidth; a message finishes when its most loaded link has
 latency per hop; a rank waits for the last of the messages it sends or receives. Messages follow
 ``schedule.ring_schedule``: at step ``s`` ring position ``i`` sends the block of position
 ``(i - s) mod g`` to position ``i + 1``; blocks of several documents on one edge in one step
-travel as one message. Messages over a route are split into parts by the caller's ``paths_of``
-(the simulator's route split), all others are timed here without leaving numpy.
+travel as one message. A message over a route is cut like ``schedule.message_legs`` cuts it:
+its tokens by the route's weights (``split_by_weights_array``, the array ``split_by_weights``),
+part ``j`` on the hops of ``stepwise.route_hops``; all messages are timed without leaving numpy.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,13 +22,11 @@ import numpy as np
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.phases import is_zigzag
 from megatron_zeppelin.planner.plan import Route, SequencePlan
-from megatron_zeppelin.planner.schedule import Message, Segment
+from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.planner.stepwise import route_hops
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = ["RingMessages", "ring_messages", "split_by_weights_array", "transfer_times"]
-
-PathsOf = Callable[[Message], list[tuple[int, list[tuple]]]]
-"""A routed message's ``(tokens, hops)`` parts; a hop is ``(link kind, out port, in port)``."""
 
 
 @dataclass(frozen=True)
@@ -139,14 +138,13 @@ def transfer_times(
     topology: Topology,
     cost: CostModel,
     routes: dict[tuple[int, int], Route],
-    paths_of: PathsOf,
     bytes_per_token: tuple[float, ...],
 ) -> tuple[np.ndarray, np.ndarray, list[np.ndarray]]:
     """Per (group, rank) that sends or receives: the time until its messages of that step have
     arrived, for each message size of ``bytes_per_token``. A cross-node edge in ``routes`` is
-    split by its route's weights (``split_by_weights``) into the parts ``paths_of`` gives the
-    hops of; any other message is one part of one hop. Returns the groups, the ranks and one
-    array of seconds per size."""
+    split by its route's weights (``split_by_weights``) into parts on the hops of
+    ``stepwise.route_hops``; any other message is one part of one hop. Returns the groups, the
+    ranks and one array of seconds per size."""
     k = topology.gpus_per_node
     src, dst = messages.src, messages.dst
     same = src // k == dst // k
@@ -156,7 +154,7 @@ def transfer_times(
     )
     hops = _joined(
         _direct_hops(messages, ~routed, topology, cost),
-        _routed_hops(messages, routed, routes, paths_of, topology, cost),
+        _routed_hops(messages, routed, routes, topology, cost),
     )
     # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
@@ -258,12 +256,11 @@ def _routed_hops(
     messages: RingMessages,
     is_routed: np.ndarray,
     routes: dict[tuple[int, int], Route],
-    paths_of: PathsOf,
     topology: Topology,
     cost: CostModel,
 ) -> _Hops:
     """Hops of the routed messages. A route's parts and hops are the same in every step, only
-    the tokens differ: ``paths_of`` is asked once per edge for the hops of each part."""
+    the tokens differ: ``route_hops`` is asked once per edge for the hops of each part."""
     world, m = topology.world_size, topology.nics_per_node
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
     chosen = np.flatnonzero(is_routed)
@@ -277,9 +274,8 @@ def _routed_hops(
         src, dst = edge // world, edge % world
         weights = [p.weight for p in routes[(src, dst)].parts]
         tokens = split_by_weights_array(messages.tokens[rows], weights)  # (message, part)
-        any_tokens = max(1, int(messages.tokens[rows].max()))
-        paths = paths_of(Message(src, dst, (Segment(-1, -1, any_tokens),)))
-        hops = [(p, hop) for p, (_, path) in enumerate(paths) for hop in path]
+        hops = [(p, hop) for p, path in enumerate(route_hops(topology, routes[(src, dst)]))
+                for hop in path]  # fmt: skip
         part_of_hop = np.asarray([p for p, _ in hops], dtype=np.int64)
         links = [cost.link(kind) for _, (kind, _, _) in hops]
         shape = (len(rows), len(hops))
