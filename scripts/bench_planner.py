@@ -9,7 +9,12 @@ validation.
     python scripts/bench_planner.py                 # full grid
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
     python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
+    python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
+
+``--docs`` sizes each batch by its number of documents instead (``N`` times the distribution's
+mean length in tokens) on 1024 GPUs, to show how planning grows with the documents; the peak
+resident memory of the process so far is reported with each row (rows run smallest first).
 """
 
 from __future__ import annotations
@@ -18,11 +23,16 @@ import argparse
 import gc
 import json
 import math
+import resource
 import statistics
 import time
 
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.distributions import (
+    DISTRIBUTIONS,
+    distribution_mean,
+    sample_lengths,
+)
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
@@ -68,17 +78,42 @@ def measure(
         "imbalance": plan.meta["load_imbalance"],
         "attention_imbalance": plan.meta["attention_imbalance"],
         "tiers": plan.meta["tier_counts"],
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
     }
+
+
+def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list[dict]:
+    """1024 GPUs, batches of about ``count`` documents (module docstring)."""
+    rows = []
+    print("| GPUs | documents | distribution | tokens | median ms | p90 ms | CPU median ms "
+          "| peak RSS MB |")  # fmt: skip
+    print("|---:|---:|---|---:|---:|---:|---:|---:|")
+    for count in sorted(counts):
+        for distribution in DISTRIBUTIONS:
+            tokens = int(count * distribution_mean(distribution))
+            row = measure(1024, tokens, distribution, seeds, options)
+            rows.append(row)
+            print(f"| 1024 | {row['documents']} | {distribution} | {tokens} "
+                  f"| {row['median_ms']:.1f} | {row['p90_ms']:.1f} | {row['cpu_median_ms']:.1f} "
+                  f"| {row['peak_rss_mb']:.0f} |", flush=True)  # fmt: skip
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="only 1024 GPUs x 4M tokens")
+    parser.add_argument("--docs", type=int, nargs="+", help="batches of this many documents")
     parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-2d", action="store_true", help="every ring flat (PlannerOptions)")
     args = parser.parse_args()
     options = PlannerOptions(two_d=not args.no_2d)
+    if args.docs:
+        rows = by_documents(args.docs, args.seeds, options)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(rows, f, indent=1)
+        return
     grid = [(1024, 1 << 22)] if args.quick else [(g, t) for g in GPUS for t in TOKENS]
     rows = []
     print(

@@ -17,6 +17,14 @@ the attention layout), ``two_d=False`` (every ring flat: no document splits its 
 nodes) and both ``two_d=False`` and ``routing=False``, and reports their mean step times next to
 the full method, and for every batch with a document across nodes its efficiency with and
 without the 2-D scheme.
+
+``--stress`` runs Zeppelin alone on the stress shapes of ``distributions.STRESS_DISTRIBUTIONS``
+(lengths it was not tuned on) at 16, 128 and 1024 GPUs (``--stress-gpus``) and fills 0.5 and
+0.95 (``--stress-fills``), cluster zeppelin-C, LLaMA-7B, 32768 tokens per GPU, documents cut at
+half the batch and at 1M tokens; it reports efficiency, planner time and how many documents
+span nodes (those are where a ring meets its per-rank K/V floor).
+
+    python scripts/compare_sweep.py --stress --steps 2 --json stress.json
 """
 
 from __future__ import annotations
@@ -29,7 +37,7 @@ import time
 
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
@@ -205,6 +213,72 @@ def averages(records: list[dict]) -> dict[str, float]:
     return out
 
 
+STRESS_CAPACITY = 32_768
+STRESS_MAX_LENGTH = 1 << 20
+
+
+def run_stress_point(dist: str, gpus: int, fill: float, *, steps: int) -> dict:
+    """Zeppelin alone on one stress shape (module docstring)."""
+    from megatron_zeppelin.planner.partition import plan_batch
+    from megatron_zeppelin.planner.simulator import simulate
+
+    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    tokens = int(fill * gpus * STRESS_CAPACITY)
+    max_length = min(STRESS_MAX_LENGTH, tokens // 2)
+    steps_s, bounds, planner_s, docs, spanning, longest = [], [], [], [], [], 0
+    for seed in range(steps):
+        lengths = sample_lengths(dist, num_tokens=tokens, seed=seed, max_length=max_length)
+        start = time.process_time()
+        plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=STRESS_CAPACITY)
+        planner_s.append(time.process_time() - start)
+        result = simulate(plan, cost)
+        steps_s.append(result.step_time_s)
+        bounds.append(result.lower_bound_s)
+        docs.append(len(lengths))
+        spanning.append(plan.meta["tier_counts"]["inter"])
+        longest = max(longest, max(lengths))
+    step, bound = sum(steps_s) / steps, sum(bounds) / steps
+    return {"dist": dist, "gpus": gpus, "fill": fill, "tokens": tokens, "documents": docs,
+            "longest": longest, "step_time_s": step, "lower_bound_s": bound,
+            "efficiency": bound / step, "per_batch": [b / s for b, s in zip(bounds, steps_s)],
+            "planner_ms": [1e3 * t for t in planner_s], "spanning_nodes": spanning}  # fmt: skip
+
+
+def stress_markdown(records: list[dict]) -> str:
+    lines = [
+        "| data | GPUs | fill | tokens | docs | longest | eff Z | per batch | spanning nodes "
+        "| planner ms |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|",
+    ]
+    for rec in records:
+        lines.append(
+            f"| {rec['dist']} | {rec['gpus']} | {rec['fill']} | {rec['tokens']} "
+            f"| {round(sum(rec['documents']) / len(rec['documents']))} | {rec['longest']} "
+            f"| {rec['efficiency']:.3f} | {' '.join(f'{e:.3f}' for e in rec['per_batch'])} "
+            f"| {max(rec['spanning_nodes'])} | {max(rec['planner_ms']):.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _stress(args: argparse.Namespace) -> int:
+    records = []
+    start = time.monotonic()
+    for dist in STRESS_DISTRIBUTIONS:
+        for gpus in args.stress_gpus:
+            for fill in args.stress_fills:
+                records.append(run_stress_point(dist, gpus, fill, steps=args.steps))
+                print(f"done {dist} {gpus} GPUs fill {fill} after "
+                      f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+    print(stress_markdown(records))
+    effs = [r["efficiency"] for r in records]
+    print(f"\n- min efficiency {min(effs):.3f}, mean {sum(effs) / len(effs):.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=3, help="batches (seeds) per configuration")
@@ -214,7 +288,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="OUT", help="write every row")
     parser.add_argument("--ablation", action="store_true",
                         help="also routing off, remap off, 2-D off")  # fmt: skip
+    parser.add_argument("--stress", action="store_true", help="Zeppelin on the stress shapes")
+    parser.add_argument("--stress-gpus", type=int, nargs="+", default=[16, 128, 1024])
+    parser.add_argument("--stress-fills", type=float, nargs="+", default=[0.5, 0.95])
     args = parser.parse_args(argv)
+    if args.stress:
+        return _stress(args)
     records = []
     start = time.monotonic()
     for point in configurations(args.quick):

@@ -13,11 +13,10 @@ from megatron_zeppelin.planner.baselines import (
     BASELINES,
     build_baseline,
     megatron_dynamic_cp,
-    zigzag_loads,
 )
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import AttentionComm, Tier
+from megatron_zeppelin.planner.plan import AttentionComm, Tier, zigzag_loads
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -131,3 +130,30 @@ def test_too_long_a_document_is_a_clear_error(name: str) -> None:
 def test_unknown_baseline_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match="te-ring-cp"):
         build_baseline("ring-magic", [10], topology=TOPO, capacity=CAPACITY)
+
+
+def test_flexsp_and_megatron_agree_exactly_when_one_document_sets_the_step() -> None:
+    """Both size a document's group by memory alone (the smallest power of two that holds it):
+    when that group's time for the longest document exceeds every other rank's work, both step
+    times are that document's time on its group, whatever the rest of the batch. Where no
+    document dominates, their schedules (and step times) differ."""
+    from megatron_zeppelin.planner.baselines import group_size_for, plan_without_remap, sequence_on
+    from megatron_zeppelin.planner.simulator import simulate, simulate_rounds
+
+    capacity = 8192
+    dominated = [30_000] + [1500, 900, 2000, 700, 1200, 3000, 2500, 800] * 2
+    times = {}
+    for name in ("megatron-dynamic-cp", "flexsp"):
+        plans = build_baseline(name, dominated, topology=TOPO, capacity=capacity, cost_model=COST)
+        (longest,) = [s for p in plans for s in p.sequences if s.id == 0]
+        size = group_size_for(30_000, capacity, TOPO.world_size)
+        assert len(longest.ring) == size  # memory-sized, in both
+        times[name] = simulate_rounds(plans, COST).step_time_s
+    alone = plan_without_remap([sequence_on(0, 30_000, tuple(range(size)), TOPO)], TOPO,
+                               name="alone", capacity=None)  # fmt: skip
+    assert times["megatron-dynamic-cp"] == times["flexsp"] == simulate(alone, COST).step_time_s
+    even = [3000, 2800, 2600, 2500, 2400] * 6
+    steps = [simulate_rounds(build_baseline(name, even, topology=TOPO, capacity=capacity,
+                                            cost_model=COST), COST).step_time_s
+             for name in ("megatron-dynamic-cp", "flexsp")]  # fmt: skip
+    assert steps[0] != pytest.approx(steps[1], rel=1e-3)

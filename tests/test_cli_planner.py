@@ -118,3 +118,16 @@ def test_plot_writes_png_files(tmp_path) -> None:
     assert main(["compare", *common, "--steps", "1", "--quiet", "--plot", str(compare_png)]) == 0
     for png in (plan_png, compare_png):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_without_a_terminal_shows_a_line_per_builder(capsys) -> None:
+    """Under pytest stderr is no terminal: no bar, but a line for each builder and batch."""
+    argv = ["compare", *CLUSTER, "--dist", "prolong", "--tokens", "20000", "--capacity",
+            "8192", "--steps", "2", "--builders", "zeppelin,te-ring-cp"]  # fmt: skip
+    assert main(argv) == 0
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batch ")]
+    assert len(lines) == 4
+    assert lines[0].startswith("batch 1/2: zeppelin planned and simulated in ")
+    assert "te-ring-cp" in lines[3] and "efficiency" in lines[3]
+    assert main([*argv, "--quiet"]) == 0
+    assert "batch 1/2" not in capsys.readouterr().err

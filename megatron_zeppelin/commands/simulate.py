@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
@@ -66,16 +67,18 @@ def compare_batches(
     builders: Sequence[str] | None = None,
     options=None,
     remap: bool = True,
-    on_result: Callable[[], None] | None = None,
+    on_result: Callable[[int, str, float, object], None] | None = None,
 ) -> dict[str, list]:
     """Per builder, one ``SimResult`` per batch, or the ``ValueError`` text where it could not
-    plan the batch (a baseline's capacity rule, say)."""
+    plan the batch (a baseline's capacity rule, say). ``on_result(batch, builder, seconds,
+    outcome)`` is called after each builder has planned and simulated a batch."""
     from megatron_zeppelin.planner.simulator import simulate_rounds
 
     builders = tuple(builders or builder_names())
     results: dict[str, list] = {name: [] for name in builders}
-    for lengths in batches:
+    for index, lengths in enumerate(batches):
         for name in builders:
+            start = time.perf_counter()
             try:
                 plans = build_plans(name, lengths, topology=topology, cost_model=cost_model,
                                     capacity=capacity, options=options)  # fmt: skip
@@ -84,7 +87,7 @@ def compare_batches(
             except ValueError as exc:
                 results[name].append(str(exc))
             if on_result is not None:
-                on_result()
+                on_result(index, name, time.perf_counter() - start, results[name][-1])
     return results
 
 
@@ -156,6 +159,22 @@ def _progress(total: int, quiet: bool):
                 unit="plan", leave=False)  # fmt: skip
 
 
+def _reporter(bar, num_batches: int, quiet: bool) -> Callable[[int, str, float, object], None]:
+    """Advance the progress bar on a terminal; elsewhere (a log, CI) write one line per builder
+    and batch, so a long comparison shows where it is."""
+    lines = not quiet and not sys.stderr.isatty()
+
+    def report(batch: int, builder: str, seconds: float, outcome: object) -> None:
+        bar.update()
+        if lines:
+            what = (f"efficiency {outcome.efficiency:.3f}" if hasattr(outcome, "efficiency")
+                    else "cannot plan")  # fmt: skip
+            print(f"batch {batch + 1}/{num_batches}: {builder} planned and simulated in "
+                  f"{seconds:.1f} s, {what}", file=sys.stderr, flush=True)  # fmt: skip
+
+    return report
+
+
 # --- zeppelin compare --------------------------------------------------------------------------
 def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
@@ -189,7 +208,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     with _progress(len(batches) * len(builders), args.quiet) as bar:
         results = compare_batches(batches, topology=topology, cost_model=cost, capacity=capacity,
                                   builders=builders, options=options, remap=not args.no_remap,
-                                  on_result=bar.update)  # fmt: skip
+                                  on_result=_reporter(bar, len(batches), args.quiet))  # fmt: skip
     rows = summarize(results)
     tokens = sum(len(b) for b in batches) / len(batches)
     print(f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "

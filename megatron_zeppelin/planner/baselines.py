@@ -29,9 +29,12 @@ Assumptions, one per baseline:
 * ``flexsp``: FlexSP-style heterogeneous sequence-parallel groups, greedy instead of a MILP. Each
   document needs a power-of-two group holding it; longest first, a document opens a new aligned
   group of its size while free ranks remain and the least loaded existing group of that size
-  would pass the average load, else it joins the least loaded group that is large enough. Groups
-  run concurrently, each packing its documents into one ring-attention pass (FlexSP uses
-  all-to-all sequence parallelism; the ring keeps one communication model across baselines).
+  would pass the average load, else it joins the least loaded group that is large enough. Group
+  sizes follow memory, as Megatron's dynamic CP does (FlexSP's solver also weighs cost): where
+  one document's group outlasts every other rank's work, both baselines take that document's
+  time on its group, to the microsecond. Groups run concurrently, each packing its documents
+  into one ring-attention pass (FlexSP uses all-to-all sequence parallelism; the ring keeps one
+  communication model across baselines).
 
 Every baseline runs its linear modules where its attention tokens are (no remapping) and has no
 routes: cross-node traffic leaves through each sender's own NIC.
@@ -39,8 +42,11 @@ routes: cross-node traffic leaves through each sender's own NIC.
 
 from __future__ import annotations
 
+import heapq
 import warnings
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import (
@@ -49,7 +55,7 @@ from megatron_zeppelin.planner.plan import (
     SequencePlan,
     Tier,
     TokenRange,
-    zigzag_bounds,
+    zigzag_loads,
     zigzag_spans,
 )
 from megatron_zeppelin.topology.model import Topology
@@ -83,14 +89,6 @@ def _pow2_at_least(n: float) -> int:
     return size
 
 
-def zigzag_loads(length: int, ring_size: int) -> list[int]:
-    """Tokens each ring position holds when a document is split zigzag over ``ring_size``."""
-    bounds = zigzag_bounds(length, ring_size)
-    g = ring_size
-    return [bounds[i][1] - bounds[i][0] + bounds[2 * g - 1 - i][1] - bounds[2 * g - 1 - i][0]
-            for i in range(g)]  # fmt: skip
-
-
 def group_size_for(length: int, capacity: int, world_size: int) -> int:
     """Smallest power-of-two ring whose zigzag split keeps every rank within ``capacity``."""
     size = _pow2_at_least(length / capacity)
@@ -108,8 +106,7 @@ def sequence_on(
     seq_id: int, length: int, ring: tuple[int, ...], topology: Topology
 ) -> SequencePlan:
     """A document split zigzag over ``ring`` (kept whole for a ring of one)."""
-    nodes = {topology.node_of(r) for r in ring}
-    tier = Tier.LOCAL if len(ring) == 1 else Tier.INTRA if len(nodes) == 1 else Tier.INTER
+    tier = Tier.of_ring(ring, topology.gpus_per_node)
     return SequencePlan(seq_id, length, tier, ring, zigzag_spans(length, ring))
 
 
@@ -175,19 +172,7 @@ def _packed_cp(
                 f"{capacity} tokens: raise cp_size or capacity"
             )
     num_groups = world // cp_size
-    # First fit decreasing into samples; a sample's per-rank load must stay within capacity.
-    samples: list[tuple[list[int], list[tuple[int, int]]]] = []
-    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        add = zigzag_loads(lengths[seq_id], cp_size)
-        for loads, docs in samples:  # noqa: B007 (the loop leaves the chosen sample bound)
-            if all(a + b <= capacity for a, b in zip(loads, add)):
-                break
-        else:
-            loads, docs = [0] * cp_size, []
-            samples.append((loads, docs))
-        for i, b in enumerate(add):
-            loads[i] += b
-        docs.append((seq_id, lengths[seq_id]))
+    samples = _first_fit_samples(lengths, cp_size, capacity)
     plans = []
     num_rounds = -(-len(samples) // num_groups)
     for k in range(num_rounds):
@@ -200,6 +185,29 @@ def _packed_cp(
         plans.append(plan_without_remap(sequences, topology, name=name, capacity=capacity,
                                         attention_comm=comm, meta=meta))  # fmt: skip
     return plans
+
+
+def _first_fit_samples(
+    lengths: list[int], cp_size: int, capacity: int
+) -> list[tuple[np.ndarray, list[tuple[int, int]]]]:
+    """First fit decreasing into samples of ``cp_size`` ranks: a document joins the first sample
+    whose every rank keeps within ``capacity`` with its zigzag share added. Samples' per-rank
+    loads are rows of one array, so each document scans them at once."""
+    loads = np.zeros((16, cp_size), dtype=np.int64)
+    samples: list[list[tuple[int, int]]] = []
+    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        add = np.asarray(zigzag_loads(lengths[seq_id], cp_size), dtype=np.int64)
+        fits = np.flatnonzero((loads[: len(samples)] + add <= capacity).all(axis=1))
+        if len(fits):
+            index = int(fits[0])
+        else:
+            index = len(samples)
+            if index == len(loads):
+                loads = np.concatenate([loads, np.zeros_like(loads)])
+            samples.append([])
+        loads[index] += add
+        samples[index].append((seq_id, lengths[seq_id]))
+    return [(loads[i], docs) for i, docs in enumerate(samples)]
 
 
 def te_ring_cp(
@@ -248,6 +256,7 @@ def hybrid_dp(
         tokens = [0] * world
         group_cost = [0.0] * (world // cp_size)
         placed, left = [], []
+        fewest: list[tuple[int, int]] | None = None  # (tokens, rank), once long ones are placed
         for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
             if n > threshold:
                 add = zigzag_loads(n, cp_size)
@@ -263,9 +272,13 @@ def hybrid_dp(
                 else:
                     left.append((seq_id, n))
             else:
-                rank = min(range(world), key=lambda r: (tokens[r], r))
+                if fewest is None:  # every long document is placed (longest first)
+                    fewest = [(t, r) for r, t in enumerate(tokens)]
+                    heapq.heapify(fewest)
+                _, rank = fewest[0]  # the GPU holding the fewest tokens
                 if tokens[rank] + n <= capacity:
                     tokens[rank] += n
+                    heapq.heapreplace(fewest, (tokens[rank], rank))
                     placed.append(sequence_on(seq_id, n, (rank,), topology))
                 else:
                     left.append((seq_id, n))
@@ -298,6 +311,61 @@ def _fits(
     return all(t + a <= capacity for t, a in zip(tokens, zigzag_loads(length, len(ring))))
 
 
+class _FlexspRound:
+    """Groups of one FlexSP round: each size's groups in a heap by load (entries whose load has
+    changed since are skipped), and each size's first aligned block that may still be free."""
+
+    def __init__(self, world: int, capacity: int) -> None:
+        self.world, self.capacity = world, capacity
+        self.free = [True] * world
+        self.groups: list[Group] = []
+        self.heaps: dict[int, list[tuple[float, int]]] = {}
+        self.next_block: dict[int, int] = {}
+
+    def least_loaded(self, size: int, length: int) -> int | None:
+        """The least loaded group of ``size`` with room for ``length`` (ties: the oldest)."""
+        heap = self.heaps.get(size, [])
+        skipped, found = [], None
+        while heap:
+            load, index = heapq.heappop(heap)
+            group = self.groups[index]
+            if load != group[2][0]:
+                continue  # stale entry: the group was pushed again with its new load
+            skipped.append((load, index))
+            if _fits(group, length, self.capacity):
+                found = index
+                break
+        for item in skipped:
+            heapq.heappush(heap, item)
+        return found
+
+    def free_block(self, size: int) -> int | None:
+        block = self.next_block.get(size, 0)
+        while block + size <= self.world and not all(self.free[block : block + size]):
+            block += size
+        self.next_block[size] = block
+        return block if block + size <= self.world else None
+
+    def load(self, index: int) -> float:
+        return self.groups[index][2][0]
+
+    def open(self, block: int, size: int) -> int:
+        ring = tuple(range(block, block + size))
+        for r in ring:
+            self.free[r] = False
+        self.groups.append((ring, [0] * size, [0.0]))
+        heapq.heappush(self.heaps.setdefault(size, []), (0.0, len(self.groups) - 1))
+        return len(self.groups) - 1
+
+    def add(self, index: int, length: int, cost: float) -> tuple[int, ...]:
+        ring, tokens, load = self.groups[index]
+        for i, a in enumerate(zigzag_loads(length, len(ring))):
+            tokens[i] += a
+        load[0] += cost / len(ring)
+        heapq.heappush(self.heaps[len(ring)], (load[0], index))
+        return ring
+
+
 def flexsp(
     lengths: Sequence[int],
     *,
@@ -316,34 +384,23 @@ def flexsp(
 
     def build_round(docs: list[tuple[int, int]]):
         target = sum(doc_cost(n) for _, n in docs) / world
-        free = [True] * world
-        groups: list[Group] = []
+        groups = _FlexspRound(world, capacity)
         placed, left = [], []
         for seq_id, n in sorted(docs, key=lambda d: (-d[1], d[0])):
             size = group_size_for(n, capacity, world)
             per_rank = doc_cost(n) / size
-            same = [g for g in groups if len(g[0]) == size and _fits(g, n, capacity)]
-            best = min(same, key=lambda g: g[2][0], default=None)
-            block = next(
-                (b for b in range(0, world - size + 1, size) if all(free[b : b + size])), None
-            )
-            if block is not None and (best is None or best[2][0] + per_rank > target):
-                ring = tuple(range(block, block + size))
-                for r in ring:
-                    free[r] = False
-                best = (ring, [0] * size, [0.0])
-                groups.append(best)
+            best = groups.least_loaded(size, n)
+            block = groups.free_block(size)
+            if block is not None and (best is None or groups.load(best) + per_rank > target):
+                best = groups.open(block, size)
             elif best is None:
-                larger = [g for g in groups if len(g[0]) > size and _fits(g, n, capacity)]
-                best = min(larger, key=lambda g: g[2][0], default=None)
+                larger = [g for s in groups.heaps if s > size
+                          if (g := groups.least_loaded(s, n)) is not None]  # fmt: skip
+                best = min(larger, key=lambda g: (groups.load(g), g), default=None)
                 if best is None:
                     left.append((seq_id, n))
                     continue
-            ring, tokens, cost = best
-            add = zigzag_loads(n, len(ring))
-            for i, a in enumerate(add):
-                tokens[i] += a
-            cost[0] += doc_cost(n) / len(ring)
+            ring = groups.add(best, n, doc_cost(n))
             placed.append(sequence_on(seq_id, n, ring, topology))
         return placed, left
 

@@ -26,10 +26,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from megatron_zeppelin.planner.models import ModelSpec
+import numpy as np
+
+from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD, ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
 Link = Literal["nvlink", "nic", "alltoall"]
+
+FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
+"""The forward pass's share of a block's fwd+bwd attention time: a ring step's forward hides
+its K/V transfer behind this share of the block's compute, the backward its K/V and dK/dV
+behind the rest."""
 
 
 def causal_pairs(q_start: int, q_end: int, k_start: int, k_end: int) -> int:
@@ -91,6 +98,20 @@ class Efficiency:
         if self.fall_tokens is not None:
             slowdown += (call_tokens or num_tokens) / self.fall_tokens
         return self.flops_per_s / slowdown
+
+    def busy_seconds(
+        self, flops: np.ndarray, num_tokens: np.ndarray, call_tokens: np.ndarray | None = None
+    ) -> np.ndarray:
+        """``rate`` elementwise: seconds of ``flops`` on blocks of ``num_tokens`` tokens (in calls
+        of ``call_tokens``), overhead aside; zero where there is nothing to compute."""
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        safe = np.maximum(num_tokens, 1e-300)
+        slowdown = 1.0 + self.half_tokens / safe
+        if self.fall_tokens is not None:
+            calls = num_tokens if call_tokens is None else np.asarray(call_tokens)
+            slowdown = slowdown + calls / self.fall_tokens
+        busy = (np.asarray(flops, dtype=np.float64) > 0) & (num_tokens > 0)
+        return np.where(busy, flops * slowdown / self.flops_per_s, 0.0)
 
     def time(self, flops: float, num_tokens: int, *, call_tokens: int | None = None) -> float:
         """Seconds of one call doing ``flops`` on blocks of ``num_tokens`` tokens (``call_tokens``
@@ -225,6 +246,13 @@ class CostModel:
     def linear_time(self, num_tokens: int) -> float:
         """QKV, projection and MLP GEMMs of one layer for ``num_tokens`` tokens."""
         return self.linear.time(num_tokens * self.model.linear_flops_per_token(), num_tokens)
+
+    def linear_times(self, num_tokens: np.ndarray) -> np.ndarray:
+        """``linear_time`` elementwise."""
+        num_tokens = np.asarray(num_tokens, dtype=np.float64)
+        flops = num_tokens * self.model.linear_flops_per_token()
+        busy = self.linear.busy_seconds(flops, num_tokens)
+        return np.where(busy > 0, busy + self.linear.overhead_s, 0.0)
 
     # --- communication ---------------------------------------------------------------------
     def kv_bytes(self, num_tokens: int) -> int:

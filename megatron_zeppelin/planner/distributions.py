@@ -6,6 +6,11 @@ by picking a bin by count, then a length uniformly in log space inside the bin, 
 integer. ``magi_realworld`` uses the same two fields but its first edge is 0 (its first bin is
 "0 to 10 tokens"); lengths are at least 1, so that bin is drawn from ``[1, 11)``.
 
+Besides the embedded histograms, ``STRESS_DISTRIBUTIONS`` are parametric shapes the planner was
+not tuned on (``_STRESS``): a lognormal (median 9K tokens, sigma 0.9), a bimodal SFT-like mix,
+a power law, uniformly long documents, a tail of 256K-1M documents among web-like ones, and a
+mixture of all of these. They are sampled by the same ``sample_lengths``.
+
 ``sample_lengths`` draws documents until their total reaches ``num_tokens`` and trims the last
 one so the total is exact: a micro-batch of a fixed token budget filled with whole documents.
 ``max_length`` cuts documents longer than it into pieces of ``max_length`` (and a remainder), as a
@@ -15,7 +20,7 @@ data pipeline with a context window does, so the tokens' share of long documents
 from __future__ import annotations
 
 import json
-from functools import lru_cache
+from functools import cache, lru_cache
 from importlib import resources
 
 import numpy as np
@@ -43,18 +48,84 @@ DISTRIBUTIONS: tuple[str, ...] = tuple(_histograms())
 """Names of the embedded histograms."""
 
 
+def _lognormal(median: float, sigma: float, lo: int, hi: int):
+    def draw(rng: np.random.Generator, count: int) -> np.ndarray:
+        return np.clip(rng.lognormal(np.log(median), sigma, count), lo, hi)
+
+    return draw
+
+
+def _uniform(lo: int, hi: int):
+    def draw(rng: np.random.Generator, count: int) -> np.ndarray:
+        return rng.integers(lo, hi + 1, count)
+
+    return draw
+
+
+def _power_law(alpha: float, lo: int, hi: int):
+    """Pareto ``P(L > x) ~ x^-alpha`` on ``[lo, hi]`` (inverse transform)."""
+
+    def draw(rng: np.random.Generator, count: int) -> np.ndarray:
+        u = rng.random(count)
+        a, b = lo**-alpha, hi**-alpha
+        return (a - u * (a - b)) ** (-1.0 / alpha)
+
+    return draw
+
+
+def _mix(*parts: tuple[float, object]):
+    """Documents drawn from ``parts`` with the given probabilities (per document)."""
+
+    def draw(rng: np.random.Generator, count: int) -> np.ndarray:
+        weights = np.asarray([w for w, _ in parts], dtype=np.float64)
+        which = rng.choice(len(parts), size=count, p=weights / weights.sum())
+        out = np.empty(count)
+        for i, (_, part) in enumerate(parts):
+            chosen = which == i
+            out[chosen] = part(rng, int(chosen.sum()))  # type: ignore[operator]
+        return out
+
+    return draw
+
+
+_STRESS = {
+    "lognormal": _lognormal(9_000, 0.9, 1, 131_072),
+    "sft-bimodal": _mix((0.85, _lognormal(350, 0.7, 16, 4_096)),
+                        (0.15, _lognormal(6_000, 0.5, 1_024, 32_768))),
+    "power-law": _power_law(0.8, 128, 262_144),
+    "uniform-long": _uniform(32_768, 131_072),
+    "long-tail": _mix((0.995, _lognormal(1_500, 1.2, 16, 65_536)),
+                      (0.005, _uniform(262_144, 1_048_576))),
+    "mixture": _mix((0.45, _lognormal(350, 0.7, 16, 4_096)),
+                    (0.35, _lognormal(9_000, 0.9, 1, 131_072)),
+                    (0.197, _power_law(0.8, 128, 262_144)),
+                    (0.003, _uniform(262_144, 1_048_576))),
+}  # fmt: skip
+STRESS_DISTRIBUTIONS: tuple[str, ...] = tuple(_STRESS)
+"""Names of the parametric stress shapes (module docstring)."""
+
+
+@cache
 def distribution_mean(name: str) -> float:
-    """Mean document length of a distribution under the in-bin log-uniform rule (tokens)."""
+    """Mean document length of a distribution (tokens): exact for the histograms under the
+    in-bin log-uniform rule, over a fixed sample of 200,000 documents for the stress shapes."""
+    if name in _STRESS:
+        return float(_draw_stress(name, np.random.default_rng(12345), 200_000).mean())
     lo, hi, prob = _get(name)
     # Mean of exp(U) for U uniform on [log lo, log hi): (hi - lo) / log(hi / lo).
     means = np.where(hi > lo, (hi - lo) / np.log(hi / lo), lo)
     return float((prob * means).sum())
 
 
+def _draw_stress(name: str, rng: np.random.Generator, count: int) -> np.ndarray:
+    return np.maximum(1, np.floor(_STRESS[name](rng, count))).astype(np.int64)
+
+
 def _get(name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     hists = _histograms()
     if name not in hists:
-        raise ValueError(f"unknown length distribution {name!r}; known: {', '.join(hists)}")
+        known = ", ".join([*hists, *_STRESS])
+        raise ValueError(f"unknown length distribution {name!r}; known: {known}")
     return hists[name]
 
 
@@ -71,7 +142,8 @@ def sample_lengths(
     name: str, *, num_tokens: int, seed: int, max_length: int | None = None
 ) -> list[int]:
     """Document lengths from distribution ``name`` summing to exactly ``num_tokens``."""
-    lo, hi, prob = _get(name)
+    if name not in _STRESS:
+        lo, hi, prob = _get(name)
     if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
         raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
     if max_length is not None and max_length < 1:
@@ -82,7 +154,10 @@ def sample_lengths(
     while total < num_tokens:
         # Draw a batch expected to cover what is missing; more batches only if unlucky.
         count = int((num_tokens - total) / mean * 1.2) + 16
-        batch = _draw(rng, lo, hi, prob, count)
+        if name in _STRESS:
+            batch = _draw_stress(name, rng, count)
+        else:
+            batch = _draw(rng, lo, hi, prob, count)
         if max_length is not None:
             batch = _cut(batch, max_length)
         chunks.append(batch)

@@ -2,9 +2,10 @@
 
 Linear modules cost the same per token, so a rank holding more tokens than its peers in the
 attention layout is slow in its linear modules too. Moving tokens evens that out, but the move
-is an all-to-all before and after attention (``remap_seconds``), and it turns every layer into
-``max(linear) + all-to-alls + max(attention)`` instead of ``max(linear + attention)``: the two
-maxima need not fall on the same rank. Three layouts are candidates:
+is an all-to-all before and after attention (``steptime.remap_seconds``), and it turns every
+layer into ``max(linear) + all-to-alls + max(attention)`` instead of ``max(linear + attention)``:
+the two maxima need not fall on the same rank (``steptime.layer_seconds``). Three layouts are
+candidates:
 
 * ``attention``: the attention layout itself; nothing moves;
 * ``node``: tokens even inside every node (NVLink moves only);
@@ -25,17 +26,19 @@ a target never exceeds the largest attention count of its group.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Sequence
+
+import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import SequencePlan, TokenRange
+from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
 from megatron_zeppelin.topology.model import Topology
 
 Piece = tuple[int, int, int]
 """``(seq, start, end)``: a token range of one document."""
 Moves = dict[tuple[int, int], int]
-"""``(attention holder, linear holder)`` -> tokens moved between them."""
+"""``(attention holder, linear holder)`` -> tokens moved between them (``steptime.Moves``)."""
 
 LAYOUTS = ("attention", "node", "even")
 Layout = tuple[tuple[TokenRange, ...], ...]
@@ -183,59 +186,36 @@ def moved_tokens(moves: Moves, topology: Topology) -> dict[str, int]:
     return out
 
 
-def all_to_all_seconds(
-    moves: Moves, topology: Topology, cost_model: CostModel, bytes_per_token: float
-) -> float:
-    """One all-to-all moving ``moves[(src, dst)]`` tokens: every GPU's NVLink port and every NIC
-    (per direction) drains its bytes in parallel; the slowest drain plus one latency."""
-    load: dict[tuple, float] = defaultdict(float)
-    kinds = set()
-    for (src, dst), num_tokens in moves.items():
-        num_bytes = num_tokens * bytes_per_token
-        if topology.same_node(src, dst):
-            kind = "nvlink"
-            ports = (("gpu-out", src), ("gpu-in", dst))
-        else:
-            kind = "nic"
-            ports = (
-                ("nic-out", topology.node_of(src), topology.nic_of(src)),
-                ("nic-in", topology.node_of(dst), topology.nic_of(dst)),
-            )
-        kinds.add(kind)
-        for port in ports:
-            load[(kind, port)] += num_bytes
-    if not load:
-        return 0.0
-    drain = max(v / cost_model.link(kind).bytes_per_s for (kind, _), v in load.items())
-    return drain + max(cost_model.link(k).latency_s for k in kinds)
-
-
-def remap_seconds(moves: Moves, topology: Topology, cost_model: CostModel) -> float:
-    """The remapping of one layer, forward and backward: Q/K/V (then dQ/dK/dV) travel from the
-    linear holder to the attention holder, the output (then its gradient) back; four
-    all-to-alls. ``moves`` is keyed ``(attention holder, linear holder)``."""
-    m = cost_model.model
-    q_bytes = (m.hidden_bytes_per_token() - m.kv_bytes_per_token()) // 2
-    to_attention = {(b, a): n for (a, b), n in moves.items()}
-    one_way = all_to_all_seconds(
-        to_attention, topology, cost_model, q_bytes + m.kv_bytes_per_token()
-    )
-    other_way = all_to_all_seconds(moves, topology, cost_model, q_bytes)
-    return 2.0 * (one_way + other_way)
-
-
-def layer_seconds(
+def price_linear_layouts(
+    counts: Sequence[int],
     attention_s: Sequence[float],
-    linear_tokens: Sequence[int],
-    remap_s: float,
+    topology: Topology,
     cost_model: CostModel,
-) -> float:
-    """Predicted layer time: ``max(linear + attention)`` with nothing to move, else
-    ``max(linear) + remap + max(attention)`` (the all-to-alls synchronize every rank)."""
-    linear = [cost_model.linear_time(n) for n in linear_tokens]
-    if remap_s <= 0:
-        return max(a + b for a, b in zip(attention_s, linear))
-    return max(linear) + remap_s + max(attention_s)
+    candidates: Sequence[str] = LAYOUTS,
+) -> dict[str, float]:
+    """Every candidate layout's predicted layer time (``steptime.layer_seconds``), from each
+    rank's attention tokens and attention seconds (compute plus unhidden transfers) alone."""
+    unknown = [c for c in candidates if c not in LAYOUTS]
+    if unknown or not candidates:
+        raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
+    world = topology.world_size
+    node_groups = [list(topology.ranks_of_node(n)) for n in range(topology.num_nodes)]
+    predicted: dict[str, float] = {}
+    for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
+        if name == "attention":
+            tokens, moves = list(counts), {}
+        else:
+            tokens = _targets(list(counts), node_groups if name == "node" else [list(range(world))])
+            moves = _count_moves(list(counts), tokens, topology)
+        linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
+        remap_s = remap_seconds(moves, topology, cost_model)
+        predicted[name] = layer_seconds(linear_s, attention_s, remap_s)
+    return predicted
+
+
+def fastest(predicted: dict[str, float]) -> str:
+    """The layout of least predicted time; ties go to the one that moves less."""
+    return min(predicted, key=lambda name: (predicted[name], LAYOUTS.index(name)))
 
 
 def choose_linear_layout(
@@ -248,31 +228,18 @@ def choose_linear_layout(
 ) -> tuple[Layout, Moves, str, dict[str, float]]:
     """The candidate layout (module docstring) with the least predicted layer time, given each
     rank's predicted attention seconds. Returns the layout, its moves, its name and every
-    candidate's predicted seconds."""
-    unknown = [c for c in candidates if c not in LAYOUTS]
-    if unknown or not candidates:
-        raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
-    # Candidates are priced from token counts alone; only the winner's ranges are built.
+    candidate's predicted seconds. Candidates are priced from token counts alone; only the
+    winner's ranges are built."""
     counts = [sum(end - start for _, start, end in pieces) for pieces in by_rank]
-    world = topology.world_size
-    node_groups = [list(topology.ranks_of_node(n)) for n in range(topology.num_nodes)]
-    best: tuple[float, str] | None = None
-    predicted: dict[str, float] = {}
-    for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
-        if name == "attention":
-            tokens, moves = counts, {}
-        else:
-            tokens = _targets(counts, node_groups if name == "node" else [list(range(world))])
-            moves = _count_moves(counts, tokens, topology)
-        seconds = layer_seconds(
-            attention_s, tokens, remap_seconds(moves, topology, cost_model), cost_model
-        )
-        predicted[name] = seconds
-        if best is None or seconds < best[0]:
-            best = (seconds, name)
-    assert best is not None
-    name = best[1]
+    predicted = price_linear_layouts(counts, attention_s, topology, cost_model, candidates)
+    name = fastest(predicted)
+    return build_linear_layout(by_rank, topology, name) + (name, predicted)
+
+
+def build_linear_layout(
+    by_rank: list[list[Piece]], topology: Topology, name: str
+) -> tuple[Layout, Moves]:
+    """The ranges (and moves) of layout ``name``."""
     if name == "attention":
-        return tuple(_merged(list(p)) for p in by_rank), {}, name, predicted
-    layout, moves = balanced_layout(by_rank, topology, scope=name)
-    return layout, moves, name, predicted
+        return tuple(_merged(list(p)) for p in by_rank), {}
+    return balanced_layout(by_rank, topology, scope=name)

@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-import numpy as np
-
-from megatron_zeppelin.planner.costmodel import CostModel, Link
-from megatron_zeppelin.planner.plan import zigzag_bounds
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Link
+from megatron_zeppelin.planner.plan import zigzag_loads
 from megatron_zeppelin.planner.schemes import SchemePrices
-from megatron_zeppelin.planner.thresholds import FWD_SHARE, linear_seconds_per_token
+from megatron_zeppelin.planner.thresholds import linear_seconds_per_token
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["Loads", "min_ring", "position_tokens"]
+__all__ = ["Loads", "LoadsSnapshot", "RankShare", "min_ring"]
 
-
-def position_tokens(length: int, ring_size: int) -> list[int]:
-    """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
-    if ring_size == 1:
-        return [length]
-    bounds = zigzag_bounds(length, ring_size)
-    g2 = 2 * ring_size - 1
-    return [
-        bounds[i][1] - bounds[i][0] + bounds[g2 - i][1] - bounds[g2 - i][0]
-        for i in range(ring_size)
-    ]
+LoadsSnapshot = tuple[tuple[int, ...], list[tuple[float, float, float, int]]]
+"""Some ranks and their ``(cost, attention, exposed, tokens)`` at ``Loads.snapshot``."""
 
 
 def min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -> int | None:
@@ -42,19 +32,44 @@ def min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -
     g = max(start, math.ceil(length / capacity))
     g = multiple * math.ceil(g / multiple)
     while g <= length + multiple:
-        if max(position_tokens(length, g)) <= capacity:
+        if max(zigzag_loads(length, g)) <= capacity:
             return g
         g += multiple
     return None
 
 
-class Loads:
-    """Per-GPU predicted seconds (attention plus linear) and tokens while documents are placed.
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's share of a split document under some scheme, one layer forward+backward."""
 
-    ``cost`` is what balancing looks at: a GPU's attention seconds plus its tokens' linear
-    seconds, the time it would take if its linear modules ran on its attention tokens. Balancing
-    this sum keeps both the attention and the token counts close to even, so the linear layout
-    needs few (or no) moves; ``attention`` keeps the attention part apart for reporting."""
+    compute_s: float
+    """Attention seconds of the rank's blocks."""
+    exposed_s: float
+    """Transfer seconds the rank's compute does not hide, at the rank whose edges cross nodes
+    (the most exposed)."""
+    inner_exposed_s: float | None = None
+    """The same at a rank whose ring edges stay inside its node; ``None``: ``exposed_s``."""
+
+    def exposed_at(self, crosses_nodes: bool) -> float:
+        if crosses_nodes or self.inner_exposed_s is None:
+            return self.exposed_s
+        return self.inner_exposed_s
+
+
+class Loads:
+    """Per-GPU predicted seconds and tokens while documents are placed.
+
+    Per rank: ``attention`` (compute seconds), ``exposed`` (ring transfers the compute does not
+    hide), ``tokens``, and ``cost``, what balancing looks at: attention plus exposed plus, with
+    ``balance_linear``, the tokens' linear seconds (the time the rank would take if its linear
+    modules ran on its attention tokens). Balancing that sum keeps both the attention and the
+    token counts close to even, so no tokens need to move; without ``balance_linear`` only the
+    attention layout is balanced and the linear layout evens the tokens (the remapping pays the
+    difference).
+
+    What a split document costs each of its ranks comes from one function, ``rank_share``: a
+    zigzag ring, or over whole nodes the 2-D scheme where the cost model prices it faster
+    (``schemes.SchemePrices``, with ``two_d``)."""
 
     def __init__(
         self,
@@ -63,6 +78,7 @@ class Loads:
         cost_model: CostModel,
         num_links: int = 1,
         *,
+        balance_linear: bool = True,
         two_d: bool = False,
     ) -> None:
         self.topology = topology
@@ -73,10 +89,15 @@ class Loads:
         """Links a cross-node ring edge uses: every NIC of the node with routing, else one."""
         self.capacity = capacity
         self.token_weight = linear_seconds_per_token(cost_model)
+        self.balance_linear = balance_linear
+        self.linear_weight = self.token_weight if balance_linear else 0.0
+        """Seconds a token adds to ``cost``."""
         self.cost_model = cost_model
-        self.cost = [0.0] * topology.world_size
-        self.attention = [0.0] * topology.world_size
-        self.tokens = [0] * topology.world_size
+        world = topology.world_size
+        self.cost = [0.0] * world
+        self.attention = [0.0] * world
+        self.exposed = [0.0] * world
+        self.tokens = [0] * world
         self._overhead_s = cost_model.attention.overhead_s
         flops = cost_model.model.attn_flops_per_pair()
         # (seconds per pair at full rate, half_tokens, fall_tokens) of both curves; scalar maths
@@ -87,7 +108,7 @@ class Loads:
         }
 
     def _block_seconds(self, pairs: float, num_tokens: float, *, diagonal: bool) -> float:
-        """``Efficiency.rate`` of the cost model, without the per-call overhead."""
+        """``Efficiency.busy_seconds`` of the cost model, in scalars."""
         pair_seconds, half, fall = self._curves[diagonal]
         slowdown = 1.0 + half / num_tokens + (num_tokens / fall if fall else 0.0)
         return pair_seconds * pairs * slowdown
@@ -105,68 +126,120 @@ class Loads:
         rest = self._block_seconds(pairs * (g - 1) / g, chunk, diagonal=False)
         return own + rest + g * self._overhead_s
 
-    def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
-        """One ring rank's predicted seconds for a document: attention, the transfers its
-        compute does not hide, and its tokens' linear work. A forward step moves K/V while the
-        block's forward runs, a backward step K/V and dK/dV while its backward runs, over
-        ``num_links`` links in parallel (routing spreads a cross-node edge over every NIC)."""
+    def rank_share(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> RankShare:
+        """One rank of a zigzag ring of ``ring_size`` over ``link``: ``ring_seconds`` of compute,
+        and per ring step the transfer its block's compute does not hide. A forward step moves
+        K/V while the block's forward runs, a backward step K/V and dK/dV while its backward
+        runs. Across nodes (``link="nic"``) a routed edge (``num_links`` NICs) sends a part per
+        NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
+        GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
+        wait for the slowest part."""
         g = ring_size
-        attention = self.ring_seconds(length, g)
-        per_rank = length / g
+        compute = self.ring_seconds(length, g)
         if g == 1:
-            return attention + self.token_weight * per_rank
-        step = attention / g
-        kv = self.cost_model.kv_bytes(1) * per_rank
+            return RankShare(compute, 0.0)
+        step = compute / g
+        kv = self.cost_model.kv_bytes(1) * length / g
+        nvlink, nic = self.cost_model.nvlink, self.cost_model.nic
+        relayed = 1 + 1 / num_links if link == "nic" and num_links > 1 else 1.0
 
-        def transfer(num_bytes: float) -> float:
-            # Every rank also sends over its NVLink port (in-node edges, hops to proxies).
-            nvlink = self.cost_model.transfer_time(num_bytes, "nvlink")
+        def inner(num_bytes: float) -> float:
+            return nvlink.time(relayed * num_bytes)
+
+        def edge(num_bytes: float) -> float:
             if link == "nvlink":
-                return nvlink
-            nic = self.cost_model.nic
-            return max(nvlink, nic.latency_s + num_bytes / (nic.bytes_per_s * num_links))
+                return nvlink.time(num_bytes)
+            if num_links == 1:  # direct: the sender's NIC
+                return max(nvlink.time(num_bytes), nic.time(num_bytes))
+            drain = max(
+                relayed * num_bytes / nvlink.bytes_per_s,
+                num_bytes / (num_links * nic.bytes_per_s),
+            )
+            return drain + 2 * nvlink.latency_s + nic.latency_s
 
-        exposed = max(0.0, transfer(kv) - FWD_SHARE * step)
-        exposed += max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step)
-        flat = attention + (g - 1) * exposed
+        def exposed(transfer) -> float:
+            forward = max(0.0, transfer(kv) - FWD_SHARE * step)
+            return (g - 1) * (forward + max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step))
+
         k = self.topology.gpus_per_node
+        flat = RankShare(compute, exposed(edge), exposed(inner) if link == "nic" else None)
         if link == "nic" and self.two_d is not None and g % k == 0:
+            # The second scheme for a ring over whole nodes: its price is compute and unhidden
+            # transfers (head all-to-alls included) together.
             two_d = self.two_d.two_d(length, g // k)
-            flat = min(flat, two_d) if two_d is not None else flat
-        return flat + self.token_weight * per_rank
+            if two_d is not None and two_d < compute + flat.exposed_s:
+                return RankShare(two_d, 0.0)
+        return flat
 
-    def best_num_nodes(self, length: int, share: float, num_links: int) -> int:
-        """How many whole nodes a document's ring should span: the fewest whose predicted
-        per-rank time fits one GPU's fair ``share``, else the fastest. One node means a ring
-        over its GPUs on NVLink."""
+    def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
+        """One ring rank's predicted seconds for a document: its ``rank_share`` and its tokens'
+        linear work."""
+        share = self.rank_share(length, ring_size, link, num_links)
+        return share.compute_s + share.exposed_s + self.token_weight * length / ring_size
+
+    def ring_key(self, length: int, ring_size: int, link: Link) -> float:
+        """What a ring adds to each member's ``cost`` (zigzag rounding aside)."""
+        share = self.rank_share(length, ring_size, link, self.num_links)
+        return share.compute_s + share.exposed_s + self.linear_weight * length / ring_size
+
+    def best_num_nodes(self, length: int, rest_work: float) -> int:
+        """How many whole nodes a document's ring should span so that the step ends soonest:
+        ``n`` nodes end at ``max(t_n, (rest_work + n k t_n) / world)``, the ring's per-rank
+        ``ring_key`` ``t_n`` or, when the other documents (``rest_work`` balanced seconds on
+        one GPU each) fill every GPU evenly around the ring, their mean. Bigger rings shorten
+        ``t_n`` but add chunks that compute less efficiently and transfers they cannot hide.
+        One node means a ring over its GPUs on NVLink."""
         k, num_nodes = self.topology.gpus_per_node, self.topology.num_nodes
-        times = [self.ring_finish(length, k, "nvlink")]
-        times += [
-            self.ring_finish(length, n * k, "nic", num_links) for n in range(2, num_nodes + 1)
-        ]
-        for n, seconds in enumerate(times, 1):
-            if seconds <= share:
-                return n
-        return 1 + int(np.argmin(times))
+        world = self.topology.world_size
+        best = (math.inf, 1)
+        for n in range(1, num_nodes + 1):
+            link: Link = "nvlink" if n == 1 else "nic"
+            t = self.ring_key(length, n * k, link)
+            end = max(t, (rest_work + n * k * t) / world)
+            if end < best[0] * (1 - 1e-9):
+                best = (end, n)
+            if t * world <= rest_work + n * k * t:
+                break  # the mean sets the end from here on, and more ranks only raise it
+        return best[1]
 
-    def add_ring(self, ring: Sequence[int], length: int) -> None:
-        g = len(ring)
-        seconds = self.ring_seconds(length, g)
-        # Transfers the ring cannot hide keep its ranks busy as surely as compute does.
-        same = all(self.topology.same_node(ring[0], r) for r in ring)
-        link: Link = "nvlink" if same else "nic"
-        exposed = self.ring_finish(length, g, link, self.num_links) - seconds
-        exposed -= self.token_weight * length / g
-        for rank, n in zip(ring, position_tokens(length, g)):
-            self.cost[rank] += seconds + exposed + self.token_weight * n
-            self.attention[rank] += seconds
+    def add_ring(self, ring: Sequence[int], length: int, link: Link = "nvlink") -> None:
+        """Add a document split zigzag over ``ring`` (whole for a ring of one); ``link``:
+        ``"nic"`` when the ring spans nodes. Transfers the ring cannot hide keep its ranks busy
+        as surely as compute does."""
+        share = self.rank_share(length, len(ring), link, self.num_links)
+        k = self.topology.gpus_per_node
+        for i, (rank, n) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
+            node = rank // k
+            crosses = link == "nic" and (
+                ring[i - 1] // k != node or ring[(i + 1) % len(ring)] // k != node
+            )
+            exposed = share.exposed_at(crosses)
+            self.cost[rank] += share.compute_s + exposed + self.linear_weight * n
+            self.attention[rank] += share.compute_s
+            self.exposed[rank] += exposed
             self.tokens[rank] += n
 
-    def add_local(self, rank: int, length: int) -> None:
-        seconds = self.ring_seconds(length, 1)
-        self.cost[rank] += seconds + self.token_weight * length
+    def add_local(self, rank: int, length: int, seconds: float | None = None) -> None:
+        """Add a whole document; ``seconds``: its ``ring_seconds(length, 1)`` when known (the
+        planner computes them for the whole batch at once)."""
+        if seconds is None:
+            seconds = self.ring_seconds(length, 1)
+        self.cost[rank] += seconds + self.linear_weight * length
         self.attention[rank] += seconds
         self.tokens[rank] += length
+
+    def snapshot(self, ranks: Sequence[int]) -> LoadsSnapshot:
+        """The loads of ``ranks``, to ``restore`` when a placement on them is given up."""
+        ranks = tuple(ranks)
+        values = [(self.cost[r], self.attention[r], self.exposed[r], self.tokens[r]) for r in ranks]
+        return ranks, values
+
+    def restore(self, snapshot: LoadsSnapshot) -> None:
+        ranks, values = snapshot
+        for r, (cost, attention, exposed, tokens) in zip(ranks, values):
+            self.cost[r], self.attention[r], self.exposed[r], self.tokens[r] = (
+                cost, attention, exposed, tokens,
+            )  # fmt: skip
 
     def load(self, rank: int) -> float:
         return self.cost[rank]

@@ -41,6 +41,15 @@ class Tier(str, Enum):
     INTRA = "intra"  # ring of GPUs inside one node (NVLink)
     INTER = "inter"  # ring spanning several nodes (NICs)
 
+    @classmethod
+    def of_ring(cls, ring: tuple[int, ...] | list[int], gpus_per_node: int) -> Tier:
+        """The tier a ring of ranks stands for: one rank, one node, or several nodes."""
+        if len(ring) == 1:
+            return cls.LOCAL
+        node = ring[0] // gpus_per_node
+        same = all(r // gpus_per_node == node for r in ring)
+        return cls.INTRA if same else cls.INTER
+
 
 class AttentionComm(str, Enum):
     """How K/V reach the query holders of a split document."""
@@ -153,6 +162,18 @@ def zigzag_bounds(length: int, ring_size: int) -> list[tuple[int, int]]:
     return [(cuts[j], cuts[j + 1]) for j in range(num_chunks)]
 
 
+def zigzag_loads(length: int, ring_size: int) -> list[int]:
+    """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
+    if ring_size == 1:
+        return [length]
+    bounds = zigzag_bounds(length, ring_size)
+    last = 2 * ring_size - 1
+    return [
+        bounds[i][1] - bounds[i][0] + bounds[last - i][1] - bounds[last - i][0]
+        for i in range(ring_size)
+    ]
+
+
 def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
     """Zigzag attention spans: ring position ``i`` holds chunks ``i`` and ``2g-1-i``.
     Empty chunks (documents shorter than ``2g``) are left out."""
@@ -239,11 +260,15 @@ class Plan:
         object.__setattr__(self, "linear", tuple(tuple(r) for r in self.linear))
         object.__setattr__(self, "routes", tuple(self.routes))
         self.validate()
+        # Not a field: an index for ``route_of``, which the schedule asks once per message.
+        object.__setattr__(self, "_route_index", {(r.src, r.dst): r for r in self.routes})
 
-    # --- invariants ------------------------------------------------------------------------
+    # --- invariants (one pass over spans and ranges: plans of thousands of documents on a
+    # thousand GPUs are validated every step) ------------------------------------------------
     def validate(self) -> None:
-        """Raise ``AssertionError`` on a broken invariant (a builder bug) and ``ValueError`` on
-        a plan read from a file that does not fit its topology."""
+        """Raise ``ValueError`` naming the first broken invariant: sizes that do not fit the
+        topology, attention spans or linear ranges that do not partition every document,
+        routes off their nodes, or a rank over its capacity in either layout."""
         world = self.topology.world_size
         if len(self.linear) != world:
             raise ValueError(
@@ -253,133 +278,11 @@ class Plan:
         ids = [s.id for s in self.sequences]
         if ids != sorted(ids) or len(set(ids)) != len(ids):
             raise ValueError("sequence ids must be unique and listed in increasing order")
-        # One pass over spans and ranges (plans of thousands of documents on a thousand GPUs
-        # are validated every step): per-rank token counts are gathered on the way.
-        gpus_per_node = self.topology.gpus_per_node
-        lengths: dict[int, int] = {}
-        attention_tokens = [0] * world
-        local, ring_scheme = Tier.LOCAL, Scheme.RING
-        for seq in self.sequences:
-            ring = seq.ring
-            if seq.length < 1:
-                raise ValueError(f"sequence {seq.id} has length {seq.length}; lengths must be >= 1")
-            lengths[seq.id] = seq.length
-            spans = seq.attention
-            # Fast path for the common case, a whole document on one GPU (the checks below
-            # reduce to these).
-            if (
-                len(ring) == 1
-                and len(spans) == 1
-                and seq.tier == local
-                and seq.scheme == ring_scheme
-            ):
-                span, rank = spans[0], ring[0]
-                if (
-                    span.rank == rank
-                    and span.start == 0
-                    and span.end == seq.length
-                    and (0 <= rank < world)
-                ):
-                    attention_tokens[rank] += seq.length
-                    continue
-            ring_set = set(ring)
-            if not ring or len(ring_set) != len(ring):
-                raise ValueError(f"sequence {seq.id}: its ring must list distinct ranks")
-            if min(ring) < 0 or max(ring) >= world:
-                rank = next(r for r in ring if not 0 <= r < world)
-                raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
-            if len(spans) > 1:
-                spans = sorted(spans, key=_span_start)
-            pos = 0
-            for span in spans:
-                if span.rank not in ring_set:
-                    raise ValueError(
-                        f"sequence {seq.id}: span on rank {span.rank} outside its ring {seq.ring}"
-                    )
-                if span.start != pos or span.end <= span.start:
-                    raise ValueError(
-                        f"sequence {seq.id}: attention spans must partition [0, {seq.length}) "
-                        f"with non-empty ranges (gap or overlap at token {pos})"
-                    )
-                pos = span.end
-                attention_tokens[span.rank] += span.end - span.start
-            if pos != seq.length:
-                raise ValueError(
-                    f"sequence {seq.id}: attention spans cover [0, {pos}) of [0, {seq.length})"
-                )
-            if len(ring) == 1:
-                expected = Tier.LOCAL
-            else:
-                node = ring[0] // gpus_per_node
-                same = all(r // gpus_per_node == node for r in ring)
-                expected = Tier.INTRA if same else Tier.INTER
-            if seq.tier != expected:  # Tier is a str enum: "local" == Tier.LOCAL
-                raise ValueError(f"sequence {seq.id}: tier {seq.tier} but its ring is {expected}")
-            if seq.scheme != Scheme.RING:
-                _check_two_d(seq, self.topology)
-        pieces: list[tuple[int, int, int]] = []
-        linear_tokens = [0] * world
-        for rank, ranges in enumerate(self.linear):
-            num = 0
-            for r in ranges:
-                length = lengths.get(r.seq)
-                if length is None:
-                    raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
-                if not 0 <= r.start < r.end <= length:
-                    raise ValueError(
-                        f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
-                        f"{r.seq} is empty or outside [0, {length})"
-                    )
-                pieces.append((r.seq, r.start, r.end))
-                num += r.end - r.start
-            linear_tokens[rank] = num
-        pieces.sort()
-        current, pos, num_seen = None, 0, 0
-        for seq_id, start, end in pieces:
-            if seq_id != current:
-                if current is not None and pos != lengths[current]:
-                    raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
-                current, pos, num_seen = seq_id, 0, num_seen + 1
-            if start != pos:
-                raise ValueError(
-                    f"linear layout does not partition sequence {seq_id} (token {pos})"
-                )
-            pos = end
-        if current is not None and pos != lengths[current]:
-            raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
-        if num_seen != len(lengths):
-            named = {piece[0] for piece in pieces}
-            missing = next(i for i in ids if i not in named)
-            raise ValueError(f"linear layout covers [0, 0) of sequence {missing}")
-        for route in self.routes:
-            if self.topology.same_node(route.src, route.dst):
-                raise ValueError(f"route {route.src}->{route.dst} does not cross nodes")
-            if not route.parts or any(p.weight < 0 for p in route.parts):
-                raise ValueError(f"route {route.src}->{route.dst} needs parts with weights >= 0")
-            if sum(p.weight for p in route.parts) <= 0:
-                raise ValueError(f"route {route.src}->{route.dst} has zero total weight")
-            for p in route.parts:
-                if not (
-                    self.topology.same_node(p.src_proxy, route.src)
-                    and self.topology.same_node(p.dst_proxy, route.dst)
-                ):
-                    raise ValueError(
-                        f"route {route.src}->{route.dst}: proxies {p.src_proxy}->{p.dst_proxy} "
-                        "must sit on the source and destination nodes"
-                    )
-        if len({(r.src, r.dst) for r in self.routes}) != len(self.routes):
-            raise ValueError("a ring edge is routed twice")
+        lengths, attention_tokens = _check_attention(self.sequences, self.topology)
+        linear_tokens = _check_linear(self.linear, lengths, ids)
+        _check_routes(self.routes, self.topology)
         if self.capacity is not None:
-            for rank in range(world):
-                for label, n in (
-                    ("attention", attention_tokens[rank]),
-                    ("linear", linear_tokens[rank]),
-                ):
-                    if n > self.capacity:
-                        raise ValueError(
-                            f"rank {rank} holds {n} tokens in the {label} layout, over its "
-                            f"capacity of {self.capacity}"
-                        )
+            _check_capacity(self.capacity, attention_tokens, linear_tokens)
 
     # --- views -----------------------------------------------------------------------------
     @property
@@ -419,10 +322,7 @@ class Plan:
         raise KeyError(seq_id)
 
     def route_of(self, src: int, dst: int) -> Route | None:
-        for r in self.routes:
-            if r.src == src and r.dst == dst:
-                return r
-        return None
+        return self._route_index.get((src, dst))  # type: ignore[attr-defined]
 
     def tier_counts(self) -> dict[str, int]:
         counts = {t.value: 0 for t in Tier}
@@ -487,10 +387,7 @@ class Plan:
             sequences = []
             for s in data["sequences"]:
                 ring = tuple(s.get("ring") or sorted({a["rank"] for a in s["attention"]}))
-                nodes = {topology.node_of(r) for r in ring}
-                tier = s.get("tier") or (
-                    "local" if len(ring) == 1 else "intra" if len(nodes) == 1 else "inter"
-                )
+                tier = s.get("tier") or Tier.of_ring(ring, topology.gpus_per_node)
                 sequences.append(
                     SequencePlan(
                         id=int(s["id"]),
@@ -564,3 +461,137 @@ def _scheme(value: Any) -> Scheme:
         raise ValueError(
             f"unknown scheme {value!r} in the plan file; choose one of {choices}"
         ) from None
+
+
+def _check_attention(
+    sequences: tuple[SequencePlan, ...], topology: Topology
+) -> tuple[dict[int, int], list[int]]:
+    """Every document's spans partition it over its ring, whose tier it names. Returns the
+    lengths by id and the attention tokens per rank."""
+    world = topology.world_size
+    lengths: dict[int, int] = {}
+    attention_tokens = [0] * world
+    local, ring_scheme = Tier.LOCAL, Scheme.RING
+    for seq in sequences:
+        if seq.length < 1:
+            raise ValueError(f"sequence {seq.id} has length {seq.length}; lengths must be >= 1")
+        lengths[seq.id] = seq.length
+        ring, spans = seq.ring, seq.attention
+        # Fast path for the common case, a whole document on one GPU (the checks of
+        # ``_check_ring`` reduce to these).
+        if len(ring) == 1 and len(spans) == 1 and seq.tier == local and seq.scheme == ring_scheme:
+            span, rank = spans[0], ring[0]
+            if (
+                span.rank == rank
+                and span.start == 0
+                and span.end == seq.length
+                and (0 <= rank < world)
+            ):
+                attention_tokens[rank] += seq.length
+                continue
+        _check_ring(seq, topology, attention_tokens)
+    return lengths, attention_tokens
+
+
+def _check_ring(seq: SequencePlan, topology: Topology, attention_tokens: list[int]) -> None:
+    world = topology.world_size
+    ring = seq.ring
+    ring_set = set(ring)
+    if not ring or len(ring_set) != len(ring):
+        raise ValueError(f"sequence {seq.id}: its ring must list distinct ranks")
+    if min(ring) < 0 or max(ring) >= world:
+        rank = next(r for r in ring if not 0 <= r < world)
+        raise ValueError(f"sequence {seq.id}: rank {rank} outside 0..{world - 1}")
+    spans = seq.attention
+    if len(spans) > 1:
+        spans = sorted(spans, key=_span_start)
+    pos = 0
+    for span in spans:
+        if span.rank not in ring_set:
+            raise ValueError(
+                f"sequence {seq.id}: span on rank {span.rank} outside its ring {seq.ring}"
+            )
+        if span.start != pos or span.end <= span.start:
+            raise ValueError(
+                f"sequence {seq.id}: attention spans must partition [0, {seq.length}) "
+                f"with non-empty ranges (gap or overlap at token {pos})"
+            )
+        pos = span.end
+        attention_tokens[span.rank] += span.end - span.start
+    if pos != seq.length:
+        raise ValueError(
+            f"sequence {seq.id}: attention spans cover [0, {pos}) of [0, {seq.length})"
+        )
+    expected = Tier.of_ring(ring, topology.gpus_per_node)
+    if seq.tier != expected:  # Tier is a str enum: "local" == Tier.LOCAL
+        raise ValueError(f"sequence {seq.id}: tier {seq.tier} but its ring is {expected}")
+    if seq.scheme != Scheme.RING:
+        _check_two_d(seq, topology)
+
+
+def _check_linear(
+    linear: tuple[tuple[TokenRange, ...], ...], lengths: dict[int, int], ids: list[int]
+) -> list[int]:
+    """The linear ranges partition every document. Returns the linear tokens per rank."""
+    pieces: list[tuple[int, int, int]] = []
+    linear_tokens = [0] * len(linear)
+    for rank, ranges in enumerate(linear):
+        num = 0
+        for r in ranges:
+            length = lengths.get(r.seq)
+            if length is None:
+                raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
+            if not 0 <= r.start < r.end <= length:
+                raise ValueError(
+                    f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
+                    f"{r.seq} is empty or outside [0, {length})"
+                )
+            pieces.append((r.seq, r.start, r.end))
+            num += r.end - r.start
+        linear_tokens[rank] = num
+    pieces.sort()
+    current, pos, num_seen = None, 0, 0
+    for seq_id, start, end in pieces:
+        if seq_id != current:
+            if current is not None and pos != lengths[current]:
+                raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
+            current, pos, num_seen = seq_id, 0, num_seen + 1
+        if start != pos:
+            raise ValueError(f"linear layout does not partition sequence {seq_id} (token {pos})")
+        pos = end
+    if current is not None and pos != lengths[current]:
+        raise ValueError(f"linear layout covers [0, {pos}) of sequence {current}")
+    if num_seen != len(lengths):
+        named = {piece[0] for piece in pieces}
+        missing = next(i for i in ids if i not in named)
+        raise ValueError(f"linear layout covers [0, 0) of sequence {missing}")
+    return linear_tokens
+
+
+def _check_routes(routes: tuple[Route, ...], topology: Topology) -> None:
+    for route in routes:
+        if topology.same_node(route.src, route.dst):
+            raise ValueError(f"route {route.src}->{route.dst} does not cross nodes")
+        if not route.parts or any(p.weight < 0 for p in route.parts):
+            raise ValueError(f"route {route.src}->{route.dst} needs parts with weights >= 0")
+        if sum(p.weight for p in route.parts) <= 0:
+            raise ValueError(f"route {route.src}->{route.dst} has zero total weight")
+        for p in route.parts:
+            if not (
+                topology.same_node(p.src_proxy, route.src)
+                and topology.same_node(p.dst_proxy, route.dst)
+            ):
+                raise ValueError(
+                    f"route {route.src}->{route.dst}: proxies {p.src_proxy}->{p.dst_proxy} "
+                    "must sit on the source and destination nodes"
+                )
+    if len({(r.src, r.dst) for r in routes}) != len(routes):
+        raise ValueError("a ring edge is routed twice")
+
+
+def _check_capacity(capacity: int, attention_tokens: list[int], linear_tokens: list[int]) -> None:
+    for rank, pair in enumerate(zip(attention_tokens, linear_tokens)):
+        for label, n in zip(("attention", "linear"), pair):
+            if n > capacity:
+                raise ValueError(f"rank {rank} holds {n} tokens in the {label} layout, over its "
+                                 f"capacity of {capacity}")  # fmt: skip

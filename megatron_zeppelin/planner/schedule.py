@@ -80,18 +80,28 @@ def message_legs(msg: Message, route: Route | None) -> tuple[Leg, ...]:
     assert (route.src, route.dst) == (msg.src, msg.dst), (route, msg)
     legs = []
     offset = 0
-    for part, n in zip(
-        route.parts, split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
+    for path, n in zip(
+        route_paths(route), split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
     ):
         if n:
-            path = [msg.src]
-            for rank in (part.src_proxy, part.dst_proxy, msg.dst):
-                if rank != path[-1]:
-                    path.append(rank)
-            assert len(path) - 1 <= MAX_HOPS
-            legs.append(Leg(offset, n, tuple(path)))
+            legs.append(Leg(offset, n, path))
         offset += n
     return tuple(legs)
+
+
+def route_paths(route: Route) -> tuple[tuple[int, ...], ...]:
+    """The path of each of ``route``'s parts, zero-weight parts included (``message_legs``
+    keeps those that carry rows): ``src -> src_proxy -> dst_proxy -> dst``, a hop to the same
+    GPU skipped."""
+    paths = []
+    for part in route.parts:
+        path = [route.src]
+        for rank in (part.src_proxy, part.dst_proxy, route.dst):
+            if rank != path[-1]:
+                path.append(rank)
+        assert len(path) - 1 <= MAX_HOPS
+        paths.append(tuple(path))
+    return tuple(paths)
 
 
 def routes_by_edge(plan: Plan, *, routing: bool = True) -> dict[tuple[int, int], Route]:

@@ -29,11 +29,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Efficiency
 from megatron_zeppelin.planner.heads import AttentionShape, HeadGroups, head_groups
 from megatron_zeppelin.planner.plan import Plan, Scheme, SequencePlan, Tier
 from megatron_zeppelin.planner.routing import build_routes
-from megatron_zeppelin.planner.thresholds import FWD_SHARE
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = [

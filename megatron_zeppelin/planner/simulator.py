@@ -10,21 +10,25 @@ Timeline of one layer on one rank:
   attention layout and dQ/dK/dV back. Each is a synchronization point: every rank waits for the
   slowest before attention and after it, so a layer takes ``max(linear) + all-to-alls +
   max(attention)``. Without remapping a layer takes ``max(linear + attention)`` over ranks.
+  Both are ``steptime.layer_seconds``, the function the planner minimizes.
   Each all-to-all drains every GPU's NVLink port and every NIC (per direction) in parallel and
-  overlaps with nothing (``linear_layout.remap_seconds``, which the planner uses as well).
+  overlaps with nothing (``steptime.remap_seconds``, which the planner uses as well).
 * **ring attention**: phase 0 computes the local documents and every ring document's own
   diagonal block while ring step 0 is in flight; phase ``k`` computes the blocks received in
   step ``k-1`` while step ``k`` travels (``schedule.ring_schedule``). A phase lasts
   ``max(compute, transfer)``. Convention for forward plus backward: the forward phase computes
   ``1 / (1 + 2.5)`` of a block's fwd+bwd time and moves K/V; the backward phase computes the rest
   and moves K/V plus dK/dV, twice the bytes.
-* **2-D documents** (``Scheme.TWO_D``, ``TwoDLayer``): their column rings (``heads.head_plan``)
-  compute a head group's share of the pairs in one more call per phase and send a group's K/V
-  heads in the same ring steps as the flat rings, sharing their links; the four head
-  all-to-alls inside each node (Q/K/V in and the output back, dO in and dQ/dK/dV back) hide
-  behind nothing.
+* **2-D documents** (``Scheme.TWO_D``, ``stepwise.TwoDLayer``): their column rings
+  (``heads.head_plan``) compute a head group's share of the pairs in one more call per phase and
+  send a group's K/V heads in the same ring steps as the flat rings, sharing their links; the
+  four head all-to-alls inside each node (Q/K/V in and the output back, dO in and dQ/dK/dV back)
+  hide behind nothing.
 * **all-gather attention** (``AttentionComm.ALLGATHER``): the same messages all-gather K/V before
   any compute (forward) and reduce-scatter dK/dV after it (backward), not overlapped.
+
+The timeline is computed with arrays for every phase and step at once (``phases.py``,
+``transfers.py``); ``stepwise.py`` computes it message by message and is its reference.
 
 Transfers share links: in one ring step all messages (and route parts) that use the same GPU's
 NVLink port (per direction) or the same NIC (per direction) split its bandwidth; a message
@@ -43,30 +47,50 @@ builders on the same footing.
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import defaultdict
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
-from megatron_zeppelin.planner.heads import AttentionShape, head_plan
-from megatron_zeppelin.planner.linear_layout import remap_seconds
-from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
-from megatron_zeppelin.planner.plan import (
-    AttentionComm,
-    Plan,
-    SequencePlan,
-    Tier,
-)
+import numpy as np
+
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
+from megatron_zeppelin.planner.heads import AttentionShape, head_plan, node_members
+from megatron_zeppelin.planner.phases import attention_blocks, call_key, phase_seconds
+from megatron_zeppelin.planner.plan import AttentionComm, Plan, Route, Tier
 from megatron_zeppelin.planner.schedule import (
     Message,
-    exchange_messages,
+    Segment,
     link_bytes,
-    message_legs,
     ring_schedule,
     routes_by_edge,
 )
+from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
+from megatron_zeppelin.planner.stepwise import (
+    TwoDLayer,
+    attention_phases,
+    exposed_and_transfer,
+    phase_compute_time,
+    step_transfer_times,
+    subplan,
+    two_d_forward_bytes,
+    two_d_forward_messages,
+)
+from megatron_zeppelin.planner.transfers import RingMessages, ring_messages, transfer_times
 
-FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
+__all__ = [
+    "RankTime",
+    "SimResult",
+    "attention_phases",
+    "attention_seconds",
+    "lower_bound",
+    "phase_compute_time",
+    "remap_matrix",
+    "simulate",
+    "simulate_rounds",
+    "step_transfer_times",
+    "tier_figures",
+    "two_d_forward_messages",
+]
 
 
 @dataclass(frozen=True)
@@ -132,200 +156,24 @@ class SimResult:
         }
 
 
-# --- compute -----------------------------------------------------------------------------------
-def phase_compute_time(
-    cost: CostModel, blocks: list[tuple[int, int]], *, diagonal: bool = False
-) -> float:
-    """One varlen attention call over ``blocks`` of ``(num_query_tokens, causal_pairs)``: each
-    block runs at the efficiency of its own query count, the call overhead is paid once.
-    ``diagonal``: the blocks are cut by the causal diagonal (phase 0: whole local documents and
-    every ring document's own block), priced on the cost model's diagonal curve."""
-    return cost.attention_call_time(blocks, diagonal=diagonal)
-
-
-def _spans_by_rank(seq: SequencePlan) -> dict[int, list[tuple[int, int]]]:
-    spans: dict[int, list[tuple[int, int]]] = defaultdict(list)
-    for s in seq.attention:
-        spans[s.rank].append((s.start, s.end))
-    return spans
-
-
-def attention_phases(
-    plan: Plan, sequences: tuple[SequencePlan, ...], *, pair_share: float = 1.0
-) -> list[list[list]]:
-    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (module docstring).
-    2-D documents are left out (``two_d_phases``); ``pair_share`` scales the pairs (a head
-    group's share of the heads)."""
-    world = plan.world_size
-    sequences = tuple(s for s in sequences if not s.is_two_d)
-    num_phases = max((s.ring_size for s in sequences), default=1)
-    phases: list[list[list]] = [[[] for _ in range(num_phases)] for _ in range(world)]
-    for seq in sequences:
-        spans = _spans_by_rank(seq)
-        g = seq.ring_size
-        for i, rank in enumerate(seq.ring):
-            mine = spans.get(rank, [])
-            num_q = sum(e - s for s, e in mine)
-            if not num_q:
-                continue
-            for k in range(g):
-                theirs = spans.get(seq.ring[(i - k) % g], [])
-                pairs = sum(causal_pairs(qs, qe, ks, ke) for qs, qe in mine for ks, ke in theirs)
-                phases[rank][k].append((num_q, pairs * pair_share))
-    return phases
-
-
-# --- communication -----------------------------------------------------------------------------
-def _message_paths(plan: Plan, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
-    """``(tokens, hops)`` per leg of a message (``schedule.message_legs``); a hop is
-    ``(link kind, out port, in port)``."""
-    topo = plan.topology
-
-    def hop(a: int, b: int) -> tuple:
-        if topo.same_node(a, b):
-            return ("nvlink", ("gpu-out", a), ("gpu-in", b))
-        return (
-            "nic",
-            ("nic-out", topo.node_of(a), topo.nic_of(a)),
-            ("nic-in", topo.node_of(b), topo.nic_of(b)),
-        )
-
-    legs = message_legs(msg, routes.get((msg.src, msg.dst)))
-    return [(leg.num_tokens, [hop(a, b) for a, b in leg.hops]) for leg in legs]
-
-
-def step_transfer_times(
-    plan: Plan,
-    cost: CostModel,
-    messages: list[Message],
-    bytes_per_token: float,
-    routing: bool,
-    *,
-    more: Sequence[tuple[list[Message], float]] = (),
-) -> list[float]:
-    """Per rank, the time until its messages of one ring step (sent and received) arrive, with
-    every link's bandwidth shared by all the step's traffic on it. ``more``: other messages of
-    the same step with their own bytes per token (the 2-D documents' column rings)."""
-    routes = routes_by_edge(plan, routing=routing)
-    weighted = [(m, bytes_per_token) for m in messages] + [(m, b) for ms, b in more for m in ms]
-    paths = [(msg, _message_paths(plan, msg, routes)) for msg, _ in weighted]
-    load: dict[tuple, float] = defaultdict(float)
-    for (_, per_token), (_, parts) in zip(weighted, paths):
-        for n, hops in parts:
-            for _kind, out_port, in_port in hops:
-                load[out_port] += n * per_token
-                load[in_port] += n * per_token
-    per_rank = [0.0] * plan.world_size
-    for msg, parts in paths:
-        finish = 0.0
-        for n, hops in parts:
-            if n <= 0:
-                continue
-            # Pipelined over its hops: the most loaded link sets the pace, every hop adds latency.
-            drain = max(
-                load[port] / cost.link(kind).bytes_per_s
-                for kind, out_port, in_port in hops
-                for port in (out_port, in_port)
-            )
-            finish = max(finish, drain + sum(cost.link(kind).latency_s for kind, _, _ in hops))
-        per_rank[msg.src] = max(per_rank[msg.src], finish)
-        per_rank[msg.dst] = max(per_rank[msg.dst], finish)
-    return per_rank
-
-
 def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
     """Tokens the remapping moves from each linear holder to each attention holder."""
-    owners: dict[int, list[tuple[int, int, int]]] = {}
+    owners: dict[int, tuple[list[int], list[tuple[int, int, int]]]] = {}
     for seq in plan.sequences:
-        owners[seq.id] = sorted((s.start, s.end, s.rank) for s in seq.attention)
+        pieces = sorted((s.start, s.end, s.rank) for s in seq.attention)
+        owners[seq.id] = ([start for start, _, _ in pieces], pieces)
     moved: dict[tuple[int, int], int] = defaultdict(int)
     for rank, ranges in enumerate(plan.linear):
         for r in ranges:
-            for start, end, owner in owners[r.seq]:
-                overlap = min(end, r.end) - max(start, r.start)
-                if overlap > 0 and owner != rank:
-                    moved[(rank, owner)] += overlap
+            starts, pieces = owners[r.seq]
+            # The attention pieces partition the document: those overlapping [start, end)
+            # run from the last one starting at or before ``start``.
+            for start, end, owner in pieces[max(0, bisect_right(starts, r.start) - 1) :]:
+                if start >= r.end:
+                    break
+                if owner != rank:
+                    moved[(rank, owner)] += min(end, r.end) - max(start, r.start)
     return dict(moved)
-
-
-# --- 2-D documents ------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class TwoDLayer:
-    """A plan's 2-D documents in one layer: their column rings' compute per rank and phase
-    (a head group's share of the pairs, one more kernel call per phase: another buffer), their
-    K/V messages per ring step, and the four head all-to-alls per rank (forward: Q/K/V in, the
-    output back; backward: dO in, dQ/dK/dV back), which hide behind nothing."""
-
-    phases: list[list[list]]
-    steps: list[list[Message]]
-    kv_bytes_per_token: float
-    all_to_all_s: list[float]
-
-    @classmethod
-    def of(cls, plan: Plan, cost: CostModel, routing: bool) -> TwoDLayer | None:
-        heads = head_plan(plan)
-        if heads is None:
-            return None
-        shape = AttentionShape.of_model(cost.model)
-        groups = shape.groups(heads.num_groups)
-        d, value = shape.head_dim, shape.value_bytes
-        qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
-        inbound, outbound = (exchange_messages(plan, to_heads=t) for t in (True, False))
-        seconds = [0.0] * plan.world_size
-        # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back.
-        for messages, per_token in ((inbound, qkv), (outbound, out), (inbound, out),
-                                    (outbound, qkv)):  # fmt: skip
-            times = step_transfer_times(plan, cost, messages, per_token, routing=False)
-            seconds = [a + b for a, b in zip(seconds, times)]
-        return cls(
-            attention_phases(heads.plan, heads.plan.sequences,
-                             pair_share=groups.num_q / shape.num_heads),
-            ring_schedule(heads.plan),
-            2 * groups.num_kv * d * value,
-            seconds,
-        )  # fmt: skip
-
-    def add_compute(self, cost: CostModel, compute: list[list[float]]) -> list[list[float]]:
-        """``compute`` (seconds per rank and phase) with the column rings' calls added."""
-        merged = []
-        for flat, mine in zip(compute, self.phases):
-            n = max(len(flat), len(mine))
-            flat = flat + [0.0] * (n - len(flat))
-            merged.append([
-                c + (phase_compute_time(cost, mine[k], diagonal=k == 0) if k < len(mine) else 0.0)
-                for k, c in enumerate(flat)
-            ])  # fmt: skip
-        return merged
-
-    def step(self, k: int) -> list[tuple[list[Message], float]]:
-        """The column rings' forward messages of ring step ``k`` with their bytes per token."""
-        return [(self.steps[k], self.kv_bytes_per_token)] if k < len(self.steps) else []
-
-
-def two_d_forward_messages(plan: Plan, cost: CostModel) -> list[tuple[list[Message], int]]:
-    """The 2-D documents' messages of one layer's forward, each list with its bytes per token:
-    Q/K/V to the head layout, the output back (NVLink), the column rings' K/V step by step."""
-    heads = head_plan(plan)
-    if heads is None:
-        return []
-    shape = AttentionShape.of_model(cost.model)
-    groups = shape.groups(heads.num_groups)
-    d, value = shape.head_dim, shape.value_bytes
-    return [
-        (exchange_messages(plan, to_heads=True), (groups.num_q + 2 * groups.num_kv) * d * value),
-        (exchange_messages(plan, to_heads=False), groups.num_q * d * value),
-        *((step, 2 * groups.num_kv * d * value) for step in ring_schedule(heads.plan)),
-    ]
-
-
-def two_d_forward_bytes(plan: Plan, cost: CostModel, routing: bool) -> dict[str, int]:
-    """Bytes per link class of ``two_d_forward_messages``."""
-    total: dict[str, int] = {}
-    for messages, per_token in two_d_forward_messages(plan, cost):
-        for key, n in link_bytes(plan, [messages], bytes_per_token=per_token,
-                                 routing=routing).items():  # fmt: skip
-            total[key] = total.get(key, 0) + n
-    return total
 
 
 # --- one plan ----------------------------------------------------------------------------------
@@ -340,72 +188,151 @@ class _Layer:
     remap_s: float
 
 
-def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[float], list[float]]:
-    """Per rank, attention compute seconds and the communication seconds it does not hide."""
-    world = plan.world_size
-    kv = cost.model.kv_bytes_per_token()
-    phases = attention_phases(plan, plan.sequences)
-    compute = [
-        [phase_compute_time(cost, blocks, diagonal=k == 0) for k, blocks in enumerate(per_rank)]
-        for per_rank in phases
-    ]
-    steps = ring_schedule(plan)
-    if AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER:
-        # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
-        comm = [0.0] * world
-        for step in steps:
-            for r, t in enumerate(step_transfer_times(plan, cost, step, kv, routing)):
-                comm[r] += t
-        # One call over every block: the phases merge into a single kernel launch.
-        merged = [
-            phase_compute_time(cost, p[0], diagonal=True)
-            + phase_compute_time(cost, [b for blocks in p[1:] for b in blocks])
-            for p in phases
-        ]
-        return merged, [2 * c for c in comm]
-    two_d = TwoDLayer.of(plan, cost, routing)
-    if two_d is not None:
-        compute = two_d.add_compute(cost, compute)
-    exposed, _ = _exposed(plan, cost, routing, compute, steps, two_d)
-    return [sum(c) for c in compute], exposed
+def exposed_seconds(compute: float, forward_s: float, backward_s: float) -> float:
+    """Transfer time a ring phase cannot hide: the forward moves K/V behind ``FWD_SHARE`` of the
+    phase's compute, the backward K/V plus dK/dV behind the rest; a phase lasts the longer of
+    its compute and its transfer, so only the excess is exposed."""
+    return max(0.0, forward_s - compute * FWD_SHARE) + max(
+        0.0, backward_s - compute * (1 - FWD_SHARE)
+    )
 
 
-def _exposed(
+@dataclass(frozen=True)
+class _Calls:
+    """Kernel calls as arrays: pass, rank, phase and seconds of each (``phases.phase_seconds``)."""
+
+    pass_id: np.ndarray
+    rank: np.ndarray
+    phase: np.ndarray
+    seconds: np.ndarray
+
+    def keys(self, world: int, num_phases: int) -> np.ndarray:
+        return call_key(self.pass_id, self.rank, self.phase, world, num_phases)
+
+    def plus(self, other: _Calls, world: int, num_phases: int) -> _Calls:
+        """Both sets of calls, seconds summed per (pass, rank, phase)."""
+        keys, inverse = np.unique(
+            np.concatenate([self.keys(world, num_phases), other.keys(world, num_phases)]),
+            return_inverse=True,
+        )
+        seconds = np.bincount(inverse, weights=np.concatenate([self.seconds, other.seconds]))
+        pass_rank, phase = keys // num_phases, keys % num_phases
+        return _Calls(pass_rank // world, pass_rank % world, phase, seconds)
+
+
+def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarray, int] | None:
+    """A plan's 2-D documents (``stepwise.TwoDLayer`` as arrays): their column rings' calls
+    (a head group's share of the pairs), their K/V messages (scaled to the flat rings' bytes
+    per token), every rank's seconds in the four head all-to-alls, and their phases."""
+    heads = head_plan(plan)
+    if heads is None:
+        return None
+    shape = AttentionShape.of_model(cost.model)
+    groups = shape.groups(heads.num_groups)
+    d, value, kv = shape.head_dim, shape.value_bytes, cost.model.kv_bytes_per_token()
+    blocks = attention_blocks(heads.plan.sequences)
+    blocks = replace(blocks, pairs=blocks.pairs * (groups.num_q / shape.num_heads))
+    calls = _Calls(*phase_seconds(blocks, cost, plan.world_size))
+    rings = ring_messages(heads.plan.sequences)
+    rings = replace(rings, scale=np.full(len(rings.tokens), 2 * groups.num_kv * d * value / kv))
+    # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back. One group each.
+    qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
+    exchanges = _head_exchanges(plan, [(True, qkv / kv), (False, out / kv), (True, out / kv),
+                                       (False, qkv / kv)])  # fmt: skip
+    _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, (kv,))
+    all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
+    return calls, rings, all_to_all, blocks.num_phases
+
+
+def _head_exchanges(plan: Plan, kinds: list[tuple[bool, float]]) -> RingMessages:
+    """``schedule.exchange_messages`` of every ``(to_heads, scale)`` in ``kinds``, one group
+    each, as arrays: inside each node of a 2-D document every rank sends every other one its
+    own tokens (to the head layout) or the other's (back)."""
+    src, dst, own, theirs = [], [], [], []
+    for _, row, tokens in node_members(plan):
+        ranks = np.asarray(row, dtype=np.int64)
+        held = np.asarray([tokens.get(r, 0) for r in row], dtype=np.int64)
+        a, b = np.nonzero(~np.eye(len(row), dtype=bool))
+        src.append(ranks[a]), dst.append(ranks[b]), own.append(held[a]), theirs.append(held[b])
+    src, dst, own, theirs = (np.concatenate(c) for c in (src, dst, own, theirs))
+    width = plan.world_size
+    merged = []
+    for tokens in (own, theirs):  # a rank's messages to one other rank are one message
+        keys, inverse = np.unique(src * width + dst, return_inverse=True)
+        merged.append((keys, np.bincount(inverse, weights=tokens).astype(np.int64)))
+    columns: list[list[np.ndarray]] = [[], [], [], [], []]
+    for group, (to_heads, scale) in enumerate(kinds):
+        keys, tokens = merged[0 if to_heads else 1]
+        busy = tokens > 0
+        for column, values in zip(columns, (np.full(busy.sum(), group), keys[busy] // width,
+                                            keys[busy] % width, tokens[busy],
+                                            np.full(busy.sum(), scale))):  # fmt: skip
+            column.append(values)
+    group, src, dst, tokens, scale = (np.concatenate(c) for c in columns)
+    return RingMessages(group, src, dst, tokens, len(kinds), scale)
+
+
+def attention_seconds(
     plan: Plan,
     cost: CostModel,
-    routing: bool,
-    compute: list[list[float]],
-    steps: list[list[Message]],
-    two_d: TwoDLayer | None,
-) -> tuple[list[float], list[float]]:
-    """Per rank, the ring transfers (and head all-to-alls) its compute does not hide, and all
-    of their seconds (each ring step's forward and backward transfers and the all-to-alls)."""
+    routes: dict[tuple[int, int], Route],
+    *,
+    sequential: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank, the attention compute seconds of one layer and the communication seconds it
+    does not hide (module docstring). ``routes``: the routes in use, by edge; ``sequential``:
+    every document is its own pass (no overlap between documents)."""
+    world, topology = plan.world_size, plan.topology
+    allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
+    flat = [s for s in plan.sequences if not s.is_two_d]
+    pass_ids = list(range(len(flat))) if sequential else None
+    blocks = attention_blocks(flat, pass_ids)
+    calls = _Calls(*phase_seconds(blocks, cost, world, merge_ring_phases=allgather))
+    messages = ring_messages(flat, pass_ids)
+    num_phases, exposed = blocks.num_phases, np.zeros(world)
+    two_d = None if sequential or allgather else _two_d(plan, cost)
+    if two_d is not None:
+        more_calls, rings, exposed, phases = two_d
+        num_phases = max(num_phases, phases)
+        calls = calls.plus(more_calls, world, num_phases)
+        messages = messages.joined(rings)
+    compute = np.bincount(calls.rank, weights=calls.seconds, minlength=world)
     kv = cost.model.kv_bytes_per_token()
-    num_steps = max(len(steps), len(two_d.steps) if two_d is not None else 0)
-    fwd, bwd = [], []
-    for k in range(num_steps):
-        step = steps[k] if k < len(steps) else []
-        more = two_d.step(k) if two_d is not None else []
-        fwd.append(step_transfer_times(plan, cost, step, kv, routing, more=more))
-        bwd.append(step_transfer_times(plan, cost, step, 2 * kv, routing,
-                                       more=[(ms, 2 * b) for ms, b in more]))  # fmt: skip
-    exposed = list(two_d.all_to_all_s) if two_d is not None else [0.0] * plan.world_size
-    transfer = list(exposed)
-    for r in range(plan.world_size):
-        for k, c in enumerate(compute[r]):
-            # A phase lasts max(compute, transfer): only the transfer's excess is exposed.
-            tf = fwd[k][r] if k < len(fwd) else 0.0
-            tb = bwd[k][r] if k < len(bwd) else 0.0
-            exposed[r] += max(0.0, tf - c * FWD_SHARE) + max(0.0, tb - c * (1 - FWD_SHARE))
-            transfer[r] += tf + tb
-    return exposed, transfer
+    groups, ranks, (forward, backward) = transfer_times(
+        messages, topology, cost, routes,
+        (kv, 2 * kv),
+    )  # fmt: skip
+    if allgather:
+        # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
+        return compute, np.bincount(ranks, weights=2 * forward, minlength=world)
+    # Step k of a pass hides behind phase k of the same pass (the last phase hides nothing).
+    steps = max(messages.num_steps, 1)
+    wanted = call_key(groups // steps, ranks, groups % steps, world, num_phases)
+    keys = calls.keys(world, num_phases)
+    hidden = np.zeros(len(wanted))
+    if len(keys):
+        at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+        hidden = np.where(keys[at] == wanted, calls.seconds[at], 0.0)
+    step_exposed = np.maximum(0.0, forward - hidden * FWD_SHARE)
+    step_exposed += np.maximum(0.0, backward - hidden * (1 - FWD_SHARE))
+    return compute, exposed + np.bincount(ranks, weights=step_exposed, minlength=world)
+
+
+def _attention_layer(
+    plan: Plan, cost: CostModel, routing: bool, *, sequential: bool = False
+) -> tuple[list[float], list[float]]:
+    """``attention_seconds`` of a plan, with its routes when ``routing``."""
+    routes = routes_by_edge(plan, routing=routing)
+    compute, exposed = attention_seconds(plan, cost, routes, sequential=sequential)
+    return compute.tolist(), exposed.tolist()
 
 
 def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dict]:
     """Each kind of split document alone (intra-node rings, flat inter-node rings, 2-D), one
     layer on its busiest rank: attention compute, transfer and exposed seconds (forward and
     backward), and the forward bytes per link class. What a tier's own steps hide of its own
-    transfers; in the step all tiers share the phases and the links."""
+    transfers; in the step all tiers share the phases and the links (``stepwise``'s timeline,
+    which also adds up the transfers)."""
     kinds = {
         "intra": [s for s in plan.sequences if s.tier == Tier.INTRA and not s.is_two_d],
         "inter": [s for s in plan.sequences if s.tier == Tier.INTER and not s.is_two_d],
@@ -415,16 +342,17 @@ def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dic
     for name, sequences in kinds.items():
         if not sequences:
             continue
-        sub = _subplan(plan, tuple(sequences))
+        sub = subplan(plan, tuple(sequences))
         phases = attention_phases(sub, sub.sequences)
         compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
                    for p in phases]  # fmt: skip
         two_d = TwoDLayer.of(sub, cost, routing)
         if two_d is not None:
             compute = two_d.add_compute(cost, compute)
-        exposed, transfer = _exposed(sub, cost, routing, compute, ring_schedule(sub), two_d)
+        exposed, transfer = exposed_and_transfer(sub, cost, routing, compute,
+                                                 ring_schedule(sub), two_d)  # fmt: skip
         busiest = max(range(sub.world_size), key=lambda r: sum(compute[r]) + exposed[r])
-        sent, _ = _bytes(sub, cost, routing, remap=False)
+        sent, _ = _bytes(sub, cost, routing, {})
         out[name] = {
             "documents": len(sequences),
             "compute_s": sum(compute[busiest]),
@@ -436,57 +364,71 @@ def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dic
     return out
 
 
-def _subplan(plan: Plan, sequences: tuple[SequencePlan, ...]) -> Plan:
-    """The plan reduced to ``sequences``, run concurrently (no builder meta)."""
-    ids = {s.id for s in sequences}
-    linear = tuple(tuple(r for r in ranges if r.seq in ids) for ranges in plan.linear)
-    return Plan(plan.topology, sequences, linear, routes=plan.routes, capacity=None,
-                attention_comm=plan.attention_comm, name=plan.name)  # fmt: skip
-
-
-def _layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
+def _linear_seconds(plan: Plan, cost: CostModel, *, layout: str, sequential: bool) -> list[float]:
+    """Per rank, linear seconds over its tokens of the ``"linear"`` or ``"attention"`` layout;
+    ``sequential``: one GEMM pass per document."""
     world = plan.world_size
-    if plan.meta.get("execution") == "sequential":
-        # Every document is its own pass: sum per rank, no overlap between documents.
-        total = _Layer([0.0] * world, [0.0] * world, [0.0] * world, [0.0] * world, 0.0)
+    if sequential:
+        rank, tokens = [], []
         for seq in plan.sequences:
-            one = _concurrent_layer(_subplan(plan, (seq,)), cost, routing, remap=False)
-            for r in range(world):
-                total.linear[r] += one.linear[r]
-                total.attention[r] += one.attention[r]
-                total.attention_compute[r] += one.attention_compute[r]
-                total.attention_exposed[r] += one.attention_exposed[r]
-        return total
-    return _concurrent_layer(plan, cost, routing, remap)
+            held: dict[int, int] = defaultdict(int)
+            for span in seq.attention:
+                held[span.rank] += span.num_tokens
+            rank += list(held)
+            tokens += list(held.values())
+        times = cost.linear_times(np.asarray(tokens, dtype=np.float64))
+        ranks = np.asarray(rank, dtype=np.int64)
+        return np.bincount(ranks, weights=times, minlength=world).tolist()
+    if layout == "linear":
+        counts = [sum(r.end - r.start for r in ranges) for ranges in plan.linear]
+    else:
+        counts = [0] * world
+        for seq in plan.sequences:
+            for span in seq.attention:
+                counts[span.rank] += span.end - span.start
+    return cost.linear_times(np.asarray(counts, dtype=np.float64)).tolist()
 
 
-def _concurrent_layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> _Layer:
-    world = plan.world_size
-    attn_compute, attn_exposed = _attention_layer(plan, cost, routing)
+def _layer(plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, int], int]) -> _Layer:
+    """One layer of ``plan``; ``moved``: its remapping (``remap_matrix``, empty: none)."""
+    sequential = plan.meta.get("execution") == "sequential"
+    attn_compute, attn_exposed = _attention_layer(plan, cost, routing, sequential=sequential)
     wall = [c + e for c, e in zip(attn_compute, attn_exposed)]
-    moved = remap_matrix(plan) if remap else {}
-    if moved:
-        linear = [cost.linear_time(plan.num_linear_tokens(r)) for r in range(world)]
+    if moved and not sequential:
+        linear = _linear_seconds(plan, cost, layout="linear", sequential=False)
         # Q/K/V (then dQ/dK/dV) to the attention holders, the output (then its gradient) back:
         # four all-to-alls, the same pricing the planner uses to choose the layout.
         by_attention_holder = {(b, a): n for (a, b), n in moved.items()}
         remap_s = remap_seconds(by_attention_holder, plan.topology, cost)
     else:
-        linear = [cost.linear_time(plan.num_attention_tokens(r)) for r in range(world)]
+        linear = _linear_seconds(plan, cost, layout="attention", sequential=sequential)
         remap_s = 0.0
     return _Layer(linear, wall, attn_compute, attn_exposed, remap_s)
 
 
-def _bytes(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> tuple[dict, dict]:
-    steps = ring_schedule(plan)
-    ring = link_bytes(plan, steps, bytes_per_token=cost.model.kv_bytes_per_token(), routing=routing)
+def _ring_steps(plan: Plan) -> list[list[Message]]:
+    """``ring_schedule(plan)``'s messages with their token counts (what ``link_bytes`` reads),
+    from ``transfers.ring_messages`` without building a segment per document block (2-D
+    documents ring on the head layout: ``two_d_forward_bytes``)."""
+    found = ring_messages([s for s in plan.sequences if not s.is_two_d])
+    steps: list[list[Message]] = [[] for _ in range(found.num_steps)]
+    for step, src, dst, n in zip(found.group.tolist(), found.src.tolist(), found.dst.tolist(),
+                                 found.tokens.tolist()):  # fmt: skip
+        steps[step].append(Message(src, dst, (Segment(-1, -1, n),)))
+    return steps
+
+
+def _bytes(
+    plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, int], int]
+) -> tuple[dict, dict]:
+    kv = cost.model.kv_bytes_per_token()
+    ring = link_bytes(plan, _ring_steps(plan), bytes_per_token=kv, routing=routing)
     for key, value in two_d_forward_bytes(plan, cost, routing).items():
         ring[key] = ring.get(key, 0) + value
     remap_out = {"nvlink": 0, "nic": 0}
-    if remap:
-        per_token = cost.remap_bytes(1)
-        for (a, b), n in remap_matrix(plan).items():
-            remap_out["nvlink" if plan.topology.same_node(a, b) else "nic"] += n * per_token
+    per_token = cost.remap_bytes(1)
+    for (a, b), n in moved.items():
+        remap_out["nvlink" if plan.topology.same_node(a, b) else "nic"] += n * per_token
     return ring, remap_out
 
 
@@ -534,11 +476,9 @@ def simulate_rounds(
     lengths: list[int] = []
     for plan in plans:
         use_routes = bool(plan.routes) if routing is None else routing
-        layer = _layer(plan, cost_model, use_routes, remap)
-        if layer.remap_s > 0:
-            layer_time = max(layer.linear) + layer.remap_s + max(layer.attention)
-        else:
-            layer_time = max(a + b for a, b in zip(layer.linear, layer.attention))
+        moved = remap_matrix(plan) if remap else {}
+        layer = _layer(plan, cost_model, use_routes, moved)
+        layer_time = layer_seconds(layer.linear, layer.attention, layer.remap_s)
         step += layers * layer_time
         for r in range(world):
             linear[r] += layers * layer.linear[r]
@@ -547,7 +487,7 @@ def simulate_rounds(
         breakdown["linear_s"] += layers * max(layer.linear)
         breakdown["attention_s"] += layers * max(layer.attention)
         breakdown["remap_s"] += layers * layer.remap_s
-        ring, remap_bytes = _bytes(plan, cost_model, use_routes, remap)
+        ring, remap_bytes = _bytes(plan, cost_model, use_routes, moved)
         for k, v in ring.items():
             ring_total[k] += v
         for k, v in remap_bytes.items():

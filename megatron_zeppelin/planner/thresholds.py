@@ -26,11 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from megatron_zeppelin.planner.costmodel import CostModel, Link
-from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
-
-FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
-"""The forward pass's share of a block's fwd+bwd attention time."""
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, Link
 
 _MAX_CHUNK = 1 << 40
 
@@ -84,11 +80,7 @@ def attention_costs(
     if pairs is None:
         pairs = lengths * (lengths + 1.0) / 2.0
     flops = pairs * cost_model.model.attn_flops_per_pair()
-    # Vectorized ``Efficiency.rate``: the same curve the simulator prices calls with.
-    slowdown = 1.0 + eff.half_tokens / lengths
-    if eff.fall_tokens is not None:
-        slowdown = slowdown + lengths / eff.fall_tokens
-    return flops * slowdown / eff.flops_per_s
+    return eff.busy_seconds(flops, lengths)
 
 
 def linear_seconds_per_token(cost_model: CostModel) -> float:

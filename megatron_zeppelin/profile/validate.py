@@ -236,12 +236,9 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
 def predict(plan: Plan, cost: CostModel, *, routing: bool) -> tuple[list[dict[str, float]], float]:
     """Per rank ``linear_s`` and ``attention_s`` of one layer, and the layer's step time
     (module docstring: the simulator's ring timeline, phases priced by mask kind)."""
+    from megatron_zeppelin.planner.costmodel import FWD_SHARE
     from megatron_zeppelin.planner.schedule import ring_schedule
-    from megatron_zeppelin.planner.simulator import (
-        FWD_SHARE,
-        attention_phases,
-        step_transfer_times,
-    )
+    from megatron_zeppelin.planner.simulator import attention_phases, step_transfer_times
 
     kv = cost.model.kv_bytes_per_token()
     steps = ring_schedule(plan)

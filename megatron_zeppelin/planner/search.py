@@ -1,0 +1,364 @@
+"""The planner's search: candidate placements of a batch, kept by the simulator's step time.
+
+A placement can balance two things (``Loads.balance_linear``):
+
+* **attention + linear**: every GPU's attention (with the ring transfers it cannot hide) plus its
+  tokens' linear seconds, so the linear modules can run where the attention tokens are and no
+  remapping is needed; the layer then takes ``max(linear + attention)``;
+* **attention alone**: the attention layout balances attention and the linear layout evens the
+  tokens (inside nodes, or over the world), the remapping all-to-alls paid between them; the layer
+  takes ``max(linear) + remap + max(attention)``.
+
+Where documents cross nodes and the 2-D scheme is allowed, a placement with every ring flat is a
+candidate too: the scheme is chosen per document (``schemes.choose_schemes``), the step is what
+decides.
+
+For each, stage 1's rings are placed first; where that leaves the predicted layer above the
+GPUs' mean (few documents per GPU cannot be packed evenly whole), the busiest GPU's longest local
+document becomes an in-node ring too, with every longer local document, while that helps. Every
+placement is priced under every allowed linear layout (``linear_layout.price_linear_layouts``, so
+mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
+pays).
+
+Placements are built with ``Loads``' per-document predictions; when several are predicted
+within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
+(``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept; the
+plan's ``meta["predicted_step_s"]`` is then what ``simulate`` reports for it
+(``meta["timed_by"] == "simulator"``). A lone candidate keeps ``Loads``' prediction
+(``"planner estimate"``): there is nothing to choose, and timing a thousand-GPU plan costs as
+much as placing it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from functools import partial
+
+import numpy as np
+
+from megatron_zeppelin.planner.linear_layout import (
+    attention_ranges_by_rank,
+    build_linear_layout,
+    fastest,
+    price_linear_layouts,
+)
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.placement import (
+    CapacityError,
+    Placement,
+    TierChoice,
+    place_across_nodes,
+    place_within_nodes,
+)
+from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
+from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.schedule import routes_by_edge
+from megatron_zeppelin.planner.schemes import choose_schemes
+from megatron_zeppelin.planner.simulator import attention_seconds
+from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
+
+__all__ = ["Candidate", "search", "spread_evenly"]
+
+_EVEN_ENOUGH = 1.01
+"""A placement predicted within this factor of its GPUs' mean work needs no more rings."""
+_MAX_TRIES = 8
+"""Placements tried per balance mode."""
+_MAX_MISSES = 2
+"""More rings are given up after this many placements in a row that predict less than
+``_MIN_GAIN`` over the best so far."""
+_MIN_GAIN = 0.005
+_PLACEMENT_BUDGET = 12_000
+"""Documents placed over all tries of one batch: a thousand documents get a dozen tries, ten
+thousand the first alone (where they are many per GPU, packing them whole is even)."""
+_SHORTLIST = 1.05
+"""Placements predicted within this factor of the best are timed by the simulator..."""
+_MAX_TIMED = 2
+"""... the best predicted few of them."""
+_WORTH_A_REMAP = 1.05
+"""Balancing attention alone is tried only where the best placement so far is predicted this
+far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
+
+
+@dataclass
+class Candidate:
+    """One placement of the batch and its layer time under each allowed linear layout."""
+
+    placements: list[Placement]
+    loads: Loads
+    promotions: int
+    extra_rings: int
+    predicted: dict[str, float]
+    """``Loads``' prediction of the layer time per linear layout."""
+    simulated: dict[str, float] = field(default_factory=dict)
+    """The simulator's, for candidates on the shortlist."""
+    sequences: tuple[SequencePlan, ...] = ()
+    routes: tuple[Route, ...] = ()
+    attention_s: np.ndarray | None = None
+    """Attention seconds per rank (compute plus exposed transfers)."""
+    timed: bool = True
+    """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
+
+    @property
+    def balance_linear(self) -> bool:
+        return self.loads.balance_linear
+
+    @property
+    def balance(self) -> str:
+        return "attention+linear" if self.loads.balance_linear else "attention"
+
+    @property
+    def rings(self) -> str:
+        """``"2-D where faster"`` or ``"flat"``: how documents across nodes may run."""
+        return "flat" if self.loads.two_d is None else "2-D where faster"
+
+    @property
+    def seconds(self) -> float:
+        """The simulator's layer time under the best layout (after ``simulate``)."""
+        return min(self.simulated.values())
+
+    @property
+    def layout(self) -> str:
+        return fastest(self.simulated)
+
+    def even_enough(self, factor: float = 0.0) -> bool:
+        """Predicted within ``factor`` (default ``_EVEN_ENOUGH``) of the GPUs' mean attention
+        plus linear seconds."""
+        attention = np.add(self.loads.attention, self.loads.exposed)
+        linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
+        mean = float((attention + linear).mean())
+        return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * mean
+
+    def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
+        """No other placement is worth trying: this one is ``even_enough(factor)``, or one
+        document's share of the busiest GPU already exceeds the mean load (its ring, not the
+        packing of the others, sets the step)."""
+        if self.even_enough(factor):
+            return True
+        loads = self.loads
+        busiest = int(np.argmax(loads.cost))
+        mean = float(np.mean(loads.cost))
+        for doc, placement in self.rings_on(busiest):
+            link = "nvlink" if placement.tier == Tier.INTRA else "nic"
+            if loads.ring_key(int(array[doc]), len(placement.ring), link) >= mean:  # type: ignore[arg-type]
+                return True
+        return False
+
+    def rings_on(self, rank: int) -> Iterator[tuple[int, Placement]]:
+        """The split documents with a share on ``rank``."""
+        for doc, placement in enumerate(self.placements):
+            if placement.tier != Tier.LOCAL and rank in placement.ring:
+                yield doc, placement
+
+    def build(self, array: np.ndarray, routing: bool) -> None:
+        """The plan's sequences (zigzag over each ring, unless given) and routes."""
+        if not self.sequences:
+            sequences = []
+            for doc, placement in enumerate(self.placements):
+                length, ring = int(array[doc]), placement.ring
+                spans = (
+                    (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
+                )
+                sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
+            self.sequences = tuple(sequences)
+        topology = self.loads.topology
+        if self.loads.two_d is not None:  # before routing and the linear layout read the rings
+            self.sequences = choose_schemes(
+                self.sequences, topology, self.loads.cost_model, routing=routing
+            )
+        self.routes = build_routes(self.sequences, topology) if routing else ()
+
+    def simulate(self, layouts: tuple[str, ...]) -> None:
+        """The simulator's layer time per layout (after ``build``): its attention timeline on
+        the attention layout (which is all it reads of a plan), priced under every layout."""
+        topology, cost = self.loads.topology, self.loads.cost_model
+        by_rank = attention_ranges_by_rank(self.sequences, topology.world_size)
+        linear, _ = build_linear_layout(by_rank, topology, "attention")
+        plan = Plan(topology, self.sequences, linear, routes=self.routes)
+        compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan))
+        self.attention_s = compute + exposed
+        self.simulated = price_linear_layouts(
+            self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
+        )
+
+    def keep_estimate(self) -> None:
+        """Take ``Loads``' prediction as the layer time (nothing left to compare it with)."""
+        self.attention_s = np.add(self.loads.attention, self.loads.exposed)
+        self.simulated = dict(self.predicted)
+        self.timed = False
+
+    def summary(self) -> dict:
+        out = {
+            "balance": self.balance,
+            "rings": self.rings,
+            "extra_rings": self.extra_rings,
+            "predicted_layer_s": min(self.predicted.values()),
+        }
+        if self.simulated and self.timed:
+            out.update(layout=self.layout, simulated_layer_s=self.seconds)
+        return out
+
+
+def search(
+    array: np.ndarray,
+    new_loads: Callable[[bool, bool], Loads],
+    rules: TierRules,
+    layouts: tuple[str, ...],
+    *,
+    routing: bool,
+) -> tuple[Candidate, list[dict]]:
+    """The fastest candidate (module docstring) and a summary of every one tried.
+    ``new_loads(balance_linear, two_d)`` gives empty loads to place on (``two_d``: where the
+    planner's options allow the 2-D scheme)."""
+    found: list[Candidate] = []
+    budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
+    modes = (True, False) if set(layouts) - {"attention"} else (True,)
+    variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
+    for balance_linear, pack, two_d in [*variants, (True, True, False)]:
+        if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
+            break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
+        if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in found):
+            continue  # balancing attention alone cannot win back its remapping here
+        if not pack and any(c.settled(array) for c in found if c.balance_linear == balance_linear):
+            continue
+        if budget[0] < len(array):
+            break
+        loads = partial(new_loads, balance_linear, two_d)
+        base = replace(assign_tiers(array, loads(), rules), pack=pack)
+        found += _candidates(array, base, loads, layouts, budget, first=not found)
+    found = _distinct(found)
+    best_prediction = min(min(c.predicted.values()) for c in found)
+    shortlist = sorted(
+        (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
+        key=lambda c: min(c.predicted.values()),
+    )[:_MAX_TIMED]
+    for candidate in shortlist:
+        candidate.build(array, routing)
+        if len(shortlist) > 1:
+            candidate.simulate(layouts)
+        else:
+            candidate.keep_estimate()
+    best = min(shortlist, key=lambda c: c.seconds)
+    return best, [c.summary() for c in found]
+
+
+def _distinct(found: list[Candidate]) -> list[Candidate]:
+    """The candidates less those that repeat an earlier placement (another variant may land on
+    the same one)."""
+    seen, out = set(), []
+    for candidate in found:
+        key = tuple((p.tier, p.ring) for p in candidate.placements)
+        if key not in seen:
+            seen.add(key)
+            out.append(candidate)
+    return out
+
+
+def _spans_nodes(found: list[Candidate]) -> bool:
+    return any(p.tier == Tier.INTER for c in found for p in c.placements)
+
+
+def _candidates(
+    array: np.ndarray,
+    base: TierChoice,
+    new_loads: Callable[[], Loads],
+    layouts: tuple[str, ...],
+    budget: list[int],
+    *,
+    first: bool,
+) -> Iterator[Candidate]:
+    """Placements with stage 1's rings, then with more in-node rings while that helps: the
+    busiest GPU's longest local document, and every longer local document with it (a longer
+    document never lands in a lower tier than a shorter one). Only the very first placement may
+    fail on capacity (``plan_batch`` then splits less); later ones that run out of room are
+    skipped."""
+    extra = np.flatnonzero(base.splittable)
+    extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
+    # Rings aimed at the busiest GPU: more of them than GPUs no longer are.
+    limit = new_loads().topology.world_size
+    count, best, misses = 0, math.inf, 0
+    for _ in range(_MAX_TRIES):
+        if budget[0] < len(array):
+            return
+        budget[0] -= len(array)
+        try:
+            rings = extra[:count].tolist()
+            candidate = _place(array, base.with_rings(rings), new_loads(), layouts, count)
+        except CapacityError:
+            if first and count == 0:
+                raise
+            candidate = None
+        if candidate is not None:
+            yield candidate
+            predicted = min(candidate.predicted.values())
+            misses = misses + 1 if predicted >= best * (1 - _MIN_GAIN) else 0
+            if candidate.settled(array) or misses == _MAX_MISSES:
+                return
+            best = min(best, predicted)
+            wanted = _busiest_local(candidate, array, extra, count)
+            if wanted is None:
+                return  # the busiest GPU holds nothing more rings could take from it
+        else:
+            wanted = count + 1
+        if wanted > len(extra) or wanted > limit:
+            return
+        count = wanted
+
+
+def _busiest_local(
+    candidate: Candidate, array: np.ndarray, extra: np.ndarray, count: int
+) -> int | None:
+    """How many of ``extra`` (longest first) must become rings for the busiest GPU's longest
+    document that may still become a ring to be one; ``None`` when it holds none."""
+    loads = candidate.loads
+    busiest = int(np.argmax(loads.cost))
+    on_busiest = [d for d in extra[count:].tolist() if candidate.placements[d].ring == (busiest,)]
+    if not on_busiest:
+        return None
+    longest = max(int(array[d]) for d in on_busiest)
+    return max(count + 1, int(np.searchsorted(-array[extra], -longest, side="right")))
+
+
+def _place(
+    array: np.ndarray, choice: TierChoice, loads: Loads, layouts: tuple[str, ...], extra: int
+) -> Candidate:
+    """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout."""
+    placements: list[Placement | None] = [None] * len(array)
+    by_node, promotions = place_across_nodes(array, choice, loads, placements)
+    promotions += place_within_nodes(array, choice, by_node, loads, placements)
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    predicted = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+    )
+    return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
+
+
+def spread_evenly(array: np.ndarray, loads: Loads, layouts: tuple[str, ...]) -> Candidate:
+    """The last resort under tight capacity, feasible whenever the batch fits the cluster: the
+    documents, longest first, laid end to end over the ranks in order, ``ceil(tokens / world)``
+    per rank; a document that does not end on its rank continues on the next ones, a ring of
+    contiguous pieces (the ring engine takes any spans)."""
+    topology = loads.topology
+    world = topology.world_size
+    per_rank = -(-int(array.sum()) // world)
+    assert per_rank <= loads.capacity, "plan_batch checks the batch fits the cluster"
+    rank, room = 0, per_rank
+    placements: list[Placement | None] = [None] * len(array)
+    sequences: list[SequencePlan | None] = [None] * len(array)
+    for doc in np.lexsort((np.arange(len(array)), -array)).tolist():
+        length, pos, spans = int(array[doc]), 0, []
+        while pos < length:
+            take = min(length - pos, room)
+            spans.append(Span(rank, pos, pos + take))
+            loads.tokens[rank] += take
+            pos, room = pos + take, room - take
+            if room == 0 and rank + 1 < world:
+                rank, room = rank + 1, per_rank
+        ring = tuple(dict.fromkeys(span.rank for span in spans))
+        tier = Tier.of_ring(ring, topology.gpus_per_node)
+        placements[doc] = Placement(tier, ring)
+        sequences[doc] = SequencePlan(doc, length, tier, ring, tuple(spans))
+    candidate = Candidate(placements, loads, 0, 0, {})  # type: ignore[arg-type]
+    candidate.sequences = tuple(sequences)  # type: ignore[arg-type]
+    return candidate

@@ -1,0 +1,76 @@
+"""A batch that fits the cluster always plans, however tight the capacity.
+
+Tier: pure.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.topology.model import Topology
+
+pytestmark = pytest.mark.pure
+
+
+def _plan(lengths, topo: Topology, capacity: int, **options):
+    cost = CostModel.default(get_model("llama-7b"), topo)
+    return plan_batch(lengths, topology=topo, cost_model=cost, capacity=capacity,
+                      options=PlannerOptions(**options))  # fmt: skip
+
+
+def _check(plan, lengths: list[int], capacity: int) -> None:
+    """Every document once, every rank within capacity in both layouts."""
+    assert [s.length for s in plan.sequences] == lengths
+    assert plan.capacity == capacity  # Plan checks coverage and capacity on construction
+    for rank in range(plan.world_size):
+        assert plan.num_attention_tokens(rank) <= capacity
+        assert plan.num_linear_tokens(rank) <= capacity
+
+
+@pytest.mark.parametrize(
+    ("nodes", "gpus", "nics", "capacity", "lengths"),
+    [
+        # 211 and 216 fit whole on the two GPUs, 247 and 65 zigzagged over both (367 / 372).
+        (2, 1, 1, 377, [247, 211, 65, 216]),
+        (3, 2, 1, 399, [1122, 1155]),
+        *[(2, 3, 1, cap, [901, 650, 433, 301, 1, 77, 19, 230, 3]) for cap in (436, 437, 438, 439)],
+    ],
+)
+def test_tight_batches_that_fit_are_planned(nodes, gpus, nics, capacity, lengths) -> None:
+    topo = Topology(num_nodes=nodes, gpus_per_node=gpus, nics_per_node=nics)
+    for options in ({}, {"allow_split": False}, {"routing": False}):
+        _check(_plan(lengths, topo, capacity, **options), lengths, capacity)
+
+
+@st.composite
+def _tight(draw):
+    topo = Topology(num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.integers(1, 4)),
+                    nics_per_node=1)  # fmt: skip
+    capacity = draw(st.integers(16, 600))
+    room = capacity * topo.world_size
+    lengths = draw(st.lists(st.integers(1, room), min_size=1, max_size=12))
+    total = 0
+    kept = []
+    for n in lengths:  # the batch fits the cluster, up to the last token
+        if total + n <= room:
+            kept.append(n)
+            total += n
+    return kept or [1], topo, capacity
+
+
+@settings(max_examples=80, deadline=None)
+@given(_tight())
+def test_any_batch_within_the_cluster_plans(batch) -> None:
+    lengths, topo, capacity = batch
+    _check(_plan(lengths, topo, capacity), lengths, capacity)
+
+
+def test_too_large_a_batch_is_still_refused() -> None:
+    topo = Topology(num_nodes=2, gpus_per_node=1, nics_per_node=1)
+    with pytest.raises(ValueError, match="more than the cluster capacity"):
+        _plan([300, 300, 200], topo, 399)
