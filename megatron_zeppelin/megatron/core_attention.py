@@ -59,6 +59,9 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     """Position of every linear-layout token inside its document (int64, ``s``)."""
     kernel: str = "auto"
     """Attention kernel handed to the engine."""
+    watch: Any = None
+    """``comm.watch.CommWatch`` bounding the remap all-to-all and naming a stalled rank with
+    the layer; ``None``: plain collectives."""
     _engine: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,6 +168,7 @@ class ZeppelinCoreAttention(MegatronModule):
             )
         n_kv = k_snd.shape[1]
         engine = params.engine(self.softmax_scale)
+        watch, layer = params.watch, self.layer_number
         if params.remaps:
             from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
 
@@ -172,15 +176,24 @@ class ZeppelinCoreAttention(MegatronModule):
             qkv_sf = torch.cat(
                 [q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1
             )
-            qkv_tf = linear_to_attention(qkv_sf, params.plan, params.rank, params.remap_group)
+            qkv_tf = linear_to_attention(qkv_sf, params.plan, params.rank, params.remap_group,
+                                         watch=watch, layer=layer)  # fmt: skip
             t = qkv_tf.shape[0]
             q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, n_kv * d, n_kv * d], dim=1)
+            _mark_ring(watch, layer)
             out_tnd = engine(
                 q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
             )
-            out_sh = attention_to_linear(
-                out_tnd.reshape(t, n * d), params.plan, params.rank, params.remap_group
-            )
+            out_sh = attention_to_linear(out_tnd.reshape(t, n * d), params.plan, params.rank,
+                                         params.remap_group, watch=watch, layer=layer)  # fmt: skip
         else:
+            _mark_ring(watch, layer)
             out_sh = engine(q_snd, k_snd, v_snd).reshape(s, n * d)
         return out_sh.reshape(s, 1, n * d)
+
+
+def _mark_ring(watch: Any, layer: int) -> None:
+    """Tell the watch the ring runs now, so a ring transfer that times out is reported at this
+    layer (the exchanger bounds the transfers itself)."""
+    if watch is not None:
+        watch.at(layer=layer, phase="forward", what="ring attention")
