@@ -108,8 +108,18 @@ def test_train_refuses_a_checkpoint_it_cannot_resume(tmp_path, capsys, no_launch
     assert main(_train(tmp_path, "--load", str(ckpt))) == 2
     assert "holds no checkpoint" in _one_error_line(capsys, "train")
 
+    # Rank files without a manifest cannot be verified (a cut-short save, or an old layout).
     (ckpt / "rank000.pt").write_bytes(b"")
     (ckpt / "rank001.pt").write_bytes(b"")
+    assert main(_train(tmp_path, "--load", str(ckpt))) == 2
+    assert "no manifest.json" in _one_error_line(capsys, "train")
+
+    from megatron_zeppelin import checkpoint
+
+    directory = checkpoint.step_directory(str(ckpt), 3)
+    files = tuple(checkpoint.write_rank_file(directory, r, 3, b"state") for r in range(2))
+    checkpoint.write_manifest(directory, checkpoint.Manifest(3, files, {}))
+    checkpoint.commit(str(ckpt), 3)
     assert main(_train(tmp_path, "--load", str(ckpt))) == 2
     assert "saved by 2 processes but this run starts 4" in _one_error_line(capsys, "train")
 

@@ -9,7 +9,13 @@ the run directory on first use. Every step the sampler draws whole documents, ev
 the same plan, reads its own tokens, runs forward and backward with the per-token loss; the
 gradients are summed over the Zeppelin ranks and Adam steps. Rank 0 shows progress, the loss,
 tokens/s and the plan (tiers, imbalance, ring bytes per link class); ``--json`` writes the
-per-step figures; ``--save`` / ``--load`` checkpoint model, optimizer and sampler.
+per-step figures; ``--save`` / ``--load`` checkpoint model, optimizer and sampler
+(``job_checkpoint.py``: atomic rank files, a manifest written last, a ``latest`` pointer).
+
+Every collective of a step is bounded by ``--zeppelin-comm-timeout-s`` (``comm.watch``): a peer
+that stalls ends the job with an error naming it, the step and the layer. A step whose loss or
+gradient norm is not finite stops the job before the optimizer uses it (``check_finite``).
+How a worker starts and ends is ``worker.py``.
 
 The ``--zeppelin-*`` flags are the same as in Megatron-LM; their defaults here suit the tiny
 emulated cluster (thresholds of a few hundred tokens, so all three tiers show up).
@@ -33,8 +39,10 @@ quiet_unless_verbose()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_zeppelin.comm.watch import CommWatch  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
-from megatron_zeppelin.fileio import format_bytes  # noqa: E402
+from megatron_zeppelin.fileio import atomic_write_text, format_bytes  # noqa: E402
+from megatron_zeppelin.megatron import job_checkpoint  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
 from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
 from megatron_zeppelin.megatron.hooks import plan_line  # noqa: E402
@@ -49,6 +57,7 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     plan_micro_batch,
     plan_summary,
 )
+from megatron_zeppelin.megatron.worker import check_finite, run_worker  # noqa: E402
 from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
 
 CPU_DEFAULTS = {
@@ -112,7 +121,7 @@ def model_dims(args: argparse.Namespace) -> ModelDims:
     return ModelDims(**{name: getattr(args, name) for name in vars(ModelDims())})
 
 
-def _dataset(args: argparse.Namespace, rank: int):
+def _dataset(args: argparse.Namespace, rank: int, watch: CommWatch):
     """Open the dataset; write the synthetic one first (rank 0) when it is missing."""
     from megatron_zeppelin.megatron.data import DocumentDataset
     from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
@@ -127,7 +136,7 @@ def _dataset(args: argparse.Namespace, rank: int):
             vocab_size=args.vocab_size,
             seed=args.seed,
         )
-    dist.barrier()
+    watch.barrier(what="dataset ready", timeout_s=max(watch.timeout_s, 120.0))
     return DocumentDataset(prefix)
 
 
@@ -154,35 +163,31 @@ def build_sampler(
     )
 
 
-def checkpoint_path(directory: str, rank: int) -> str:
-    """The file rank ``rank`` saves to and resumes from in a checkpoint directory."""
-    return os.path.join(directory, f"rank{rank:03d}.pt")
-
-
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the job on an initialized gloo world; returns the run's figures (every rank)."""
+def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[str, Any]:
+    """Run the job on an initialized gloo world; returns the run's figures (every rank).
+    ``watch`` bounds its collectives (default: one without a progress board)."""
     from tqdm import tqdm
 
     from megatron_zeppelin.megatron.batch import build_linear_batch
 
     config = ZeppelinConfig.from_args(args)
+    if watch is None:
+        watch = CommWatch(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                          timeout_s=config.comm_timeout_s)  # fmt: skip
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
     calibration, why = pick_calibration(args, config)
     cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
     exchanger, counters = create_transport(topology, ctx, config)
-    dataset = _dataset(args, dist.get_rank())
+    dataset = _dataset(args, dist.get_rank(), watch)
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
     model = build_gpt(dims, seed=args.seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start = 0
     if args.load:
-        state = torch.load(checkpoint_path(args.load, dist.get_rank()), weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        start = int(state["step"])
+        start = job_checkpoint.restore(job_checkpoint.load(args.load), model, optimizer, sampler)
+    watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
@@ -191,6 +196,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     bar = tqdm(total=args.steps, initial=start, disable=not show, unit="step", file=sys.stdout)
     begin = time.perf_counter()
     for step in range(start, args.steps):
+        watch.at(step=step)
         t0 = time.perf_counter()
         step_batch = sampler.next_step()
         if counters is not None:
@@ -210,16 +216,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
                 remap_group=ctx.dp_group,
                 positions=batch.position_ids_t,
                 kernel=config.kernel,
+                watch=watch,
             )
             total, count = forward_micro_batch(model, batch, params)
             total.backward()  # the sum: dividing by the global count comes after the all-reduce
             loss_sum, loss_count = loss_sum + total.detach(), loss_count + count
             summaries.append(plan_summary(plan, cost_model.model, routing=config.routing))
-        loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group)
-        finish_gradients(model.parameters(), num_tokens, ctx.dp_group)
+        loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group, watch=watch)
+        finish_gradients(model.parameters(), num_tokens, ctx.dp_group, watch=watch)
+        check_finite(step, loss, model.parameters())
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        measured = counters.all_reduce(ctx.dp_group) if counters is not None else None
+        measured = counters.all_reduce(ctx.dp_group, watch=watch) if counters is not None else None
         seconds = time.perf_counter() - t0
         step_tokens = step_batch.num_tokens
         records.append(
@@ -242,18 +250,18 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
             bar.write(plan_line(step, summaries[0]))
         if args.save and args.save_every and (step + 1) % args.save_every == 0:
-            _save(args.save, model, optimizer, sampler, step + 1)
+            _save(args, model, optimizer, sampler, step + 1, watch)
     bar.close()
-    if args.save:
-        _save(args.save, model, optimizer, sampler, args.steps)
+    saved_last = args.save_every and args.steps % args.save_every == 0
+    if args.save and start < args.steps and not saved_last:
+        _save(args, model, optimizer, sampler, args.steps, watch)
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     if is_main:
         if not args.quiet:
             print(summary_text(result["summary"]))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            atomic_write_text(args.json, json.dumps(result, indent=1))
     return result
 
 
@@ -323,16 +331,16 @@ def _figures_line(sources: dict[str, str], why: str) -> str:
     )
 
 
-def _save(directory: str, model, optimizer, sampler, step: int) -> None:
-    os.makedirs(directory, exist_ok=True)
-    state = {
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "sampler": sampler.state_dict(),
-        "step": step,
-    }
-    torch.save(state, checkpoint_path(directory, dist.get_rank()))
-    dist.barrier()  # a checkpoint is complete only once every rank has written its file
+def _save(args: argparse.Namespace, model, optimizer, sampler, step: int, watch: CommWatch) -> None:
+    state = job_checkpoint.training_state(model, optimizer, sampler, step)
+    job = job_checkpoint.job_settings(vars(model_dims(args)), args.tensor_parallel)
+    job_checkpoint.save(args.save, step, state, job=job, watch=watch)
+
+
+def _tensor_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
@@ -398,24 +406,9 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def report_worker_error(exc: ValueError) -> None:
-    """Print ``zeppelin train: error: ...`` for bad input a worker found, once per job: the first
-    rank to fail claims the report in the process group's store (rank 0 when there is no
-    store to ask). The other workers stay silent; the launcher stops them."""
-    first = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK") == "0"
-    if dist.is_initialized():
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            first = store.add("zeppelin/error_reports", 1) == 1
-        except Exception:  # noqa: BLE001 - no store to ask: rank 0 speaks
-            pass
-    if first:
-        print(f"zeppelin train: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """A worker's entry point: 0 when the job finished, 2 when bad input stopped it (one line
-    on stderr, no traceback). Any other exception is a bug and keeps its traceback."""
+    """A worker's entry point (``worker.run_worker``): 0 when the job finished, 2 when bad input
+    stopped it, 1 for any other failure; the launcher reports why in one line."""
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print(
@@ -425,17 +418,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     torch.set_num_threads(1)  # several processes share few cores
-    try:
-        dist.init_process_group("gloo")
-        train(args)
-    except ValueError as exc:
-        # Bad input (a flag, a file, a document): one line, not one traceback per rank.
-        report_worker_error(exc)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    return run_worker(lambda watch: train(args, watch=watch),
+                      comm_timeout_s=args.zeppelin_comm_timeout_s)  # fmt: skip
 
 
 if __name__ == "__main__":
