@@ -113,6 +113,9 @@ def read_topology(args: argparse.Namespace):
     """The ``Topology`` the cluster flags describe."""
     from megatron_zeppelin.topology.presets import topology_from_args
 
+    for flag, value in (("--nic-gbit", args.nic_gbit), ("--nvlink-gbps", args.nvlink_gbps)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a positive finite bandwidth, got {value}")
     if args.topology is None and args.topology_file is None and args.gpus_per_node is None:
         raise ValueError(
             "describe the cluster: --topology PRESET --nodes N, or --nodes N --gpus-per-node G "
@@ -134,6 +137,8 @@ def read_cost_model(args: argparse.Namespace, topology):
     from megatron_zeppelin.planner.costmodel import CostModel
     from megatron_zeppelin.planner.models import get_model
 
+    if args.tp < 1:
+        raise ValueError(f"--tp must be a positive tensor-parallel size, got {args.tp}")
     cost = CostModel.default(get_model(args.model, tensor_parallel=args.tp), topology)
     if args.cost_model:
         from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
