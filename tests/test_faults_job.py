@@ -32,7 +32,12 @@ def _start(tmp_path, *flags: str) -> subprocess.Popen:
         "--save", str(tmp_path / "ckpt"), "--save-every", "1", *flags,
     ]  # fmt: skip
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+                            start_new_session=True, preexec_fn=_foreground)  # fmt: skip
+
+
+def _foreground() -> None:
+    """SIGINT at its default, as in a terminal's foreground job (a background shell ignores it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _workers(pid: int) -> list[int]:

@@ -263,7 +263,6 @@ def _log_dir(args: argparse.Namespace) -> str:
 def _launch(args: argparse.Namespace) -> int:
     """Start ``--nproc`` workers on this host and wait; the status as described above."""
     from megatron_zeppelin.launch import launch
-    from megatron_zeppelin.megatron.worker import start_timeout_s
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.verbose:
@@ -273,8 +272,8 @@ def _launch(args: argparse.Namespace) -> int:
         "megatron_zeppelin.megatron.train_cpu", worker_arguments(args), nproc=args.nproc,
         log_dir=_log_dir(args), verbose=args.verbose, env=env,
         # Workers name a stalled peer themselves after the timeout; the launcher steps in only
-        # for a worker stopped through start-up or while no peer waits on it.
-        stall_s=2 * timeout + start_timeout_s(timeout) * (args.nproc == 1),
+        # for a worker stopped while no peer waits on it (start-up, a single process).
+        stall_s=2 * timeout,
     )  # fmt: skip
     if result.ok:
         return 0

@@ -66,23 +66,8 @@ def _check_files(path_prefix: str) -> None:
                 "indexed dataset (PREFIX.bin and PREFIX.idx, as written by preprocess_data.py "
                 "or `zeppelin make-dataset`)"
             )
+    code, num_sequences, num_doc_indices = _read_header(idx_path)
     idx_size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        header = f.read(_IDX_HEADER_BYTES)
-    if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
-        raise ValueError(
-            f"{idx_path} is not a Megatron index file (missing the MMIDIDX header): "
-            "rebuild it with preprocess_data.py or `zeppelin make-dataset`"
-        )
-    (version,) = struct.unpack("<Q", header[9:17])
-    (code,) = struct.unpack("<B", header[17:18])
-    num_sequences, num_doc_indices = struct.unpack("<QQ", header[18:34])
-    if version != 1:
-        raise ValueError(f"{idx_path} has index version {version}; only version 1 is supported")
-    if code not in _DTYPE_SIZES:
-        raise ValueError(f"{idx_path} names an unknown token dtype code {code}")
-    if num_doc_indices < 1:
-        raise ValueError(f"{idx_path} has no document index table: the file is damaged")
     needed = _IDX_HEADER_BYTES + 4 * num_sequences + 8 * num_sequences + 8 * num_doc_indices
     if idx_size < needed:
         raise ValueError(
@@ -119,6 +104,27 @@ def _check_files(path_prefix: str) -> None:
         idx_path, dtype=np.int64, count=num_sequences, offset=_IDX_HEADER_BYTES + 4 * num_sequences
     )
     _check_pointers(idx_path, lengths.astype(np.int64) * _DTYPE_SIZES[code], pointers, doc_index)
+
+
+def _read_header(idx_path: str) -> tuple[int, int, int]:
+    """The token dtype code, the sequence count and the document-index count of an .idx."""
+    with open(idx_path, "rb") as f:
+        header = f.read(_IDX_HEADER_BYTES)
+    if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
+        raise ValueError(
+            f"{idx_path} is not a Megatron index file (missing the MMIDIDX header): "
+            "rebuild it with preprocess_data.py or `zeppelin make-dataset`"
+        )
+    (version,) = struct.unpack("<Q", header[9:17])
+    (code,) = struct.unpack("<B", header[17:18])
+    num_sequences, num_doc_indices = struct.unpack("<QQ", header[18:34])
+    if version != 1:
+        raise ValueError(f"{idx_path} has index version {version}; only version 1 is supported")
+    if code not in _DTYPE_SIZES:
+        raise ValueError(f"{idx_path} names an unknown token dtype code {code}")
+    if num_doc_indices < 1:
+        raise ValueError(f"{idx_path} has no document index table: the file is damaged")
+    return code, num_sequences, num_doc_indices
 
 
 def _check_pointers(
