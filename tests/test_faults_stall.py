@@ -121,3 +121,39 @@ def test_the_harness_names_a_stopped_rank_nobody_waits_on() -> None:
     assert info.value.rank == 1
     assert "rank 1 of 2 was found stopped" in info.value.summary
     assert "still running after" not in str(info.value)
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The multiprocessing workers a command started, in spawn (rank) order."""
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        children = sorted(int(p) for p in f.read().split())
+    found = []
+    for child in children:
+        with open(f"/proc/{child}/cmdline", "rb") as f:
+            if b"spawn_main" in f.read():
+                found.append(child)
+    return found
+
+
+def test_zeppelin_verify_names_a_stopped_rank_in_one_line(tmp_path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "megatron_zeppelin.cli", "verify", "--timeout", "5", "--tokens",
+         "4096"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    deadline = time.monotonic() + HARNESS_TIMEOUT_S
+    while len(workers := _spawned_workers(proc.pid)) < 4:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.1)
+    time.sleep(2.0)
+    os.kill(workers[STALLED], signal.SIGSTOP)
+    out, err = proc.communicate(timeout=HARNESS_TIMEOUT_S)
+    lines = err.strip().splitlines()
+    assert proc.returncode == 1 and len(lines) == 1, err
+    assert lines[0].startswith(f"zeppelin verify: error: rank {STALLED} of 4 "), err
+    assert "stopped" in lines[0] and "Traceback" not in out + err
+    with open(lines[0].rsplit(": ", 1)[1].rstrip(")")) as f:
+        assert f"rank {STALLED} of 4" in f.read()

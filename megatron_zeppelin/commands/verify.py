@@ -406,6 +406,7 @@ def format_report(report: list[dict]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_zeppelin.commands.profile import check_kernel, check_positive
+    from megatron_zeppelin.testing.dist import DistributedRunError
 
     # Everything the workers would trip over is refused here, before a process starts.
     check_kernel(args.kernel, emulated=True)
@@ -425,8 +426,6 @@ def run(args: argparse.Namespace) -> int:
           f"{topology.num_nodes} x {topology.gpus_per_node} gloo processes, {spec.dtype}, "
           f"capacity {capacity}; zeppelin tiers {cases[0].plan.tier_counts()}")  # fmt: skip
     start = time.monotonic()
-    from megatron_zeppelin.testing.dist import DistributedRunError
-
     try:
         report = verify(cases, spec)
     except DistributedRunError as exc:  # a rank died, stalled or failed: one line, story in a log

@@ -133,6 +133,7 @@ class _Watch:
     """Ranks whose heartbeat stopped for longer than the stall bound."""
     stopped: list[int] = field(default_factory=list)
     """Ranks found stopped by a signal when the run ended."""
+    stopped_since: dict[int, float] = field(default_factory=dict)
 
 
 def _failed(result_dir: str, world_size: int) -> bool:
@@ -148,10 +149,16 @@ def _check(procs: list, result_dir: str, stall_s: float, seen: _Watch) -> bool:
         has_result = os.path.exists(os.path.join(result_dir, f"rank{rank}.pkl"))
         if not p.is_alive() and not has_result and rank not in seen.dead:
             seen.dead[rank] = p.exitcode
+        if not p.is_alive() or has_result or rank in seen.silent:
+            continue
         beat = os.path.join(result_dir, f"rank{rank}.beat")
-        if p.is_alive() and not has_result and os.path.exists(beat) and rank not in seen.silent:
-            if now - os.path.getmtime(beat) > stall_s:
-                seen.silent.append(rank)
+        if process_stopped(p.pid):  # stopped before its heartbeat began, say
+            since = seen.stopped_since.setdefault(rank, now)
+        else:
+            seen.stopped_since.pop(rank, None)
+            since = os.path.getmtime(beat) if os.path.exists(beat) else now
+        if now - since > stall_s:
+            seen.silent.append(rank)
     return bool(seen.dead or seen.silent) or _failed(result_dir, len(procs))
 
 
