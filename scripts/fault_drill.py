@@ -5,11 +5,12 @@ torn checkpoint; after each, resume from the last complete checkpoint and compar
     python scripts/fault_drill.py --drills stall,kill-worker --timeout 5 --json drill.json
 
 Every drill starts ``zeppelin train`` (2 emulated nodes x 2 GPUs, a checkpoint every step,
-``--zeppelin-comm-timeout-s T``), waits for a checkpoint of step ``--fault-at``, injects its
-fault from outside and records what the job did: the exit status, its error lines, seconds from
-the fault until every worker is gone and until the launcher has exited too. Then it resumes
-from the last complete checkpoint to ``--steps`` and compares each resumed step's loss with an
-uninterrupted reference run of the same flags (``max |loss - reference|``; 0 means the same).
+``--zeppelin-comm-timeout-s T``; the reference and resumed runs keep the job's default), waits
+for a checkpoint of step ``--fault-at``, injects its fault from outside and records what the job
+did: the exit status, its error lines, seconds from the fault until every worker is gone and
+until the launcher has exited too. Then it resumes from the last complete checkpoint to
+``--steps`` and compares each resumed step's loss with an uninterrupted reference run of the
+same flags (``max |loss - reference|``; 0 means the same).
 
 * ``stall``: SIGSTOP rank 2. Expected: every worker gone within 2 T and exit 1; the first line
   names rank 2, another the step and layer it stopped at.
@@ -62,8 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def train_command(args: argparse.Namespace, *flags: str) -> list[str]:
     return [
         sys.executable, "-m", "megatron_zeppelin.cli", "train", "--run-dir", args.run_dir,
-        "--quiet", "--steps", str(args.steps), "--zeppelin-comm-timeout-s", str(args.timeout),
-        *flags,
+        "--quiet", "--steps", str(args.steps), *flags,
     ]  # fmt: skip
 
 
@@ -134,7 +134,8 @@ def wait_gone(pids: list[int], proc: subprocess.Popen, since: float) -> tuple[fl
 # --- the drills --------------------------------------------------------------------------------
 def fault_drill(args: argparse.Namespace, name: str, root: str) -> dict:
     """Start the job, inject ``name``'s fault, record what happened."""
-    proc = start(args, "--save", root, "--save-every", "1")
+    proc = start(args, "--save", root, "--save-every", "1", "--zeppelin-comm-timeout-s",
+                 str(args.timeout))  # fmt: skip
     wait_for_checkpoint(root, args.fault_at, proc)
     ranks = workers(proc.pid)
     t0 = time.monotonic()

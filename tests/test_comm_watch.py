@@ -105,11 +105,11 @@ class _Work:
 def test_run_bounds_the_wait_and_raises_a_stall_error(how):
     (watch,) = _watches(1)
     work = _Work(how)
-    watch.at(step=4)
+    watch.at(step=4)  # one move
     expected = r"rank 0 at step 4, layer 2 \(backward\), remap attention->linear: no answer within"
     with pytest.raises(CommStallError, match=expected):
         watch.run("remap attention->linear", lambda async_op: work, layer=2, phase="backward")
-    assert work.timeout == 1.0 and watch.position.op == 1
+    assert work.timeout == 1.0 and watch.position.op == 2
 
 
 def test_run_lets_bad_arguments_through_and_posts_synchronously_on_nccl():

@@ -102,7 +102,7 @@ def test_a_killed_worker_is_one_line_and_no_survivor_tracebacks(tmp_path):
 
 @pytest.mark.dist
 def test_a_stalled_worker_ends_the_job_naming_it_with_step_and_layer(tmp_path):
-    proc = _start(tmp_path, "--zeppelin-comm-timeout-s", "5")
+    proc = _start(tmp_path, "--zeppelin-comm-timeout-s", "10")  # room for a loaded machine
     workers = _wait_for_training(tmp_path, proc)
     os.kill(workers[1], signal.SIGSTOP)
     code, out, err = _finish(proc)

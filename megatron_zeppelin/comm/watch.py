@@ -50,8 +50,8 @@ NO_STORE_ANSWER = (
     "the store may be the one that stalled)"
 )
 NOBODY_BEHIND = (
-    "every rank is alive and as far as this one: the transfer itself failed (network, or a peer "
-    "too slow for --zeppelin-comm-timeout-s)"
+    "every rank is alive and as far as this one: the transfer itself failed (the network, or a "
+    "peer too slow for --zeppelin-comm-timeout-s inside this step)"
 )
 STORE_ANSWER_S = 2.0
 """How long a board read, or the last publication at ``close``, waits for the store."""
@@ -59,7 +59,9 @@ STORE_ANSWER_S = 2.0
 
 @dataclass(frozen=True)
 class Position:
-    """Where a rank is: how many collectives it has issued and what it was doing."""
+    """Where a rank is. ``op`` counts its moves (collectives issued and positions marked with
+    ``CommWatch.at``): every rank makes the same moves in the same order, so a smaller count is
+    a rank behind."""
 
     op: int = 0
     step: int | None = None
@@ -199,8 +201,10 @@ class CommWatch:
 
     # --- position and heartbeat --------------------------------------------------------------
     def at(self, **fields: Any) -> None:
-        """Update this rank's position (``step``, ``layer``, ``phase``, ``what``)."""
+        """Mark this rank's position (``step``, ``layer``, ``phase``, ``what``): one move. Call
+        it at the same places on every rank."""
         with self._lock:
+            fields.setdefault("op", self.position.op + 1)
             self.position = replace(self.position, **fields)
         self._wake.set()
 
@@ -341,7 +345,8 @@ class CommWatch:
         for r in failed:
             parts.append(f"rank {r} failed ({second[r].note or 'see its log'})")
         for r in behind:
-            parts.append(f"rank {r} is alive but behind, at {second[r].position.describe()}")
+            parts.append(f"rank {r} is alive but behind, at {second[r].position.describe()} (too "
+                         "slow for --zeppelin-comm-timeout-s, or stuck there)")  # fmt: skip
         if not parts:
             return NOBODY_BEHIND, [], [], []
         return "; ".join(parts), stalled, failed, behind
