@@ -284,7 +284,8 @@ def run(args: argparse.Namespace) -> int:
 PLAN_FIXES = (
     "lengths", "dist", "tokens", "seed", "max_length", "builder", "steps", "capacity",
     "topology", "topology_file", "nodes", "gpus_per_node", "nics_per_node", "nic_gbit",
-    "nvlink_gbps", "intra_threshold", "inter_threshold", "no_routing", "no_split", "linear_layout",
+    "nvlink_gbps", "intra_threshold", "inter_threshold", "no_routing", "no_split", "no_2d",
+    "linear_layout",
 )  # fmt: skip
 """Flags a saved plan already fixes (its batch, cluster, builder and placement)."""
 

@@ -107,14 +107,15 @@ def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float) ->
         watch = CommWatch.for_process_group(comm_timeout_s).start()
         body(watch)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, then we leave
-        _leave(_fail(exc, rank, watch))
+        _leave(report_failure(exc, rank, watch))
     watch.close()
     dist.destroy_process_group()
     return 0
 
 
-def _fail(exc: BaseException, rank: int, watch: CommWatch | None) -> int:
-    """Report why this rank stops; its exit status."""
+def report_failure(exc: BaseException, rank: int, watch: CommWatch | None) -> int:
+    """Report why this rank stops (module docstring: an outcome for the launcher, else one line
+    from the first rank to fail); its exit status."""
     if is_comm_failure(exc) and watch is not None:
         exc = watch.explain(exc)  # names the rank that stalled, with this rank's step and layer
     kind, code = _classify(exc)
