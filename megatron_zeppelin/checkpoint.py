@@ -17,6 +17,7 @@ bad file; ``zeppelin train --load`` runs it before any process starts.
 One file (the sampler state Megatron runs save beside Megatron's own checkpoint) follows the
 same rule with ``write_state_file`` / ``read_state_file``: the file is written atomically, then
 its manifest ``PATH.manifest.json`` (step, size, SHA-256); a read verifies the manifest first.
+A ``.json`` path holds JSON (sorted keys), any other ``torch.save``'s format.
 
 Every file goes through ``fileio.atomic_write`` (temporary name, fsync, rename, directory fsync).
 """
@@ -246,7 +247,10 @@ def load_rank_state(directory: str, rank: int) -> Any:
 # --- one file ----------------------------------------------------------------------------------
 def write_state_file(path: str, state: Any, *, step: int) -> FileEntry:
     """Save ``state`` to ``path`` atomically, then its manifest ``PATH.manifest.json``."""
-    data = serialize(state)
+    if path.endswith(".json"):
+        data = json.dumps(state, sort_keys=True).encode()
+    else:
+        data = serialize(state)
     atomic_write(path, lambda f: f.write(data))
     entry = entry_for(os.path.basename(path), step, data)
     manifest = Manifest(step, (entry,), {})
@@ -270,4 +274,6 @@ def read_state_file(path: str, *, step: int | None = None) -> Any:
     if step is not None and manifest.step != step:
         raise ValueError(f"{path} is from step {manifest.step}, expected step {step}")
     data = _check_file(path, manifest.files[0], manifest.step)
+    if path.endswith(".json"):
+        return json.loads(data)
     return torch.load(io.BytesIO(data), weights_only=False)

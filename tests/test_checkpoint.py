@@ -129,6 +129,14 @@ def test_one_state_file_follows_the_same_rule(tmp_path):
     os.remove(path + ".manifest.json")
     with pytest.raises(ValueError, match="has no manifest"):
         checkpoint.read_state_file(path)
+    # The sampler state of Megatron runs is JSON (``megatron.resume``): same rule, same check.
+    sampler = str(tmp_path / "zeppelin_sampler" / "iter_0000010.json")
+    checkpoint.write_state_file(sampler, {"step": 10, "cursor": [3, 1]}, step=10)
+    assert checkpoint.read_state_file(sampler, step=10) == {"step": 10, "cursor": [3, 1]}
+    with open(sampler, "w") as f:
+        f.write('{"step": 10, "cursor": [3, 2]}')
+    with pytest.raises(ValueError, match="iter_0000010.json .*(bytes|checksum)"):
+        checkpoint.read_state_file(sampler, step=10)
 
 
 # --- zeppelin train --load: refused before launch ------------------------------------------------
