@@ -151,3 +151,63 @@ def test_the_heartbeat_never_blocks_the_caller_on_a_stuck_store():
 
     threading.Thread(target=training, daemon=True).start()
     assert done.wait(10.0), "position updates or close() waited on the store"
+
+
+def test_the_helper_thread_is_the_only_writer_and_the_board_ends_at_the_last_position():
+    class RecordingStore(dist.HashStore):
+        """A store that notes which thread wrote each entry."""
+
+        def __init__(self):
+            super().__init__()
+            self.writers: set[str] = set()
+
+        def set(self, key, value):
+            self.writers.add(threading.current_thread().name)
+            super().set(key, value)
+
+    store = RecordingStore()
+    watch = CommWatch(rank=0, world_size=1, timeout_s=1.0, store=store, beat_s=0.05).start()
+    for step in range(20):
+        watch.at(step=step)
+        watch.run("loss all-reduce", lambda async_op: _Done(), layer=3, phase="backward")
+    watch.close("failed", note="ValueError: bad document")
+    last = Beat.from_json(store.get("zeppelin/progress/0").decode())
+    assert store.writers == {"zeppelin-heartbeat"}
+    assert last.state == "failed" and last.note == "ValueError: bad document"
+    assert last.position == Position(op=40, step=19, layer=3, phase="backward",
+                                     what="loss all-reduce")  # fmt: skip
+
+
+def test_a_collective_that_times_out_on_a_stuck_store_still_raises_in_bounded_time():
+    class StuckStore:
+        def set(self, key, value):
+            time.sleep(3600)
+
+        def check(self, keys):
+            time.sleep(3600)
+
+    watch = CommWatch(rank=0, world_size=2, timeout_s=1.0, store=StuckStore(), beat_s=0.05)
+    watch.board.answer_s = 0.2
+    watch.settle_s = 0.1
+    watch.start()
+    raised: list[BaseException] = []
+
+    def training():
+        try:
+            watch.run("remap linear->attention", lambda async_op: _Work("false"), layer=0)
+        except CommStallError as exc:
+            raised.append(exc)
+        watch.close()
+
+    worker = threading.Thread(target=training, daemon=True)
+    worker.start()
+    worker.join(15.0)
+    assert not worker.is_alive(), "the collective or its diagnosis waited on the store"
+    assert len(raised) == 1 and NO_STORE_ANSWER in str(raised[0])
+
+
+class _Done:
+    """A gloo ``Work`` stand-in that finished."""
+
+    def wait(self, timeout):
+        return True

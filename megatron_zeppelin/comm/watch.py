@@ -8,11 +8,12 @@ and, when one does not finish in time, says which rank stalled, at which step an
 * **Bounded waits.** ``run(what, issue)`` posts the collective asynchronously and waits on it
   with the timeout (gloo). On NCCL the host does not wait (waits stay stream-ordered): the
   process group's timeout, enforced by NCCL's watchdog, is the bound, and ``bound_groups`` sets it.
-* **A progress board.** Every rank publishes its *position* (collectives issued so far, step,
-  layer, phase, the operation) in the rendezvous store at every collective, and a heartbeat
-  every ``beat_s`` from a helper thread. Reading the board needs no collective, so a rank whose
-  collective timed out can still ask who is behind: ranks whose heartbeat stopped (stopped,
-  hung, dead), ranks that said they failed, and ranks that are alive but behind in collectives.
+* **A progress board.** Every rank publishes its *position* (its moves so far, step, layer,
+  phase, the operation) in the rendezvous store whenever it changes, and a heartbeat every
+  ``beat_s``, from a helper thread (the only writer, so a store whose host stalled never blocks
+  training). Reading the board needs no collective, so a rank whose collective timed out can
+  still ask who is behind: ranks whose heartbeat stopped (stopped, hung, dead), ranks that said
+  they failed, and ranks that are alive but behind.
 
 The error is ``CommStallError`` (a ``ZeppelinCommError``); its message reads, for example::
 
