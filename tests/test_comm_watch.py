@@ -13,7 +13,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megatron_zeppelin.comm.pending import ZeppelinCommError
+from megatron_zeppelin.comm.protocol import ZeppelinCommError
 from megatron_zeppelin.comm.watch import (
     NO_STORE_ANSWER,
     Beat,

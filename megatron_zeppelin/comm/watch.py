@@ -7,7 +7,9 @@ and, when one does not finish in time, says which rank stalled, at which step an
 
 * **Bounded waits.** ``run(what, issue)`` posts the collective asynchronously and waits on it
   with the timeout (gloo). On NCCL the host does not wait (waits stay stream-ordered): the
-  process group's timeout, enforced by NCCL's watchdog, is the bound, and ``bound_groups`` sets it.
+  process group's timeout, enforced by NCCL's watchdog, is the bound. The groups
+  ``comm.groups.ZeppelinGroups`` creates carry it from creation; ``bound_groups`` sets it on the
+  groups made elsewhere (the world, Megatron's data- and tensor-parallel groups).
 * **A progress board.** Every rank publishes its *position* (its moves so far, step, layer,
   phase, the operation) in the rendezvous store whenever it changes, and a heartbeat every
   ``beat_s``, from a helper thread (the only writer, so a store whose host stalled never blocks
@@ -41,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.comm.pending import ZeppelinCommError
+from megatron_zeppelin.comm.protocol import ZeppelinCommError
 
 __all__ = ["CommStallError", "CommWatch", "Position", "ProgressBoard", "is_comm_failure"]
 
