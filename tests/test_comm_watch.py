@@ -211,3 +211,27 @@ class _Done:
 
     def wait(self, timeout):
         return True
+
+
+def test_a_store_whose_host_is_gone_is_no_answer_not_a_partial_board():
+    class GoneStore(dist.HashStore):
+        """Answers for rank 0's entry, then fails as a TCPStore whose host died does."""
+
+        def check(self, keys):
+            if keys != ["zeppelin/progress/0"]:
+                raise dist.DistNetworkError("Broken pipe")
+            return super().check(keys)
+
+    store = GoneStore()
+    watch = CommWatch(rank=1, world_size=3, timeout_s=1.0, store=store, beat_s=0.05)
+    watch.settle_s = 0.1
+    store.set("zeppelin/progress/0", Beat(1, "running", Position(op=3)).to_json())
+    errors: list[BaseException] = []
+    previous = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        assert watch.board.read() is None
+        text = str(watch.explain(None))
+    finally:
+        threading.excepthook = previous
+    assert NO_STORE_ANSWER in text and errors == []

@@ -175,3 +175,35 @@ def test_a_non_finite_loss_stops_training_before_the_optimizer_uses_it(tmp_path,
     with pytest.raises(TrainingDiverged, match=r"^step 1: the loss is (nan|inf)"):
         train(args)
     assert checkpoint.verify(checkpoint.resolve(str(tmp_path / "ckpt"))).step == 1
+
+
+FINISHING_WORKER = """
+import atexit, os, sys
+from megatron_zeppelin.megatron.worker import run_worker
+
+def body(watch):
+    # Stands for the interpreter's teardown stopping a helper thread inside a store or gloo
+    # call, which can abort the process (std::terminate, SIGABRT) after the job is done.
+    atexit.register(os.abort)
+    print("trained", flush=True)
+
+sys.exit(run_worker(body, comm_timeout_s=30.0))
+"""
+
+
+@pytest.mark.dist
+def test_a_finished_worker_exits_0_without_the_interpreter_teardown(tmp_path):
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", FINISHING_WORKER], env=env, capture_output=True,
+                          text=True, timeout=DEADLINE_S)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout == "trained\n"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

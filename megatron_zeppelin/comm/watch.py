@@ -149,20 +149,25 @@ class ProgressBoard:
 
     def read(self) -> dict[int, Beat] | None:
         """Every rank's last entry (ranks that never published are absent); ``None`` when the
-        store does not answer within ``answer_s``."""
+        store does not answer within ``answer_s`` or its host is gone."""
         found: dict[int, Beat] = {}
+        complete = threading.Event()
 
         def read_all() -> None:
-            with self._lock:
-                for rank in range(self.world_size):
-                    key = f"{BOARD_PREFIX}{rank}"
-                    if self.store.check([key]):
-                        found[rank] = Beat.from_json(self.store.get(key).decode())
+            try:
+                with self._lock:
+                    for rank in range(self.world_size):
+                        key = f"{BOARD_PREFIX}{rank}"
+                        if self.store.check([key]):
+                            found[rank] = Beat.from_json(self.store.get(key).decode())
+            except Exception:  # noqa: BLE001 - its host is gone (a broken pipe): no answer
+                return
+            complete.set()
 
         reader = threading.Thread(target=read_all, daemon=True, name="zeppelin-board-read")
         reader.start()
         reader.join(self.answer_s)
-        return None if reader.is_alive() else found
+        return found if complete.is_set() else None
 
 
 class CommWatch:

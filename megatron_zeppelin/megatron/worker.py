@@ -8,12 +8,15 @@ one outcome per rank instead of a traceback per rank.
   included) the worker stops within a second instead of training on for the process group's
   timeout. SIGTERM and SIGINT end a worker at once and quietly (their default action): the
   launcher stops a job with SIGTERM, and the terminal's Ctrl-C reaches only the launcher.
-* **The end.** 0 when the job finished. Otherwise the worker classifies what stopped it (bad
-  input, a stalled or lost peer, a diverged run, a bug), writes the full traceback to its log
-  file (``$ZEPPELIN_LOG_DIR/rankNNN.log``) and one ``Outcome`` (``rankNNN.json``) for the
-  launcher to report as one line, and leaves without tearing the process group down (a
-  collective stuck on a stalled peer would hold that up). Under plain torchrun (no log
-  directory) the first worker to fail prints the line itself.
+* **The end.** 0 when the job finished: the worker closes its heartbeat and the process group,
+  then leaves through ``os._exit`` too, since the interpreter's own teardown would stop the
+  helper threads (heartbeat, launcher watch, planner) wherever they are, inside a store or
+  gloo call included, and that can abort a worker whose job is done. Otherwise the worker
+  classifies what stopped it (bad input, a stalled or lost peer, a diverged run, a bug), writes
+  the full traceback to its log file (``$ZEPPELIN_LOG_DIR/rankNNN.log``) and one ``Outcome``
+  (``rankNNN.json``) for the launcher to report as one line, and leaves without tearing the
+  process group down (a collective stuck on a stalled peer would hold that up). Under plain
+  torchrun (no log directory) the first worker to fail prints the line itself.
 """
 
 from __future__ import annotations
@@ -95,8 +98,8 @@ def start_timeout_s(comm_timeout_s: float) -> float:
 
 
 def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float) -> int:
-    """Run ``body(watch)`` as one rank of the job (see the module docstring); the exit status.
-    A failure leaves through ``os._exit`` after reporting."""
+    """Run ``body(watch)`` as one rank of the job (see the module docstring). Never returns: the
+    worker leaves through ``os._exit`` with its exit status, after reporting a failure."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, signal.SIG_DFL)
     rank = int(os.environ.get("RANK", "0"))
@@ -110,7 +113,8 @@ def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float) ->
         _leave(report_failure(exc, rank, watch))
     watch.close()
     dist.destroy_process_group()
-    return 0
+    _leave(0)
+    return 0  # not reached
 
 
 def report_failure(exc: BaseException, rank: int, watch: CommWatch | None) -> int:
