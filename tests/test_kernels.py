@@ -20,29 +20,9 @@ from megatron_zeppelin.attention.kernels import (
     get_kernel,
     register_kernel,
 )
+from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors, pair_attention
 from megatron_zeppelin.testing.reference import random_qkv, reference_attention
-from megatron_zeppelin.testing.tolerances import assert_close
-
-
-def _dense_pairs(q, k, v, lengths_q, lengths_k, *, causal: bool, scale: float):  # noqa: ANN001
-    """Float64 dense attention of every pair with the bottom-right mask: (out, lse)."""
-    outs, lses = [], []
-    group = q.shape[1] // k.shape[1]
-    q0 = k0 = 0
-    for lq, lk in zip(lengths_q, lengths_k):
-        qp = q[q0 : q0 + lq].double()
-        kp = k[k0 : k0 + lk].double().repeat_interleave(group, 1)
-        vp = v[k0 : k0 + lk].double().repeat_interleave(group, 1)
-        scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
-        if causal:
-            hidden = torch.ones(lq, lk, dtype=torch.bool).triu(diagonal=lk - lq + 1)
-            scores = scores.masked_fill(hidden, float("-inf"))
-        lse = scores.logsumexp(-1)
-        probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-        outs.append(torch.einsum("nqk,knd->qnd", probs, vp))
-        lses.append(lse.transpose(0, 1))
-        q0, k0 = q0 + lq, k0 + lk
-    return torch.cat(outs), torch.cat(lses)
+from megatron_zeppelin.testing.tolerances import assert_close, tolerance
 
 
 @pytest.mark.pure
@@ -80,7 +60,9 @@ def test_unequal_pairs_match_dense(causal: bool) -> None:
     _, k, v = random_qkv(sum(lengths_k), num_heads=4, num_kv_heads=2, head_dim=4, seed=3)
     batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
     out, lse = TorchKernel(block_size=8).forward(q, k, v, batch, softmax_scale=0.7)
-    want_out, want_lse = _dense_pairs(q, k, v, lengths_q, lengths_k, causal=causal, scale=0.7)
+    want_out, want_lse = pair_attention(
+        *(x.double() for x in (q, k, v)), lengths_q, lengths_k, causal=causal, scale=0.7
+    )
     assert torch.isfinite(out).all()
     assert_close(out, want_out, dtype=torch.float64, name="out")
     finite = torch.isfinite(want_lse)
@@ -145,7 +127,9 @@ def test_whole_tiles_skip_masks_and_match_dense(causal: bool) -> None:
     q, k, v = (x.requires_grad_() for x in (q, k, v))
     kernel = TorchKernel(block_size=32)
     out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), batch, softmax_scale=0.6)
-    want, want_lse = _dense_pairs(q, k, v, lengths_q, lengths_k, causal=causal, scale=0.6)
+    want, want_lse = pair_attention(
+        *(x.double() for x in (q, k, v)), lengths_q, lengths_k, causal=causal, scale=0.6
+    )
     assert_close(out, want.detach(), dtype=torch.float64, name="out")
     finite = torch.isfinite(want_lse)
     assert_close(lse[finite], want_lse.detach()[finite], dtype=torch.float64, name="lse")
@@ -199,6 +183,21 @@ def test_batch_rejects_bad_lengths() -> None:
         kernel.forward(q, k, v, VarlenBatch([5], [4], causal=True), softmax_scale=1.0)
 
 
+@pytest.mark.pure
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_kernel_check_passes_the_tiled_kernel_and_catches_a_wrong_one(block: str) -> None:
+    case = BLOCKS[block].with_head_dim(16)
+    errors = kernel_errors(TorchKernel(block_size=64), case, device="cpu", dtype=torch.float64)
+    assert max(errors.values()) < 1e-10, errors
+
+    class OffByOneScale(TorchKernel):
+        def forward(self, q, k, v, batch, *, softmax_scale):  # noqa: ANN001, ANN202
+            return super().forward(q, k, v, batch, softmax_scale=softmax_scale * 1.01)
+
+    wrong = kernel_errors(OffByOneScale(), case, device="cpu", dtype=torch.float64)
+    assert wrong["out"] > 1e-4 and wrong["lse"] > 1e-4, wrong
+
+
 def _cuda_kernel_or_skip(name: str):  # noqa: ANN202
     try:
         choose_kernel(name, device="cuda", dtype=torch.bfloat16)
@@ -209,25 +208,16 @@ def _cuda_kernel_or_skip(name: str):  # noqa: ANN202
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["flash3", "flash", "torch-flash"])
-@pytest.mark.parametrize("causal", [True, False])
-def test_cuda_kernels_match_torch_kernel(name: str, causal: bool) -> None:
-    kernel = _cuda_kernel_or_skip(name)
-    lengths_q, lengths_k = [1, 128, 77, 300], [1, 200, 77, 300]
-    if not causal:
-        lengths_k = [5, 64, 77, 10]
-    dev, dtype = torch.device("cuda"), torch.bfloat16
-    q, _, _ = random_qkv(sum(lengths_q), num_heads=8, num_kv_heads=2, head_dim=64, seed=7)
-    _, k, v = random_qkv(sum(lengths_k), num_heads=8, num_kv_heads=2, head_dim=64, seed=8)
-    q, k, v = (x.to(dev, dtype) for x in (q, k, v))
-    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
-    torch_kernel = get_kernel("torch")
-    out_f, lse_f = kernel.forward(q, k, v, batch, softmax_scale=0.125)
-    out_t, lse_t = torch_kernel.forward(q, k, v, batch, softmax_scale=0.125)
-    assert_close(out_f.float(), out_t, dtype=dtype, name="out")
-    assert_close(lse_f, lse_t, dtype=torch.float32, name="lse")
-    dout = torch.randn_like(q)
-    grads_f = kernel.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
-    grads_t = torch_kernel.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
-    for got, want in zip(grads_f, grads_t):
-        assert_close(got.float(), want, dtype=dtype, name="grad")
+@pytest.mark.parametrize("name", ["flash3", "flash", "torch-flash", "torch"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("block", sorted(BLOCKS))
+def test_cuda_kernels_match_float64(name: str, head_dim: int, block: str) -> None:
+    """Each kernel on CUDA in bfloat16 against dense float64 attention on the same rounded
+    inputs: grouped-query K/V, head dims 64 and 128, diagonal, suffix and off-diagonal blocks,
+    output, log-sum-exp and the three gradients."""
+    kernel = _cuda_kernel_or_skip(name) if name != "torch" else TorchKernel()
+    errors = kernel_errors(kernel, BLOCKS[block].with_head_dim(head_dim), device="cuda",
+                           dtype=torch.bfloat16, seed=head_dim)  # fmt: skip
+    for what, err in errors.items():
+        tol = tolerance(torch.float32 if what == "lse" else torch.bfloat16)
+        assert err <= tol, f"{name} {block} d={head_dim}: {what} error {err:.2e} > {tol:.0e}"

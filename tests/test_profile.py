@@ -301,3 +301,23 @@ def test_profile_passes_combine_by_median():
     assert (merged.forward_s, merged.backward_s) == (2.0, 2.0)
     with pytest.raises(ValueError, match="rounds"):
         ProfileSettings(rounds=0)
+
+
+@pytest.mark.pure
+def test_a_cuda_device_gets_this_processs_gpu_index(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.set_device`` refuses ``torch.device("cuda")`` without an index, which is
+    what ``zeppelin profile --device cuda`` passed it; the index comes from ``LOCAL_RANK``."""
+    import torch
+
+    from megatron_zeppelin.profile.timing import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device("cuda") == torch.device("cuda", 1)
+    assert resolve_device("auto") == torch.device("cuda", 1)
+    assert resolve_device("cuda:0") == torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(ValueError, match="no CUDA device is visible"):
+        resolve_device("cuda")

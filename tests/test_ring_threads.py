@@ -105,10 +105,15 @@ def run_engine(
     routing=True,
     counters=None,
     seed=0,
+    device="cpu",
+    kernel="torch",
 ):  # noqa: ANN001
-    """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv."""
+    """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv. The
+    reference is float64 on the CPU from the same (rounded) inputs; the ranks run on
+    ``device``."""
     nq, nkv = heads
     q, k, v = random_qkv(plan.num_tokens, num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=seed)
+    q, k, v = (x.to(dtype).double() for x in (q, k, v))
     q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
     ref_out = reference_attention(q, k, v, plan.lengths)
     dout = torch.randn(
@@ -119,11 +124,12 @@ def run_engine(
 
     def rank_fn(rank: int, exchanger: ThreadExchanger):
         rows = attention_rows(plan, rank)
-        ql, kl, vl = (x.detach()[rows].clone().requires_grad_() for x in (q, k, v))
-        out = ZeppelinAttention(plan, rank, exchanger, kernel="torch")(ql, kl, vl)
+        ql, kl, vl = (x.detach()[rows].to(device, dtype).requires_grad_() for x in (q, k, v))
+        out = ZeppelinAttention(plan, rank, exchanger, kernel=kernel)(ql, kl, vl)
         if backward:
-            out.backward(dout[rows].to(dtype))
-        return rows, out.detach(), ql.grad, kl.grad, vl.grad
+            out.backward(dout[rows].to(device, dtype))
+        grads = (None if x.grad is None else x.grad.cpu() for x in (ql, kl, vl))
+        return rows, out.detach().cpu(), *grads
 
     results = run_ranks(rank_fn, plan.world_size, routing=routing, counters=counters, timeout_s=120)
     got = {name: torch.zeros_like(t, dtype=dtype) for name, t in ref.items()}

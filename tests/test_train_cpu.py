@@ -54,3 +54,41 @@ def test_loss_falls_and_resume_matches_an_uninterrupted_run(tmp_path) -> None:
     assert [_key(r) for r in resumed] == [_key(r) for r in whole[3:]]
     for a, b in zip(resumed, whole[3:]):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+
+
+def _bf16_runs(rank: int, world_size: int, run_dir: str) -> dict:
+    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+
+    common = [
+        "--run-dir", run_dir, "--quiet", "--dataset-tokens", "30000", "--tokens-per-step",
+        "2048", "--zeppelin-capacity", "1024", "--zeppelin-max-document-length", "1024",
+        "--zeppelin-intra-threshold", "96", "--zeppelin-inter-threshold", "384", "--dtype", "bf16",
+    ]  # fmt: skip
+
+    def run(*extra: str) -> dict:
+        return train(build_parser().parse_args(common + list(extra)))
+
+    whole = run("--steps", "8")
+    run("--steps", "4", "--save", f"{run_dir}/ckpt")
+    resumed = run("--steps", "8", "--load", f"{run_dir}/ckpt")
+    try:
+        run("--steps", "8", "--load", f"{run_dir}/ckpt", "--dtype", "float32")
+        refused = ""
+    except ValueError as exc:
+        refused = str(exc)
+    return {"whole": whole, "resumed": resumed["steps"], "refused": refused}
+
+
+def test_bf16_trains_with_float32_main_weights_and_resumes_exactly(tmp_path) -> None:
+    """``--dtype bf16``: every parameter in bfloat16 (norms too), the loss falls, a resumed run
+    continues with the same losses (the optimizer's float32 main weights are in the
+    checkpoint), and resuming with another dtype is refused with the flag to change."""
+    results = run_distributed(_bf16_runs, 2, timeout_s=400, args=(str(tmp_path),))
+    whole, resumed = results[0]["whole"], results[0]["resumed"]
+    assert whole["summary"]["parameter_dtypes"] == ["torch.bfloat16"]
+    losses = [r["loss"] for r in whole["steps"]]
+    assert losses[-1] < losses[0] - 0.05, losses
+    assert [r["step"] for r in resumed] == [4, 5, 6, 7]
+    for a, b in zip(resumed, whole["steps"][4:]):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-6)
+    assert "resume with the same --dtype" in results[0]["refused"]

@@ -100,6 +100,33 @@ def check_before_launch(args: argparse.Namespace) -> None:
         check_job(args, world_size=args.nproc)
 
 
+def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  # noqa: ANN001
+    """One GPU per process with ``--device cuda``, and a kernel that runs on the job's device."""
+    from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
+    from megatron_zeppelin.megatron.precision import DTYPES, job_device
+
+    if args.device == "cpu":
+        if requires_cuda(config.kernel):
+            raise ValueError(
+                f"--zeppelin-kernel {config.kernel} needs CUDA, but this job runs on CPU "
+                "processes: use --zeppelin-kernel torch (or auto), or --device cuda"
+            )
+        return
+    job_device("cuda")
+    if world_size > torch_cuda_count():
+        raise ValueError(
+            f"--device cuda runs one process per GPU: --nproc {world_size} needs {world_size} "
+            f"GPUs and {torch_cuda_count()} are visible"
+        )
+    choose_kernel(config.kernel, device="cuda", dtype=DTYPES[args.dtype])
+
+
+def torch_cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     """Check the job's flags for ``world_size`` processes the way the workers will use them;
     raise ``ValueError`` naming the flag or file to change."""
@@ -125,11 +152,7 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
         )
     zeppelin_world = world_size // tp
     config = ZeppelinConfig.from_args(args)
-    if config.kernel == "flash":
-        raise ValueError(
-            "--zeppelin-kernel flash needs flash-attn on CUDA, but this job runs on CPU "
-            "processes: use --zeppelin-kernel torch (or auto)"
-        )
+    _check_device(args, config, world_size)
     topology = resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     dims = train_cpu.model_dims(args)
     _check_dims(dims, tp)
@@ -137,7 +160,7 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
         _check_checkpoint(args, world_size, dims)
     _check_budget(args, config, zeppelin_world)
     path, why = train_cpu.pick_calibration(args, config)
-    cost_model = train_cpu.job_cost_model(dims, topology, tp, path, why)
+    cost_model = train_cpu.job_cost_model(dims, topology, tp, path, why, args)
     lengths = _check_data(args, dims)
     if lengths is not None:
         train_cpu.build_sampler(args, config, lengths, cost_model, zeppelin_world)
@@ -150,7 +173,7 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
 def _check_dims(dims: train_cpu.ModelDims, tp: int) -> None:
     """Shapes megatron-core would refuse with a bare assert deep inside the model."""
     for name, value in vars(dims).items():
-        if not value > 0:
+        if name != "dtype" and not value > 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if dims.hidden_size % dims.num_heads:
         raise ValueError(

@@ -55,9 +55,11 @@ def load(path: str) -> dict[str, Any]:
     return checkpoint.load_rank_state(checkpoint.resolve(path), dist.get_rank())
 
 
-def training_state(model, optimizer, sampler, step: int) -> dict[str, Any]:
-    """What one rank saves: enough to continue exactly where it stopped."""
+def training_state(model, optimizer, sampler, step: int, *, dtype: str) -> dict[str, Any]:
+    """What one rank saves: enough to continue exactly where it stopped (``dtype``: the run's
+    ``--dtype``, which a resume must keep)."""
     return {
+        "dtype": dtype,
         "model": model.state_dict(),
         "optimizer": optimizer.state_dict(),
         "sampler": sampler.state_dict(),
@@ -65,8 +67,13 @@ def training_state(model, optimizer, sampler, step: int) -> dict[str, Any]:
     }
 
 
-def restore(state: dict[str, Any], model, optimizer, sampler) -> int:
-    """Put a saved state back; the step it was saved at."""
+def restore(state: dict[str, Any], model, optimizer, sampler, *, dtype: str, where: str) -> int:
+    """Put a saved state back; the step it was saved at. Refuses a state saved with another
+    ``--dtype`` (``where``: the checkpoint, for the message)."""
+    saved = state.get("dtype", "float32")
+    if saved != dtype:
+        raise ValueError(f"checkpoint {where} was trained with --dtype {saved}: resume with the "
+                         f"same --dtype (this run asked for {dtype})")  # fmt: skip
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])

@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
+from megatron_zeppelin.megatron.precision import DTYPES
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
 from megatron_zeppelin.planner.models import ModelSpec, model_from_config
 from megatron_zeppelin.planner.plan import Plan
@@ -40,9 +41,11 @@ class ModelDims:
     ffn_hidden_size: int = 128
     vocab_size: int = 512
     rotary_base: float = 10000.0
+    dtype: str = "float32"
+    """``float32`` or ``bf16`` (``precision.DTYPES``): parameters and activations."""
 
     def transformer_config(self, *, tensor_parallel: int = 1, sequence_parallel: bool = False):
-        """Megatron's ``TransformerConfig`` of this model in float32 on CPU."""
+        """Megatron's ``TransformerConfig`` of this model (initialized on the CPU)."""
         from megatron.core.transformer import TransformerConfig
 
         return TransformerConfig(
@@ -58,7 +61,8 @@ class ModelDims:
             hidden_dropout=0.0,
             attention_dropout=0.0,
             use_cpu_initialization=True,
-            params_dtype=torch.float32,
+            params_dtype=DTYPES[self.dtype],
+            bf16=self.dtype == "bf16",
             calculate_per_token_loss=True,
             tensor_model_parallel_size=tensor_parallel,
             sequence_parallel=sequence_parallel,
@@ -108,7 +112,7 @@ def init_megatron_parallel(tensor_parallel: int) -> ParallelContext:
 
 
 def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None, sequence_parallel: bool = False):
-    """Megatron's ``GPTModel`` in float32 on CPU with Zeppelin's layer spec.
+    """Megatron's ``GPTModel`` on the CPU, in ``dims.dtype``, with Zeppelin's layer spec.
 
     Weights come from ``seed`` through Megatron's CPU initialization, which draws every full
     weight and keeps this TP rank's slice: the same seed gives the same model whatever the TP size.

@@ -50,6 +50,12 @@ from megatron_zeppelin.megatron.loss import (  # noqa: E402
     global_mean_loss,
     token_loss_sum,
 )
+from megatron_zeppelin.megatron.precision import (  # noqa: E402
+    DEVICES,
+    DTYPES,
+    job_device,
+    make_optimizer,
+)
 from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
@@ -70,7 +76,7 @@ CPU_DEFAULTS = {
     "zeppelin_capacity": 2048,
     "zeppelin_intra_threshold": "256",
     "zeppelin_inter_threshold": "1024",
-    "zeppelin_kernel": "torch",
+    "zeppelin_kernel": "auto",
     "zeppelin_log_plan_every": 5,
     "zeppelin_max_document_length": 2048,
     "zeppelin_comm_timeout_s": 120.0,
@@ -90,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Megatron's sequence parallelism inside each tensor-parallel group.",
     )
+    job.add_argument("--device", choices=DEVICES, default="cpu",
+                     help="cpu: gloo processes; cuda: one GPU per process (NCCL).")  # fmt: skip
+    job.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                     help="Model precision; bf16 keeps float32 main weights in Adam.")  # fmt: skip
     job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
     job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
     job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
@@ -110,6 +120,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     dims = parser.add_argument_group("model")
     for name, default in vars(ModelDims()).items():
+        if name == "dtype":
+            continue  # --dtype, above
         kind = type(default)
         dims.add_argument(f"--{name.replace('_', '-')}", type=kind, default=default)
     ZeppelinConfig.add_arguments(parser)
@@ -177,6 +189,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     from tqdm import tqdm
 
     config = ZeppelinConfig.from_args(args)
+    device, dtype = job_device(args.device), DTYPES[args.dtype]
     if watch is None:
         watch = CommWatch(rank=dist.get_rank(), world_size=dist.get_world_size(),
                           timeout_s=config.comm_timeout_s)  # fmt: skip
@@ -184,7 +197,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
     calibration, why = pick_calibration(args, config)
-    cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
+    cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why, args)
     exchanger, counters = create_transport(topology, ctx, config)
     # As Megatron does, sequence parallelism is off without tensor parallelism.
     sequence_parallel = args.sequence_parallel and ctx.tensor_parallel > 1
@@ -202,10 +215,14 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     dataset = _dataset(args, dist.get_rank(), watch)
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
     model = build_gpt(dims, seed=args.seed, sequence_parallel=sequence_parallel)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    # Every parameter in the run's dtype, norms included (Megatron's Float16Module does the same).
+    model.to(device=device, dtype=dtype)
+    optimizer = make_optimizer(model, lr=args.lr, dtype=dtype)
     start = 0
     if args.load:
-        start = job_checkpoint.restore(job_checkpoint.load(args.load), model, optimizer, sampler)
+        state = job_checkpoint.load(args.load)
+        start = job_checkpoint.restore(state, model, optimizer, sampler, dtype=args.dtype,
+                                       where=args.load)  # fmt: skip
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in the background while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
@@ -213,7 +230,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
-        kernel = chosen_kernel(config.kernel, device="cpu", dtype=torch.float32)
+        kernel = chosen_kernel(config.kernel, device=device.type, dtype=dtype)
         lines = startup_lines(
             runtime, tensor_parallel=ctx.tensor_parallel, kernel=kernel, calibration_why=why
         )
@@ -241,6 +258,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     result["summary"]["planning"] = feed.stats.to_dict()
+    result["summary"]["parameter_dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     if is_main:
         if not args.quiet:
             print(summary_text(result["summary"]))
@@ -312,16 +330,16 @@ def pick_calibration(args: argparse.Namespace, config: ZeppelinConfig) -> tuple[
     found = os.path.join(args.run_dir, "calibration.json")
     if os.path.exists(found):
         return found, "run directory"
-    if os.path.exists(MACHINE_CALIBRATION):
+    if os.path.exists(MACHINE_CALIBRATION) and (args.device, args.dtype) == ("cpu", "float32"):
         return MACHINE_CALIBRATION, "default"
     return None, "none found"
 
 
 def job_cost_model(
-    dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str
+    dims: ModelDims, topology, tensor_parallel: int, path: str | None, why: str, args
 ) -> CostModel:
-    """The cost model; a calibration must be for a float32 CPU run of this model's dimensions
-    (the job's model runs in float32 on CPU), otherwise the job stops and says what to do."""
+    """The cost model; a calibration must be for this job's device kind and dtype and this
+    model's dimensions, otherwise the job stops and says what to do."""
     if path is None:
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=None)
     from megatron_zeppelin.planner.calibration import load_calibration, normalize_dtype
@@ -333,10 +351,11 @@ def job_cost_model(
         else ""
     )
     cal = load_calibration(path)
-    if normalize_dtype(cal.dtype) != "fp32" or not cal.device.lower().startswith("cpu"):
+    same_device = cal.device.lower().startswith("cpu") == (args.device == "cpu")
+    if normalize_dtype(cal.dtype) != normalize_dtype(args.dtype) or not same_device:
         raise ValueError(
             f"calibration {path} was measured on {cal.device!r} in {cal.dtype}, but this job "
-            f"runs float32 on CPU: profile this machine (zeppelin profile){hint}"
+            f"runs {args.dtype} on {args.device}: profile this machine (zeppelin profile){hint}"
         )
     try:
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=path)
@@ -345,7 +364,7 @@ def job_cost_model(
 
 
 def _save(args: argparse.Namespace, model, optimizer, sampler, step: int, watch: CommWatch) -> None:
-    state = job_checkpoint.training_state(model, optimizer, sampler, step)
+    state = job_checkpoint.training_state(model, optimizer, sampler, step, dtype=args.dtype)
     job = job_checkpoint.job_settings(vars(model_dims(args)), args.tensor_parallel)
     job_checkpoint.save(args.save, step, state, job=job, watch=watch)
 
@@ -438,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     torch.set_num_threads(1)  # several processes share few cores
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(job_device("cuda"))
+        backend = "cpu:gloo,cuda:nccl"  # host tensors (the loss, the counters) on gloo
     return run_worker(lambda watch: train(args, watch=watch),
-                      comm_timeout_s=args.zeppelin_comm_timeout_s)  # fmt: skip
+                      comm_timeout_s=args.zeppelin_comm_timeout_s, backend=backend)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -97,7 +97,8 @@ def start_timeout_s(comm_timeout_s: float) -> float:
     return max(comm_timeout_s, 120.0)
 
 
-def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float) -> int:
+def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float,
+               backend: str = "gloo") -> int:  # fmt: skip
     """Run ``body(watch)`` as one rank of the job (see the module docstring). Never returns: the
     worker leaves through ``os._exit`` with its exit status, after reporting a failure."""
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -106,7 +107,7 @@ def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float) ->
     _watch_parent(rank)
     watch = None
     try:
-        dist.init_process_group("gloo", timeout=timedelta(seconds=start_timeout_s(comm_timeout_s)))
+        dist.init_process_group(backend, timeout=timedelta(seconds=start_timeout_s(comm_timeout_s)))
         watch = CommWatch.for_process_group(comm_timeout_s).start()
         body(watch)
     except BaseException as exc:  # noqa: BLE001 - every way out is reported, then we leave

@@ -1,0 +1,126 @@
+"""One attention kernel against dense float64 attention, forward and backward.
+
+The cases are the block shapes a ring produces (``attention/layout.py``): a *diagonal* block
+(causal, queries and keys of the same rows), a *suffix* block (causal, a chunk's queries against
+its own keys and a longer prefix: the mask aligned bottom-right) and an *off-diagonal* block
+(unmasked, a later chunk's queries against an earlier chunk's keys, of unequal lengths). Each
+case packs several pairs, one-row pairs included, with grouped-query K/V.
+
+``kernel_errors`` draws inputs in the kernel's dtype on the device, computes the reference in
+float64 on the same (rounded) inputs, and returns the relative error (``tolerances.py``) of the
+output, the log-sum-exp and the three gradients. The GPU tests assert them within the dtype's
+tolerance; ``scripts/bench_kernels.py`` prints them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from megatron_zeppelin.attention.kernel_api import AttentionKernel, VarlenBatch
+from megatron_zeppelin.testing.tolerances import relative_error
+
+__all__ = ["BLOCKS", "KernelCase", "kernel_errors", "pair_attention"]
+
+
+@dataclass(frozen=True)
+class KernelCase:
+    """A varlen call: per-pair query and key lengths, the mask, and the head shape."""
+
+    block: str
+    lengths_q: tuple[int, ...]
+    lengths_k: tuple[int, ...]
+    causal: bool
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    head_dim: int = 128
+
+    def with_head_dim(self, head_dim: int) -> KernelCase:
+        return KernelCase(self.block, self.lengths_q, self.lengths_k, self.causal,
+                          self.num_heads, self.num_kv_heads, head_dim)  # fmt: skip
+
+
+BLOCKS: dict[str, KernelCase] = {
+    "diagonal": KernelCase("diagonal", (1, 128, 77, 300, 1024), (1, 128, 77, 300, 1024), True),
+    "suffix": KernelCase("suffix", (64, 200, 1, 33), (300, 200, 50, 97), True),
+    "off-diagonal": KernelCase("off-diagonal", (64, 300, 77, 1), (200, 100, 77, 5), False),
+}
+
+
+def pair_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths_q: Sequence[int],
+    lengths_k: Sequence[int],
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of every pair in ``q``'s dtype (the causal mask bottom-right, as
+    ``kernel_api.py`` defines it): ``(out_tnd, lse_tn)``; differentiable."""
+    outs, lses = [], []
+    group = q.shape[1] // k.shape[1]
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        qp = q[q0 : q0 + lq]
+        kp = k[k0 : k0 + lk].repeat_interleave(group, 1)
+        vp = v[k0 : k0 + lk].repeat_interleave(group, 1)
+        scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
+        if causal:
+            hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+            scores = scores.masked_fill(hidden.triu(diagonal=lk - lq + 1), float("-inf"))
+        lse = scores.logsumexp(-1)
+        probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+        outs.append(torch.einsum("nqk,knd->qnd", probs, vp))
+        lses.append(lse.transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses)
+
+
+def kernel_errors(
+    kernel: AttentionKernel,
+    case: KernelCase,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> dict[str, float]:
+    """Relative errors of ``kernel`` against float64 on ``case``: keys ``out``, ``lse``,
+    ``dq``, ``dk``, ``dv``. A NaN anywhere in a result (a row left unwritten in an
+    uninitialised buffer, say) makes its error NaN, which fails every comparison."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    nq, nkv, d = case.num_heads, case.num_kv_heads, case.head_dim
+
+    def draw(rows: int, heads: int) -> torch.Tensor:
+        return torch.randn(rows, heads, d, generator=gen, device=device).to(dtype)
+
+    q = draw(sum(case.lengths_q), nq)
+    k, v = draw(sum(case.lengths_k), nkv), draw(sum(case.lengths_k), nkv)
+    dout = draw(q.shape[0], nq)
+    scale = 1.0 / math.sqrt(d)
+    batch = VarlenBatch(case.lengths_q, case.lengths_k, causal=case.causal)
+    out, lse = kernel.forward(q, k, v, batch, softmax_scale=scale)
+    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, batch, softmax_scale=scale)
+
+    leaves = [x.double().requires_grad_() for x in (q, k, v)]
+    ref, ref_lse = pair_attention(*leaves, case.lengths_q, case.lengths_k,
+                                  causal=case.causal, scale=scale)  # fmt: skip
+    ref.backward(dout.double())
+    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+    want = {"out": ref, "lse": ref_lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
+            "dv": leaves[2].grad}  # fmt: skip
+    return {name: _error(got[name], want[name]) for name in got}
+
+
+def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """Relative error where the reference is finite; a NaN anywhere in ``actual`` is NaN."""
+    if torch.isnan(actual).any():
+        return math.nan
+    finite = torch.isfinite(expected)
+    if not torch.equal(torch.isfinite(actual), finite):
+        return math.inf  # -inf log-sum-exp rows (no key seen) must match exactly
+    return relative_error(actual[finite], expected[finite])
