@@ -69,7 +69,7 @@ TRAIN_CASES = [
     (["--tokens-per-step", "1000"], "exceeds --tokens-per-step 1000"),
     (["--num-kv-heads", "3"], "not a multiple of --num-kv-heads 3"),
     (["--nproc", "4", "--tensor-parallel", "4", "--zeppelin-nodes", "1"], "--num-kv-heads 2"),
-    (["--zeppelin-kernel", "flash"], "needs flash-attn on CUDA"),
+    (["--zeppelin-kernel", "flash"], "needs CUDA, but this job runs on CPU processes"),
     (["--distribution", "nowhere"], "unknown length distribution"),
     (["--steps", "-1"], "--steps must be at least 0"),
 ]
