@@ -70,7 +70,9 @@ class ZeppelinConfig:
     log_plan_every: int = 0
     """Log the plan summary (tiers, imbalance, bytes per link) every N steps; 0: never."""
     comm_timeout_s: float = 600.0
-    """Seconds a ring transfer may wait for a peer before failing with an error that names it."""
+    """Seconds a ring transfer, or a Zeppelin collective given a CommWatch (remap all-to-all,
+    loss and gradient all-reduces: the CPU job), may wait for a peer before failing with an error
+    that names the rank that stalled; on NCCL, the process groups' watchdog timeout."""
     max_document_length: int | None = None
     """Longest document the sampler hands to the planner, in tokens; longer ones are split into
     pieces or truncated (--zeppelin-long-documents). Default: no limit."""

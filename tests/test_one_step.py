@@ -170,7 +170,8 @@ def test_the_cpu_job_does_not_import_the_megatron_hooks() -> None:
 def test_a_planning_error_ahead_of_training_stops_the_cpu_job_with_its_own_line(
     tmp_path, dataset, one_process_group, monkeypatch, capsys
 ) -> None:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, report_worker_error, train
+    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+    from megatron_zeppelin.megatron.worker import LOG_DIR_ENV, USER_ERROR_EXIT, report_failure
     from megatron_zeppelin.planner import partition
 
     message = "document 2 (65 tokens) finds no room: raise --zeppelin-capacity"
@@ -192,5 +193,6 @@ def test_a_planning_error_ahead_of_training_stops_the_cpu_job_with_its_own_line(
     with pytest.raises(ValueError) as err:
         train(args)
     assert str(err.value) == message
-    report_worker_error(err.value)
+    monkeypatch.delenv(LOG_DIR_ENV, raising=False)  # under torchrun: the first rank says it
+    assert report_failure(err.value, 0, None) == USER_ERROR_EXIT
     assert capsys.readouterr().err == f"zeppelin train: error: {message}\n"

@@ -69,7 +69,7 @@ TRAIN_CASES = [
     (["--tokens-per-step", "1000"], "exceeds --tokens-per-step 1000"),
     (["--num-kv-heads", "3"], "not a multiple of --num-kv-heads 3"),
     (["--nproc", "4", "--tensor-parallel", "4", "--zeppelin-nodes", "1"], "--num-kv-heads 2"),
-    (["--zeppelin-kernel", "flash"], "needs flash-attn on CUDA"),
+    (["--zeppelin-kernel", "flash"], "needs CUDA, but this job runs on CPU processes"),
     (["--distribution", "nowhere"], "unknown length distribution"),
     (["--steps", "-1"], "--steps must be at least 0"),
 ]
@@ -108,8 +108,18 @@ def test_train_refuses_a_checkpoint_it_cannot_resume(tmp_path, capsys, no_launch
     assert main(_train(tmp_path, "--load", str(ckpt))) == 2
     assert "holds no checkpoint" in _one_error_line(capsys, "train")
 
+    # Rank files without a manifest cannot be verified (a cut-short save, or an old layout).
     (ckpt / "rank000.pt").write_bytes(b"")
     (ckpt / "rank001.pt").write_bytes(b"")
+    assert main(_train(tmp_path, "--load", str(ckpt))) == 2
+    assert "no manifest.json" in _one_error_line(capsys, "train")
+
+    from megatron_zeppelin import checkpoint
+
+    directory = checkpoint.step_directory(str(ckpt), 3)
+    files = tuple(checkpoint.write_rank_file(directory, r, 3, b"state") for r in range(2))
+    checkpoint.write_manifest(directory, checkpoint.Manifest(3, files, {}))
+    checkpoint.commit(str(ckpt), 3)
     assert main(_train(tmp_path, "--load", str(ckpt))) == 2
     assert "saved by 2 processes but this run starts 4" in _one_error_line(capsys, "train")
 

@@ -9,7 +9,9 @@
 - ``posting``: the order batches are posted in, recorded and checked across ranks;
 - ``remap``: all-to-all between the linear and the attention layout (autograd);
 - ``heads``: the 2-D scheme's head all-to-all inside each node, over the ring's exchanger;
-- ``counters.LinkCounters``: bytes per link class, from the sends actually made.
+- ``counters.LinkCounters``: bytes per link class, from the sends actually made;
+- ``watch.CommWatch``: collectives bounded by the Zeppelin timeout, and the progress board that
+  names a stalled rank (``CommStallError``, a ``ZeppelinCommError``).
 """
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
@@ -18,8 +20,11 @@ from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.comm.posting import PostingLog, check_posting_order
 from megatron_zeppelin.comm.protocol import Exchanger, Pending, ZeppelinCommError
 from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
+from megatron_zeppelin.comm.watch import CommStallError, CommWatch
 
 __all__ = [
+    "CommStallError",
+    "CommWatch",
     "DistExchanger",
     "Exchanger",
     "LinkCounters",

@@ -82,15 +82,19 @@ class LinkCounters:
             total.add(part)
         return total
 
-    def all_reduce(self, group: dist.ProcessGroup | None = None) -> dict[str, int]:
+    def all_reduce(self, group: dist.ProcessGroup | None = None, *, watch=None) -> dict[str, int]:
         """Sum of every rank's counts over ``group`` (a collective: every rank calls it).
 
-        int64 on CPU for gloo; NCCL needs the tensor on this rank's GPU.
+        int64 on CPU for gloo; NCCL needs the tensor on this rank's GPU. ``watch`` (a
+        ``comm.watch.CommWatch``) bounds the all-reduce by the Zeppelin timeout.
         """
         device = torch.device("cpu")
         if dist.get_backend(group) == "nccl":
             device = torch.device("cuda", torch.cuda.current_device())
         keys = self.keys()
         counts = torch.tensor([self._bytes[k] for k in keys], dtype=torch.int64, device=device)
-        dist.all_reduce(counts, group=group)
+        if watch is None:
+            dist.all_reduce(counts, group=group)
+        else:
+            watch.all_reduce(counts, group, what="link counters")
         return comparable(dict(zip(keys, (int(v) for v in counts.tolist()))))

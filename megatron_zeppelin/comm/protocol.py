@@ -25,7 +25,10 @@ __all__ = ["Exchanger", "Pending", "ZeppelinCommError", "check_payload"]
 
 
 class ZeppelinCommError(RuntimeError):
-    """A ring exchange was misused, timed out or lost a peer. The message names the tag."""
+    """A ring exchange was misused, timed out or lost a peer. The message names the tag.
+
+    The root of the package's communication errors: ``comm.watch.CommStallError``, raised for a
+    collective or transfer that stalled, is one too and names the rank that stalled."""
 
 
 class Pending(Protocol):

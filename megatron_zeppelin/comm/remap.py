@@ -9,15 +9,21 @@ all-to-all applied to the gradient: a permutation's gradient is its inverse perm
 
 ``group``: the process group of the plan's ranks, group rank ``i`` being plan rank ``i``
 (``None``: the world). Under tensor parallelism that is the group of one TP index.
+
+``watch`` (a ``comm.watch.CommWatch``, optional): bounds each all-to-all by the Zeppelin timeout
+and, when a peer stalls, raises an error naming it with this rank's step and ``layer``; the
+backward's all-to-all is reported as the same layer's backward.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.planner.remap_layout import (
     RemapLayout,
@@ -28,10 +34,27 @@ from megatron_zeppelin.planner.remap_layout import (
 __all__ = ["all_to_all_rows", "attention_to_linear", "linear_to_attention", "remap_rows"]
 
 
+@dataclass(frozen=True)
+class _Where:
+    """What a remap reports to the watch: the operation and the layer it belongs to."""
+
+    watch: CommWatch | None = None
+    what: str = "remap"
+    layer: int | None = None
+
+
 def all_to_all_rows(
-    x_t: torch.Tensor, layout: RemapLayout, group: dist.ProcessGroup | None
+    x_t: torch.Tensor,
+    layout: RemapLayout,
+    group: dist.ProcessGroup | None,
+    *,
+    watch: CommWatch | None = None,
+    what: str = "remap",
+    layer: int | None = None,
+    phase: str = "forward",
 ) -> torch.Tensor:
-    """Move rows of ``x_t`` as ``layout`` says (no autograd)."""
+    """Move rows of ``x_t`` as ``layout`` says (no autograd); ``watch``, ``what``, ``layer`` and
+    ``phase`` are what a stall error reports (module docstring)."""
     if x_t.shape[0] != layout.num_src_rows:
         raise ValueError(
             f"rank {layout.rank} holds {layout.num_src_rows} tokens in the source layout but the "
@@ -40,26 +63,37 @@ def all_to_all_rows(
     device = x_t.device
     send = x_t.index_select(0, torch.as_tensor(layout.send_index, device=device)).contiguous()
     recv = x_t.new_empty((layout.num_dst_rows, *x_t.shape[1:]))
-    dist.all_to_all_single(
-        recv,
-        send,
-        output_split_sizes=list(layout.recv_counts),
-        input_split_sizes=list(layout.send_counts),
-        group=group,
-    )
+
+    def issue(async_op: bool):
+        return dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=list(layout.recv_counts),
+            input_split_sizes=list(layout.send_counts),
+            group=group,
+            async_op=async_op,
+        )
+
+    if watch is None:
+        issue(False)
+    else:
+        watch.run(what, issue, layer=layer, phase=phase)
     return recv.index_select(0, torch.as_tensor(layout.recv_index, device=device))
 
 
 class _RemapFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_t, layout, back, group):  # type: ignore[override]
+    def forward(ctx, x_t, layout, back, group, where):  # type: ignore[override]
         ctx.back = back
         ctx.group = group
-        return all_to_all_rows(x_t, layout, group)
+        ctx.where = where
+        return all_to_all_rows(x_t, layout, group, **vars(where))
 
     @staticmethod
     def backward(ctx, grad_t):  # type: ignore[override]
-        return all_to_all_rows(grad_t.contiguous(), ctx.back, ctx.group), None, None, None
+        grad = all_to_all_rows(grad_t.contiguous(), ctx.back, ctx.group, **vars(ctx.where),
+                               phase="backward")  # fmt: skip
+        return grad, None, None, None, None
 
 
 @functools.lru_cache(maxsize=8)
@@ -86,26 +120,44 @@ def remap_rows(
     group: dist.ProcessGroup | None,
     *,
     back: RemapLayout | None = None,
+    watch: CommWatch | None = None,
+    layer: int | None = None,
+    what: str = "remap",
 ) -> torch.Tensor:
     """Autograd-enabled move of ``x_t``'s rows as ``layout`` says. The backward moves the
     gradient with ``back`` (any move from ``layout``'s destination to its source layout that
     every rank agrees on), by default ``layout.inverse()``."""
-    return _RemapFunction.apply(x_t, layout, back or layout.inverse(), group)
+    where = _Where(watch, what, layer)
+    return _RemapFunction.apply(x_t, layout, back or layout.inverse(), group, where)
 
 
 def linear_to_attention(
-    x_t: torch.Tensor, plan: Plan, rank: int, group: dist.ProcessGroup | None = None
+    x_t: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    watch: CommWatch | None = None,
+    layer: int | None = None,
 ) -> torch.Tensor:
     """Rows in ``rank``'s linear buffer order -> rows in its attention buffer order."""
     _check_group(plan, rank, group)
     there, back = _layouts(plan, rank)
-    return remap_rows(x_t, there, group, back=back)
+    return remap_rows(x_t, there, group, back=back, watch=watch, layer=layer,
+                      what="remap linear->attention")  # fmt: skip
 
 
 def attention_to_linear(
-    x_t: torch.Tensor, plan: Plan, rank: int, group: dist.ProcessGroup | None = None
+    x_t: torch.Tensor,
+    plan: Plan,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    *,
+    watch: CommWatch | None = None,
+    layer: int | None = None,
 ) -> torch.Tensor:
     """Rows in ``rank``'s attention buffer order -> rows in its linear buffer order."""
     _check_group(plan, rank, group)
     there, back = _layouts(plan, rank)
-    return remap_rows(x_t, back, group, back=there)
+    return remap_rows(x_t, back, group, back=there, watch=watch, layer=layer,
+                      what="remap attention->linear")  # fmt: skip

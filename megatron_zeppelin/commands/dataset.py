@@ -6,7 +6,8 @@ Examples::
     zeppelin make-dataset --output data/tiny --lengths lengths.txt --tokens-pattern random
     zeppelin make-dataset --inspect data/wiki
 
-The lengths file holds integers separated by white space or commas, or a JSON list.
+The lengths file holds integers separated by white space or commas, or a JSON list. A written
+dataset gets a checksum sidecar (``PREFIX.checksum.json``) that training and ``--inspect`` check.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import argparse
 import json
 
 import numpy as np
+
+from megatron_zeppelin.planner.distributions import MAX_DOCUMENT_LENGTH
 
 DEFAULT_TOKENS = 1_000_000
 
@@ -57,6 +60,11 @@ def _read_lengths(path: str) -> list[int]:
             text = f.read()
     except OSError as exc:
         raise ValueError(f"cannot read the lengths file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"{path} is not a text file: give document lengths as text (white space, commas or "
+            "a JSON list)"
+        ) from None
     try:
         values = (
             json.loads(text) if text.lstrip().startswith("[") else text.replace(",", " ").split()
@@ -68,6 +76,11 @@ def _read_lengths(path: str) -> list[int]:
         ) from exc
     if not lengths or min(lengths) < 1:
         raise ValueError(f"{path} must list at least one length, all positive")
+    if max(lengths) > MAX_DOCUMENT_LENGTH:
+        raise ValueError(
+            f"{path} lists a document of {max(lengths)} tokens; Megatron's index stores lengths "
+            f"as 32-bit integers, so at most {MAX_DOCUMENT_LENGTH}"
+        )
     return lengths
 
 

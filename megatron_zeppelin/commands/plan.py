@@ -116,6 +116,9 @@ def read_topology(args: argparse.Namespace):
     node shaped for tensor parallelism, as ``megatron.args.zeppelin_node`` does in training)."""
     from megatron_zeppelin.topology.presets import topology_from_args
 
+    for flag, value in (("--nic-gbit", args.nic_gbit), ("--nvlink-gbps", args.nvlink_gbps)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a positive finite bandwidth, got {value}")
     if args.topology is None and args.topology_file is None and args.gpus_per_node is None:
         raise ValueError(
             "describe the cluster: --topology PRESET --nodes N, or --nodes N --gpus-per-node G "
@@ -130,7 +133,7 @@ def read_topology(args: argparse.Namespace):
         nic_gbit=args.nic_gbit,
         nvlink_gbps=args.nvlink_gbps,
     )
-    tp = getattr(args, "tp", 1)
+    tp = _tensor_parallel(args)
     if tp == 1:
         return physical
     from megatron_zeppelin.megatron.args import zeppelin_node
@@ -139,12 +142,21 @@ def read_topology(args: argparse.Namespace):
     return zeppelin_node(physical, tp)
 
 
+def _tensor_parallel(args: argparse.Namespace) -> int:
+    """``--tp``, refused unless a positive size."""
+    tp = getattr(args, "tp", 1)
+    if tp < 1:
+        raise ValueError(f"--tp must be a positive tensor-parallel size, got {tp}")
+    return tp
+
+
 def read_cost_model(args: argparse.Namespace, topology):
     """Default cost model of ``--model`` on ``topology``, with ``--cost-model``'s figures."""
     from megatron_zeppelin.planner.costmodel import CostModel
     from megatron_zeppelin.planner.models import get_model
 
-    cost = CostModel.default(get_model(args.model, tensor_parallel=args.tp), topology)
+    model = get_model(args.model, tensor_parallel=_tensor_parallel(args))
+    cost = CostModel.default(model, topology)
     if args.cost_model:
         from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 

@@ -227,6 +227,10 @@ def _run_compare(args: argparse.Namespace) -> int:
         from megatron_zeppelin.viz import plot_comparison
 
         plot_comparison(rows, args.plot)
+    if all("error" in row for row in rows):
+        raise ValueError(
+            "no builder could plan these batches (see the table): raise --capacity or add GPUs"
+        )
     return 0
 
 
@@ -255,7 +259,10 @@ def run(args: argparse.Namespace) -> int:
 
     routing = {"auto": None, "on": True, "off": False}[args.routing]
     remap = not args.no_remap
+    if args.steps < 1:
+        raise ValueError(f"--steps must be at least 1, got {args.steps}")
     if args.plan:
+        _check_plan_alone(args)
         plan = Plan.from_json(args.plan)
         cost = read_cost_model(args, plan.topology)
         result = simulate_rounds([plan], cost, routing=routing, remap=remap)
@@ -268,7 +275,7 @@ def run(args: argparse.Namespace) -> int:
             )
         topology = read_topology(args)
         cost = read_cost_model(args, topology)
-        batches = read_batches(args, max(1, args.steps))
+        batches = read_batches(args, args.steps)
         capacity = capacity_for(args, batches, topology)
         options = planner_options(args, cost)
         outcomes = []
@@ -291,3 +298,26 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in outcomes], f, indent=1)
     return 0
+
+
+PLAN_FIXES = (
+    "lengths", "dist", "tokens", "seed", "max_length", "builder", "steps", "capacity",
+    "topology", "topology_file", "nodes", "gpus_per_node", "nics_per_node", "nic_gbit",
+    "nvlink_gbps", "intra_threshold", "inter_threshold", "no_routing", "no_split", "no_2d",
+    "linear_layout",
+)  # fmt: skip
+"""Flags a saved plan already fixes (its batch, cluster, builder and placement)."""
+
+
+def _check_plan_alone(args: argparse.Namespace) -> None:
+    """``--plan FILE`` simulates the saved plan: refuse flags it would silently ignore."""
+    defaults = argparse.ArgumentParser()
+    add_arguments(defaults)
+    unset = vars(defaults.parse_args([]))
+    given = [f"--{name.replace('_', '-')}" for name in PLAN_FIXES
+             if getattr(args, name) != unset[name]]  # fmt: skip
+    if given:
+        raise ValueError(
+            f"--plan {args.plan} simulates a saved plan, which fixes the batch, the cluster and "
+            f"the placement: drop {', '.join(given)} (or drop --plan to plan a new batch)"
+        )

@@ -10,30 +10,32 @@ workers; ``--verbose`` shows them.
 
 Bad input fails before any process starts (``check_before_launch``): the process count against
 the tensor-parallel size and the topology, the Zeppelin flags, the model dimensions, the token
-budget, the dataset, the checkpoint to resume and the calibration file. Each problem is one line
-``zeppelin train: error: ...`` and exit status 2. Input that only a worker can find wrong (a
-document the data check could not see) ends the same way: the first worker to fail prints the
-line, every worker stops, exit status 2. Any other failure is a bug; its traceback stays.
+budget, the dataset, the checkpoint to resume (verified against its manifest, and against this
+run's model and process count) and the calibration file. Each problem is one line
+``zeppelin train: error: ...`` and exit status 2.
 
-The workers start through torchrun's own launcher (``elastic_launch``, what ``torchrun
---standalone`` runs), in this process, so that a failed run ends with our line instead of
-torchrun's report; ``command_line(args)`` gives the equivalent torchrun command.
+The workers start through ``launch.launch`` (this host, torchrun's variables, a session of their
+own each, stderr into ``RUN_DIR/logs/<run>/rankNNN.log``). When the job fails, the launcher stops
+every worker and this command prints one line per failed rank, the first cause first (a rank
+killed by a signal or found stopped, then what the workers reported: bad input, a stalled peer
+named with its step and layer, a diverged loss, a bug), each naming the log file that holds its
+traceback; exit status 2 when the first cause is bad input, 130 when interrupted, else 1.
+``command_line(args)`` gives the equivalent torchrun command.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
+import math
 import os
+import signal
 import sys
-import uuid
+import time
 from collections.abc import Iterator
 
 from megatron_zeppelin.megatron import train_cpu
-
-USER_ERROR_EXIT = 2
-"""Exit status of a worker stopped by bad input (it printed the reason)."""
+from megatron_zeppelin.megatron.worker import USER_ERROR_EXIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -138,8 +140,10 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     ):  # fmt: skip
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be positive, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be a positive finite number, got {args.lr}")
+    if args.steps == 0 and not args.load:
+        raise ValueError("--steps 0 trains no step: give the number of steps to train")
     tp = args.tensor_parallel
     if tp < 1 or world_size % tp:
         raise ValueError(
@@ -152,14 +156,14 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     topology = resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     dims = train_cpu.model_dims(args)
     _check_dims(dims, tp)
+    if args.load:  # before the calibration: a resumed run's model is the checkpoint's
+        _check_checkpoint(args, world_size, dims)
     _check_budget(args, config, zeppelin_world)
     path, why = train_cpu.pick_calibration(args, config)
     cost_model = train_cpu.job_cost_model(dims, topology, tp, path, why, args)
     lengths = _check_data(args, dims)
     if lengths is not None:
         train_cpu.build_sampler(args, config, lengths, cost_model, zeppelin_world)
-    if args.load:
-        _check_checkpoint(args.load, world_size)
     if args.json:
         parent = os.path.dirname(os.path.abspath(args.json))
         if not os.path.isdir(parent):
@@ -236,74 +240,125 @@ def _check_data(args: argparse.Namespace, dims) -> object | None:
     return dataset.lengths
 
 
-def _check_checkpoint(directory: str, world_size: int) -> None:
-    """``--load`` names a checkpoint written by as many processes as this run starts."""
-    if not os.path.isdir(directory):
-        raise ValueError(f"--load {directory}: no such directory (write one with --save)")
-    saved = sorted(f for f in os.listdir(directory) if f.startswith("rank") and f.endswith(".pt"))
-    if not saved:
+def _check_checkpoint(args: argparse.Namespace, world_size: int, dims) -> None:
+    """``--load`` names a complete checkpoint (every file as its manifest recorded it) of this
+    run's model, written by as many processes as this run starts, not past ``--steps``."""
+    from megatron_zeppelin import checkpoint
+
+    directory = checkpoint.resolve(args.load)
+    try:
+        manifest = checkpoint.verify(directory)
+    except ValueError as exc:
+        raise ValueError(f"--load {args.load}: {exc}") from None
+    if manifest.world_size != world_size:
         raise ValueError(
-            f"--load {directory} holds no checkpoint (rank*.pt): write one with --save"
+            f"--load {args.load} was saved by {manifest.world_size} processes but this run "
+            f"starts {world_size}: resume with the same --nproc"
         )
-    wanted = [os.path.basename(train_cpu.checkpoint_path(directory, r)) for r in range(world_size)]
-    if saved != wanted:
+    saved = manifest.job.get("model", {})
+    for name, value in vars(dims).items():
+        if name in saved and saved[name] != value:
+            flag = f"--{name.replace('_', '-')}"
+            raise ValueError(
+                f"--load {args.load} was saved with {flag} {saved[name]} but this run has "
+                f"{flag} {value}: resume with the model flags it was saved with"
+            )
+    tp = manifest.job.get("tensor_parallel", args.tensor_parallel)
+    if tp != args.tensor_parallel:
         raise ValueError(
-            f"--load {directory} was saved by {len(saved)} processes but this run starts "
-            f"{world_size}: resume with the same --nproc"
+            f"--load {args.load} was saved with --tensor-parallel {tp} but this run has "
+            f"--tensor-parallel {args.tensor_parallel}: resume with the same size"
         )
+    if manifest.step > args.steps:
+        raise ValueError(
+            f"--load {args.load} is at step {manifest.step}, past --steps {args.steps}: raise "
+            "--steps to train on from it"
+        )
+    args.resume_step = manifest.step
+
+
+def _log_dir(args: argparse.Namespace) -> str:
+    """A fresh directory for this launch's per-rank logs and outcomes."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join(args.run_dir, "logs", f"train-{stamp}-{os.getpid()}")
 
 
 def _launch(args: argparse.Namespace) -> int:
     """Start ``--nproc`` workers on this host and wait; the status as described above."""
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+    from megatron_zeppelin.launch import launch
 
-    config = LaunchConfig(
-        min_nodes=1,
-        max_nodes=1,
-        nproc_per_node=args.nproc,
-        run_id=str(uuid.uuid4()),
-        rdzv_backend="c10d",
-        rdzv_endpoint="localhost:0",  # a free port, as torchrun --standalone picks
-        max_restarts=0,
-        monitor_interval=0.1,  # a failed worker stops the others within a tenth of a second
-    )
-    # The agent logs every failure as a multi-line report; the worker already said what failed.
-    elastic_logger = logging.getLogger("torch.distributed.elastic")
-    level = elastic_logger.level
-    if not args.verbose:
-        elastic_logger.setLevel(logging.CRITICAL)
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.verbose:
         env["ZEPPELIN_VERBOSE"] = "1"  # the workers then keep third-party warnings on
-    try:
-        with _environment(**env):
-            elastic_launch(config, sys.executable)(
-                "-m", "megatron_zeppelin.megatron.train_cpu", *worker_arguments(args)
-            )
-    except ChildFailedError as exc:
-        codes = {rank: failure.exitcode for rank, failure in exc.failures.items()}
-        if USER_ERROR_EXIT in codes.values():
-            return USER_ERROR_EXIT  # the first worker to fail printed the reason
-        rank, failure = exc.get_first_failure()
-        print(
-            f"zeppelin train: error: worker rank {rank} failed with exit code "
-            f"{failure.exitcode} (its traceback is above)",
-            file=sys.stderr,
-        )
-        return 1
-    except SignalException:
-        print("zeppelin train: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        elastic_logger.setLevel(level)
-    return 0
+    timeout = args.zeppelin_comm_timeout_s
+    result = launch(
+        "megatron_zeppelin.megatron.train_cpu", worker_arguments(args), nproc=args.nproc,
+        log_dir=_log_dir(args), verbose=args.verbose, env=env,
+        # Workers name a stalled peer themselves after the timeout; the launcher steps in only
+        # for a worker stopped while no peer waits on it (start-up, a single process).
+        stall_s=2 * timeout,
+    )  # fmt: skip
+    if result.ok:
+        return 0
+    lines, status = failure_report(result)
+    for line in lines:
+        print(f"zeppelin train: {line}", file=sys.stderr)
+    return status
+
+
+def failure_report(result) -> tuple[list[str], int]:
+    """One line per failed rank, the first cause first, and the exit status (module docstring);
+    ``result`` is a ``launch.LaunchResult``."""
+    found = [line for line in map(_rank_line, result.ends) if line is not None]
+    found.sort(key=lambda line: line[0])
+    lines, seen = [], set()
+    for _, text, _ in found:
+        if text not in seen:  # bad input is the same on every rank: say it once
+            seen.add(text)
+            lines.append(f"error: {text}")
+    if result.interrupted:
+        return [*lines, "interrupted"], 130
+    if not lines:
+        logs = _shown_path(result.log_dir)
+        return [f"error: the workers stopped without saying why (logs: {logs})"], 1
+    return lines, USER_ERROR_EXIT if found[0][2] else 1
+
+
+def _shown_path(path: str) -> str:
+    """``path`` relative to the working directory when it lies below it, else absolute."""
+    relative = os.path.relpath(path)
+    return os.path.abspath(path) if relative.startswith("..") else relative
+
+
+def _rank_line(end) -> tuple[float, str, bool] | None:
+    """``(when, line, is bad input)`` for a rank that failed on its own; ``None`` otherwise.
+    A rank found stopped is the first cause of whatever its peers then reported."""
+    outcome, log = end.outcome, _shown_path(end.log)
+    if end.stopped:
+        text = (f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
+                "a debugger) and was killed")  # fmt: skip
+        return -1.0, text, False
+    if outcome is not None:
+        if outcome.kind == "input":
+            return outcome.time, outcome.message, True
+        return outcome.time, f"rank {end.rank}: {outcome.message} (log: {log})", False
+    if end.ended_by_launcher or not end.exit_code:
+        return None
+    if end.exit_code < 0:
+        name = signal.Signals(-end.exit_code).name
+        text = f"rank {end.rank} was killed by {name} (from outside: it left no traceback)"
+    else:
+        text = f"rank {end.rank} exited with status {end.exit_code} (log: {log})"
+    return end.ended_at or 0.0, text, False
 
 
 def run(args: argparse.Namespace) -> int:
+    args.resume_step = 0
     try:
         check_before_launch(args)
     except ValueError as exc:
         raise ValueError(one_line(exc)) from exc
+    if args.load and args.resume_step == args.steps:
+        print(f"nothing to do: --load {args.load} is already at step {args.steps} (--steps)")
+        return 0
     return _launch(args)

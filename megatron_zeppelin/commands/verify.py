@@ -180,12 +180,13 @@ def build_cases(
 
 def verify(cases: list[Case], spec: EngineSpec) -> list[dict]:
     """Run ``cases`` on one gloo process per rank and compare them (see the module docstring)."""
-    from megatron_zeppelin.testing.dist import run_distributed
+    from megatron_zeppelin.testing.dist import run_distributed, whole_run_timeout
 
     world = cases[0].plan.world_size
     if any(c.plan.world_size != world for c in cases):
         raise ValueError("every case must plan for the same number of ranks")
-    results = run_distributed(worker, world, timeout_s=spec.timeout_s, args=(cases, spec))
+    results = run_distributed(worker, world, timeout_s=whole_run_timeout(spec.timeout_s),
+                              comm_timeout_s=spec.timeout_s, args=(cases, spec))  # fmt: skip
     return compare(cases, results, spec)
 
 
@@ -230,7 +231,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with --device cuda, where CUDA events time them)",
     )  # fmt: skip
     engine.add_argument("--timeout", type=float, default=EngineSpec.timeout_s,
-                        help="seconds before a stuck process group fails the run")  # fmt: skip
+                        help="seconds a transfer may wait for a peer before the run fails, "
+                        "naming the rank that stalled")  # fmt: skip
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -290,6 +292,31 @@ def _inputs(args: argparse.Namespace):
     return lengths, topology, cost_model, capacity, options
 
 
+REFERENCE_COPIES = 4
+"""Score matrices the dense reference holds at once for its backward (scores, mask, softmax,
+gradient), each ``heads x L x L`` float64."""
+
+
+def _check_reference_fits(lengths: list[int], spec: EngineSpec) -> None:
+    """Refuse a batch whose dense float64 reference would not fit in this machine's memory."""
+    import os
+
+    from megatron_zeppelin.fileio import format_bytes
+
+    longest = max(lengths)
+    need = REFERENCE_COPIES * spec.num_heads * longest * longest * 8
+    try:
+        have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return  # cannot tell: let the run try
+    if need > have // 2:
+        raise ValueError(
+            f"the dense reference of a {longest}-token document needs about {format_bytes(need)} "
+            f"({spec.num_heads} heads x L^2 float64 scores) but this machine has "
+            f"{format_bytes(have)}: verify on shorter documents (--max-length) or fewer --heads"
+        )
+
+
 def format_report(report: list[dict]) -> list[str]:
     lines = [f"{'case':<22} {'routing':<7} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
              f"{'vs 1 GPU':>9}  {'nvlink bytes':>23}  {'nic bytes':>23}  order  ok"]  # fmt: skip
@@ -321,6 +348,7 @@ def format_report(report: list[dict]) -> list[str]:
 
 def run(args: argparse.Namespace) -> int:
     from megatron_zeppelin.commands.profile import check_kernel, check_positive
+    from megatron_zeppelin.testing.dist import DistributedRunError
 
     # Everything the workers would trip over is refused here, before a process starts.
     check_kernel(args.kernel, emulated=args.device == "cpu")
@@ -336,6 +364,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--heads {spec.num_heads} must be a multiple of --kv-heads "
                          f"{spec.num_kv_heads}")  # fmt: skip
     _check_devices(args.device, topology.world_size)
+    _check_reference_fits(lengths, spec)
     cases = build_cases(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
                         options=options, heads=(spec.num_heads, spec.num_kv_heads))  # fmt: skip
     kind = "gloo processes" if args.device == "cpu" else "GPUs over NCCL"
@@ -347,7 +376,12 @@ def run(args: argparse.Namespace) -> int:
               f"and {spec.num_kv_heads} K/V heads do not split over {topology.gpus_per_node} "
               "GPUs per node")  # fmt: skip
     start = time.monotonic()
-    report = verify(cases, spec)
+    try:
+        report = verify(cases, spec)
+    except DistributedRunError as exc:  # a rank died, stalled or failed: one line, story in a log
+        print(f"zeppelin verify: error: {exc.summary} (every rank's traceback: "
+              f"{exc.write_log('zeppelin-verify')})", file=sys.stderr)  # fmt: skip
+        return 1
     print("\n".join(format_report(report)))
     ok = all(e["ok"] for e in report)
     verdict = "all checks passed" if ok else "CHECKS FAILED"

@@ -305,7 +305,11 @@ def _zeppelin_run(
 def run_check(options: CheckOptions | None = None) -> dict[str, Any]:
     """Run the check (spawns ``world_size`` gloo processes); returns the figures and ``passed``."""
     from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-    from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
+    from megatron_zeppelin.testing.dist import (
+        DistributedRunError,
+        run_distributed,
+        whole_run_timeout,
+    )
 
     options = options or CheckOptions()
     check_options(options)
@@ -315,7 +319,8 @@ def run_check(options: CheckOptions | None = None) -> dict[str, Any]:
                                 vocab_size=options.dims.vocab_size, seed=options.seed)  # fmt: skip
         try:
             reports = run_distributed(_check_worker, options.world_size,
-                                      timeout_s=options.timeout_s,
+                                      timeout_s=whole_run_timeout(options.timeout_s),
+                                      comm_timeout_s=options.timeout_s,
                                       args=(options, prefix, tmp))  # fmt: skip
         except DistributedRunError:
             message = _first_error(tmp, options.world_size)

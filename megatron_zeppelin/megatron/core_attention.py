@@ -66,6 +66,9 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     """Position of every linear-layout token inside its document (int64, ``s``)."""
     kernel: str = "auto"
     """Attention kernel handed to the engine."""
+    watch: Any = None
+    """``comm.watch.CommWatch`` bounding the remap all-to-all and naming a stalled rank with
+    the layer; ``None``: plain collectives."""
     _engine: Any = field(default=None, repr=False)
     _remap: Any = field(default=None, repr=False)
 
@@ -228,8 +231,10 @@ class ZeppelinCoreAttention(MegatronModule):
         s, n, d = q_snd.shape
         n_kv = k_snd.shape[1]
         engine = params.engine(self.softmax_scale)
+        watch, layer = params.watch, self.layer_number
         layouts = params.remap_layouts()
         if layouts is None:
+            _mark_ring(watch, layer)
             return engine(q_snd, k_snd, v_snd).reshape(s, n * d)
         from megatron_zeppelin.comm.remap import remap_rows
 
@@ -240,10 +245,20 @@ class ZeppelinCoreAttention(MegatronModule):
         qkv_sf = torch.cat(
             [q_snd.reshape(s, n * d), k_snd.reshape(s, kv_width), v_snd.reshape(s, kv_width)], 1
         )
-        qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back)
+        qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back, watch=watch,
+                            layer=layer, what="remap linear->attention")  # fmt: skip
         t = qkv_tf.shape[0]
         q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, kv_width, kv_width], dim=1)
+        _mark_ring(watch, layer)
         out_tnd = engine(
             q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
         )
-        return remap_rows(out_tnd.reshape(t, n * d), back, params.remap_group, back=there)
+        return remap_rows(out_tnd.reshape(t, n * d), back, params.remap_group, back=there,
+                          watch=watch, layer=layer, what="remap attention->linear")  # fmt: skip
+
+
+def _mark_ring(watch: Any, layer: int) -> None:
+    """Tell the watch the ring runs now, so a ring transfer that times out is reported at this
+    layer (the exchanger bounds the transfers itself)."""
+    if watch is not None:
+        watch.at(layer=layer, phase="forward", what="ring attention")

@@ -13,17 +13,26 @@ Zeppelin plans documents, not fixed-length samples, so this module exposes exact
 memory-mapped ``.bin`` is shared with everything else Megatron does.
 
 A missing or damaged file raises ``ValueError`` naming the file and what is wrong, checked here
-before megatron-core opens it (its own checks are bare asserts deep in the reader).
+before megatron-core opens it (its own checks are bare asserts deep in the reader): the header,
+the document table, and every sequence pointer against the lengths before it and the ``.bin``
+size (a damaged pointer table would otherwise train on the wrong tokens, silently). The format
+cannot tell a ``.bin`` from another dataset of the same size; ``zeppelin make-dataset`` writes a
+checksum sidecar ``PREFIX.checksum.json`` (sizes and SHA-256 of both files) that is checked
+whenever it is present (``write_checksum`` / ``verify_checksum``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import struct
 import warnings
 from types import ModuleType
 
 import numpy as np
+
+from megatron_zeppelin.fileio import atomic_write_text
 
 # The .idx layout (megatron/core/datasets/indexed_dataset.py): a 9-byte magic, a u64 version
 # (1), a u8 dtype code, u64 sequence count, u64 document count, then int32 sequence lengths,
@@ -57,23 +66,8 @@ def _check_files(path_prefix: str) -> None:
                 "indexed dataset (PREFIX.bin and PREFIX.idx, as written by preprocess_data.py "
                 "or `zeppelin make-dataset`)"
             )
+    code, num_sequences, num_doc_indices = _read_header(idx_path)
     idx_size = os.path.getsize(idx_path)
-    with open(idx_path, "rb") as f:
-        header = f.read(_IDX_HEADER_BYTES)
-    if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
-        raise ValueError(
-            f"{idx_path} is not a Megatron index file (missing the MMIDIDX header): "
-            "rebuild it with preprocess_data.py or `zeppelin make-dataset`"
-        )
-    (version,) = struct.unpack("<Q", header[9:17])
-    (code,) = struct.unpack("<B", header[17:18])
-    num_sequences, num_doc_indices = struct.unpack("<QQ", header[18:34])
-    if version != 1:
-        raise ValueError(f"{idx_path} has index version {version}; only version 1 is supported")
-    if code not in _DTYPE_SIZES:
-        raise ValueError(f"{idx_path} names an unknown token dtype code {code}")
-    if num_doc_indices < 1:
-        raise ValueError(f"{idx_path} has no document index table: the file is damaged")
     needed = _IDX_HEADER_BYTES + 4 * num_sequences + 8 * num_sequences + 8 * num_doc_indices
     if idx_size < needed:
         raise ValueError(
@@ -101,6 +95,106 @@ def _check_files(path_prefix: str) -> None:
             f"{bin_path} has {bin_size} bytes but {idx_path} describes {expected_bin}: the two "
             "files do not belong together or one was cut short; rebuild the dataset"
         )
+    if expected_bin == 0:
+        raise ValueError(
+            f"the dataset {path_prefix} holds no tokens ({num_doc_indices - 1} documents): "
+            "train on a dataset with documents in it"
+        )
+    pointers = np.fromfile(
+        idx_path, dtype=np.int64, count=num_sequences, offset=_IDX_HEADER_BYTES + 4 * num_sequences
+    )
+    _check_pointers(idx_path, lengths.astype(np.int64) * _DTYPE_SIZES[code], pointers, doc_index)
+
+
+def _read_header(idx_path: str) -> tuple[int, int, int]:
+    """The token dtype code, the sequence count and the document-index count of an .idx."""
+    with open(idx_path, "rb") as f:
+        header = f.read(_IDX_HEADER_BYTES)
+    if len(header) < _IDX_HEADER_BYTES or header[:9] != _IDX_MAGIC:
+        raise ValueError(
+            f"{idx_path} is not a Megatron index file (missing the MMIDIDX header): "
+            "rebuild it with preprocess_data.py or `zeppelin make-dataset`"
+        )
+    (version,) = struct.unpack("<Q", header[9:17])
+    (code,) = struct.unpack("<B", header[17:18])
+    num_sequences, num_doc_indices = struct.unpack("<QQ", header[18:34])
+    if version != 1:
+        raise ValueError(f"{idx_path} has index version {version}; only version 1 is supported")
+    if code not in _DTYPE_SIZES:
+        raise ValueError(f"{idx_path} names an unknown token dtype code {code}")
+    if num_doc_indices < 1:
+        raise ValueError(f"{idx_path} has no document index table: the file is damaged")
+    return code, num_sequences, num_doc_indices
+
+
+def _check_pointers(
+    idx_path: str, nbytes: np.ndarray, pointers: np.ndarray, doc_index: np.ndarray
+) -> None:
+    """Sequence ``i`` must start where sequence ``i - 1`` ends (the first at byte 0): that makes
+    the pointers monotone, consistent with the lengths and, the lengths summing to the ``.bin``
+    size, in range. Raise ``ValueError`` naming the first document whose pointer is wrong."""
+    expected = np.concatenate(([0], np.cumsum(nbytes)[:-1]))
+    bad = np.flatnonzero(pointers != expected)
+    if bad.size == 0:
+        return
+    seq = int(bad[0])
+    doc = int(np.searchsorted(doc_index, seq, side="right")) - 1
+    raise ValueError(
+        f"{idx_path}: the pointer table is damaged from document {doc} on (sequence {seq} "
+        f"points at byte {int(pointers[seq])} of the .bin, but the lengths before it end at "
+        f"byte {int(expected[seq])}): rebuild the dataset"
+    )
+
+
+# --- checksum sidecar --------------------------------------------------------------------------
+CHECKSUM_FORMAT = "zeppelin-dataset-checksum/1"
+
+
+def checksum_path(path_prefix: str) -> str:
+    return path_prefix + ".checksum.json"
+
+
+def _file_digest(path: str) -> dict[str, object]:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 23), b""):
+            digest.update(block)
+    return {"size": os.path.getsize(path), "sha256": digest.hexdigest()}
+
+
+def write_checksum(path_prefix: str) -> str:
+    """Write ``PREFIX.checksum.json`` (size and SHA-256 of the ``.bin`` and the ``.idx``)."""
+    sums = {"format": CHECKSUM_FORMAT}
+    for suffix in ("bin", "idx"):
+        sums[suffix] = _file_digest(f"{path_prefix}.{suffix}")
+    path = checksum_path(path_prefix)
+    atomic_write_text(path, json.dumps(sums, indent=1))
+    return path
+
+
+def verify_checksum(path_prefix: str) -> bool:
+    """Check the dataset against its checksum sidecar; ``False`` when there is none. Raises
+    ``ValueError`` naming the file that does not match."""
+    path = checksum_path(path_prefix)
+    if not os.path.exists(path):
+        return False
+    try:
+        with open(path) as f:
+            sums = json.load(f)
+        if sums.get("format") != CHECKSUM_FORMAT:
+            raise ValueError(f"format {sums.get('format')!r}")
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path} is not a dataset checksum file ({exc})") from None
+    for suffix in ("bin", "idx"):
+        target = f"{path_prefix}.{suffix}"
+        recorded = sums.get(suffix, {})
+        if os.path.getsize(target) != recorded.get("size") or _file_digest(target) != recorded:
+            raise ValueError(
+                f"{target} does not match {path}: the file changed since the dataset was "
+                "written, or it belongs to another dataset; rebuild the dataset or remove the "
+                "stale checksum file"
+            )
+    return True
 
 
 class DocumentDataset:
@@ -109,9 +203,10 @@ class DocumentDataset:
     ``lengths[d]`` is the token count of document ``d``. ``read(d, start, end)`` returns tokens
     ``[start, end)`` of document ``d`` as ``int64``. ``num_tokens_read`` counts the tokens read
     so far, so callers (and tests) can check that a rank reads only its own share.
+    ``checksum``: check the checksum sidecar when there is one (it reads both files once).
     """
 
-    def __init__(self, path_prefix: str, *, mmap: bool = True) -> None:
+    def __init__(self, path_prefix: str, *, mmap: bool = True, checksum: bool = True) -> None:
         IndexedDataset = indexed_dataset_module().IndexedDataset  # noqa: N806
 
         path_prefix = os.fspath(path_prefix)
@@ -119,6 +214,8 @@ class DocumentDataset:
             if path_prefix.endswith(suffix):
                 path_prefix = path_prefix[: -len(suffix)]
         _check_files(path_prefix)
+        if checksum:  # reads both files once: pass checksum=False where it was just checked
+            verify_checksum(path_prefix)
         try:
             self._indexed = IndexedDataset(path_prefix, mmap=mmap)
         except (AssertionError, OSError, ValueError) as exc:

@@ -9,14 +9,21 @@ gradients, and one division by the global token count finishes the mean (Megatro
 ``calculate_per_token_loss``; the CPU job does it in ``finish_gradients``).
 
 Shapes: Megatron's ``GPTModel`` returns per-token losses ``[b, s]`` when given labels.
+
+``watch`` (a ``comm.watch.CommWatch``, optional) bounds the all-reduces by the Zeppelin timeout
+and names a stalled rank when one does not finish.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from megatron_zeppelin.comm.watch import CommWatch
 
 
 def token_loss_sum(
@@ -47,12 +54,16 @@ def megatron_loss_func(
 
 
 def global_mean_loss(
-    total: torch.Tensor, count: torch.Tensor, group: dist.ProcessGroup | None = None
+    total: torch.Tensor,
+    count: torch.Tensor,
+    group: dist.ProcessGroup | None = None,
+    *,
+    watch: CommWatch | None = None,
 ) -> tuple[float, int]:
     """The global per-token loss and token count: sums over the ranks of ``group``."""
     both = torch.stack([total.detach().double(), count.detach().double()])
     if group is not None or (dist.is_available() and dist.is_initialized()):
-        dist.all_reduce(both, group=group)
+        _all_reduce(both, group, watch, "loss all-reduce")
     num_tokens = int(both[1].item())
     if num_tokens == 0:
         raise ValueError("no token carries a loss in this step: check the loss mask and labels")
@@ -65,6 +76,7 @@ def finish_gradients(
     group: dist.ProcessGroup | None = None,
     *,
     tp_group: dist.ProcessGroup | None = None,
+    watch: CommWatch | None = None,
 ) -> None:
     """Sum every gradient over ``group`` (the Zeppelin / data-parallel ranks) and divide by the
     global token count, turning per-rank loss-sum gradients into the gradient of the global
@@ -82,13 +94,13 @@ def finish_gradients(
     partial = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
     if partial and tp_group is not None and distributed:
         flat = torch.cat([g.reshape(-1) for g in partial])
-        dist.all_reduce(flat, group=tp_group)
+        _all_reduce(flat, tp_group, watch, "sequence-parallel gradient all-reduce")
         _unflatten_into(flat, partial)
     grads = [p.grad for p in params]
     # One flat all-reduce instead of one per tensor: far fewer gloo round trips.
     flat = torch.cat([g.reshape(-1) for g in grads])
     if distributed:
-        dist.all_reduce(flat, group=group)
+        _all_reduce(flat, group, watch, "gradient all-reduce")
     flat /= num_tokens
     _unflatten_into(flat, grads)
 
@@ -99,3 +111,12 @@ def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
         n = t.numel()
         t.copy_(flat[offset : offset + n].view_as(t))
         offset += n
+
+
+def _all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup | None, watch: CommWatch | None, what: str
+) -> None:
+    if watch is None:
+        dist.all_reduce(tensor, group=group)
+    else:
+        watch.all_reduce(tensor, group, what=what)

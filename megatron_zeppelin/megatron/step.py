@@ -57,6 +57,9 @@ class StepRuntime:
     pad_multiple: int = 1
     """Rows of a rank's linear buffer are padded to a multiple of this: the tensor-parallel size
     under sequence parallelism, else 1."""
+    watch: Any = None
+    """``comm.watch.CommWatch`` bounding the step's collectives by the Zeppelin timeout and naming
+    a stalled rank; ``None``: plain collectives."""
 
     @classmethod
     def create(
@@ -70,6 +73,7 @@ class StepRuntime:
         remap_group: Any,
         tensor_parallel: int,
         sequence_parallel: bool,
+        watch: Any = None,
     ) -> StepRuntime:
         return cls(
             config=config,
@@ -80,6 +84,7 @@ class StepRuntime:
             zeppelin_rank=zeppelin_rank,
             remap_group=remap_group,
             pad_multiple=tensor_parallel if sequence_parallel else 1,
+            watch=watch,
         )
 
     def plan(self, lengths: Sequence[int]) -> Plan:
@@ -158,6 +163,7 @@ def run_micro_batch(
         remap_group=runtime.remap_group,
         positions=batch.position_ids_t,
         kernel=runtime.config.kernel,
+        watch=runtime.watch,
     )
     losses_bs = forward_batch(model, batch, params)
     return MicroBatchRun(

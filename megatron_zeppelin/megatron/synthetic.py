@@ -12,7 +12,9 @@ so a tiny model can drive its loss well below ``log(vocab)`` only by attending i
 document: a loss that falls is evidence that attention sees the right tokens.
 
 Files are written by megatron-core's own ``IndexedDatasetBuilder`` (one sequence per document),
-so ``preprocess_data.py`` datasets and these load through the same code.
+so ``preprocess_data.py`` datasets and these load through the same code; a checksum sidecar
+(``PREFIX.checksum.json``, ``data.write_checksum``) follows them, so a reader can tell when a
+file was damaged or swapped for another dataset's.
 """
 
 from __future__ import annotations
@@ -87,7 +89,11 @@ def write_synthetic_dataset(
     Give either ``lengths`` or ``distribution`` with ``num_tokens`` (and optionally
     ``max_length``, the longest document drawn). Same arguments, same bytes.
     """
-    from megatron_zeppelin.megatron.data import indexed_dataset_module
+    from megatron_zeppelin.megatron.data import (
+        checksum_path,
+        indexed_dataset_module,
+        write_checksum,
+    )
 
     megatron_io = indexed_dataset_module()
     if tokens not in TOKEN_PATTERNS:
@@ -115,6 +121,8 @@ def write_synthetic_dataset(
     parent = os.path.dirname(path_prefix)
     if parent:
         os.makedirs(parent, exist_ok=True)
+    if os.path.exists(checksum_path(path_prefix)):
+        os.remove(checksum_path(path_prefix))  # it describes the files about to be replaced
     dtype = megatron_io.DType.optimal_dtype(vocab_size)
     # Token ids use their own stream so the same lengths give the same tokens whatever drew them.
     rng = np.random.default_rng(np.random.SeedSequence([seed, 0x70CE45]))
@@ -123,6 +131,7 @@ def write_synthetic_dataset(
         doc = document_tokens(length, vocab_size=vocab_size, rng=rng, tokens=tokens)
         builder.add_document(doc, [length])
     builder.finalize(path_prefix + ".idx")
+    write_checksum(path_prefix)
     return SyntheticSummary(
         path_prefix=path_prefix,
         num_documents=len(lengths),

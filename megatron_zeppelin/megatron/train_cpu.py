@@ -9,7 +9,13 @@ the run directory on first use. Every step the sampler draws whole documents, ev
 the same plan, reads its own tokens, runs forward and backward with the per-token loss; the
 gradients are summed over the Zeppelin ranks and Adam steps. Rank 0 shows progress, the loss,
 tokens/s and the plan (tiers, imbalance, ring bytes per link class); ``--json`` writes the
-per-step figures; ``--save`` / ``--load`` checkpoint model, optimizer and sampler.
+per-step figures; ``--save`` / ``--load`` checkpoint model, optimizer and sampler
+(``job_checkpoint.py``: atomic rank files, a manifest written last, a ``latest`` pointer).
+
+Every collective of a step is bounded by ``--zeppelin-comm-timeout-s`` (``comm.watch``): a peer
+that stalls ends the job with an error naming it, the step and the layer. A step whose loss or
+gradient norm is not finite stops the job before the optimizer uses it (``check_finite``).
+How a worker starts and ends is ``worker.py``.
 
 The ``--zeppelin-*`` flags are the same as in Megatron-LM; their defaults here suit the tiny
 emulated cluster (thresholds of a few hundred tokens, so all three tiers show up).
@@ -33,8 +39,10 @@ quiet_unless_verbose()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_zeppelin.comm.watch import CommWatch  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
-from megatron_zeppelin.fileio import format_bytes  # noqa: E402
+from megatron_zeppelin.fileio import atomic_write_text, format_bytes  # noqa: E402
+from megatron_zeppelin.megatron import job_checkpoint  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
 from megatron_zeppelin.megatron.feed import MicroBatchFeed  # noqa: E402
 from megatron_zeppelin.megatron.loss import (  # noqa: E402
@@ -58,6 +66,7 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     plan_summary,
 )
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch  # noqa: E402
+from megatron_zeppelin.megatron.worker import check_finite, run_worker  # noqa: E402
 from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
 
 CPU_DEFAULTS = {
@@ -132,7 +141,7 @@ def model_dims(args: argparse.Namespace) -> ModelDims:
     return ModelDims(**{name: getattr(args, name) for name in vars(ModelDims())})
 
 
-def _dataset(args: argparse.Namespace, rank: int):
+def _dataset(args: argparse.Namespace, rank: int, watch: CommWatch):
     """Open the dataset; write the synthetic one first (rank 0) when it is missing."""
     from megatron_zeppelin.megatron.data import DocumentDataset
     from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
@@ -147,7 +156,7 @@ def _dataset(args: argparse.Namespace, rank: int):
             vocab_size=args.vocab_size,
             seed=args.seed,
         )
-    dist.barrier()
+    watch.barrier(what="dataset ready", timeout_s=max(watch.timeout_s, 120.0))
     return DocumentDataset(prefix)
 
 
@@ -174,17 +183,16 @@ def build_sampler(
     )
 
 
-def checkpoint_path(directory: str, rank: int) -> str:
-    """The file rank ``rank`` saves to and resumes from in a checkpoint directory."""
-    return os.path.join(directory, f"rank{rank:03d}.pt")
-
-
-def train(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the job on an initialized gloo world; returns the run's figures (every rank)."""
+def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[str, Any]:
+    """Run the job on an initialized gloo world; returns the run's figures (every rank).
+    ``watch`` bounds its collectives (default: one without a progress board)."""
     from tqdm import tqdm
 
     config = ZeppelinConfig.from_args(args)
     device, dtype = job_device(args.device), DTYPES[args.dtype]
+    if watch is None:
+        watch = CommWatch(rank=dist.get_rank(), world_size=dist.get_world_size(),
+                          timeout_s=config.comm_timeout_s)  # fmt: skip
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
@@ -202,8 +210,9 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         remap_group=ctx.dp_group,
         tensor_parallel=ctx.tensor_parallel,
         sequence_parallel=sequence_parallel,
+        watch=watch,
     )
-    dataset = _dataset(args, dist.get_rank())
+    dataset = _dataset(args, dist.get_rank(), watch)
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
     model = build_gpt(dims, seed=args.seed, sequence_parallel=sequence_parallel)
     # Every parameter in the run's dtype, norms included (Megatron's Float16Module does the same).
@@ -211,17 +220,10 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = make_optimizer(model, lr=args.lr, dtype=dtype)
     start = 0
     if args.load:
-        state = torch.load(checkpoint_path(args.load, dist.get_rank()), weights_only=False,
-                           map_location=device)  # fmt: skip
-        if state.get("dtype", "float32") != args.dtype:
-            raise ValueError(
-                f"checkpoint {args.load} was trained with --dtype {state.get('dtype', 'float32')}"
-                f": resume with the same --dtype (this run asked for {args.dtype})"
-            )
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        sampler.load_state_dict(state["sampler"])
-        start = int(state["step"])
+        state = job_checkpoint.load(args.load)
+        start = job_checkpoint.restore(state, model, optimizer, sampler, dtype=args.dtype,
+                                       where=args.load)  # fmt: skip
+    watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in the background while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
     feed = MicroBatchFeed(sampler, runtime.plan, ahead=config.plan_ahead)
@@ -238,6 +240,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     begin = time.perf_counter()
     try:
         for step in range(start, args.steps):
+            watch.at(step=step)
             record = _train_step(step, model, optimizer, feed, runtime, dataset, counters, ctx)
             records.append(record)
             bar.update(1)
@@ -245,12 +248,13 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
                 bar.write(plan_line(step, record["plans"][0]))
             if args.save and args.save_every and (step + 1) % args.save_every == 0:
-                _save(args.save, model, optimizer, feed, step + 1, args.dtype)
+                _save(args, model, optimizer, feed, step + 1, watch)
     finally:
         feed.close()
     bar.close()
-    if args.save:
-        _save(args.save, model, optimizer, feed, args.steps, args.dtype)
+    saved_last = args.save_every and args.steps % args.save_every == 0
+    if args.save and start < args.steps and not saved_last:
+        _save(args, model, optimizer, feed, args.steps, watch)
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
     result["summary"]["planning"] = feed.stats.to_dict()
@@ -259,8 +263,7 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         if not args.quiet:
             print(summary_text(result["summary"]))
         if args.json:
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+            atomic_write_text(args.json, json.dumps(result, indent=1))
     return result
 
 
@@ -284,12 +287,14 @@ def _train_step(step: int, model, optimizer, feed, runtime, dataset, counters, c
         loss_sum, loss_count = loss_sum + total.detach(), loss_count + count
         spec = runtime.cost_model.model
         summaries.append(plan_summary(item.plan, spec, routing=runtime.config.routing))
-    loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group)
+    watch = runtime.watch
+    loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group, watch=watch)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    finish_gradients(model.parameters(), num_tokens, ctx.dp_group, tp_group=tp_group)
+    finish_gradients(model.parameters(), num_tokens, ctx.dp_group, tp_group=tp_group, watch=watch)
+    check_finite(step, loss, model.parameters())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    measured = counters.all_reduce(ctx.dp_group) if counters is not None else None
+    measured = counters.all_reduce(ctx.dp_group, watch=watch) if counters is not None else None
     seconds = time.perf_counter() - t0
     step_batch = item.step
     return {
@@ -358,17 +363,16 @@ def job_cost_model(
         raise ValueError(f"{exc}{hint}") from exc
 
 
-def _save(directory: str, model, optimizer, sampler, step: int, dtype: str) -> None:
-    os.makedirs(directory, exist_ok=True)
-    state = {
-        "dtype": dtype,
-        "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(),
-        "sampler": sampler.state_dict(),
-        "step": step,
-    }
-    torch.save(state, checkpoint_path(directory, dist.get_rank()))
-    dist.barrier()  # a checkpoint is complete only once every rank has written its file
+def _save(args: argparse.Namespace, model, optimizer, sampler, step: int, watch: CommWatch) -> None:
+    state = job_checkpoint.training_state(model, optimizer, sampler, step, dtype=args.dtype)
+    job = job_checkpoint.job_settings(vars(model_dims(args)), args.tensor_parallel)
+    job_checkpoint.save(args.save, step, state, job=job, watch=watch)
+
+
+def _tensor_parallel_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _summary(records, seconds, config, dims, ctx) -> dict[str, Any]:
@@ -441,24 +445,9 @@ def summary_text(s: dict) -> str:
     return "\n".join(lines)
 
 
-def report_worker_error(exc: ValueError) -> None:
-    """Print ``zeppelin train: error: ...`` for bad input a worker found, once per job: the first
-    rank to fail claims the report in the process group's store (rank 0 when there is no
-    store to ask). The other workers stay silent; the launcher stops them."""
-    first = dist.get_rank() == 0 if dist.is_initialized() else os.environ.get("RANK") == "0"
-    if dist.is_initialized():
-        try:
-            store = dist.distributed_c10d._get_default_store()
-            first = store.add("zeppelin/error_reports", 1) == 1
-        except Exception:  # noqa: BLE001 - no store to ask: rank 0 speaks
-            pass
-    if first:
-        print(f"zeppelin train: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
-
-
 def main(argv: list[str] | None = None) -> int:
-    """A worker's entry point: 0 when the job finished, 2 when bad input stopped it (one line
-    on stderr, no traceback). Any other exception is a bug and keeps its traceback."""
+    """A worker's entry point (``worker.run_worker``): 0 when the job finished, 2 when bad input
+    stopped it, 1 for any other failure; the launcher reports why in one line."""
     args = build_parser().parse_args(argv)
     if "RANK" not in os.environ:
         print(
@@ -468,22 +457,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     torch.set_num_threads(1)  # several processes share few cores
-    try:
-        if args.device == "cuda":
-            torch.cuda.set_device(job_device("cuda"))
-            # Host tensors (the loss, the counters) on gloo, the model's on NCCL.
-            dist.init_process_group("cpu:gloo,cuda:nccl")
-        else:
-            dist.init_process_group("gloo")
-        train(args)
-    except ValueError as exc:
-        # Bad input (a flag, a file, a document): one line, not one traceback per rank.
-        report_worker_error(exc)
-        return 2
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0
+    backend = "gloo"
+    if args.device == "cuda":
+        torch.cuda.set_device(job_device("cuda"))
+        backend = "cpu:gloo,cuda:nccl"  # host tensors (the loss, the counters) on gloo
+    return run_worker(lambda watch: train(args, watch=watch),
+                      comm_timeout_s=args.zeppelin_comm_timeout_s, backend=backend)  # fmt: skip
 
 
 if __name__ == "__main__":

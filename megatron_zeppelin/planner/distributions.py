@@ -26,6 +26,10 @@ from importlib import resources
 import numpy as np
 
 _DATA_FILE = "data/length_distributions.json"
+MAX_DOCUMENT_LENGTH = 2**31 - 1
+"""Longest document accepted from a file: Megatron's index stores lengths as int32."""
+MAX_BATCH_TOKENS = 2**31 - 1
+"""Most tokens one drawn batch may hold (far beyond any cluster's micro-batch)."""
 
 
 @lru_cache(maxsize=1)
@@ -146,6 +150,11 @@ def sample_lengths(
         lo, hi, prob = _get(name)
     if not isinstance(num_tokens, (int, np.integer)) or num_tokens < 1:
         raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
+    if num_tokens > MAX_BATCH_TOKENS:
+        raise ValueError(
+            f"a batch of {num_tokens} tokens is beyond any cluster's micro-batch: draw at most "
+            f"{MAX_BATCH_TOKENS} tokens"
+        )
     if max_length is not None and max_length < 1:
         raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
     rng = np.random.default_rng(seed)
@@ -192,6 +201,10 @@ def read_lengths_file(path: str) -> list[int]:
             lines = f.readlines()
     except OSError as exc:
         raise ValueError(f"cannot read lengths file {path}: {exc.strerror}") from exc
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"lengths file {path} is not a text file: give one document length per line"
+        ) from None
     lengths = []
     for number, line in enumerate(lines, start=1):
         text = line.split("#", 1)[0].strip()
@@ -206,6 +219,11 @@ def read_lengths_file(path: str) -> list[int]:
             ) from None
         if value < 1:
             raise ValueError(f"{path}, line {number}: length {value} must be at least 1 token")
+        if value > MAX_DOCUMENT_LENGTH:
+            raise ValueError(
+                f"{path}, line {number}: length {value} is longer than any document Megatron "
+                f"can index (at most {MAX_DOCUMENT_LENGTH} tokens)"
+            )
         lengths.append(value)
     if not lengths:
         raise ValueError(f"lengths file {path} lists no document lengths")
