@@ -25,6 +25,7 @@ saving needs ``psutil``, which the wheel does not declare (``require_checkpoint_
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import sys
@@ -39,14 +40,14 @@ TAKES_CONTAINER = "caller parses, pretrain takes a config container"  # megatron
 
 def _require_megatron_training():
     try:
-        import megatron.training
+        training = importlib.import_module("megatron.training")
     except ImportError as exc:
         raise SystemExit(
             "megatron_zeppelin.pretrain_gpt needs Megatron-LM's megatron.training, which is not "
             f"importable here ({exc}). Install megatron-core 0.19 (its wheel ships it), use the "
             "project's Docker image, or put a Megatron-LM core_v0.16.1 checkout on PYTHONPATH."
         ) from exc
-    return megatron.training
+    return training
 
 
 def calling_convention(pretrain: Callable) -> str:
@@ -74,7 +75,7 @@ def use_shipped_dataset_helpers() -> bool:
     if os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile")):
         return False
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401
+        from megatron.core.datasets import helpers_cpp  # noqa: F401 (the compiled helper)
     except ImportError:
         return False  # neither a Makefile nor a built helper: Megatron's own error explains
     utils.compile_helpers = lambda: None

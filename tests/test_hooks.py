@@ -190,27 +190,3 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     with pytest.raises(ValueError, match="core attention"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hooks.model_provider(pre_process=True, post_process=True)
-
-
-@pytest.mark.pure
-def test_pretrain_gpt_hands_megatron_the_hooks(monkeypatch) -> None:
-    from megatron_zeppelin import pretrain_gpt
-
-    calls = []
-    training = types.ModuleType("megatron.training")
-    training.pretrain = lambda *a, **k: calls.append((a, k))
-    monkeypatch.setitem(sys.modules, "megatron.training", training)
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--zeppelin"])
-    assert pretrain_gpt.main() == 0
-    (positional, keywords), = calls  # fmt: skip
-    datasets, model, _, step = positional
-    assert (datasets, model, step) == (
-        hooks.train_valid_test_datasets_provider,
-        hooks.model_provider,
-        hooks.forward_step,
-    )
-    assert datasets.is_distributed
-    assert keywords["extra_args_provider"] is hooks.extra_args_provider
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
-    with pytest.raises(SystemExit, match="--zeppelin"):
-        pretrain_gpt.main()
