@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 THRESHOLD_WORDS = ("auto", "off")
+NEVER_SPLIT = 1 << 40
+"""The threshold of a tier that is ``off``: no document reaches it, so the tier splits only what
+capacity forces."""
 KERNELS = ("auto", "torch", "flash")
 LONG_DOCUMENTS = ("split", "truncate")
 
@@ -36,11 +39,12 @@ class ZeppelinConfig:
     or 'custom' to build one from --zeppelin-nodes / --zeppelin-gpus-per-node (one NIC per GPU
     unless --zeppelin-nics-per-node says otherwise)."""
     nodes: int | None = None
-    """Number of nodes; overrides the preset's. Default: data-parallel size / GPUs per node."""
+    """Number of nodes; overrides the preset's. Default: the processes / GPUs per node."""
     gpus_per_node: int | None = None
-    """Zeppelin ranks (data-parallel GPUs) per node; overrides the preset's."""
+    """GPUs per node (physical); overrides the preset's. With tensor parallelism a node holds
+    GPUs / TP Zeppelin ranks, each talking through the NIC next to its GPUs."""
     nics_per_node: int | None = None
-    """Inter-node NICs per node; overrides the preset's."""
+    """Inter-node NICs per node (physical); overrides the preset's."""
     capacity: int | None = None
     """Most tokens one GPU may hold in either layout (memory). Longer documents are always
     split over several GPUs. Default: no limit beyond the balance the planner seeks."""
@@ -71,6 +75,9 @@ class ZeppelinConfig:
     long_documents: str = field(default="split", metadata={"choices": LONG_DOCUMENTS})
     """What happens to a document over --zeppelin-max-document-length: 'split' trains on every
     piece as its own document, 'truncate' keeps only its first piece."""
+    plan_ahead: int = 2
+    """Micro-batches planned ahead in a background thread while the current one trains; 0 plans
+    each micro-batch when it starts."""
 
     # --- validation ------------------------------------------------------------------------
     def validate(self) -> ZeppelinConfig:
@@ -79,6 +86,8 @@ class ZeppelinConfig:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{flag_of(name)} must be a positive integer, got {value!r}")
+        if self.plan_ahead < 0:
+            raise ValueError(f"{flag_of('plan_ahead')} must be >= 0 (0 plans in the step)")
         if self.log_plan_every < 0:
             raise ValueError(f"{flag_of('log_plan_every')} must be >= 0 (0 turns logging off)")
         if not self.comm_timeout_s > 0:
@@ -140,6 +149,37 @@ class ZeppelinConfig:
         if value < 1:
             raise ValueError(f"{flag_of(name)} must be a positive token count, got {value}")
         return value
+
+    def planner_options(
+        self, cost_model: Any, *, allow_split: bool = True, linear_layout: str = "auto"
+    ) -> Any:
+        """``planner.partition.PlannerOptions`` of these settings: the one path from flags to
+        the planner (the Megatron hooks, the CPU job, the check and ``zeppelin plan`` use it).
+
+        Thresholds: both ``auto`` leave them to the planner; both ``off`` turn balance
+        splitting off; otherwise ``auto`` takes the cost model's value and ``off`` is
+        ``NEVER_SPLIT``. A token count given on the command line is kept as given, and the
+        other threshold moves to respect ``intra <= inter`` (a document worth a cross-node ring
+        is worth an NVLink one): an automatic or ``off`` intra threshold comes down to an
+        explicit inter one, an automatic inter threshold goes up to an explicit intra one.
+        """
+        from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
+
+        intra, inter = self.threshold("intra"), self.threshold("inter")
+        common = dict(routing=self.routing, remap=self.remap, linear_layout=linear_layout)
+        if intra == "off" and inter == "off":
+            return PlannerOptions(allow_split=False, **common)
+        if intra == "auto" and inter == "auto":
+            return PlannerOptions(allow_split=allow_split, **common)
+        auto_intra, auto_inter = tier_thresholds(cost_model)
+        low = auto_intra if intra == "auto" else NEVER_SPLIT if intra == "off" else intra
+        high = auto_inter if inter == "auto" else NEVER_SPLIT if inter == "off" else inter
+        if low > high:
+            if isinstance(inter, int) or intra == "off":
+                low = high
+            else:
+                high = low
+        return PlannerOptions(thresholds=(low, high), allow_split=allow_split, **common)
 
     # --- command line ----------------------------------------------------------------------
     @classmethod

@@ -11,7 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.batch import build_linear_batch, build_reference_batch
+from megatron_zeppelin.megatron.batch import (
+    build_linear_batch,
+    build_reference_batch,
+    pad_linear_batch,
+)
 from megatron_zeppelin.megatron.sampler import DocumentSlice
 from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.topology.model import Topology
@@ -180,3 +184,23 @@ def test_a_plan_for_another_micro_batch_is_refused():
         build_linear_batch(plan, 4, [DocumentSlice(0, 0, 10)], reader)
     empty = build_linear_batch(plan, 1, [DocumentSlice(0, 0, 10)], reader)
     assert empty.num_tokens == 0 and empty.labels_t.dtype == torch.int64
+
+
+@settings(max_examples=60, deadline=None)
+@given(case=micro_batches(), seed=st.integers(0, 100), multiple=st.integers(1, 4))
+def test_padding_makes_a_non_empty_multiple_and_never_reaches_the_loss(case, seed, multiple):
+    doc_lengths, slices, plan = case
+    reader = RecordingReader(_docs(doc_lengths, seed))
+    for rank in range(plan.world_size):
+        batch = build_linear_batch(plan, rank, slices, reader)
+        padded = pad_linear_batch(batch, multiple)
+        rows = padded.num_tokens
+        assert rows % multiple == 0 and rows >= multiple and rows >= batch.num_tokens
+        assert padded.num_padding == rows - batch.num_tokens < multiple + (batch.num_tokens == 0)
+        # The real rows are untouched; padding rows carry no loss.
+        real = batch.num_tokens
+        assert torch.equal(padded.tokens_t[:real], batch.tokens_t)
+        assert torch.equal(padded.position_ids_t[:real], batch.position_ids_t)
+        assert padded.num_loss_tokens == batch.num_loss_tokens
+        assert not padded.loss_mask_t[real:].any()
+        assert padded.ranges == batch.ranges

@@ -121,7 +121,7 @@ def test_without_zeppelin_nothing_is_checked_or_changed() -> None:
         (dict(context_parallel_size=2), 4, "--context-parallel-size 1"),
         (dict(pipeline_model_parallel_size=2), 4, "pipeline"),
         (dict(micro_batch_size=4), 4, "--micro-batch-size 1"),
-        (dict(sequence_parallel=True), 4, "sequence-parallel"),
+        (dict(attention_dropout=0.1), 4, "--attention-dropout 0"),
         (dict(tensor_model_parallel_size=3), 4, "does not divide"),
         (dict(position_embedding_type="yarn"), 4, "position-embedding-type"),
         (dict(), 5, "do not split evenly"),
@@ -134,13 +134,15 @@ def test_megatron_validation_refuses(megatron: dict, world: int, match: str) -> 
 
 def test_topology_must_match_the_data_parallel_size() -> None:
     argv = CLUSTER + ["--zeppelin-gpus-per-node", "4"]
-    with pytest.raises(ValueError, match="data-parallel size"):
+    with pytest.raises(ValueError, match="number of processes"):
         validate_megatron_args(_megatron_args(argv), world_size=4)  # 2 x 4 != 4
-    # With TP 2, 16 processes are 8 Zeppelin ranks: 2 nodes x 4.
+    # With TP 2, 16 processes on 2 nodes of 8 GPUs are 8 Zeppelin ranks: 2 nodes x 4.
+    argv = CLUSTER + ["--zeppelin-gpus-per-node", "8"]
     config = validate_megatron_args(
         _megatron_args(argv, tensor_model_parallel_size=2), world_size=16
     )
-    assert resolve_topology(config, 8, tensor_parallel=2).world_size == 8
+    topology = resolve_topology(config, 8, tensor_parallel=2)
+    assert topology.world_size == 8 and topology.gpus_per_node == 4
 
 
 def test_presets_and_capacity_contradiction_through_megatron_flags() -> None:

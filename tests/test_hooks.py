@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import inspect
+import os
 import sys
 import types
 import warnings
@@ -47,14 +48,19 @@ def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
 
 
 def _config_from_args(args: argparse.Namespace):
-    """Stand-in for ``core_transformer_config_from_args``: the fields it maps for this model."""
+    """Stand-in for ``core_transformer_config_from_args``: the fields it maps for this model,
+    with its rule for K/V heads (``num_query_groups`` only with ``--group-query-attention``,
+    else ``None``: one per query head) and precision (``bf16`` / ``fp16`` / ``params_dtype``)."""
     from megatron.core.transformer import TransformerConfig
 
+    gqa = getattr(args, "group_query_attention", True)
     return TransformerConfig(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
+        num_query_groups=args.num_query_groups if gqa else None,
+        bf16=getattr(args, "bf16", False),
+        fp16=getattr(args, "fp16", False),
         ffn_hidden_size=args.ffn_hidden_size,
         normalization=args.normalization,
         gated_linear_unit=True,
@@ -63,7 +69,7 @@ def _config_from_args(args: argparse.Namespace):
         hidden_dropout=0.0,
         attention_dropout=0.0,
         use_cpu_initialization=True,
-        params_dtype=torch.float32,
+        params_dtype=getattr(args, "params_dtype", torch.float32),
         calculate_per_token_loss=args.calculate_per_token_loss,
     )
 
@@ -129,7 +135,7 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
     loader = iter(torch.utils.data.DataLoader(markers, batch_size=1))
 
     # Peek at the step the hooks draw next, then rewind the sampler to it.
-    sampler = hooks._STATE.sampler
+    sampler = hooks._STATE.feed.sampler
     before = sampler.state_dict()
     step = sampler.next_step()
     sampler.load_state_dict(before)
@@ -152,15 +158,21 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
 
 @pytest.mark.threads
 def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
-    megatron_training, one_rank, dataset_prefix
+    megatron_training, one_rank, dataset_prefix, monkeypatch
 ) -> None:
+    from megatron_zeppelin.megatron.feed import FedMicroBatch
+    from megatron_zeppelin.megatron.sampler import StepBatch
+
     args = _megatron_args(dataset_prefix)
     megatron_training(args)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = hooks.model_provider(pre_process=True, post_process=True)
     hooks.train_valid_test_datasets_provider([4, 0, 0])
-    hooks._STATE.pending = [()]  # what the sampler hands over when a step has too few documents
+    # What the sampler hands over when a step has too few documents: an empty micro-batch.
+    feed = hooks._STATE.feed
+    empty = FedMicroBatch(StepBatch(step=0, epoch=0, micro_batches=((),)), 0, None)
+    monkeypatch.setattr(feed, "next", lambda: (monkeypatch.undo(), empty)[1])
     output, loss_func = hooks.forward_step(None, model)
     loss, num_tokens, report = loss_func(output)
     assert int(num_tokens) == 0 and float(loss.detach()) == 0.0
@@ -190,3 +202,121 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     with pytest.raises(ValueError, match="core attention"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hooks.model_provider(pre_process=True, post_process=True)
+
+
+@pytest.mark.threads
+def test_the_plan_prices_megatrons_model_and_the_startup_summary_says_so(
+    megatron_training, one_rank, dataset_prefix, capsys
+) -> None:
+    # Megatron's defaults: --num-query-groups 1 means nothing without --group-query-attention.
+    args = _megatron_args(dataset_prefix)
+    args.group_query_attention, args.num_query_groups = False, 1
+    args.bf16, args.params_dtype = True, torch.bfloat16
+    megatron_training(args)
+    hooks.setup(args)
+    spec = hooks._STATE.runtime.cost_model.model
+    assert (spec.num_heads, spec.num_kv_heads, spec.dtype_bytes) == (4, 4, 2)
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("zeppelin: node shape 1 nodes x 1 Zeppelin ranks")
+    assert "4 heads, 4 K/V heads, 16-bit (bf16/fp16)" in out[1]
+    assert "datasheet figures" in out[1]
+    assert out[2] == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
+    hooks.reset()
+    args.group_query_attention, args.num_query_groups = True, 2
+    hooks.setup(args)
+    assert hooks._STATE.runtime.cost_model.model.num_kv_heads == 2
+
+
+def _draw(model, num: int) -> list:
+    """Run ``forward_step`` ``num`` times; the document slices each micro-batch trained on."""
+    seen = []
+    feed = hooks._STATE.feed
+    real = feed.next
+
+    def record():
+        item = real()
+        seen.append(item.slices)
+        return item
+
+    feed.next = record
+    for _ in range(num):
+        hooks.forward_step(None, model)
+    return seen
+
+
+@pytest.mark.threads
+def test_resume_restores_the_sampler_saved_beside_the_checkpoint_or_replays_it(
+    megatron_training, one_rank, dataset_prefix, tmp_path, capsys, monkeypatch
+) -> None:
+    from megatron_zeppelin.megatron.resume import sampler_state_path
+    from megatron_zeppelin.megatron.sampler import DocumentSampler
+
+    save = str(tmp_path / "ckpt")
+
+    def start(**extra):
+        hooks.reset()
+        args = _megatron_args(dataset_prefix)
+        args.save, args.save_interval, args.train_iters = save, 2, 3
+        for key, value in extra.items():
+            setattr(args, key, value)
+        megatron_training(args)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = hooks.model_provider(pre_process=True, post_process=True)
+        hooks.train_valid_test_datasets_provider([8, 0, 0])
+        return model
+
+    whole = _draw(start(), 8)  # 4 steps of 2 micro-batches
+    # Written for the iterations Megatron saves at: every 2nd and the last (--train-iters 3).
+    for iteration, there in ((1, False), (2, True), (3, True), (4, True)):
+        assert os.path.exists(sampler_state_path(save, iteration)) == there
+
+    drawn = []
+    real_next_step = DocumentSampler.next_step
+    monkeypatch.setattr(
+        DocumentSampler, "next_step", lambda self: (drawn.append(1), real_next_step(self))[1]
+    )
+    capsys.readouterr()
+    model = start(load=save, iteration=2)
+    assert not drawn, "the sampler state is restored, not replayed"
+    assert f"sampler restored at iteration 2 from {sampler_state_path(save, 2)}" in (
+        capsys.readouterr().out
+    )
+    assert _draw(model, 4) == whole[4:]
+
+    # A checkpoint without the file (a signal or time-limit save): replayed, and said so.
+    os.remove(sampler_state_path(save, 2))
+    drawn.clear()
+    model = start(load=save, iteration=2, save=None)
+    assert len(drawn) >= 2
+    assert "no sampler state for iteration 2" in capsys.readouterr().out
+    assert _draw(model, 4) == whole[4:]
+
+
+@pytest.mark.threads
+def test_forward_step_is_the_one_micro_batch_step(
+    megatron_training, one_rank, dataset_prefix, monkeypatch
+) -> None:
+    """The hooks run the model through ``step.forward_batch``, as the CPU job and the check do
+    (``tests/test_one_step.py``), so all three pass the same tokens, positions and labels."""
+    from megatron_zeppelin.megatron import step as step_module
+    from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
+
+    calls = []
+    real = step_module.forward_batch
+    monkeypatch.setattr(
+        step_module,
+        "forward_batch",
+        lambda model, batch, params: (calls.append((batch, params)), real(model, batch, params))[1],
+    )
+    args = _megatron_args(dataset_prefix)
+    megatron_training(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hooks.model_provider(pre_process=True, post_process=True)
+    hooks.train_valid_test_datasets_provider([2, 0, 0])
+    output, _ = hooks.forward_step(None, model)
+    ((batch, params),) = calls
+    assert isinstance(params, ZeppelinPackedSeqParams) and params.plan is not None
+    assert torch.equal(params.positions, batch.position_ids_t)
+    assert output.shape == (1, batch.num_tokens)

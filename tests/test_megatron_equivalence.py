@@ -1,5 +1,6 @@
 """Zeppelin training equals single-process training (tier: processes; one spawn of 4 gloo
-ranks running tensor parallel 1 x Zeppelin 4, then tensor parallel 2 x Zeppelin 2).
+ranks running tensor parallel 1 x Zeppelin 4, then tensor parallel 2 x Zeppelin 2 without and
+with Megatron's sequence parallelism).
 
 The check itself lives in ``megatron_zeppelin.megatron.check`` (``zeppelin check`` runs it too):
 same Megatron GPTModel and weights, same documents; loss and every parameter's gradient must
@@ -18,7 +19,7 @@ pytestmark = pytest.mark.dist
 def test_loss_and_gradients_match_the_single_process_reference() -> None:
     report = run_check(CheckOptions(tensor_parallels=(1, 2)))
     runs = report["runs"]
-    assert set(runs) == {"tp1", "tp2"}
+    assert set(runs) == {"tp1", "tp2", "tp2+sp"}
     for name, run in runs.items():
         assert run["loss_rel_error"] <= 1e-5, (name, run["loss_rel_error"])
         assert run["max_grad_rel_error"] <= 1e-5, (name, run["max_grad_rel_error"])
@@ -28,3 +29,25 @@ def test_loss_and_gradients_match_the_single_process_reference() -> None:
     # The TP 1 plan puts documents in all three tiers, so rings and routing are exercised.
     assert all(n > 0 for n in runs["tp1"]["plan"]["tiers"].values())
     assert runs["tp2"]["zeppelin_world"] == 2
+    # Sequence parallelism: some rank's linear rows were padded to a multiple of TP, and the
+    # padding changed neither the loss nor any gradient.
+    assert runs["tp2+sp"]["sequence_parallel"] and runs["tp2+sp"]["max_padding_rows"] > 0
+
+
+@pytest.mark.parametrize(
+    "lengths, capacity",
+    [
+        ((2,), 1024),  # fewer tokens than ranks: two ranks hold nothing
+        ((412, 235), 256),  # fewer documents than ranks, both split by capacity
+    ],
+)
+def test_ranks_with_few_or_no_tokens_come_through_a_step(lengths, capacity) -> None:
+    report = run_check(CheckOptions(lengths=lengths, capacity=capacity))
+    runs = report["runs"]
+    assert report["passed"], {
+        k: (r["loss_rel_error"], r["max_grad_rel_error"]) for k, r in runs.items()
+    }
+    if lengths == (2,):
+        # A rank with no token of the plan still ran Megatron's layers on one padding row.
+        assert runs["tp1"]["min_linear_tokens"] == 0 and runs["tp1"]["max_padding_rows"] >= 1
+    assert runs["tp1"]["plan"]["num_documents"] < 4

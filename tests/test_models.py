@@ -61,3 +61,55 @@ def test_bad_models_are_refused_with_a_sentence(text: str) -> None:
     with pytest.raises(ValueError) as err:
         get_model(text)
     assert len(str(err.value)) > 20
+
+
+def _megatron_config(**fields):
+    """Megatron's own ``TransformerConfig`` (megatron-core), as its argument parser builds it."""
+    import torch
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}
+    half = [k for k in dtype if fields.get(k)]
+    fields.setdefault("params_dtype", dtype[half[0]] if half else torch.float32)
+    return TransformerConfig(**fields)
+
+
+def test_llama_7b_from_megatrons_config_is_the_cli_preset_with_the_issue_figures() -> None:
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.models import model_from_config
+    from megatron_zeppelin.planner.thresholds import tier_thresholds
+    from megatron_zeppelin.topology.presets import get_topology
+
+    # configs/models/llama-7b.yaml: MHA (no --group-query-attention, so Megatron leaves
+    # num_query_groups unset) in bf16.
+    config = _megatron_config(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008, bf16=True
+    )
+    spec = model_from_config(config, vocab_size=32000, name="llama-7b")
+    assert spec == get_model("llama-7b")
+    assert (spec.num_kv_heads, spec.dtype_bytes) == (32, 2)
+    assert spec.kv_bytes_per_token() == 16384
+    cost = CostModel.default(spec, get_topology("dgx-h100", num_nodes=4))
+    assert tier_thresholds(cost) == (4940, 49768)
+
+
+def test_kv_heads_dtype_and_tp_come_from_the_config() -> None:
+    from megatron_zeppelin.planner.models import dtype_bytes_of, model_from_config
+
+    base = dict(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1024)
+    gqa = model_from_config(_megatron_config(**base, num_query_groups=2), vocab_size=64)
+    assert gqa.num_kv_heads == 2 and gqa.dtype_bytes == 4
+    fp16 = _megatron_config(**base, fp16=True, tensor_model_parallel_size=2)
+    assert model_from_config(fp16, vocab_size=64).tensor_parallel == 2
+    assert dtype_bytes_of(fp16) == 2
+    with pytest.raises(ValueError, match="--kv-channels"):
+        model_from_config(_megatron_config(**base, kv_channels=32), vocab_size=64)
+
+
+def test_the_cpu_jobs_model_is_the_tiny_preset() -> None:
+    import dataclasses
+
+    from megatron_zeppelin.megatron.runtime import ModelDims
+
+    spec = ModelDims().model_spec(tensor_parallel=2)
+    assert spec == dataclasses.replace(get_model("tiny", tensor_parallel=2), name="cpu-gpt")

@@ -52,7 +52,7 @@ TRAIN_CASES = [
     (["--nproc", "4", "--tensor-parallel", "3"], "--tensor-parallel 3 does not divide"),
     (["--nproc", "0"], "--nproc must be at least 1"),
     (["--zeppelin-topology", "dgx-h100"], "--zeppelin-topology dgx-h100 has 8 GPUs per node"),
-    (["--zeppelin-nodes", "2", "--zeppelin-gpus-per-node", "4"], "= 8 ranks, but 4"),
+    (["--zeppelin-nodes", "2", "--zeppelin-gpus-per-node", "4"], "2 nodes hold 8 ranks, but 4"),
     (["--zeppelin-intra-threshold", "900", "--zeppelin-inter-threshold", "100"], "below"),
     (
         [

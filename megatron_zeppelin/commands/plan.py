@@ -22,8 +22,6 @@ from megatron_zeppelin.fileio import format_bytes
 
 DEFAULT_MODEL = "llama-7b"
 DEFAULT_TOKENS = 262144
-NEVER = 1 << 40
-"""A threshold no document reaches (``off``)."""
 CAPACITY_HEADROOM = 1.25
 """Automatic capacity: the even share of tokens per GPU times this, rounded up to 1024."""
 
@@ -110,7 +108,8 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
 
 
 def read_topology(args: argparse.Namespace):
-    """The ``Topology`` the cluster flags describe."""
+    """The ``Topology`` of the Zeppelin ranks the cluster flags describe (with ``--tp``: the
+    node shaped for tensor parallelism, as ``megatron.args.zeppelin_node`` does in training)."""
     from megatron_zeppelin.topology.presets import topology_from_args
 
     if args.topology is None and args.topology_file is None and args.gpus_per_node is None:
@@ -118,7 +117,7 @@ def read_topology(args: argparse.Namespace):
             "describe the cluster: --topology PRESET --nodes N, or --nodes N --gpus-per-node G "
             "--nics-per-node K"
         )
-    return topology_from_args(
+    physical = topology_from_args(
         preset=args.topology,
         yaml_path=args.topology_file,
         num_nodes=args.nodes,
@@ -127,6 +126,13 @@ def read_topology(args: argparse.Namespace):
         nic_gbit=args.nic_gbit,
         nvlink_gbps=args.nvlink_gbps,
     )
+    tp = getattr(args, "tp", 1)
+    if tp == 1:
+        return physical
+    from megatron_zeppelin.megatron.args import zeppelin_node
+
+    # With tensor parallelism a node holds GPUs / TP Zeppelin ranks, as in a training run.
+    return zeppelin_node(physical, tp)
 
 
 def read_cost_model(args: argparse.Namespace, topology):
@@ -153,37 +159,34 @@ def capacity_for(args: argparse.Namespace, batches: list[list[int]], topology) -
 
 
 def planner_options(args: argparse.Namespace, cost_model) -> Any:
-    """``PlannerOptions`` from the planner flags (``None`` when all are at their defaults).
+    """``PlannerOptions`` from the planner flags, by the same rules as ``--zeppelin-*`` in a
+    training run (``ZeppelinConfig.planner_options``): a threshold left out or ``auto`` comes
+    from the cost model, ``off`` never splits over that tier unless capacity forces it."""
+    from megatron_zeppelin.config import ZeppelinConfig
 
-    A threshold left out or ``auto`` comes from the cost model; ``off`` never splits over that
-    tier unless capacity forces it."""
-    intra = getattr(args, "intra_threshold", None)
-    inter = getattr(args, "inter_threshold", None)
-    wanted: dict[str, Any] = {}
-    if intra not in (None, "auto") or inter not in (None, "auto"):
-        from megatron_zeppelin.planner.thresholds import tier_thresholds
-
-        auto = tier_thresholds(cost_model)
-        chosen = []
-        for i, (value, flag) in enumerate(((intra, "intra"), (inter, "inter"))):
-            if value in (None, "auto"):
-                chosen.append(auto[i])
-            else:
-                chosen.append(NEVER if value == "off" else _tokens(value, flag))
-        wanted["thresholds"] = (chosen[0], max(chosen))
-    if getattr(args, "no_routing", False):
-        wanted["routing"] = False
-    if getattr(args, "no_remap", False):
-        wanted["remap"] = False
-    if getattr(args, "no_split", False):
-        wanted["allow_split"] = False
-    if getattr(args, "linear_layout", "auto") != "auto":
-        wanted["linear_layout"] = args.linear_layout
-    if not wanted:
-        return None
-    from megatron_zeppelin.planner.partition import PlannerOptions
-
-    return PlannerOptions(**wanted)
+    thresholds = {}
+    for flag in ("intra", "inter"):
+        value = getattr(args, f"{flag}_threshold", None)
+        if value not in (None, "auto", "off"):
+            value = str(_tokens(value, flag))
+        thresholds[f"{flag}_threshold"] = value or "auto"
+    if thresholds["intra_threshold"] != "auto" and thresholds["inter_threshold"] != "auto":
+        low, high = (thresholds[f"{f}_threshold"] for f in ("intra", "inter"))
+        if low.isdigit() and high.isdigit() and int(high) < int(low):
+            raise ValueError(
+                f"--inter-threshold ({high}) is below --intra-threshold ({low}): a document "
+                "worth a cross-node ring is worth an NVLink one"
+            )
+    config = ZeppelinConfig(
+        routing=not getattr(args, "no_routing", False),
+        remap=not getattr(args, "no_remap", False),
+        **thresholds,
+    )
+    return config.planner_options(
+        cost_model,
+        allow_split=not getattr(args, "no_split", False),
+        linear_layout=getattr(args, "linear_layout", "auto"),
+    )
 
 
 def _tokens(text: str, flag: str) -> int:

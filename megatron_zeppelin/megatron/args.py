@@ -7,11 +7,18 @@ cannot run, each with the flag to change:
 * Zeppelin *replaces* context parallelism, so ``--context-parallel-size`` must stay 1;
 * pipeline parallelism is not supported yet;
 * tensor parallelism runs inside a Zeppelin rank: Zeppelin spans the data-parallel ranks of one
-  tensor-parallel index, so the Zeppelin world is ``world_size / tp`` and the topology describes
-  those ranks (``gpus_per_node`` counts data-parallel ranks per node, i.e. GPUs / tp);
+  tensor-parallel index, so the Zeppelin world is ``world_size / tp``; the topology flags
+  describe the physical node and ``zeppelin_node`` derives the Zeppelin ranks per node
+  (GPUs / tp) and their NICs;
 * each micro-batch is one packed row (``--micro-batch-size 1``);
+* attention dropout is refused (``--attention-dropout 0``): the ring attention applies none, and
+  dropping it silently would train another model than the one asked for;
+* sequence parallelism is supported: each rank's linear layout is padded to a multiple of the
+  tensor-parallel size (``batch.py``), padding that the loss and the plan never see;
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
-  with different token counts equals the single-GPU one.
+  with different token counts equals the single-GPU one;
+* Megatron's fused RoPE is switched off (``apply_rope_fusion``): RoPE runs per document inside
+  Zeppelin's core attention, never in Megatron's attention.
 
 Megatron's rank order puts tensor parallelism fastest: global rank ``g`` has TP index ``g % tp``
 and data-parallel (Zeppelin) rank ``g // tp``; ``zeppelin_ranks`` lists one Zeppelin world.
@@ -20,7 +27,6 @@ and data-parallel (Zeppelin) rank ``g // tp``; ``zeppelin_ranks`` lists one Zepp
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.topology.model import Topology
@@ -49,24 +55,69 @@ def zeppelin_ranks(world_size: int, tensor_parallel: int, tp_rank: int) -> list[
     return [z * tensor_parallel + tp_rank for z in range(num)]
 
 
-def resolve_topology(
-    config: ZeppelinConfig, zeppelin_world: int, *, tensor_parallel: int = 1
-) -> Topology:
-    """The topology of the Zeppelin ranks, from the flags (a preset, a YAML file, 'custom' or
-    'auto'); raises ``ValueError`` saying what to change when it does not match."""
+def zeppelin_node(physical: Topology, tensor_parallel: int) -> Topology:
+    """The node shape one Zeppelin world sees on ``physical`` nodes with tensor parallelism.
+
+    Megatron puts a Zeppelin rank's ``tp`` GPUs next to each other on a node (TP is the fastest
+    rank axis), so a node holds ``gpus_per_node / tp`` Zeppelin ranks; Zeppelin rank ``j`` of
+    the world of TP index ``t`` is GPU ``j * tp + t`` and talks through that GPU's NIC. The
+    ``tp`` worlds run their rings at once, so a NIC serving GPUs of several worlds gives each
+    world its share of the line rate. Every world must see the same shape (they execute one
+    plan); a TP that does not divide the GPUs per node is refused.
+    """
+    gpus, tp = physical.gpus_per_node, tensor_parallel
+    if tp < 1 or gpus % tp:
+        raise ValueError(
+            f"--tensor-model-parallel-size {tp} does not divide the {gpus} GPUs per node of "
+            f"topology {physical.name}: tensor parallelism must stay inside a node, so use a "
+            "TP that divides the GPUs per node"
+        )
+    if tp == 1:
+        return physical
+    shapes = set()
+    for t in range(tp):
+        nics = [physical.nic_of_gpu[j * tp + t] for j in range(gpus // tp)]
+        renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
+        shapes.add(tuple(renumber[n] for n in nics))
+    if len(shapes) != 1:
+        raise ValueError(
+            f"topology {physical.name}: its GPU-to-NIC map {list(physical.nic_of_gpu)} gives the "
+            f"{tp} tensor-parallel worlds different NIC layouts; describe a node whose NIC map "
+            "repeats every tensor-parallel group"
+        )
+    (nic_of_rank,) = shapes
+    # Worlds that use one NIC: GPUs next to it with different TP indices.
+    sharing = max(
+        len({g % tp for g in physical.gpus_of_nic(nic)}) for nic in range(physical.nics_per_node)
+    )
+    return Topology(
+        num_nodes=physical.num_nodes,
+        gpus_per_node=gpus // tp,
+        nics_per_node=len(set(nic_of_rank)),
+        nic_of_gpu=nic_of_rank,
+        nvlink_gbps=physical.nvlink_gbps,
+        nic_gbit=physical.nic_gbit / sharing,
+        gpu_name=physical.gpu_name,
+        gpu_tflops=physical.gpu_tflops,
+        hbm_gib=physical.hbm_gib,
+        name=f"{physical.name}/tp{tp}",
+    )
+
+
+def physical_node(config: ZeppelinConfig, zeppelin_world: int, *, tensor_parallel: int) -> Topology:
+    """One physical node as the flags describe it (a preset, a YAML file, 'custom' or 'auto');
+    ``--zeppelin-gpus-per-node`` and ``--zeppelin-nics-per-node`` count physical GPUs and NICs."""
     from megatron_zeppelin.topology import presets
 
-    name = config.topology
+    name, tp = config.topology, tensor_parallel
     if name == "auto":
         from megatron_zeppelin.topology.probe import detect_topology
 
-        found = detect_topology()
-        # The launcher counts processes; with tensor parallelism a Zeppelin rank is tp of them.
-        gpus = config.gpus_per_node or max(1, found.gpus_per_node // tensor_parallel)
-        nodes = config.nodes or max(1, zeppelin_world // gpus)
-        nics = config.nics_per_node or gpus
-        topology = Topology(num_nodes=nodes, gpus_per_node=gpus, nics_per_node=min(nics, gpus))
-    elif name == "custom":
+        # The launcher's processes per node are GPUs (one process per GPU).
+        gpus = config.gpus_per_node or detect_topology().gpus_per_node
+        nics = min(config.nics_per_node or gpus, gpus)
+        return Topology(num_nodes=1, gpus_per_node=gpus, nics_per_node=nics)
+    if name == "custom":
         gpus = config.gpus_per_node
         if gpus is None:
             nodes = config.nodes or 1
@@ -75,35 +126,35 @@ def resolve_topology(
                     f"{zeppelin_world} data-parallel ranks do not split evenly over {nodes} "
                     "nodes: change --zeppelin-nodes or the number of processes"
                 )
-            gpus = zeppelin_world // nodes
+            gpus = zeppelin_world // nodes * tp
         nics = min(config.nics_per_node or gpus, gpus)
-        nodes = config.nodes or max(1, zeppelin_world // gpus)
-        topology = Topology(num_nodes=nodes, gpus_per_node=gpus, nics_per_node=nics)
-    else:
-        kwargs: dict[str, Any] = {}
-        if name.endswith((".yaml", ".yml")):
-            kwargs["yaml_path"] = name
-        else:
-            kwargs["preset"] = name
-        base = presets.topology_from_args(
-            gpus_per_node=config.gpus_per_node, nics_per_node=config.nics_per_node, **kwargs
-        )
-        nodes = config.nodes or max(1, zeppelin_world // base.gpus_per_node)
-        topology = base.with_nodes(nodes)
-    if topology.world_size != zeppelin_world and name not in ("auto", "custom"):
-        raise ValueError(
-            f"--zeppelin-topology {name} has {topology.gpus_per_node} GPUs per node, so "
-            f"{topology.num_nodes} nodes hold {topology.world_size} ranks, but "
-            f"{zeppelin_world} data-parallel ranks run (world size / tensor-parallel size "
-            f"{tensor_parallel}): set --zeppelin-gpus-per-node and --zeppelin-nodes so that "
-            "their product is the data-parallel size"
-        )
+        return Topology(num_nodes=1, gpus_per_node=gpus, nics_per_node=nics)
+    kind = "yaml_path" if name.endswith((".yaml", ".yml")) else "preset"
+    return presets.topology_from_args(
+        gpus_per_node=config.gpus_per_node, nics_per_node=config.nics_per_node, **{kind: name}
+    ).with_nodes(1)
+
+
+def resolve_topology(
+    config: ZeppelinConfig, zeppelin_world: int, *, tensor_parallel: int = 1
+) -> Topology:
+    """The topology of one Zeppelin world: the physical node the flags describe, shaped for
+    tensor parallelism (``zeppelin_node``), on as many nodes as the data-parallel ranks fill.
+    Raises ``ValueError`` saying what to change when it does not match."""
+    node = zeppelin_node(
+        physical_node(config, zeppelin_world, tensor_parallel=tensor_parallel), tensor_parallel
+    )
+    nodes = config.nodes or max(1, zeppelin_world // node.gpus_per_node)
+    topology = node.with_nodes(nodes)
     if topology.world_size != zeppelin_world:
+        per_node = node.gpus_per_node * tensor_parallel
         raise ValueError(
-            f"the Zeppelin topology has {topology.num_nodes} nodes x {topology.gpus_per_node} "
-            f"GPUs = {topology.world_size} ranks, but {zeppelin_world} data-parallel ranks run "
-            f"(world size / tensor-parallel size {tensor_parallel}): set --zeppelin-nodes and "
-            "--zeppelin-gpus-per-node so that their product is the data-parallel size"
+            f"--zeppelin-topology {config.topology} has {per_node} GPUs per node, i.e. "
+            f"{node.gpus_per_node} Zeppelin ranks per node with tensor-parallel size "
+            f"{tensor_parallel}, so {nodes} nodes hold {topology.world_size} ranks, but "
+            f"{zeppelin_world} data-parallel ranks run (world size / tensor-parallel size): set "
+            "--zeppelin-nodes and --zeppelin-gpus-per-node so that nodes x GPUs per node is "
+            "the number of processes"
         )
     return topology
 
@@ -135,10 +186,11 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
             f"--zeppelin packs each micro-batch's documents into one row: set "
             f"--micro-batch-size 1 (got {micro_batch}); the token budget sets its size"
         )
-    if getattr(args, "sequence_parallel", False):
+    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
+    if dropout:
         raise ValueError(
-            "--zeppelin does not support --sequence-parallel yet (linear layouts are not a "
-            "multiple of the tensor-parallel size): drop --sequence-parallel"
+            f"--zeppelin's ring attention applies no attention dropout: set "
+            f"--attention-dropout 0 (got {dropout:g}; Megatron's default is 0.1)"
         )
     position = getattr(args, "position_embedding_type", "rope")
     if position not in ("rope", "none", "learned_absolute"):
@@ -153,6 +205,10 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True
+    # Zeppelin's core attention applies RoPE per document; Megatron's fused RoPE never runs,
+    # so its config must not ask for the TransformerEngine kernel behind it.
+    if hasattr(args, "apply_rope_fusion"):
+        args.apply_rope_fusion = False
     return config
 
 

@@ -5,7 +5,10 @@ is slice ``i``) and then reads from the ``.bin`` only the token ranges the plan 
 linear layout (``plan.linear_ranges(rank)``, in that order), plus, after each range, the one
 token that follows it inside the same sequence: the label of the range's last token.
 
-Shapes: ``t`` is the rank's linear token count; all tensors are flat ``[t]``
+A rank's buffer may end in padding rows (``pad_linear_batch``): a multiple of the
+tensor-parallel size under sequence parallelism, and never empty.
+
+Shapes: ``t`` is the rank's linear row count; all tensors are flat ``[t]``
 (``as_megatron()`` adds Megatron's micro-batch dimension: ``[1, t]``).
 
 Labels never cross a sequence boundary. The last token of every sequence has ``loss_mask`` 0
@@ -49,6 +52,8 @@ class LinearBatch:
     """Position of each token inside its own sequence, ``int64``."""
     ranges: tuple[TokenRange, ...]
     """The plan's linear ranges of this rank, in buffer order."""
+    num_padding: int = 0
+    """Rows after the ranges' tokens that pad the buffer (``pad_linear_batch``)."""
 
     @property
     def num_tokens(self) -> int:
@@ -75,6 +80,7 @@ class LinearBatch:
             loss_mask_t=self.loss_mask_t.to(device),
             position_ids_t=self.position_ids_t.to(device),
             ranges=self.ranges,
+            num_padding=self.num_padding,
         )
 
 
@@ -124,6 +130,30 @@ def build_linear_batch(
         positions.append(np.arange(r.start, r.end, dtype=np.int64))
 
     return _assemble(tokens, labels, mask, positions, ranges)
+
+
+def pad_linear_batch(batch: LinearBatch, multiple: int = 1) -> LinearBatch:
+    """``batch`` with padding rows at its end, so that it holds a positive multiple of
+    ``multiple`` rows: Megatron's sequence parallelism splits a rank's rows over its
+    ``multiple`` tensor-parallel GPUs, and its attention cannot reshape an empty rank's zero
+    rows. A padding row is token 0 with label 0, loss mask 0 and position 0: it never reaches
+    the loss, and core attention gives it a zero output (it attends to nothing, nothing to it).
+    The plan never sees it, so the cost model and the logged imbalance do not either."""
+    if multiple < 1:
+        raise ValueError(f"padding multiple must be positive, got {multiple}")
+    rows = batch.num_tokens
+    pad = max(multiple, -(-rows // multiple) * multiple) - rows
+    if pad == 0:
+        return batch
+    zeros = torch.zeros(pad, dtype=torch.int64)
+    return LinearBatch(
+        tokens_t=torch.cat([batch.tokens_t, zeros]),
+        labels_t=torch.cat([batch.labels_t, zeros]),
+        loss_mask_t=torch.cat([batch.loss_mask_t, torch.zeros(pad, dtype=torch.float32)]),
+        position_ids_t=torch.cat([batch.position_ids_t, zeros]),
+        ranges=batch.ranges,
+        num_padding=batch.num_padding + pad,
+    )
 
 
 def build_reference_batch(slices: Sequence[DocumentSlice], dataset: TokenReader) -> LinearBatch:

@@ -6,7 +6,9 @@ three tiers. The reference is the same model with the same weights in one proces
 document back to back, with plain per-document causal attention and the same per-document RoPE
 (``ReferenceCoreAttention``). The check compares the global per-token loss and every
 parameter's gradient (after the Zeppelin ranks' all-reduce) in float32, with tensor parallelism
-1 (Zeppelin world of 4) and 2 (two Zeppelin worlds of 2).
+1 (Zeppelin world of 4) and 2 (two Zeppelin worlds of 2), the latter also with Megatron's
+sequence parallelism (each rank's linear rows padded to a multiple of 2). The Zeppelin side runs
+the very micro-batch step of the CPU job and the Megatron hooks (``step.py``).
 
 The error of a gradient is ``max |g - g_ref| / max |g_ref|`` over the parameter (a TP rank
 compares its shard with the matching slice of the reference gradient); the check passes when
@@ -38,19 +40,21 @@ from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
-from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss  # noqa: E402
+from megatron_zeppelin.megatron.loss import (  # noqa: E402
+    finish_gradients,
+    global_mean_loss,
+    token_loss_sum,
+)
 from megatron_zeppelin.megatron.rotary import apply_rotary  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
     create_transport,
-    forward_micro_batch,
     init_megatron_parallel,
-    plan_micro_batch,
     plan_summary,
 )
+from megatron_zeppelin.megatron.step import StepRuntime, forward_batch, run_micro_batch  # noqa: E402
 
 # Documents that land in every tier on 2 x 2 ranks with the thresholds below. The longest is
 # over one node's capacity (2 x 1024), so it crosses nodes whatever the threshold policy.
@@ -63,6 +67,8 @@ class CheckOptions:
 
     lengths: tuple[int, ...] = CHECK_LENGTHS
     tensor_parallels: tuple[int, ...] = (1, 2)
+    sequence_parallel: bool = True
+    """Also run every tensor-parallel size above 1 with Megatron's sequence parallelism."""
     seed: int = 7
     tolerance: float = 1e-5
     world_size: int = 4
@@ -196,64 +202,104 @@ def _first_error(error_dir: str, world_size: int) -> str | None:
         return f.read()
 
 
+def check_runs(options: CheckOptions) -> list[tuple[str, int, bool]]:
+    """``(name, tensor-parallel size, sequence parallel)`` of every run the check makes."""
+    runs = [(f"tp{tp}", tp, False) for tp in options.tensor_parallels]
+    if options.sequence_parallel:
+        runs += [(f"tp{tp}+sp", tp, True) for tp in options.tensor_parallels if tp > 1]
+    return runs
+
+
 def _check_rank(rank: int, options: CheckOptions, prefix: str) -> dict:
-    from megatron_zeppelin.megatron.batch import build_linear_batch, build_reference_batch
     from megatron_zeppelin.megatron.data import DocumentDataset
     from megatron_zeppelin.megatron.sampler import DocumentSlice
 
-    dims = options.dims
     dataset = DocumentDataset(prefix)
     slices = [DocumentSlice(i, 0, n) for i, n in enumerate(options.lengths)]
-    # --- the single-process reference (computed on every rank; no communication) ---------
-    init_megatron_parallel(1)
-    ref_model = build_gpt(dims, seed=options.seed, layer_spec=reference_spec(dims))
-    ref_batch = build_reference_batch(slices, dataset)
-    params = ReferencePackedSeqParams(list(options.lengths), ref_batch.position_ids_t)
-    total, count = forward_micro_batch(ref_model, ref_batch, params)
-    (total / count).backward()
-    ref_loss = float(total.detach() / count)
-    ref_state = {n: p.detach().clone() for n, p in ref_model.named_parameters()}
-    ref_grads = {n: p.grad.detach().clone() for n, p in ref_model.named_parameters()}
-    report: dict[str, Any] = {"reference_loss": ref_loss, "runs": {}}
-    for tp in options.tensor_parallels:
-        ctx = init_megatron_parallel(tp)
-        config = zeppelin_config(options, tp)
-        topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
-        cost = build_cost_model(dims, topology, tensor_parallel=tp, calibration=None)
-        exchanger, _ = create_transport(topology, ctx, config)
-        model = build_gpt(dims, seed=options.seed)
-        with torch.no_grad():  # the very weights of the reference, sliced as TP cuts them
-            for name, p in model.named_parameters():
-                p.copy_(shard_of(ref_state[name], p, ctx.tp_rank, tp))
-        plan = plan_micro_batch(list(options.lengths), topology=topology, cost_model=cost,
-                                config=config)  # fmt: skip
-        batch = build_linear_batch(plan, ctx.zeppelin_rank, slices, dataset)
-        params = ZeppelinPackedSeqParams(
-            plan=plan, rank=ctx.zeppelin_rank, exchanger=exchanger.set_plan(plan),
-            remap_group=ctx.dp_group, positions=batch.position_ids_t, kernel="torch",
-        )  # fmt: skip
-        total, count = forward_micro_batch(model, batch, params)
-        total.backward()
-        loss, num_tokens = global_mean_loss(total, count, ctx.dp_group)
-        finish_gradients(model.parameters(), num_tokens, ctx.dp_group)
-        errors = {}
-        for name, p in model.named_parameters():
-            ref = shard_of(ref_grads[name], p, ctx.tp_rank, tp)
-            scale = ref.abs().max().clamp_min(1e-30)
-            errors[name] = float((p.grad - ref).abs().max() / scale)
-        worst = torch.tensor([abs(loss - ref_loss) / abs(ref_loss), max(errors.values())],
-                             dtype=torch.float64)  # fmt: skip
-        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        report["runs"][f"tp{tp}"] = {
-            "tensor_parallel": tp,
-            "zeppelin_world": ctx.zeppelin_world,
-            "loss": loss,
-            "loss_rel_error": float(worst[0]),
-            "max_grad_rel_error": float(worst[1]),
-            "grad_rel_error": errors,
-            "plan": plan_summary(plan, cost.model, routing=config.routing),
-        }
+    reference = _reference(options, slices, dataset)
+    report: dict[str, Any] = {"reference_loss": reference["loss"], "runs": {}}
+    for name, tp, sequence_parallel in check_runs(options):
+        report["runs"][name] = _zeppelin_run(
+            options, slices, dataset, reference, tp=tp, sequence_parallel=sequence_parallel
+        )
     return report
+
+
+def _reference(options: CheckOptions, slices, dataset) -> dict[str, Any]:
+    """The single-process reference, computed on every rank (no communication)."""
+    from megatron_zeppelin.megatron.batch import build_reference_batch
+
+    dims = options.dims
+    init_megatron_parallel(1)
+    model = build_gpt(dims, seed=options.seed, layer_spec=reference_spec(dims))
+    batch = build_reference_batch(slices, dataset)
+    params = ReferencePackedSeqParams(list(options.lengths), batch.position_ids_t)
+    total, count = token_loss_sum(
+        forward_batch(model, batch, params), batch.loss_mask_t.unsqueeze(0)
+    )
+    (total / count).backward()
+    return {
+        "loss": float(total.detach() / count),
+        "state": {n: p.detach().clone() for n, p in model.named_parameters()},
+        "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+    }
+
+
+def _zeppelin_run(
+    options: CheckOptions, slices, dataset, reference: dict, *, tp: int, sequence_parallel: bool
+) -> dict[str, Any]:
+    """One forward and backward with Zeppelin through the training step, compared with the
+    reference: the very weights, sliced as TP cuts them."""
+    from megatron.core import parallel_state
+
+    dims = options.dims
+    ctx = init_megatron_parallel(tp)
+    config = zeppelin_config(options, tp)
+    topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
+    cost = build_cost_model(dims, topology, tensor_parallel=tp, calibration=None)
+    exchanger, _ = create_transport(topology, ctx, config)
+    runtime = StepRuntime.create(
+        config=config,
+        topology=topology,
+        cost_model=cost,
+        exchanger=exchanger,
+        zeppelin_rank=ctx.zeppelin_rank,
+        remap_group=ctx.dp_group,
+        tensor_parallel=tp,
+        sequence_parallel=sequence_parallel,
+    )
+    model = build_gpt(dims, seed=options.seed, sequence_parallel=sequence_parallel)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(shard_of(reference["state"][name], p, ctx.tp_rank, tp))
+    plan = runtime.plan(list(options.lengths))
+    step = run_micro_batch(model, slices, plan, runtime, dataset)
+    total, count = token_loss_sum(step.losses_bs, step.loss_mask_bs)
+    total.backward()
+    loss, num_tokens = global_mean_loss(total, count, ctx.dp_group)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    finish_gradients(model.parameters(), num_tokens, ctx.dp_group, tp_group=tp_group)
+    errors = {}
+    for name, p in model.named_parameters():
+        ref = shard_of(reference["grads"][name], p, ctx.tp_rank, tp)
+        scale = ref.abs().max().clamp_min(1e-30)
+        errors[name] = float((p.grad - ref).abs().max() / scale)
+    ref_loss = reference["loss"]
+    figures = [abs(loss - ref_loss) / abs(ref_loss), max(errors.values()), step.batch.num_padding]
+    worst = torch.tensor(figures, dtype=torch.float64)
+    dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+    return {
+        "tensor_parallel": tp,
+        "sequence_parallel": sequence_parallel,
+        "zeppelin_world": ctx.zeppelin_world,
+        "loss": loss,
+        "loss_rel_error": float(worst[0]),
+        "max_grad_rel_error": float(worst[1]),
+        "max_padding_rows": int(worst[2]),
+        "min_linear_tokens": min(plan.num_linear_tokens(r) for r in range(plan.world_size)),
+        "grad_rel_error": errors,
+        "plan": plan_summary(plan, cost.model, routing=config.routing),
+    }
 
 
 def run_check(options: CheckOptions | None = None) -> dict[str, Any]:

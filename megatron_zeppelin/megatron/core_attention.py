@@ -10,8 +10,12 @@ its output projection. In between, this module
 3. runs the ring-attention engine (``attention.engine.ZeppelinAttention``),
 4. moves the output back to the linear layout with the inverse all-to-all.
 
-Step 2 and 4 are skipped when the plan's two layouts coincide (remapping off). Gradients run the
-same path backwards: the remaps are each other's backward, the engine sends dK/dV around rings.
+Step 2 and 4 are skipped when the plan's two layouts coincide (remapping off). A rank's linear
+buffer may end in padding rows (``batch.pad_linear_batch``: a multiple of the tensor-parallel
+size under sequence parallelism, at least one row on a rank the plan leaves empty); only the
+plan's ``num_linear_tokens`` real rows take part, the padding rows get a zero output. Gradients
+run the same path backwards: the remaps are each other's backward, the engine sends dK/dV around
+rings.
 
 The per-micro-batch context (plan, rank, exchanger, remap group, positions) reaches the module
 through Megatron's own seam: ``GPTModel.forward(..., packed_seq_params=...)`` passes its argument
@@ -19,9 +23,11 @@ untouched to every layer's core attention, so the step builds one ``ZeppelinPack
 (a ``PackedSeqParams`` subclass) and hands it to the model. Its ``qkv_format`` is ``'sbhd'`` so
 Megatron neither squeezes the batch dim nor applies packed rotary.
 
-With tensor parallelism each TP rank sees its own heads; the Zeppelin ranks are the data-parallel
-ranks of one TP index, so ``rank`` is the data-parallel rank and the remap group and exchanger
-span that rank's data-parallel group.
+With tensor parallelism each TP rank sees its own heads, for the whole of the rank's linear
+buffer even under sequence parallelism (Megatron's QKV projection all-gathers the sequence
+before it and the output projection reduce-scatters after it). The Zeppelin ranks are the
+data-parallel ranks of one TP index, so ``rank`` is the data-parallel rank and the remap group
+and exchanger span that rank's data-parallel group.
 
 Shapes: ``s`` tokens of the rank's linear layout, ``b = 1`` (packed), ``t`` tokens of its
 attention layout, ``n`` heads on this TP rank, ``d`` head dim, ``h = n * d``.
@@ -60,6 +66,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     kernel: str = "auto"
     """Attention kernel handed to the engine."""
     _engine: Any = field(default=None, repr=False)
+    _remap: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if self.qkv_format is None:
@@ -70,12 +77,45 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
             )
 
     @property
+    def num_linear_tokens(self) -> int:
+        """Real (planned) tokens of this rank's linear layout; rows past them are padding."""
+        assert self.plan is not None
+        return self.plan.num_linear_tokens(self.rank)
+
+    @property
     def remaps(self) -> bool:
         """Whether the two layouts differ anywhere (every rank computes the same answer)."""
-        assert self.plan is not None
-        return any(
-            self.plan.linear_ranges(r) != self.plan.attention_ranges(r)
-            for r in range(self.plan.world_size)
+        return self.remap_layouts() is not None
+
+    def remap_layouts(self) -> tuple[Any, Any] | None:
+        """``(linear -> attention, attention -> linear)`` moves of this rank, or ``None`` when
+        the layouts coincide. Worked out once per micro-batch: every layer reuses them, so no
+        layer call rescans the plan's ranks or hashes the plan."""
+        if self._remap is None:
+            plan = self.plan
+            assert plan is not None
+            differ = any(
+                plan.linear_ranges(r) != plan.attention_ranges(r) for r in range(plan.world_size)
+            )
+            self._remap = (self._layouts(),) if differ else (None,)
+        return self._remap[0]
+
+    def _layouts(self) -> tuple[Any, Any]:
+        from megatron_zeppelin.planner.remap_layout import (
+            attention_to_linear_layout,
+            linear_to_attention_layout,
+        )
+
+        size, me = dist.get_world_size(self.remap_group), dist.get_rank(self.remap_group)
+        if size != self.plan.world_size or me != self.rank:
+            raise ValueError(
+                f"the plan is for {self.plan.world_size} ranks and this is rank {self.rank}, but "
+                f"the remap group has {size} ranks and this process is its rank {me}: pass the "
+                "group of the plan's ranks"
+            )
+        return (
+            linear_to_attention_layout(self.plan, self.rank),
+            attention_to_linear_layout(self.plan, self.rank),
         )
 
     def engine(self, softmax_scale: float | None) -> Any:
@@ -120,6 +160,11 @@ class ZeppelinCoreAttention(MegatronModule):
                 "Zeppelin replaces context parallelism: set --context-parallel-size 1 and let "
                 "Zeppelin span the data-parallel ranks"
             )
+        if config.attention_dropout:
+            raise ValueError(
+                f"Zeppelin's ring attention applies no attention dropout: set "
+                f"--attention-dropout 0 (the config has {config.attention_dropout:g})"
+            )
         self.layer_number = layer_number
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
@@ -149,38 +194,51 @@ class ZeppelinCoreAttention(MegatronModule):
             raise ValueError(
                 f"Zeppelin packs documents into one row: batch size must be 1, got {b}"
             )
-        q_snd, k_snd, v_snd = query[:, 0], key[:, 0], value[:, 0]
+        real = params.num_linear_tokens
+        if s < real:
+            raise ValueError(
+                f"rank {params.rank} holds {real} linear-layout tokens of the plan but core "
+                f"attention got {s} rows: build the batch from this micro-batch's plan"
+            )
+        # Rows past ``real`` pad the rank's buffer (to a multiple of the tensor-parallel size
+        # under sequence parallelism, to one row on a rank without tokens): they attend to
+        # nothing, nothing attends to them, and their output is zero.
+        q_snd, k_snd, v_snd = query[:real, 0], key[:real, 0], value[:real, 0]
         if self.rotary_base is not None:
             if params.positions is None or params.positions.shape[0] != s:
                 raise ValueError(
-                    f"per-document RoPE needs one position per linear token ({s}) in "
+                    f"per-document RoPE needs one position per linear row ({s}) in "
                     "ZeppelinPackedSeqParams.positions"
                 )
-            positions = params.positions.to(query.device)
+            positions = params.positions[:real].to(query.device)
             q_snd = apply_rotary(
                 q_snd, positions, base=self.rotary_base, rotary_percent=self.rotary_percent
             )
             k_snd = apply_rotary(
                 k_snd, positions, base=self.rotary_base, rotary_percent=self.rotary_percent
             )
+        out_sh = self._attend(params, q_snd, k_snd, v_snd)
+        if s > real:
+            out_sh = torch.cat([out_sh, out_sh.new_zeros(s - real, out_sh.shape[1])])
+        return out_sh.reshape(s, 1, n * d)
+
+    def _attend(self, params: ZeppelinPackedSeqParams, q_snd, k_snd, v_snd) -> torch.Tensor:
+        """Attention of the rank's real rows, in and out of the attention layout."""
+        s, n, d = q_snd.shape
         n_kv = k_snd.shape[1]
         engine = params.engine(self.softmax_scale)
-        if params.remaps:
-            from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
+        layouts = params.remap_layouts()
+        if layouts is None:
+            return engine(q_snd, k_snd, v_snd).reshape(s, n * d)
+        from megatron_zeppelin.comm.remap import remap_rows
 
-            # One all-to-all for Q, K and V together: rows travel with all their features.
-            qkv_sf = torch.cat(
-                [q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1
-            )
-            qkv_tf = linear_to_attention(qkv_sf, params.plan, params.rank, params.remap_group)
-            t = qkv_tf.shape[0]
-            q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, n_kv * d, n_kv * d], dim=1)
-            out_tnd = engine(
-                q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
-            )
-            out_sh = attention_to_linear(
-                out_tnd.reshape(t, n * d), params.plan, params.rank, params.remap_group
-            )
-        else:
-            out_sh = engine(q_snd, k_snd, v_snd).reshape(s, n * d)
-        return out_sh.reshape(s, 1, n * d)
+        there, back = layouts
+        # One all-to-all for Q, K and V together: rows travel with all their features.
+        qkv_sf = torch.cat([q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1)
+        qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back)
+        t = qkv_tf.shape[0]
+        q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, n_kv * d, n_kv * d], dim=1)
+        out_tnd = engine(
+            q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
+        )
+        return remap_rows(out_tnd.reshape(t, n * d), back, params.remap_group, back=there)

@@ -1,9 +1,9 @@
 """Hooks for Megatron-LM's ``pretrain()``: model, forward step and datasets with Zeppelin.
 
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
-modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``batch``,
-``sampler``). ``megatron.training`` is imported only inside the functions, so this module imports
-anywhere megatron-core does.
+modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
+``feed``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training`` is imported
+only inside the functions, so this module imports anywhere megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 
@@ -21,15 +21,21 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
 1. ``extra_args_provider`` adds the ``--zeppelin*`` flags;
 2. Megatron parses and initializes; the first ``model_provider`` call runs ``setup(args)``, which
    validates the flags, resolves the topology of the Zeppelin ranks (the data-parallel ranks of
-   this TP index), creates the process groups and the ring exchanger once, and builds the cost
-   model. It must run there: after Megatron's initialization, before the model and the data;
+   this TP index, ``args.zeppelin_node`` shaping the physical node for TP), creates the process
+   groups and the ring exchanger once, builds the cost model from the ``TransformerConfig``
+   Megatron builds (``planner.models.model_from_config``) and prints the start-up summary
+   (``report.startup_lines``). It must run there: after Megatron's initialization, before the
+   model and the data;
 3. ``model_provider`` builds ``GPTModel`` with Zeppelin's spec (``position_embedding_type``
    'none' for RoPE models: RoPE is per document inside core attention);
 4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
-   sampler; Megatron's loader only counts micro-batches;
-5. ``forward_step`` takes the next micro-batch's documents, plans, builds this rank's batch and
-   ``ZeppelinPackedSeqParams``, runs the model and returns Megatron's per-token loss function
-   (a micro-batch without documents skips the model: zero loss, zero tokens).
+   sampler, brought to a resumed iteration from the state saved beside the checkpoint
+   (``resume.py``); Megatron's loader only counts micro-batches;
+5. ``forward_step`` takes the next micro-batch and its plan (planned ahead in a background
+   thread, ``feed.py``) and runs the one micro-batch step of the CPU job and the check
+   (``step.run_micro_batch``), returning Megatron's per-token loss function (a micro-batch
+   without documents skips the model: zero loss, zero tokens). After a step's last
+   micro-batch it writes the sampler state when Megatron will save at the next iteration.
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
@@ -44,11 +50,18 @@ from typing import Any
 
 import torch
 
-from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.megatron.args import extra_args_provider, is_enabled
+from megatron_zeppelin.megatron.report import plan_line
 
-__all__ = ["extra_args_provider", "forward_step", "is_enabled", "model_provider",
-           "plan_line", "setup", "train_valid_test_datasets_provider"]  # fmt: skip
+__all__ = [
+    "extra_args_provider",
+    "forward_step",
+    "is_enabled",
+    "model_provider",
+    "plan_line",
+    "setup",
+    "train_valid_test_datasets_provider",
+]
 
 
 class _State:
@@ -56,14 +69,12 @@ class _State:
 
     def __init__(self) -> None:
         self.config: Any = None
-        self.topology: Any = None
-        self.cost_model: Any = None
-        self.exchanger: Any = None
-        self.zeppelin_rank: int = 0
-        self.remap_group: Any = None
+        self.runtime: Any = None
+        """``step.StepRuntime`` of this rank."""
+        self.args: Any = None
         self.dataset: Any = None
-        self.sampler: Any = None
-        self.pending: list = []
+        self.feed: Any = None
+        """``feed.MicroBatchFeed`` over the sampler: micro-batches with their plans."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
 
@@ -74,6 +85,8 @@ _STATE = _State()
 def reset() -> None:
     """Forget what ``setup`` built (tests, or a second run in one process)."""
     global _STATE
+    if _STATE.feed is not None:
+        _STATE.feed.close()
     _STATE = _State()
 
 
@@ -96,6 +109,18 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         )
 
 
+def planner_model(args: argparse.Namespace):
+    """The planner's model of the run: ``planner.models.model_from_config`` of the
+    ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
+    ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    from megatron_zeppelin.planner.models import model_from_config
+
+    config = core_transformer_config_from_args(args)
+    return model_from_config(config, vocab_size=args.padded_vocab_size, name="megatron")
+
+
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
     import torch.distributed as dist
@@ -103,11 +128,11 @@ def setup(args: argparse.Namespace) -> None:
 
     from megatron_zeppelin.megatron.args import resolve_topology, validate_megatron_args
     from megatron_zeppelin.megatron.runtime import (
-        ModelDims,
         ParallelContext,
         build_cost_model,
         create_transport,
     )
+    from megatron_zeppelin.megatron.step import StepRuntime
 
     _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
@@ -122,29 +147,41 @@ def setup(args: argparse.Namespace) -> None:
         dp_group=group,
     )
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
-    dims = ModelDims(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        num_heads=args.num_attention_heads,
-        num_kv_heads=args.num_query_groups or args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        vocab_size=args.padded_vocab_size,
-    )
     per_rank = args.micro_batch_size * ctx.zeppelin_world
     if args.global_batch_size % per_rank:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size"
             f" x data-parallel size ({per_rank}): change --global-batch-size"
         )
+    cost_model = build_cost_model(planner_model(args), topology, calibration=config.calibration)
+    exchanger, _ = create_transport(topology, ctx, config)
     _STATE.config = config
-    _STATE.topology = topology
-    _STATE.cost_model = build_cost_model(
-        dims, topology, tensor_parallel=tp, calibration=config.calibration
+    _STATE.args = args
+    _STATE.runtime = StepRuntime.create(
+        config=config,
+        topology=topology,
+        cost_model=cost_model,
+        exchanger=exchanger,
+        zeppelin_rank=ctx.zeppelin_rank,
+        remap_group=group,
+        tensor_parallel=tp,
+        sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
     )
-    _STATE.exchanger, _ = create_transport(topology, ctx, config)
-    _STATE.zeppelin_rank = ctx.zeppelin_rank
-    _STATE.remap_group = group
     _STATE.num_micro_batches = args.global_batch_size // per_rank
+    _log_startup(args, tp)
+
+
+def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
+    """The start-up summary (node shape, cost model source, kernel) on rank 0."""
+    from megatron_zeppelin.megatron.report import chosen_kernel, startup_lines
+
+    if not _is_logging_rank():
+        return
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(args, "params_dtype", None) or torch.float32
+    kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
+    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
+    print("\n".join(lines), flush=True)
 
 
 def _layer_spec(args: argparse.Namespace):
@@ -154,6 +191,10 @@ def _layer_spec(args: argparse.Namespace):
     from megatron.core.transformer.spec_utils import import_module
 
     from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.norms import (
+        needs_sequence_parallel_norms,
+        sequence_parallel_spec,
+    )
     from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
 
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
@@ -176,13 +217,17 @@ def _layer_spec(args: argparse.Namespace):
                 )
             return spec
     rope = args.position_embedding_type == "rope"
-    return zeppelin_layer_spec(
+    spec = zeppelin_layer_spec(
         kind,
         normalization=args.normalization,
         qk_layernorm=args.qk_layernorm,
         rotary_base=args.rotary_base if rope else None,
         rotary_percent=args.rotary_percent,
     )
+    if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
+        # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
+        return sequence_parallel_spec(spec, args.num_layers)
+    return spec
 
 
 def model_provider(
@@ -252,12 +297,16 @@ def train_valid_test_datasets_provider(
 ):
     """Open the dataset and the document sampler; return ``(markers, None, None)``.
 
-    Resuming (``args.iteration > 0``) replays the sampler to that step: it is deterministic in
-    its seed and the document lengths, so every rank lands on the same documents.
+    Resuming (``args.iteration > 0``) restores the sampler from the state saved beside the
+    checkpoint (``resume.py``), or replays it to that step where the checkpoint has none: it is
+    deterministic in its seed and the document lengths, so every rank lands on the same
+    documents either way.
     """
     from megatron.training import get_args
 
     from megatron_zeppelin.megatron.data import DocumentDataset
+    from megatron_zeppelin.megatron.feed import MicroBatchFeed
+    from megatron_zeppelin.megatron.resume import restore_sampler
     from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 
     args = get_args()
@@ -265,11 +314,11 @@ def train_valid_test_datasets_provider(
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
     if not args.data_path or len(args.data_path) != 1:
         raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX (no blend)")
-    config = _STATE.config
+    config, runtime = _STATE.config, _STATE.runtime
     _STATE.dataset = DocumentDataset(args.data_path[0])
     per_gpu = min(args.seq_length, config.capacity or args.seq_length)
-    micro_batch_tokens = per_gpu * _STATE.topology.world_size
-    _STATE.sampler = DocumentSampler(
+    micro_batch_tokens = per_gpu * runtime.topology.world_size
+    sampler = DocumentSampler(
         _STATE.dataset.lengths,
         tokens_per_step=micro_batch_tokens * _STATE.num_micro_batches,
         num_micro_batches=_STATE.num_micro_batches,
@@ -277,59 +326,52 @@ def train_valid_test_datasets_provider(
         max_length=min(config.max_document_length or args.seq_length, micro_batch_tokens),
         long_documents=config.long_documents,
         micro_batch_capacity=micro_batch_tokens,
-        cost=DocumentCost.from_model(_STATE.cost_model.model),
+        cost=DocumentCost.from_model(runtime.cost_model.model),
     )
-    for _ in range(int(getattr(args, "iteration", 0) or 0)):
-        _STATE.sampler.next_step()
-    _STATE.pending = []
+    iteration = int(getattr(args, "iteration", 0) or 0)
+    restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
+    if _STATE.feed is not None:
+        _STATE.feed.close()
+    _STATE.feed = MicroBatchFeed(sampler, runtime.plan, ahead=config.plan_ahead)
     return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 
 def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool | None = None):
-    """Megatron's ``forward_step``: plan this micro-batch, build this rank's batch, run.
+    """Megatron's ``forward_step``: the next micro-batch through ``step.run_micro_batch``.
 
     Returns ``(per-token losses [1, s], loss_func)``; ``loss_func(output)`` gives Megatron's
     per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
     accepted for the call's shape; Zeppelin refuses pipeline parallelism.
     """
-    from megatron_zeppelin.megatron.batch import build_linear_batch
-    from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
     from megatron_zeppelin.megatron.loss import megatron_loss_func
-    from megatron_zeppelin.megatron.runtime import plan_micro_batch, plan_summary
+    from megatron_zeppelin.megatron.runtime import plan_summary
+    from megatron_zeppelin.megatron.step import run_micro_batch
 
     if data_iterator is not None:
         next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
-    if not _STATE.pending:
-        _STATE.pending = list(_STATE.sampler.next_step().micro_batches)
-    slices = _STATE.pending.pop(0)
-    if not slices:
+    item = _STATE.feed.next()
+    if item.is_last_of_step:
+        _save_sampler_state(item.step.step + 1)
+    if item.plan is None:
         return empty_micro_batch(model)
-    plan = plan_micro_batch(
-        [s.num_tokens for s in slices],
-        topology=_STATE.topology,
-        cost_model=_STATE.cost_model,
-        config=_STATE.config,
-    )
+    runtime = _STATE.runtime
     _STATE.micro_batches_done += 1
     every = _STATE.config.log_plan_every
     if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
-        summary = plan_summary(plan, _STATE.cost_model.model, routing=_STATE.config.routing)
+        summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
         print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
-    batch = build_linear_batch(plan, _STATE.zeppelin_rank, slices, _STATE.dataset)
-    batch = batch.to(next(model.parameters()).device)
-    params = ZeppelinPackedSeqParams(
-        plan=plan,
-        rank=_STATE.zeppelin_rank,
-        exchanger=_STATE.exchanger.set_plan(plan),
-        remap_group=_STATE.remap_group,
-        positions=batch.position_ids_t,
-        kernel=_STATE.config.kernel,
-    )
-    data = batch.as_megatron()
-    output = model(
-        data["tokens"], data["position_ids"], None, labels=data["labels"], packed_seq_params=params
-    )
-    return output, partial(megatron_loss_func, data["loss_mask"])
+    run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
+    return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
+
+
+def _save_sampler_state(iteration: int) -> None:
+    """Rank 0 writes the sampler state for ``iteration`` when Megatron saves there."""
+    from megatron_zeppelin.megatron.resume import is_save_iteration, save_sampler_state
+
+    args = _STATE.args
+    directory = getattr(args, "save", None)
+    if directory and is_save_iteration(args, iteration) and _is_writing_rank():
+        save_sampler_state(directory, iteration, _STATE.feed.state_dict())
 
 
 def empty_micro_batch(model):
@@ -352,15 +394,9 @@ def _is_logging_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
-def plan_line(step: int, summary: dict) -> str:
-    """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
-    class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""
-    tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
-    links = summary["link_bytes"]
-    nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
-    return (
-        f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
-        f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
-        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
-        f"{format_bytes(links['nvlink'])} nic {format_bytes(links['nic'])} [{nics}]"
-    )
+_is_writing_rank = _is_logging_rank
+
+
+def _log(line: str) -> None:
+    if _is_logging_rank():
+        print(line, flush=True)

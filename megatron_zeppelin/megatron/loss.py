@@ -63,22 +63,39 @@ def finish_gradients(
     params: Iterable[torch.nn.Parameter],
     num_tokens: int,
     group: dist.ProcessGroup | None = None,
+    *,
+    tp_group: dist.ProcessGroup | None = None,
 ) -> None:
     """Sum every gradient over ``group`` (the Zeppelin / data-parallel ranks) and divide by the
     global token count, turning per-rank loss-sum gradients into the gradient of the global
-    per-token mean."""
+    per-token mean.
+
+    Under sequence parallelism a tensor-parallel rank runs the norms on its share of the rows
+    only, so the weights Megatron marks ``sequence_parallel`` hold a partial gradient: they are
+    summed over ``tp_group`` first (what Megatron's ``finalize_model_grads`` does)."""
     if num_tokens < 1:
         raise ValueError(f"the global token count must be positive, got {num_tokens}")
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
+    params = [p for p in params if p.grad is not None]
+    if not params:
         return
+    distributed = dist.is_available() and dist.is_initialized()
+    partial = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
+    if partial and tp_group is not None and distributed:
+        flat = torch.cat([g.reshape(-1) for g in partial])
+        dist.all_reduce(flat, group=tp_group)
+        _unflatten_into(flat, partial)
+    grads = [p.grad for p in params]
     # One flat all-reduce instead of one per tensor: far fewer gloo round trips.
     flat = torch.cat([g.reshape(-1) for g in grads])
-    if dist.is_available() and dist.is_initialized():
+    if distributed:
         dist.all_reduce(flat, group=group)
     flat /= num_tokens
+    _unflatten_into(flat, grads)
+
+
+def _unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     offset = 0
-    for g in grads:
-        n = g.numel()
-        g.copy_(flat[offset : offset + n].view_as(g))
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
         offset += n

@@ -17,6 +17,10 @@ THIRD_PARTY_WARNINGS: tuple[tuple[str, type[Warning]], ...] = (
     ("full scope is deprecated", UserWarning),
     ("Warning: tp_group is None", DeprecationWarning),
     ("When using async grad allreduce it is recommended", UserWarning),
+    ("When using sequence parallelism it is recommended", UserWarning),
+    # Megatron's sequence-parallel gather and reduce-scatter call torch's older names.
+    ("`torch.distributed.all_gather_into_tensor` is deprecated", FutureWarning),
+    ("`torch.distributed.reduce_scatter_tensor` is deprecated", FutureWarning),
 )
 """``(message prefix, category)`` of every warning the job hides unless ``--verbose``."""
 

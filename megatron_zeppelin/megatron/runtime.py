@@ -1,14 +1,9 @@
-"""The pieces a Zeppelin training step is composed of, shared by the CPU job and the check.
+"""What a Zeppelin run builds once: parallel state, the model, the cost model, the transport.
 
-One step, per micro-batch, on every rank (the order matters):
-
-1. the sampler's documents give the lengths; every rank plans the same plan from them
-   (``plan_micro_batch``; deterministic, no communication);
-2. the rank reads only its linear-layout tokens (``batch.build_linear_batch``);
-3. ``ZeppelinPackedSeqParams`` carries plan, rank, exchanger, remap group and positions into
-   Megatron's ``GPTModel.forward``, which hands it to every layer's core attention;
-4. the per-token loss *sum* is back-propagated; after the last micro-batch the gradients are
-   summed over the Zeppelin ranks and divided by the global token count (``loss.py``).
+Shared by the CPU job and the check (the Megatron hooks build the same pieces from Megatron's
+own arguments). The micro-batch step itself is ``step.py``; after a step's last micro-batch the
+gradients are summed over the Zeppelin ranks and divided by the global token count
+(``loss.py``).
 
 Parallel layout: Megatron's tensor parallelism is the fastest axis (global rank ``g`` has TP index
 ``g % tp``); the Zeppelin ranks are the data-parallel ranks of one TP index, so there are ``tp``
@@ -28,10 +23,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.loss import token_loss_sum
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
-from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.planner.models import ModelSpec, model_from_config
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.topology.model import Topology
 
@@ -48,19 +41,33 @@ class ModelDims:
     vocab_size: int = 512
     rotary_base: float = 10000.0
 
-    def model_spec(self, *, tensor_parallel: int = 1) -> ModelSpec:
-        """The planner's view of this model (fp32 on CPU)."""
-        return ModelSpec(
-            name="cpu-gpt",
+    def transformer_config(self, *, tensor_parallel: int = 1, sequence_parallel: bool = False):
+        """Megatron's ``TransformerConfig`` of this model in float32 on CPU."""
+        from megatron.core.transformer import TransformerConfig
+
+        return TransformerConfig(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
-            num_heads=self.num_heads,
-            num_kv_heads=self.num_kv_heads,
+            num_attention_heads=self.num_heads,
+            num_query_groups=self.num_kv_heads,
             ffn_hidden_size=self.ffn_hidden_size,
-            vocab_size=self.vocab_size,
-            dtype_bytes=4,
-            tensor_parallel=tensor_parallel,
+            normalization="RMSNorm",
+            gated_linear_unit=True,
+            activation_func=torch.nn.functional.silu,
+            add_bias_linear=False,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            use_cpu_initialization=True,
+            params_dtype=torch.float32,
+            calculate_per_token_loss=True,
+            tensor_model_parallel_size=tensor_parallel,
+            sequence_parallel=sequence_parallel,
         )
+
+    def model_spec(self, *, tensor_parallel: int = 1) -> ModelSpec:
+        """The planner's view of this model, from the config the model is built with."""
+        config = self.transformer_config(tensor_parallel=tensor_parallel)
+        return model_from_config(config, vocab_size=self.vocab_size, name="cpu-gpt")
 
 
 @dataclass(frozen=True)
@@ -100,7 +107,7 @@ def init_megatron_parallel(tensor_parallel: int) -> ParallelContext:
     )
 
 
-def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None):
+def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None, sequence_parallel: bool = False):
     """Megatron's ``GPTModel`` in float32 on CPU with Zeppelin's layer spec.
 
     Weights come from ``seed`` through Megatron's CPU initialization, which draws every full
@@ -108,28 +115,21 @@ def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None):
     ``layer_spec`` replaces the Zeppelin local spec (the check's reference model uses that).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.transformer import TransformerConfig
 
+    from megatron_zeppelin.megatron.norms import (
+        needs_sequence_parallel_norms,
+        sequence_parallel_spec,
+    )
     from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
 
-    config = TransformerConfig(
-        num_layers=dims.num_layers,
-        hidden_size=dims.hidden_size,
-        num_attention_heads=dims.num_heads,
-        num_query_groups=dims.num_kv_heads,
-        ffn_hidden_size=dims.ffn_hidden_size,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        use_cpu_initialization=True,
-        params_dtype=torch.float32,
-        calculate_per_token_loss=True,
-        tensor_model_parallel_size=_tp_size(),
+    config = dims.transformer_config(
+        tensor_parallel=_tp_size(), sequence_parallel=sequence_parallel
     )
     spec = layer_spec or zeppelin_layer_spec("local", rotary_base=dims.rotary_base)
+    if sequence_parallel:
+        emulate_cuda_device_on_cpu()
+        if needs_sequence_parallel_norms(spec):
+            spec = sequence_parallel_spec(spec, dims.num_layers)
     torch.manual_seed(seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -144,6 +144,23 @@ def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None):
     return model
 
 
+def emulate_cuda_device_on_cpu() -> None:
+    """Let Megatron's sequence-parallel code run in CPU processes that stand in for GPUs.
+
+    Megatron's sequence-parallel gather and reduce-scatter (``tensor_parallel/mappings.py``)
+    allocate their outputs on ``torch.cuda.current_device()``, and its embedding forks the
+    model-parallel CUDA RNG around dropout (``get_cuda_rng_tracker().fork()``). Without CUDA,
+    the first answers the CPU here and the second uses Megatron's own tracker whose fork does
+    nothing (the CPU model has no dropout). Does nothing where CUDA is available, so a GPU run
+    never goes through it."""
+    if torch.cuda.is_available():
+        return
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    torch.cuda.current_device = lambda: torch.device("cpu")
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+
+
 def _tp_size() -> int:
     from megatron.core import parallel_state
 
@@ -151,59 +168,22 @@ def _tp_size() -> int:
 
 
 def build_cost_model(
-    dims: ModelDims, topology: Topology, *, tensor_parallel: int, calibration: str | None
+    dims: ModelDims | ModelSpec,
+    topology: Topology,
+    *,
+    tensor_parallel: int = 1,
+    calibration: str | None,
 ) -> CostModel:
-    """Datasheet cost model, with a calibration file's measured figures where one is given."""
-    cost = CostModel.default(dims.model_spec(tensor_parallel=tensor_parallel), topology)
+    """Datasheet cost model, with a calibration file's measured figures where one is given.
+    ``dims``: the planner's model (``planner.models.model_from_config``), or the CPU job's
+    dimensions with its tensor-parallel size."""
+    spec = dims if isinstance(dims, ModelSpec) else dims.model_spec(tensor_parallel=tensor_parallel)
+    cost = CostModel.default(spec, topology)
     if calibration:
         from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 
         cost = apply_calibration(cost, load_calibration(calibration), source=calibration)
     return cost
-
-
-NEVER_SPLIT = 1 << 62
-"""A threshold no document reaches: the tier splits only what capacity forces."""
-
-
-def planner_options(config: ZeppelinConfig, cost_model: CostModel):
-    """``PlannerOptions`` from the Zeppelin flags (thresholds, routing, remapping).
-
-    Each threshold is ``auto`` (the cost model's), ``off`` or a token count; both ``off`` turns
-    balance splitting off altogether.
-    """
-    from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
-
-    intra, inter = config.threshold("intra"), config.threshold("inter")
-    if intra == "off" and inter == "off":
-        return PlannerOptions(allow_split=False, routing=config.routing, remap=config.remap)
-    if intra == "auto" and inter == "auto":
-        thresholds: str | tuple[int, int] = "auto"
-    else:
-        auto_intra, auto_inter = tier_thresholds(cost_model)
-        chosen = []
-        for value, auto in ((intra, auto_intra), (inter, auto_inter)):
-            chosen.append(auto if value == "auto" else NEVER_SPLIT if value == "off" else value)
-        # A document worth a cross-node ring is worth an NVLink one: keep intra <= inter.
-        thresholds = (min(chosen), chosen[1])
-    return PlannerOptions(thresholds=thresholds, routing=config.routing, remap=config.remap)
-
-
-def plan_micro_batch(
-    lengths: list[int], *, topology: Topology, cost_model: CostModel, config: ZeppelinConfig
-) -> Plan:
-    """The micro-batch's plan; every rank computes the same one from the same lengths."""
-    from megatron_zeppelin.planner.partition import plan_batch
-
-    # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
-    capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
-    return plan_batch(
-        lengths,
-        topology=topology,
-        cost_model=cost_model,
-        capacity=capacity,
-        options=planner_options(config, cost_model),
-    )
 
 
 def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinConfig):
@@ -226,21 +206,6 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
         groups, routing=config.routing, counters=counters, timeout_s=config.comm_timeout_s
     )
     return exchanger, counters
-
-
-def forward_micro_batch(
-    model: torch.nn.Module, batch, params: ZeppelinPackedSeqParams | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Loss sum and loss-token count of one micro-batch (``batch``: a ``LinearBatch``)."""
-    data = batch.as_megatron()
-    losses_bs = model(
-        data["tokens"],
-        None,  # positions live in the packed params: RoPE is applied in core attention
-        None,
-        labels=data["labels"],
-        packed_seq_params=params,
-    )
-    return token_loss_sum(losses_bs, data["loss_mask"])
 
 
 def plan_digest(plan: Plan) -> str:

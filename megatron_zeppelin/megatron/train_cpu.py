@@ -36,19 +36,22 @@ import torch.distributed as dist  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
 from megatron_zeppelin.fileio import format_bytes  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams  # noqa: E402
-from megatron_zeppelin.megatron.hooks import plan_line  # noqa: E402
-from megatron_zeppelin.megatron.loss import finish_gradients, global_mean_loss  # noqa: E402
+from megatron_zeppelin.megatron.feed import MicroBatchFeed  # noqa: E402
+from megatron_zeppelin.megatron.loss import (  # noqa: E402
+    finish_gradients,
+    global_mean_loss,
+    token_loss_sum,
+)
+from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
     create_transport,
-    forward_micro_batch,
     init_megatron_parallel,
-    plan_micro_batch,
     plan_summary,
 )
+from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch  # noqa: E402
 from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
 
 CPU_DEFAULTS = {
@@ -73,6 +76,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     job.add_argument("--tokens-per-step", type=int, default=4096, help="Token budget of a step.")
     job.add_argument("--micro-batches", type=int, default=1, help="Micro-batches per step.")
     job.add_argument("--tensor-parallel", type=int, default=1, help="Megatron TP size.")
+    job.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="Megatron's sequence parallelism inside each tensor-parallel group.",
+    )
     job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
     job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
     job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
@@ -163,8 +171,6 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     """Run the job on an initialized gloo world; returns the run's figures (every rank)."""
     from tqdm import tqdm
 
-    from megatron_zeppelin.megatron.batch import build_linear_batch
-
     config = ZeppelinConfig.from_args(args)
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
@@ -172,9 +178,21 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     calibration, why = pick_calibration(args, config)
     cost_model = job_cost_model(dims, topology, ctx.tensor_parallel, calibration, why)
     exchanger, counters = create_transport(topology, ctx, config)
+    # As Megatron does, sequence parallelism is off without tensor parallelism.
+    sequence_parallel = args.sequence_parallel and ctx.tensor_parallel > 1
+    runtime = StepRuntime.create(
+        config=config,
+        topology=topology,
+        cost_model=cost_model,
+        exchanger=exchanger,
+        zeppelin_rank=ctx.zeppelin_rank,
+        remap_group=ctx.dp_group,
+        tensor_parallel=ctx.tensor_parallel,
+        sequence_parallel=sequence_parallel,
+    )
     dataset = _dataset(args, dist.get_rank())
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
-    model = build_gpt(dims, seed=args.seed)
+    model = build_gpt(dims, seed=args.seed, sequence_parallel=sequence_parallel)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     start = 0
     if args.load:
@@ -183,71 +201,38 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.load_state_dict(state["optimizer"])
         sampler.load_state_dict(state["sampler"])
         start = int(state["step"])
+    # Plans of the next micro-batches are made in the background while one trains; the feed
+    # stands in for the sampler when a checkpoint saves where the stream stands.
+    feed = MicroBatchFeed(sampler, runtime.plan, ahead=config.plan_ahead)
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
-        print(_figures_line(cost_model.sources, why), flush=True)
+        kernel = chosen_kernel(config.kernel, device="cpu", dtype=torch.float32)
+        lines = startup_lines(
+            runtime, tensor_parallel=ctx.tensor_parallel, kernel=kernel, calibration_why=why
+        )
+        print("\n".join(lines), flush=True)
     records: list[dict[str, Any]] = []
     bar = tqdm(total=args.steps, initial=start, disable=not show, unit="step", file=sys.stdout)
     begin = time.perf_counter()
-    for step in range(start, args.steps):
-        t0 = time.perf_counter()
-        step_batch = sampler.next_step()
-        if counters is not None:
-            counters.reset()
-        loss_sum, loss_count, summaries = torch.zeros(()), torch.zeros((), dtype=torch.long), []
-        for mb, slices in enumerate(step_batch.micro_batches):
-            if not slices:
-                continue
-            plan = plan_micro_batch(
-                step_batch.lengths(mb), topology=topology, cost_model=cost_model, config=config
-            )
-            batch = build_linear_batch(plan, ctx.zeppelin_rank, slices, dataset)
-            params = ZeppelinPackedSeqParams(
-                plan=plan,
-                rank=ctx.zeppelin_rank,
-                exchanger=exchanger.set_plan(plan),
-                remap_group=ctx.dp_group,
-                positions=batch.position_ids_t,
-                kernel=config.kernel,
-            )
-            total, count = forward_micro_batch(model, batch, params)
-            total.backward()  # the sum: dividing by the global count comes after the all-reduce
-            loss_sum, loss_count = loss_sum + total.detach(), loss_count + count
-            summaries.append(plan_summary(plan, cost_model.model, routing=config.routing))
-        loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group)
-        finish_gradients(model.parameters(), num_tokens, ctx.dp_group)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        measured = counters.all_reduce(ctx.dp_group) if counters is not None else None
-        seconds = time.perf_counter() - t0
-        step_tokens = step_batch.num_tokens
-        records.append(
-            {
-                "step": step,
-                "loss": loss,
-                "loss_tokens": num_tokens,
-                "tokens": step_tokens,
-                "seconds": seconds,
-                "tokens_per_s": step_tokens / seconds,
-                "documents": [
-                    [[s.doc, s.start, s.end] for s in mb] for mb in step_batch.micro_batches
-                ],
-                "plans": summaries,
-                "measured_link_bytes": measured,
-            }
-        )
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{step_tokens / seconds:,.0f}")
-        if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
-            bar.write(plan_line(step, summaries[0]))
-        if args.save and args.save_every and (step + 1) % args.save_every == 0:
-            _save(args.save, model, optimizer, sampler, step + 1)
+    try:
+        for step in range(start, args.steps):
+            record = _train_step(step, model, optimizer, feed, runtime, dataset, counters, ctx)
+            records.append(record)
+            bar.update(1)
+            bar.set_postfix(loss=f"{record['loss']:.3f}", tok_s=f"{record['tokens_per_s']:,.0f}")
+            if show and config.log_plan_every and (step + 1) % config.log_plan_every == 0:
+                bar.write(plan_line(step, record["plans"][0]))
+            if args.save and args.save_every and (step + 1) % args.save_every == 0:
+                _save(args.save, model, optimizer, feed, step + 1)
+    finally:
+        feed.close()
     bar.close()
     if args.save:
-        _save(args.save, model, optimizer, sampler, args.steps)
+        _save(args.save, model, optimizer, feed, args.steps)
     result = _summary(records, time.perf_counter() - begin, config, dims, ctx)
     result["summary"]["cost_model_sources"] = dict(cost_model.sources)
+    result["summary"]["planning"] = feed.stats.to_dict()
     if is_main:
         if not args.quiet:
             print(summary_text(result["summary"]))
@@ -255,6 +240,47 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
     return result
+
+
+def _train_step(step: int, model, optimizer, feed, runtime, dataset, counters, ctx) -> dict:
+    """One optimizer step: every micro-batch through ``step.run_micro_batch``, backward of the
+    loss sums, the gradients summed over the Zeppelin ranks; returns the step's record."""
+    from megatron.core import parallel_state
+
+    t0 = time.perf_counter()
+    if counters is not None:
+        counters.reset()
+    loss_sum, loss_count, summaries = torch.zeros(()), torch.zeros((), dtype=torch.long), []
+    for _ in range(feed.sampler.num_micro_batches):
+        item = feed.next()
+        assert item.step.step == step, "the feed and the step loop disagree"
+        if item.plan is None:
+            continue
+        run = run_micro_batch(model, item.slices, item.plan, runtime, dataset)
+        total, count = token_loss_sum(run.losses_bs, run.loss_mask_bs)
+        total.backward()  # the sum: dividing by the global count comes after the all-reduce
+        loss_sum, loss_count = loss_sum + total.detach(), loss_count + count
+        spec = runtime.cost_model.model
+        summaries.append(plan_summary(item.plan, spec, routing=runtime.config.routing))
+    loss, num_tokens = global_mean_loss(loss_sum, loss_count, ctx.dp_group)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    finish_gradients(model.parameters(), num_tokens, ctx.dp_group, tp_group=tp_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    measured = counters.all_reduce(ctx.dp_group) if counters is not None else None
+    seconds = time.perf_counter() - t0
+    step_batch = item.step
+    return {
+        "step": step,
+        "loss": loss,
+        "loss_tokens": num_tokens,
+        "tokens": step_batch.num_tokens,
+        "seconds": seconds,
+        "tokens_per_s": step_batch.num_tokens / seconds,
+        "documents": [[[s.doc, s.start, s.end] for s in mb] for mb in step_batch.micro_batches],
+        "plans": summaries,
+        "measured_link_bytes": measured,
+    }
 
 
 MACHINE_CALIBRATION = os.path.join(
@@ -307,20 +333,6 @@ def job_cost_model(
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=path)
     except ValueError as exc:
         raise ValueError(f"{exc}{hint}") from exc
-
-
-def _figures_line(sources: dict[str, str], why: str) -> str:
-    """One line: which cost-model figures are measured (and where) and which are defaults."""
-    measured = {k: v for k, v in sources.items() if v != "default"}
-    defaults = sorted(k for k, v in sources.items() if v == "default")
-    if not measured:
-        return f"cost model: datasheet figures (calibration {why})"
-    files = sorted(set(measured.values()))
-    names = ", ".join(sorted(measured))
-    return (
-        f"cost model: measured {names} from {', '.join(os.path.relpath(f) for f in files)}"
-        f" ({why}); defaults: {', '.join(defaults) or 'none'}"
-    )
 
 
 def _save(directory: str, model, optimizer, sampler, step: int) -> None:
@@ -394,6 +406,13 @@ def summary_text(s: dict) -> str:
         lines.append(
             f"cost model   measured: {', '.join(measured) or 'none'}; defaults: "
             f"{', '.join(defaults) or 'none'}"
+        )
+    planning = s.get("planning")
+    if planning and planning["num_plans"]:
+        share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
+        lines.append(
+            f"planning     {planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
+            f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
         )
     return "\n".join(lines)
 

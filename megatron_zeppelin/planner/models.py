@@ -2,11 +2,19 @@
 
 FLOP counts are per layer, forward plus backward (backward = 2x forward for GEMMs; attention
 backward recomputes the scores, so 2.5x forward, as flash-attention does).
+
+Every ``ModelSpec`` a run plans with comes from ``model_from_config``: the Megatron hooks hand it
+the ``TransformerConfig`` Megatron builds from its arguments, the CPU job the one its model is
+built from, and the CLI's presets (``MODEL_PRESETS``) are written as the same config fields.
+So a preset and a Megatron run of the same model price attention, K/V bytes and thresholds
+alike (heads, K/V heads, dtype, tensor parallelism are read in one place).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+from typing import Any
 
 ATTN_BWD_OVER_FWD = 2.5
 GEMM_BWD_OVER_FWD = 2.0
@@ -78,17 +86,86 @@ class ModelSpec:
         return asdict(self)
 
 
-MODEL_PRESETS: dict[str, ModelSpec] = {
-    m.name: m
-    for m in (
-        ModelSpec("llama-3b", 26, 3200, 32, 32, 8640),
-        ModelSpec("llama-7b", 32, 4096, 32, 32, 11008),
-        ModelSpec("llama-13b", 40, 5120, 40, 40, 13824),
-        ModelSpec("llama-30b", 60, 6656, 52, 52, 17920),
-        ModelSpec("llama3-8b", 32, 4096, 32, 8, 14336, vocab_size=128256),
-        ModelSpec("tiny", 2, 64, 4, 2, 128, vocab_size=512, dtype_bytes=4),
+def dtype_bytes_of(config: Any) -> int:
+    """Bytes per activation element of a Megatron config: 2 with ``bf16``/``fp16`` (the
+    activations and the K/V a ring moves are half precision), else its ``params_dtype``'s."""
+    if getattr(config, "bf16", False) or getattr(config, "fp16", False):
+        return 2
+    params_dtype = str(getattr(config, "params_dtype", "torch.float32"))
+    return 2 if params_dtype in ("torch.bfloat16", "torch.float16") else 4
+
+
+def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -> ModelSpec:
+    """The planner's model of a Megatron ``TransformerConfig`` (or any object with its field
+    names): layers, hidden size, query heads, K/V heads (``num_query_groups``, which Megatron
+    sets only with ``--group-query-attention``; ``None`` means one per query head), FFN size,
+    dtype (``dtype_bytes_of``) and tensor-parallel size."""
+    heads = int(config.num_attention_heads)
+    kv_channels = getattr(config, "kv_channels", None)
+    if kv_channels is not None and int(kv_channels) * heads != int(config.hidden_size):
+        raise ValueError(
+            f"model {name}: kv_channels {kv_channels} x {heads} heads differs from hidden size "
+            f"{config.hidden_size}; Zeppelin's cost model assumes head dim = hidden / heads: "
+            "drop --kv-channels"
+        )
+    return ModelSpec(
+        name=name,
+        num_layers=int(config.num_layers),
+        hidden_size=int(config.hidden_size),
+        num_heads=heads,
+        num_kv_heads=int(getattr(config, "num_query_groups", None) or heads),
+        ffn_hidden_size=int(config.ffn_hidden_size or 4 * config.hidden_size),
+        vocab_size=int(vocab_size),
+        dtype_bytes=dtype_bytes_of(config),
+        tensor_parallel=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
     )
+
+
+PRESET_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama-3b": dict(num_layers=26, hidden_size=3200, num_attention_heads=32, ffn_hidden_size=8640),
+    "llama-7b": dict(
+        num_layers=32, hidden_size=4096, num_attention_heads=32, ffn_hidden_size=11008
+    ),
+    "llama-13b": dict(
+        num_layers=40, hidden_size=5120, num_attention_heads=40, ffn_hidden_size=13824
+    ),
+    "llama-30b": dict(
+        num_layers=60, hidden_size=6656, num_attention_heads=52, ffn_hidden_size=17920
+    ),
+    "llama3-8b": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        vocab_size=128256,
+    ),
+    "tiny": dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        vocab_size=512,
+        bf16=False,
+    ),
 }
+"""The presets as Megatron config fields (``TransformerConfig`` names; ``vocab_size`` is
+Megatron's ``--vocab-size``, default 32000; ``bf16`` defaults on, as the shipped configs train)."""
+
+
+def preset_config(name: str, *, tensor_parallel: int = 1) -> SimpleNamespace:
+    """A preset's fields as a config object ``model_from_config`` reads."""
+    fields = {"bf16": True, "vocab_size": 32000, **PRESET_CONFIGS[name]}
+    return SimpleNamespace(tensor_model_parallel_size=tensor_parallel, **fields)
+
+
+def _preset(name: str, *, tensor_parallel: int = 1) -> ModelSpec:
+    config = preset_config(name, tensor_parallel=tensor_parallel)
+    return model_from_config(config, vocab_size=config.vocab_size, name=name)
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {name: _preset(name) for name in PRESET_CONFIGS}
 
 
 _DIM_KEYS = {
@@ -132,7 +209,7 @@ def get_model(name: str, *, tensor_parallel: int = 1) -> ModelSpec:
     if "=" in name:
         base = parse_model_dims(name)
     elif name in MODEL_PRESETS:
-        base = MODEL_PRESETS[name]
+        return _preset(name, tensor_parallel=tensor_parallel)
     else:
         raise ValueError(
             f"unknown model {name!r}; known presets: {', '.join(MODEL_PRESETS)}, or explicit "

@@ -39,8 +39,8 @@ Device arguments (a ``TorchFunctionMode``)
     ``clip_grad_by_total_norm_fp32`` and the optimizers assert that gradients are on the device.
 
 Flags, not patches, cover the rest: ``--no-gradient-accumulation-fusion`` (Apex's fused
-weight-gradient kernel), ``--no-persist-layer-norm``, ``--no-rope-fusion`` (TE kernels),
-``--transformer-impl local``, ``--distributed-backend gloo`` and ``--num-workers 0``.
+weight-gradient kernel), ``--no-persist-layer-norm`` (Apex's), ``--transformer-impl local`` (no
+TransformerEngine), ``--distributed-backend gloo`` and ``--num-workers 0``.
 """
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ TRAINING = (
 # Megatron on CPU: no Apex / TransformerEngine kernels, gloo, no loader workers (see cpu_adapter).
 ON_CPU = (
     "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
-    "--no-rope-fusion --distributed-backend gloo --num-workers 0"
+    "--distributed-backend gloo --num-workers 0"
 ).split()
 ZEPPELIN = (
     "--zeppelin --zeppelin-kernel torch --zeppelin-topology custom --zeppelin-nodes {nodes} "
@@ -122,11 +122,22 @@ def _assert_close(losses: dict[int, float], expected: dict[int, float]) -> None:
         assert abs(losses[iteration] - loss) <= TOLERANCE, (iteration, losses, expected)
 
 
+def _startup_summary(run: Run) -> list[str]:
+    """Rank 0's start-up summary: node shape, cost-model source, kernel (one line each)."""
+    lines = [line for line in run.outputs[0].splitlines() if line.startswith("zeppelin: ")]
+    assert len(lines) >= 3, run.tail()
+    return lines
+
+
 def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference) -> None:
     _assert_close(_trained(tp1_run), reference)
     plans = [(int(docs), int(inter)) for docs, inter in PLAN.findall(tp1_run.outputs[0])]
     assert any(inter > 0 for _, inter in plans), "no document rang across nodes"
     assert any(docs < 4 for docs, _ in plans), "no micro-batch had fewer documents than ranks"
+    shape, cost_model, kernel = _startup_summary(tp1_run)[:3]
+    assert shape.startswith("zeppelin: node shape 2 nodes x 2 Zeppelin ranks")
+    assert cost_model.startswith("zeppelin: cost model 2 layers, 4 heads, 4 K/V heads, fp32, TP 1")
+    assert kernel == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
 
 
 def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
@@ -135,6 +146,10 @@ def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, refe
     )
     run = launch(args, world_size=4, log_dir=work / "tp2-sp", timeout_s=TIMEOUT_S)
     _assert_close(_trained(run), reference)
+    shape, cost_model = _startup_summary(run)[:2]
+    assert shape.startswith("zeppelin: node shape 2 nodes x 1 Zeppelin ranks")
+    assert "2 GPUs per node / TP 2" in shape
+    assert ", TP 2: " in cost_model
 
 
 def test_resuming_from_a_checkpoint_continues_the_uninterrupted_run(

@@ -1,0 +1,187 @@
+"""The run's micro-batches in training order, each with its plan, planned ahead of training.
+
+Every rank draws the same steps from the sampler and plans the same plans from the same
+lengths (planning is pure and deterministic), so plans need no communication and can be made
+early: while micro-batch ``i`` trains, a background thread plans ``i + 1 .. i + ahead``, drawing
+the next step from the sampler when the current one runs out. Both the Megatron hooks and the
+CPU job take their micro-batches from a ``MicroBatchFeed``.
+
+Rules that keep it safe:
+
+* the sampler is touched only by the training thread; the planner thread only plans;
+* an error in planning is raised by ``next()`` for the micro-batch it belongs to, as the same
+  exception the planner raised, so bad input still ends in the same one-line message;
+* the planner thread is a daemon blocked on a queue between jobs: it never keeps the process
+  alive at exit, and ``close()`` stops it;
+* ``state_dict()`` is the sampler's state at the start of the step the next micro-batch belongs
+  to (at a step boundary: the state a checkpoint must hold), whatever was drawn ahead.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_zeppelin.megatron.sampler import DocumentSampler, DocumentSlice, StepBatch
+from megatron_zeppelin.planner.plan import Plan
+
+PlanFn = Callable[[Sequence[int]], Plan]
+
+
+@dataclass(frozen=True)
+class FedMicroBatch:
+    """One micro-batch as training takes it."""
+
+    step: StepBatch
+    index: int
+    """Position of the micro-batch in its step."""
+    plan: Plan | None
+    """``None`` for a micro-batch without documents."""
+
+    @property
+    def slices(self) -> tuple[DocumentSlice, ...]:
+        return self.step.micro_batches[self.index]
+
+    @property
+    def is_last_of_step(self) -> bool:
+        return self.index == len(self.step.micro_batches) - 1
+
+
+@dataclass
+class PlanningStats:
+    """Where planning time went (seconds, summed over the run)."""
+
+    num_plans: int = 0
+    planning_s: float = 0.0
+    """Spent planning, in whichever thread."""
+    waited_s: float = 0.0
+    """Spent by the training thread waiting for a plan (all of it when planning is inline)."""
+
+    @property
+    def hidden_s(self) -> float:
+        """Planning that ran while training went on."""
+        return max(0.0, self.planning_s - self.waited_s)
+
+    def to_dict(self) -> dict[str, float]:
+        return {
+            "num_plans": self.num_plans,
+            "planning_s": self.planning_s,
+            "waited_s": self.waited_s,
+            "hidden_s": self.hidden_s,
+        }
+
+
+class _PlannerThread:
+    """One daemon thread planning the jobs it is given, in order."""
+
+    def __init__(self, plan_fn: PlanFn, stats: PlanningStats) -> None:
+        self._plan_fn = plan_fn
+        self._stats = stats
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._work, name="zeppelin-planner", daemon=True)
+        self._thread.start()
+
+    def submit(self, lengths: list[int]) -> Future:
+        future: Future = Future()
+        self._jobs.put((future, lengths))
+        return future
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            future, lengths = job
+            if not future.set_running_or_notify_cancel():
+                continue
+            start = time.perf_counter()
+            try:
+                plan = self._plan_fn(lengths)
+            except BaseException as exc:  # noqa: BLE001 - handed to the training thread
+                future.set_exception(exc)
+            else:
+                future.set_result(plan)
+            finally:
+                self._stats.planning_s += time.perf_counter() - start
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class MicroBatchFeed:
+    """``next()`` gives the run's micro-batches in order with their plans; see the module
+    docstring. ``ahead=0`` plans each micro-batch inside ``next()``."""
+
+    def __init__(self, sampler: DocumentSampler, plan_fn: PlanFn, *, ahead: int = 2) -> None:
+        if ahead < 0:
+            raise ValueError(f"micro-batches planned ahead must be >= 0, got {ahead}")
+        self.sampler = sampler
+        self.stats = PlanningStats()
+        self._plan_fn = plan_fn
+        self._ahead = ahead
+        self._planner = _PlannerThread(plan_fn, self.stats) if ahead else None
+        self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
+        self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
+
+    def next(self) -> FedMicroBatch:
+        """The next micro-batch and its plan (waits for the plan if it is not ready)."""
+        self._fill(1 + self._ahead)
+        step, index, future = self._queue.popleft()
+        if not self._queue or self._queue[0][0] is not step:
+            self._step_states.popleft()  # the step is handed out in full
+        lengths = step.lengths(index)
+        if not lengths:
+            return FedMicroBatch(step, index, None)
+        start = time.perf_counter()
+        if future is None:
+            try:
+                plan = self._plan_fn(lengths)
+            finally:
+                self.stats.planning_s += time.perf_counter() - start
+        else:
+            plan = future.result()  # re-raises the planner's own exception
+        self.stats.waited_s += time.perf_counter() - start
+        self.stats.num_plans += 1
+        return FedMicroBatch(step, index, plan)
+
+    def _fill(self, wanted: int) -> None:
+        """Draw steps until ``wanted`` micro-batches are queued, submitting their plans."""
+        while len(self._queue) < wanted:
+            before = self.sampler.state_dict()
+            step = self.sampler.next_step()
+            self._step_states.append((step, before))
+            for index in range(len(step.micro_batches)):
+                lengths = step.lengths(index)
+                future = self._planner.submit(lengths) if self._planner and lengths else None
+                self._queue.append((step, index, future))
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state at the start of the step of the next micro-batch (see the
+        module docstring); at a step boundary, what a checkpoint saves."""
+        if self._step_states:
+            return self._step_states[0][1]
+        return self.sampler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume the sampler from ``state`` and forget what was drawn ahead."""
+        for _, _, future in self._queue:
+            if future is not None:
+                future.cancel()
+        self._queue.clear()
+        self._step_states.clear()
+        self.sampler.load_state_dict(state)
+
+    def close(self) -> None:
+        """Stop the planner thread (plans still queued are dropped)."""
+        for _, _, future in self._queue:
+            if future is not None:
+                future.cancel()
+        if self._planner is not None:
+            self._planner.close()
+            self._planner = None

@@ -1,0 +1,120 @@
+"""What a Zeppelin run prints: the start-up summary and the per-micro-batch plan line.
+
+The Megatron hooks and the CPU job print the same lines (rank 0 only):
+
+* ``startup_lines``: the Zeppelin node shape (ranks and NICs per node, and the physical node
+  and tensor-parallel size it comes from), the cost model's source (model heads, K/V heads,
+  dtype and K/V bytes per token; tier thresholds; datasheet figures or the calibration file),
+  and the attention kernel with the reason it was chosen (``chosen_kernel``);
+* ``plan_line``: one micro-batch's plan (``runtime.plan_summary``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.topology.model import Topology
+
+_DTYPE_NAMES = {2: "16-bit (bf16/fp16)", 4: "fp32"}
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """The attention kernel a run uses and why."""
+
+    name: str
+    why: str
+
+
+def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
+    """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
+    ``dtype`` on ``device`` (the kernel registry's own resolution), and why."""
+    import torch
+
+    from megatron_zeppelin.attention.kernels import flash_available, get_kernel
+
+    try:
+        kernel = get_kernel(requested, device=device, dtype=dtype)
+    except (ImportError, RuntimeError, ValueError) as exc:
+        return KernelChoice(requested, f"requested, but it cannot load here: {exc}")
+    name = getattr(kernel, "name", None) or type(kernel).__name__.removesuffix("Kernel").lower()
+    if requested != "auto":
+        return KernelChoice(name, "requested with --zeppelin-kernel")
+    facts = [
+        "CUDA device" if torch.device(device).type == "cuda" else "no CUDA device",
+        "flash-attn imports" if flash_available() else "flash-attn not importable",
+        f"{str(dtype).removeprefix('torch.')} activations",
+    ]
+    return KernelChoice(name, f"auto: {', '.join(facts)}")
+
+
+def node_shape_line(topology: Topology, *, tensor_parallel: int) -> str:
+    """How the Zeppelin ranks sit on the nodes."""
+    per_node = topology.gpus_per_node
+    physical = (
+        f"{per_node * tensor_parallel} GPUs per node / TP {tensor_parallel}"
+        if tensor_parallel > 1
+        else f"{per_node} GPUs per node"
+    )
+    return (
+        f"zeppelin: node shape {topology.num_nodes} nodes x {per_node} Zeppelin ranks "
+        f"({topology.name}: {physical}), {topology.nics_per_node} NICs per node at "
+        f"{topology.nic_gbit:g} Gbit/s for this tensor-parallel world, NIC of each rank "
+        f"{list(topology.nic_of_gpu)}"
+    )
+
+
+def cost_model_line(cost_model: CostModel, options: Any, *, why: str = "") -> str:
+    """Which model the planner prices and where its figures come from."""
+    spec = cost_model.model
+    if options.allow_split:
+        intra, inter = options.resolved_thresholds(cost_model)
+        thresholds = f"thresholds intra {intra:,} / inter {inter:,} tokens"
+    else:
+        thresholds = "no balance splitting (both thresholds off)"
+    measured = {k: v for k, v in cost_model.sources.items() if v != "default"}
+    if measured:
+        files = ", ".join(sorted({os.path.relpath(v) for v in measured.values()}))
+        source = f"measured {', '.join(sorted(measured))} from {files}"
+        defaults = sorted(k for k, v in cost_model.sources.items() if v == "default")
+        source += f"; datasheet {', '.join(defaults)}" if defaults else ""
+    else:
+        source = f"datasheet figures ({cost_model.topology.gpu_name})"
+    if why:
+        source += f" (calibration {why})"
+    dtype = _DTYPE_NAMES.get(spec.dtype_bytes, f"{spec.dtype_bytes}-byte")
+    return (
+        f"zeppelin: cost model {spec.num_layers} layers, {spec.num_heads} heads, "
+        f"{spec.num_kv_heads} K/V heads, {dtype}, TP {spec.tensor_parallel}: "
+        f"{format_bytes(spec.kv_bytes_per_token())} of K/V per token per layer per GPU; "
+        f"{thresholds}; {source}"
+    )
+
+
+def startup_lines(
+    runtime: Any, *, tensor_parallel: int, kernel: KernelChoice, calibration_why: str = ""
+) -> list[str]:
+    """The start-up summary of a run (``runtime``: a ``step.StepRuntime``)."""
+    return [
+        node_shape_line(runtime.topology, tensor_parallel=tensor_parallel),
+        cost_model_line(runtime.cost_model, runtime.options, why=calibration_why),
+        f"zeppelin: attention kernel {kernel.name} ({kernel.why})",
+    ]
+
+
+def plan_line(step: int, summary: dict) -> str:
+    """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
+    class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""
+    tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
+    links = summary["link_bytes"]
+    nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
+    return (
+        f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
+        f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
+        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
+        f"{format_bytes(links['nvlink'])} nic {format_bytes(links['nic'])} [{nics}]"
+    )

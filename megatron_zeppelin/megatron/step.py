@@ -1,0 +1,165 @@
+"""One micro-batch step, the same in the Megatron hooks, the CPU job and ``zeppelin check``.
+
+On every rank, in this order (``run_micro_batch``):
+
+1. the micro-batch's plan, computed by every rank from the same lengths (``plan_micro_batch``;
+   pure and deterministic, so ``feed.py`` may compute it ahead, in a background thread);
+2. the rank reads only its linear-layout tokens (``batch.build_linear_batch``) and pads them
+   (``batch.pad_linear_batch``): to a multiple of the tensor-parallel size under sequence
+   parallelism, to at least one row on a rank the plan leaves empty;
+3. ``ZeppelinPackedSeqParams`` carries plan, rank, exchanger, remap group and positions into
+   Megatron's ``GPTModel.forward``, which hands it to every layer's core attention;
+4. the model returns per-token losses; the caller turns them into the per-token loss *sum*
+   (``loss.token_loss_sum``: the CPU job and the check back-propagate it, the hooks hand it to
+   Megatron's schedules through ``loss.megatron_loss_func``).
+
+``StepRuntime`` holds what setup builds once (settings, topology, cost model, planner options,
+exchanger, rank, group, padding multiple); nothing in it changes per micro-batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron.batch import (
+    LinearBatch,
+    TokenReader,
+    build_linear_batch,
+    pad_linear_batch,
+)
+from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.sampler import DocumentSlice
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.topology.model import Topology
+
+
+@dataclass(frozen=True)
+class StepRuntime:
+    """What every micro-batch step of a run needs; built once at start-up."""
+
+    config: ZeppelinConfig
+    topology: Topology
+    """The Zeppelin world's topology (``args.resolve_topology``)."""
+    cost_model: CostModel
+    options: Any
+    """``PlannerOptions`` from ``config.planner_options``: the one path from flags to planner."""
+    exchanger: Any
+    """Ring transport of this rank (``runtime.create_transport``)."""
+    zeppelin_rank: int
+    remap_group: Any
+    """Process group of the Zeppelin world (remap all-to-all)."""
+    pad_multiple: int = 1
+    """Rows of a rank's linear buffer are padded to a multiple of this: the tensor-parallel size
+    under sequence parallelism, else 1."""
+
+    @classmethod
+    def create(
+        cls,
+        *,
+        config: ZeppelinConfig,
+        topology: Topology,
+        cost_model: CostModel,
+        exchanger: Any,
+        zeppelin_rank: int,
+        remap_group: Any,
+        tensor_parallel: int,
+        sequence_parallel: bool,
+    ) -> StepRuntime:
+        return cls(
+            config=config,
+            topology=topology,
+            cost_model=cost_model,
+            options=config.planner_options(cost_model),
+            exchanger=exchanger,
+            zeppelin_rank=zeppelin_rank,
+            remap_group=remap_group,
+            pad_multiple=tensor_parallel if sequence_parallel else 1,
+        )
+
+    def plan(self, lengths: Sequence[int]) -> Plan:
+        """This run's plan of a micro-batch (``plan_micro_batch``)."""
+        return plan_micro_batch(
+            lengths,
+            topology=self.topology,
+            cost_model=self.cost_model,
+            config=self.config,
+            options=self.options,
+        )
+
+
+def plan_micro_batch(
+    lengths: Sequence[int],
+    *,
+    topology: Topology,
+    cost_model: CostModel,
+    config: ZeppelinConfig,
+    options: Any = None,
+) -> Plan:
+    """The micro-batch's plan; every rank computes the same one from the same lengths."""
+    from megatron_zeppelin.planner.partition import plan_batch
+
+    # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
+    capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
+    return plan_batch(
+        list(lengths),
+        topology=topology,
+        cost_model=cost_model,
+        capacity=capacity,
+        options=options if options is not None else config.planner_options(cost_model),
+    )
+
+
+@dataclass(frozen=True)
+class MicroBatchRun:
+    """What one micro-batch's forward gave: per-token losses and the mask that selects the
+    tokens counting in the loss (padding and every document's last token are out)."""
+
+    losses_bs: torch.Tensor
+    loss_mask_bs: torch.Tensor
+    plan: Plan
+    batch: LinearBatch
+
+
+def forward_batch(model: torch.nn.Module, batch: LinearBatch, params: Any) -> torch.Tensor:
+    """Megatron's ``GPTModel`` on one packed row: per-token losses ``[1, s]``. Positions go in
+    twice: as ``position_ids`` (learned absolute embeddings read them) and in ``params``
+    (per-document RoPE inside core attention)."""
+    data = batch.as_megatron()
+    return model(
+        data["tokens"],
+        data["position_ids"],
+        None,
+        labels=data["labels"],
+        packed_seq_params=params,
+    )
+
+
+def run_micro_batch(
+    model: torch.nn.Module,
+    slices: Sequence[DocumentSlice],
+    plan: Plan,
+    runtime: StepRuntime,
+    dataset: TokenReader,
+) -> MicroBatchRun:
+    """Steps 2 to 4 of the module docstring for this rank."""
+    batch = build_linear_batch(plan, runtime.zeppelin_rank, slices, dataset)
+    batch = pad_linear_batch(batch, runtime.pad_multiple)
+    batch = batch.to(next(model.parameters()).device)
+    params = ZeppelinPackedSeqParams(
+        plan=plan,
+        rank=runtime.zeppelin_rank,
+        exchanger=runtime.exchanger.set_plan(plan),
+        remap_group=runtime.remap_group,
+        positions=batch.position_ids_t,
+        kernel=runtime.config.kernel,
+    )
+    losses_bs = forward_batch(model, batch, params)
+    return MicroBatchRun(
+        losses_bs=losses_bs, loss_mask_bs=batch.loss_mask_t.unsqueeze(0), plan=plan, batch=batch
+    )

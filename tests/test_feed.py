@@ -1,0 +1,125 @@
+"""Planning ahead: the feed gives the same micro-batches and plans as planning in the step,
+surfaces a planning error as the planner's own exception, keeps the checkpoint state at step
+boundaries, and never holds a process at exit (tier: pure; one quick subprocess)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron.feed import MicroBatchFeed
+from megatron_zeppelin.megatron.sampler import DocumentSampler
+from megatron_zeppelin.megatron.step import plan_micro_batch
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.topology.model import Topology
+
+pytestmark = pytest.mark.pure
+
+LENGTHS = [700, 31, 250, 90, 1200, 64, 5, 400, 333, 12, 880, 150, 47, 610, 2, 300]
+TOPOLOGY = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
+COST = CostModel.default(get_model("tiny"), TOPOLOGY)
+CONFIG = ZeppelinConfig(capacity=1024, intra_threshold="64", inter_threshold="400")
+
+
+def _sampler() -> DocumentSampler:
+    return DocumentSampler(
+        LENGTHS, tokens_per_step=1500, num_micro_batches=3, seed=3, micro_batch_capacity=4096
+    )
+
+
+def _plan(lengths):
+    return plan_micro_batch(lengths, topology=TOPOLOGY, cost_model=COST, config=CONFIG)
+
+
+def _run(feed: MicroBatchFeed, num: int) -> list[tuple]:
+    out = []
+    for _ in range(num):
+        item = feed.next()
+        out.append((item.step.step, item.index, item.slices, item.plan))
+    return out
+
+
+@pytest.mark.parametrize("ahead", [0, 1, 4])
+def test_planned_ahead_equals_planned_in_the_step(ahead: int) -> None:
+    sampler = _sampler()  # the same stream, planned in the step
+    expected = []
+    for _ in range(5):
+        step = sampler.next_step()
+        for i, mb in enumerate(step.micro_batches):
+            expected.append((step.step, i, mb, _plan([u.num_tokens for u in mb]) if mb else None))
+    feed = MicroBatchFeed(_sampler(), _plan, ahead=ahead)
+    try:
+        got = _run(feed, len(expected))
+    finally:
+        feed.close()
+    assert got == expected
+    stats = feed.stats
+    assert stats.num_plans == sum(1 for e in expected if e[3] is not None)
+    assert 0.0 <= stats.hidden_s <= stats.planning_s
+    if ahead == 0:
+        assert stats.hidden_s == 0.0  # the step waited for every plan
+
+
+def test_state_at_a_step_boundary_is_the_samplers_whatever_was_drawn_ahead() -> None:
+    reference = _sampler()
+    feed = MicroBatchFeed(_sampler(), _plan, ahead=5)
+    try:
+        for _ in range(2):  # two whole steps of three micro-batches
+            reference.next_step()
+            _run(feed, 3)
+            assert feed.sampler.step > reference.step  # the feed drew ahead
+            assert feed.state_dict() == reference.state_dict()
+        resumed = MicroBatchFeed(_sampler(), _plan, ahead=2)
+        resumed.load_state_dict(feed.state_dict())
+        assert _run(resumed, 6) == _run(feed, 6)
+    finally:
+        feed.close()
+        resumed.close()
+
+
+def test_a_planning_error_surfaces_on_the_training_thread_as_the_planners_own() -> None:
+    bad_step_lengths = []
+
+    def plan_or_fail(lengths):
+        if len(bad_step_lengths) == 2:
+            raise ValueError("document 2 (65 tokens) finds no room: raise --zeppelin-capacity")
+        bad_step_lengths.append(lengths)
+        return _plan(lengths)
+
+    threads = {t.name for t in threading.enumerate()}
+    feed = MicroBatchFeed(_sampler(), plan_or_fail, ahead=3)
+    assert "zeppelin-planner" in {t.name for t in threading.enumerate()} - threads
+    first, second = feed.next(), feed.next()
+    assert first.plan is not None and second.plan is not None
+    with pytest.raises(ValueError) as err:
+        feed.next()
+    assert str(err.value) == "document 2 (65 tokens) finds no room: raise --zeppelin-capacity"
+    feed.close()
+
+
+def test_a_process_with_a_busy_planner_thread_exits() -> None:
+    code = textwrap.dedent(
+        """
+        import time
+        from megatron_zeppelin.megatron.feed import MicroBatchFeed
+        from megatron_zeppelin.megatron.sampler import DocumentSampler
+
+        def slow(lengths):
+            time.sleep(600)
+
+        sampler = DocumentSampler([5, 7, 9, 11], tokens_per_step=20, num_micro_batches=2)
+        feed = MicroBatchFeed(sampler, slow, ahead=3)
+        feed._fill(4)  # the planner thread is now inside a plan that never ends
+        time.sleep(0.2)
+        print("leaving")
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "leaving"
