@@ -32,6 +32,11 @@ its source (``megatron/training/{initialize,training,arguments}.py``,
 ``torch._dynamo.config.disable`` = True
     Megatron compiles its fused kernels with ``torch.compile`` (``megatron.core.jit``) and warms
     them up in ``set_jit_fusion_options``; on CPU they run eagerly, which needs no compiler.
+``_warmup_jit_function`` in ``megatron.training.initialize`` -> the same, on a forked CPU generator
+    the warm-up draws random inputs and dropout masks (sized by TP and sequence parallelism) on
+    the GPU, whose generator weights never come from; here they would advance the CPU generator
+    that ``--use-cpu-initialization`` draws every weight from, so runs of different TP sizes
+    would start from different models.
 Device arguments (a ``TorchFunctionMode``)
     ``device="cuda"`` / ``cuda:N`` / an integer index in factory calls and ``Tensor.to``, and
     ``Tensor.cuda()`` (``get_model`` moves the model, ``pretrain`` all-reduces its start time),
@@ -98,11 +103,6 @@ def _is_cuda(device: Any) -> bool:
     return isinstance(device, torch.device) and device.type == "cuda"
 
 
-# Draws "on the GPU" come from the GPU's generator, never the CPU one that weights are drawn from
-# with --use-cpu-initialization (set_jit_fusion_options warms kernels up on torch.rand inputs).
-_RANDOM_FACTORIES = frozenset({torch.rand, torch.randn, torch.randint, torch.randperm})
-
-
 class _CudaMeansCpu(TorchFunctionMode):
     """Device arguments naming a GPU mean the CPU (see the module docstring)."""
 
@@ -114,8 +114,6 @@ class _CudaMeansCpu(TorchFunctionMode):
             return func(*args).replace("torch.", "torch.cuda.", 1)
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
-            if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
-                kwargs["generator"] = _GENERATOR
         if func is torch.Tensor.to:
             args = tuple("cpu" if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
@@ -141,9 +139,20 @@ def _validation_patches() -> list[tuple[Any, str, Any]]:
     ]
 
 
+def _warm_up_on_its_own_generator(warm_up):
+    """Megatron's kernel warm-up, drawing from a forked CPU generator (see the docstring)."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with torch.random.fork_rng(devices=[]):
+            return warm_up(*args, **kwargs)
+
+    return run
+
+
 def _loop_patches() -> list[tuple[Any, str, Any]]:
     """What ``pretrain()`` needs beyond validation (see the module docstring)."""
     import megatron.core.tensor_parallel.random as tp_random
+    import megatron.training.initialize as initialize
 
     cuda = torch.cuda
     return [
@@ -162,6 +171,11 @@ def _loop_patches() -> list[tuple[Any, str, Any]]:
         (cuda, "default_generators", (_GENERATOR,)),
         (tp_random, "_lazy_call", lambda callback: callback()),
         (torch._dynamo.config, "disable", True),
+        (
+            initialize,
+            "_warmup_jit_function",
+            _warm_up_on_its_own_generator(initialize._warmup_jit_function),
+        ),
         *_accelerator_patches(),
     ]
 

@@ -26,6 +26,8 @@ class Run:
 
     returncode: int
     outputs: tuple[str, ...]
+    launcher: str = ""
+    """What the launching process printed (its imports, a rank's exit)."""
 
     @property
     def losses(self) -> dict[int, float]:
@@ -42,7 +44,9 @@ class Run:
         return dict(logged)
 
     def tail(self, chars: int = 4000) -> str:
-        return "\n".join(f"--- rank {r} ---\n{out[-chars:]}" for r, out in enumerate(self.outputs))
+        parts = [f"--- launcher ---\n{self.launcher[-chars:]}"]
+        parts += [f"--- rank {r} ---\n{out[-chars:]}" for r, out in enumerate(self.outputs)]
+        return "\n".join(parts)
 
 
 def _free_port() -> int:
@@ -67,7 +71,12 @@ def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float)
         sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
         "--log-dir", str(log_dir), "-m", "megatron_zeppelin.pretrain_gpt", *args,
     ]  # fmt: skip
-    proc = subprocess.Popen(command, cwd=log_dir, env=env, start_new_session=True)
+    launcher_log = log_dir / "launcher.log"
+    with open(launcher_log, "w") as out:
+        proc = subprocess.Popen(
+            command, cwd=log_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
     try:
         returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -75,7 +84,8 @@ def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float)
         proc.wait()
         returncode = -signal.SIGKILL
     logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
-    return Run(returncode, tuple(p.read_text() if p.exists() else "" for p in logs))
+    outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
+    return Run(returncode, outputs, launcher_log.read_text())
 
 
 def finite(losses: dict[int, float]) -> bool:
