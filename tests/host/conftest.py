@@ -8,16 +8,3 @@ import importlib.util
 
 if importlib.util.find_spec("megatron.training") is None:
     collect_ignore_glob = ["test_*.py"]
-
-# Megatron announces the optional packages it lacks here (Apex, TransformerEngine, absl) and
-# its argument defaults; Python 3.12 flags the argparse and TorchScript APIs it still uses.
-KNOWN_WARNINGS = (
-    r"ignore::UserWarning:megatron\.(core|training)(\..*)?",
-    "ignore::DeprecationWarning:argparse",
-    r"ignore::DeprecationWarning:torch\.jit\..*",
-)
-
-
-def pytest_configure(config):
-    for line in KNOWN_WARNINGS:
-        config.addinivalue_line("filterwarnings", line)
