@@ -2,8 +2,9 @@
 
 Megatron's loop assumes a GPU in a few places. This adapter makes exactly those calls work on
 CPU, each standing in for one GPU per process; it never touches the plugin (the plugin runs on
-CPU with gloo as it is). Found by running ``pretrain()`` of megatron-core 0.19 on CPU and reading
-its source (``megatron/training/{initialize,training,arguments}.py``,
+CPU with gloo as it is). Found by running ``pretrain()`` of megatron-core 0.19 (and once of a
+core_v0.16.1 checkout) on CPU and reading its source
+(``megatron/training/{initialize,training,arguments}.py``,
 ``megatron/core/tensor_parallel/random.py``, ``megatron/core/optimizer/clip_grads.py``):
 
 ``torch.cuda.is_available`` -> True
@@ -13,18 +14,18 @@ its source (``megatron/training/{initialize,training,arguments}.py``,
     seeds the model-parallel RNG tracker, only when a device is counted.
 ``torch.cuda.current_device`` -> 0, ``torch.cuda.set_device`` -> nothing
     Megatron places each rank on ``cuda:LOCAL_RANK``; here every rank's device is the CPU.
-``torch.cuda.get_device_properties``, ``torch.cuda.get_device_capability`` -> a Hopper GPU
+``torch.cuda.get_device_properties`` -> a Hopper GPU
     ``validate_args`` asks for the GPU architecture when TP or CP is above 1
     (``get_device_arch_version``), to decide about ``CUDA_DEVICE_MAX_CONNECTIONS``.
-``torch.cuda.Stream``, ``current_stream``, ``default_stream``, ``stream``, ``synchronize``
-    ``get_model`` wraps DDP construction in a side stream and makes the default stream wait;
-    CPU work is synchronous, so ordering calls have nothing to do.
-``torch.cuda.get_rng_state``, ``torch.cuda.random.get_rng_state``, ``torch.cuda.manual_seed``,
-``torch.cuda.default_generators``, and ``_lazy_call`` in ``megatron.core.tensor_parallel.random``
-    the RNG tracker (``model_parallel_cuda_manual_seed``, ``CudaRNGStatesTracker.add/fork``, its
-    checkpointed states) keeps the GPU generator's states; one CPU ``torch.Generator`` per
-    process plays that generator, and ``_lazy_call`` (which defers to CUDA's lazy init, never
-    run here) runs its callback at once.
+``torch.cuda.Stream``, ``current_stream``, ``stream``, ``synchronize``
+    ``get_model`` wraps DDP construction in a side stream and makes the default stream wait, and
+    the timers synchronize; CPU work is synchronous, so ordering calls have nothing to do.
+``torch.cuda.get_rng_state``, ``torch.cuda.random.get_rng_state`` -> a CPU generator's state
+    the RNG tracker (``CudaRNGStatesTracker.add``, ``fork``) and the checkpoint read the GPU
+    generator's state, which would initialize CUDA; a CPU ``torch.Generator`` per process
+    answers. Seeding and setting GPU generator states go through CUDA's lazy initialization,
+    which queues them and never runs here: the tests use no dropout, so nothing draws from the
+    tracker's states.
 ``torch.accelerator.is_available`` -> False, ``current_accelerator(check_available=True)`` -> None
     with ``torch.cuda.is_available`` True, PyTorch's own accelerator checks (DataLoader memory
     pinning, the optimizers' graph-capture check) would reach the missing driver; they see no
@@ -37,6 +38,9 @@ its source (``megatron/training/{initialize,training,arguments}.py``,
     the GPU, whose generator weights never come from; here they would advance the CPU generator
     that ``--use-cpu-initialization`` draws every weight from, so runs of different TP sizes
     would start from different models.
+``megatron.legacy.fused_kernels.load`` -> nothing (core_v0.16.1 only)
+    that release's ``_compile_dependencies`` builds legacy CUDA kernels with nvcc; there is no
+    CUDA toolkit here and nothing uses them (0.19 dropped the step).
 Device arguments (a ``TorchFunctionMode``)
     ``device="cuda"`` / ``cuda:N`` / an integer index in factory calls and ``Tensor.to``, and
     ``Tensor.cuda()`` (``get_model`` moves the model, ``pretrain`` all-reduces its start time),
@@ -58,7 +62,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-_GENERATOR = torch.Generator()  # plays this process's GPU generator
+_GENERATOR = torch.Generator()  # answers for this process's GPU generator
 
 
 class _Stream:
@@ -135,7 +139,6 @@ def _validation_patches() -> list[tuple[Any, str, Any]]:
     """What ``validate_args`` needs: the GPU architecture."""
     return [
         (torch.cuda, "get_device_properties", lambda device=None: _Properties()),
-        (torch.cuda, "get_device_capability", lambda device=None: (9, 0)),
     ]
 
 
@@ -151,7 +154,6 @@ def _warm_up_on_its_own_generator(warm_up):
 
 def _loop_patches() -> list[tuple[Any, str, Any]]:
     """What ``pretrain()`` needs beyond validation (see the module docstring)."""
-    import megatron.core.tensor_parallel.random as tp_random
     import megatron.training.initialize as initialize
 
     cuda = torch.cuda
@@ -163,13 +165,9 @@ def _loop_patches() -> list[tuple[Any, str, Any]]:
         (cuda, "synchronize", lambda device=None: None),
         (cuda, "Stream", _Stream),
         (cuda, "current_stream", lambda device=None: _STREAM),
-        (cuda, "default_stream", lambda device=None: _STREAM),
         (cuda, "stream", lambda stream: contextlib.nullcontext()),
         (cuda, "get_rng_state", lambda device="cuda": _GENERATOR.get_state()),
         (cuda.random, "get_rng_state", lambda device="cuda": _GENERATOR.get_state()),
-        (cuda, "manual_seed", lambda seed: _GENERATOR.manual_seed(seed)),
-        (cuda, "default_generators", (_GENERATOR,)),
-        (tp_random, "_lazy_call", lambda callback: callback()),
         (torch._dynamo.config, "disable", True),
         (
             initialize,
@@ -177,7 +175,17 @@ def _loop_patches() -> list[tuple[Any, str, Any]]:
             _warm_up_on_its_own_generator(initialize._warmup_jit_function),
         ),
         *_accelerator_patches(),
+        *_core_v0_16_1_patches(),
     ]
+
+
+def _core_v0_16_1_patches() -> list[tuple[Any, str, Any]]:
+    """Megatron-LM core_v0.16.1 only (its ``megatron.legacy`` is absent from 0.19's wheel)."""
+    try:
+        import megatron.legacy.fused_kernels as fused_kernels
+    except ImportError:
+        return []
+    return [(fused_kernels, "load", lambda args: None)]
 
 
 def _apply(patches: list[tuple[Any, str, Any]]) -> list[tuple[Any, str, Any]]:
