@@ -151,7 +151,12 @@ class ZeppelinConfig:
         return value
 
     def planner_options(
-        self, cost_model: Any, *, allow_split: bool = True, linear_layout: str = "auto"
+        self,
+        cost_model: Any,
+        *,
+        allow_split: bool = True,
+        linear_layout: str = "auto",
+        two_d: bool = True,
     ) -> Any:
         """``planner.partition.PlannerOptions`` of these settings: the one path from flags to
         the planner (the Megatron hooks, the CPU job, the check and ``zeppelin plan`` use it).
@@ -166,7 +171,9 @@ class ZeppelinConfig:
         from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
 
         intra, inter = self.threshold("intra"), self.threshold("inter")
-        common = dict(routing=self.routing, remap=self.remap, linear_layout=linear_layout)
+        common = dict(
+            routing=self.routing, remap=self.remap, linear_layout=linear_layout, two_d=two_d
+        )
         if intra == "off" and inter == "off":
             return PlannerOptions(allow_split=False, **common)
         if intra == "auto" and inter == "auto":

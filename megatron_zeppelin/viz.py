@@ -23,17 +23,21 @@ def _pyplot():
 
 
 def rank_bytes(plan, cost_model) -> dict[str, list[int]]:
-    """Bytes each rank sends per layer (forward), by link class: ring K/V and remapping."""
+    """Bytes each rank sends per layer (forward), by link class: ring K/V (2-D documents' head
+    all-to-alls included) and remapping."""
     from megatron_zeppelin.planner.schedule import ring_schedule
-    from megatron_zeppelin.planner.simulator import remap_matrix
+    from megatron_zeppelin.planner.simulator import remap_matrix, two_d_forward_messages
 
     topo = plan.topology
     sent: dict[str, list[int]] = defaultdict(lambda: [0] * plan.world_size)
     kv = cost_model.model.kv_bytes_per_token()
-    for step in ring_schedule(plan):
+    # Flat rings, then the 2-D documents' head all-to-alls and rings across nodes.
+    messages = [(step, kv) for step in ring_schedule(plan)]
+    messages += two_d_forward_messages(plan, cost_model)
+    for step, per_token in messages:
         for msg in step:
             kind = "nvlink" if topo.same_node(msg.src, msg.dst) else "nic"
-            sent[kind][msg.src] += msg.num_tokens * kv
+            sent[kind][msg.src] += msg.num_tokens * per_token
     per_token = cost_model.remap_bytes(1)
     for (src, _dst), n in remap_matrix(plan).items():
         sent["remap"][src] += n * per_token

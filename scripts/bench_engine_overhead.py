@@ -17,9 +17,10 @@ settles: the first pass's page faults are not a per-layer cost), and the inputs'
 reset before each timed backward (in a model q, k, v are activations, nothing accumulates).
 
 Usage (defaults: 997 Wikipedia-like documents up to 1K tokens plus three of 64K, 32K and 32K,
-2 nodes x 4 GPUs, 2 query heads of 16)::
+2 nodes x 4 GPUs, 2 query heads of 16, every ring flat)::
 
     python scripts/bench_engine_overhead.py --num-docs 1000 --repeats 5
+    python scripts/bench_engine_overhead.py --two-d --heads 4   # inter-node documents 2-D
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import distribution_mean, sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.schemes import every_two_d
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -137,6 +139,10 @@ def main() -> None:
         "--no-kernel-timing", action="store_true", help="skip the run with the real torch kernel"
     )
     parser.add_argument(
+        "--two-d", action="store_true", help="run the plan's inter-node documents with the 2-D "
+        "scheme (heads split inside each node; --heads must split over --gpus-per-node)",
+    )  # fmt: skip
+    parser.add_argument(
         "--threads",
         type=int,
         default=1,
@@ -161,8 +167,10 @@ def main() -> None:
         topology=topo,
         cost_model=cost,
         capacity=capacity,
-        options=PlannerOptions(thresholds=tuple(args.thresholds)),
+        options=PlannerOptions(thresholds=tuple(args.thresholds), two_d=False),
     )
+    if args.two_d:
+        plan = every_two_d(plan)
     register_kernel("noop", NoopKernel)
     # The rank with the most ring work shows the worst bookkeeping.
     rank = max(
@@ -184,9 +192,11 @@ def main() -> None:
         f"{topo.num_nodes}x{topo.gpus_per_node} GPUs"
     )
     engine = ZeppelinAttention(plan, rank, exchanger, kernel="noop")
-    computes = 1 + sum(tier.num_steps for tier in engine.layout.tiers)
-    calls = len(engine.layout.own_calls) + sum(
-        len(tier.calls[c]) for tier in engine.layout.tiers for c in range(1, tier.num_steps + 1)
+    layouts = [engine.layout] + ([engine.heads.ring] if engine.heads is not None else [])
+    computes = len(layouts) + sum(tier.num_steps for lay in layouts for tier in lay.tiers)
+    calls = sum(
+        len(lay.own_calls) + sum(len(step.calls) for tier in lay.tiers for step in tier.steps)
+        for lay in layouts
     )
     print(
         f"rank {rank}: {t} tokens, {len(engine.layout.own_spans)} documents, "

@@ -8,6 +8,7 @@ validation.
 
     python scripts/bench_planner.py                 # full grid
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
+    python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
     python scripts/bench_planner.py --json out.json
 """
 
@@ -23,7 +24,7 @@ import time
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 GPUS = (16, 64, 256, 1024)
@@ -34,7 +35,9 @@ def capacity_for(num_tokens: int, world_size: int) -> int:
     return max(65536, math.ceil(1.25 * num_tokens / world_size))
 
 
-def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> dict:
+def measure(
+    num_gpus: int, num_tokens: int, distribution: str, seeds: int, options: PlannerOptions
+) -> dict:
     topology = get_topology("zeppelin-C", num_nodes=num_gpus // 8)
     cost_model = CostModel.default(get_model("llama-7b"), topology)
     capacity = capacity_for(num_tokens, num_gpus)
@@ -43,7 +46,8 @@ def measure(num_gpus: int, num_tokens: int, distribution: str, seeds: int) -> di
         lengths = sample_lengths(distribution, num_tokens=num_tokens, seed=seed)
         gc.collect()  # start every run from the same collector state
         start, cpu_start = time.perf_counter(), time.process_time()
-        plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity)
+        plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
+                          options=options)  # fmt: skip
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         docs.append(len(lengths))
@@ -72,7 +76,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only 1024 GPUs x 4M tokens")
     parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--no-2d", action="store_true", help="every ring flat (PlannerOptions)")
     args = parser.parse_args()
+    options = PlannerOptions(two_d=not args.no_2d)
     grid = [(1024, 1 << 22)] if args.quick else [(g, t) for g in GPUS for t in TOKENS]
     rows = []
     print(
@@ -82,7 +88,7 @@ def main() -> None:
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for num_gpus, num_tokens in grid:
         for distribution in DISTRIBUTIONS:
-            row = measure(num_gpus, num_tokens, distribution, args.seeds)
+            row = measure(num_gpus, num_tokens, distribution, args.seeds, options)
             rows.append(row)
             print(
                 f"| {num_gpus} | {num_tokens >> 20}M | {distribution} | {row['documents']} | "

@@ -9,11 +9,14 @@ efficiency (lower bound / step time), and the average speedups.
     python scripts/compare_sweep.py                 # the sweep in docs/BENCHMARKS.md
     python scripts/compare_sweep.py --quick         # a few configurations, for a smoke test
     python scripts/compare_sweep.py --json out.json
-    python scripts/compare_sweep.py --ablation      # also Zeppelin without routing / remapping
+    python scripts/compare_sweep.py --ablation      # also Zeppelin without routing / remap / 2-D
 
-The ablation plans every batch twice more with Zeppelin: ``PlannerOptions(routing=False)``
-(cross-node ring edges leave through the sender's own NIC) and ``remap=False`` (linear modules
-on the attention layout), and reports their mean step times next to the full method.
+The ablation plans every batch four times more with Zeppelin: ``PlannerOptions(routing=False)``
+(cross-node ring edges leave through the sender's own NIC), ``remap=False`` (linear modules on
+the attention layout), ``two_d=False`` (every ring flat: no document splits its heads inside
+nodes) and both ``two_d=False`` and ``routing=False``, and reports their mean step times next to
+the full method, and for every batch with a document across nodes its efficiency with and
+without the 2-D scheme.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from megatron_zeppelin.commands.simulate import compare_batches, summarize
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 DISTS = ("wikipedia", "prolong", "wlbllm", "magi_realworld")
@@ -77,6 +80,8 @@ def run_point(
         for label, options, remap in (
             ("no_routing", PlannerOptions(routing=False), True),
             ("no_remap", PlannerOptions(remap=False), False),
+            ("no_2d", PlannerOptions(two_d=False), True),
+            ("no_2d_no_routing", PlannerOptions(two_d=False, routing=False), True),
         ):
             runs = compare_batches(batches, topology=topology, cost_model=cost,
                                    capacity=point["capacity"], builders=("zeppelin",),
@@ -85,7 +90,28 @@ def run_point(
             record[label] = (
                 sum(r.step_time_s for r in ok) / len(ok) if len(ok) == len(runs) else None
             )
+            if label == "no_2d":
+                record["spanning"] = spanning_batches(
+                    batches, results["zeppelin"], runs, topology=topology, cost=cost,
+                    capacity=point["capacity"],
+                )  # fmt: skip
     return record
+
+
+def spanning_batches(batches, with_2d, without_2d, *, topology, cost, capacity) -> list[dict]:  # noqa: ANN001
+    """Per batch whose Zeppelin plan has a document across nodes: how many, how many of them
+    run 2-D, and the efficiency with the scheme and without it."""
+    rows = []
+    for seed, (lengths, on, off) in enumerate(zip(batches, with_2d, without_2d)):
+        if isinstance(on, str) or isinstance(off, str):
+            continue
+        plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=capacity)
+        inter = plan.tier_counts()["inter"]
+        if inter:
+            rows.append({"seed": seed, "inter": inter, "two_d": plan.meta["two_d_documents"],
+                         "longest": max(lengths), "efficiency": on.efficiency,
+                         "efficiency_no_2d": off.efficiency})  # fmt: skip
+    return rows
 
 
 def _fmt(x, spec: str) -> str:
@@ -122,26 +148,45 @@ def markdown(records: list[dict]) -> str:
 
 
 def ablation_markdown(records: list[dict]) -> str:
-    """Zeppelin's mean step time with routing or remapping switched off, and TE ring CP's,
-    as speedups over TE ring CP (the paper's ablation)."""
+    """Zeppelin's mean step time with routing, remapping or the 2-D scheme switched off, and TE
+    ring CP's, as speedups over TE ring CP (the paper's ablation)."""
     lines = [
-        "| model | cluster | GPUs | data | Zeppelin ms | no routing ms | no remap ms "
-        "| vs TE | vs TE, no routing | vs TE, no remap |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | cluster | GPUs | data | Zeppelin ms | no routing ms | no remap ms | no 2-D ms "
+        "| no 2-D, no routing ms | vs TE | vs TE, no routing | vs TE, no remap | vs TE, no 2-D "
+        "| vs TE, no 2-D, no routing |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         z, te = rec["rows"]["zeppelin"], rec["rows"]["te-ring-cp"]
         if "error" in z or "error" in te:
             continue
         full, te_s = z["step_time_s"], te["step_time_s"]
-        no_route, no_remap = rec.get("no_routing"), rec.get("no_remap")
+        off = [rec.get(k) for k in ("no_routing", "no_remap", "no_2d", "no_2d_no_routing")]
         lines.append(
             f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
-            f"| {full * 1e3:.0f} | {_fmt(no_route and no_route * 1e3, '.0f')} "
-            f"| {_fmt(no_remap and no_remap * 1e3, '.0f')} | {te_s / full:.2f} "
-            f"| {_fmt(no_route and te_s / no_route, '.2f')} "
-            f"| {_fmt(no_remap and te_s / no_remap, '.2f')} |"
+            f"| {full * 1e3:.0f} | "
+            + " | ".join(_fmt(t and t * 1e3, ".0f") for t in off)
+            + f" | {te_s / full:.2f} | "
+            + " | ".join(_fmt(t and te_s / t, ".2f") for t in off)
+            + " |"
         )
+    return "\n".join(lines)
+
+
+def spanning_markdown(records: list[dict]) -> str:
+    """Every batch with a document across nodes: efficiency with and without the 2-D scheme."""
+    lines = [
+        "| model | cluster | GPUs | data | seed | longest | docs across nodes | of them 2-D "
+        "| eff, 2-D on | eff, 2-D off |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for rec in records:
+        for row in rec.get("spanning", []):
+            lines.append(
+                f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
+                f"| {row['seed']} | {row['longest']} | {row['inter']} | {row['two_d']} "
+                f"| {row['efficiency']:.3f} | {row['efficiency_no_2d']:.3f} |"
+            )
     return "\n".join(lines)
 
 
@@ -167,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=131072, help="cut longer documents")
     parser.add_argument("--quick", action="store_true", help="two configurations only")
     parser.add_argument("--json", metavar="OUT", help="write every row")
-    parser.add_argument("--ablation", action="store_true", help="also routing off, remap off")
+    parser.add_argument("--ablation", action="store_true",
+                        help="also routing off, remap off, 2-D off")  # fmt: skip
     args = parser.parse_args(argv)
     records = []
     start = time.monotonic()
@@ -182,6 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.ablation:
         print()
         print(ablation_markdown(records))
+        print()
+        print(spanning_markdown(records))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

@@ -4,7 +4,8 @@ Tier: processes. 4 gloo ranks emulate 2 nodes x 2 GPUs (one NIC per GPU). Every 
 spawned group (``commands.verify.worker``): Q, K, V start in the linear layout, are remapped to
 the attention layout, go through ``ZeppelinAttention`` over ``DistExchanger`` and come back, and
 the parent compares output and gradients with the dense float64 reference, the bytes counted per
-link class with the plan's prediction, and routed with direct runs.
+link class with the plan's prediction, and routed with direct runs. The hand batch also runs its
+inter-node document with the 2-D scheme (heads split inside each node, a ring per rail).
 """
 
 from __future__ import annotations
@@ -47,11 +48,13 @@ def _cases_of(lengths: list[int], *, name: str) -> list[Case]:
 def run() -> dict:
     hand = _cases_of(HAND_BATCH, name="hand")
     routed = hand[0]
+    two_d = next(c for c in hand if c.name.endswith("zeppelin-2d"))
     cases = [
         Case(routed.name, routed.plan, True, checks={"bad_input": True}),
         *hand[1:],
         Case(f"{routed.name}/float32", routed.plan, True, dtype="float32"),
         Case(f"{routed.name}/float32-direct", routed.plan, False, dtype="float32"),
+        Case(f"{two_d.name}/float32", two_d.plan, True, dtype="float32"),
     ]
     for dist, tokens, seed in (("wikipedia", 2048, 0), ("prolong", 1536, 1), ("wlbllm", 1024, 2)):
         lengths = sample_lengths(dist, num_tokens=tokens, seed=seed)
@@ -69,6 +72,9 @@ def test_hand_batch_covers_every_tier_and_odd_lengths(run):
     assert Tier(by_length[1].tier) == Tier.LOCAL
     assert any(s.ring_size > 1 and s.length % (2 * s.ring_size) for s in plan.sequences)
     assert plan.routes, "the inter-node ring should be routed over proxies"
+    two_d = next(c.plan for c in run["cases"] if c.name == "hand/zeppelin-2d")
+    assert [s.length for s in two_d.sequences if s.is_two_d] == [1203]
+    assert [s.attention for s in two_d.sequences] == [s.attention for s in plan.sequences]
 
 
 def test_outputs_and_gradients_match_the_dense_reference(run):

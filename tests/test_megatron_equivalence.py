@@ -35,19 +35,23 @@ def test_loss_and_gradients_match_the_single_process_reference() -> None:
 
 
 @pytest.mark.parametrize(
-    "lengths, capacity",
+    "lengths, thresholds",
     [
-        ((2,), 1024),  # fewer tokens than ranks: two ranks hold nothing
-        ((412, 235), 256),  # fewer documents than ranks, both split by capacity
+        ((2,), ("64", "600")),  # fewer tokens than ranks: two ranks hold nothing
+        # Fewer documents than ranks; with capacity 256 and automatic thresholds the plan
+        # leaves rank 3 empty (412 split over two GPUs of node 0, 235 whole on rank 2).
+        ((412, 235), ("auto", "auto")),
     ],
 )
-def test_ranks_with_few_or_no_tokens_come_through_a_step(lengths, capacity) -> None:
-    report = run_check(CheckOptions(lengths=lengths, capacity=capacity))
+def test_ranks_with_few_or_no_tokens_come_through_a_step(lengths, thresholds) -> None:
+    intra, inter = thresholds
+    options = CheckOptions(lengths=lengths, capacity=256, intra_threshold=intra,
+                           inter_threshold=inter)  # fmt: skip
+    report = run_check(options)
     runs = report["runs"]
-    assert report["passed"], {
-        k: (r["loss_rel_error"], r["max_grad_rel_error"]) for k, r in runs.items()
-    }
-    if lengths == (2,):
-        # A rank with no token of the plan still ran Megatron's layers on one padding row.
-        assert runs["tp1"]["min_linear_tokens"] == 0 and runs["tp1"]["max_padding_rows"] >= 1
+    errors = {k: (r["loss_rel_error"], r["max_grad_rel_error"]) for k, r in runs.items()}
+    assert report["passed"], errors
+    # A rank with no token of the plan still ran Megatron's layers on one padding row.
+    assert runs["tp1"]["min_linear_tokens"] == 0 and runs["tp1"]["max_padding_rows"] >= 1
     assert runs["tp1"]["plan"]["num_documents"] < 4
+    assert runs["tp2+sp"]["max_padding_rows"] >= 1

@@ -164,3 +164,33 @@ def test_the_cpu_job_does_not_import_the_megatron_hooks() -> None:
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert "megatron_zeppelin.megatron.report" in imported
     assert not any(name.endswith("megatron.hooks") for name in imported)
+
+
+@pytest.mark.threads
+def test_a_planning_error_ahead_of_training_stops_the_cpu_job_with_its_own_line(
+    tmp_path, dataset, one_process_group, monkeypatch, capsys
+) -> None:
+    from megatron_zeppelin.megatron.train_cpu import build_parser, report_worker_error, train
+    from megatron_zeppelin.planner import partition
+
+    message = "document 2 (65 tokens) finds no room: raise --zeppelin-capacity"
+    real, calls = partition.plan_batch, []
+
+    def fails_on_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError(message)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(partition, "plan_batch", fails_on_the_third)
+    args = build_parser().parse_args(
+        ["--run-dir", str(tmp_path), "--dataset", dataset, "--quiet", "--no-calibration",
+         "--steps", "4", "--micro-batches", "1", "--tokens-per-step", "60",
+         "--zeppelin-max-document-length", "50", "--zeppelin-nodes", "1",
+         "--zeppelin-plan-ahead", "3"]
+    )  # fmt: skip
+    with pytest.raises(ValueError) as err:
+        train(args)
+    assert str(err.value) == message
+    report_worker_error(err.value)
+    assert capsys.readouterr().err == f"zeppelin train: error: {message}\n"

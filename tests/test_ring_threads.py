@@ -226,9 +226,9 @@ def test_zigzag_needs_one_kernel_call_per_step() -> None:
         layout = RankLayout(plan, rank)
         assert [c.batch.causal for c in layout.own_calls] == [True]
         for tier in layout.tiers:
-            for c in range(1, tier.num_steps + 1):
-                assert all(not call.batch.causal for call in tier.calls[c])
-                assert len(tier.calls[c]) <= 1
+            for step in tier.steps:
+                assert all(not call.batch.causal for call in step.calls)
+                assert len(step.calls) <= 1
 
 
 @st.composite
@@ -349,37 +349,45 @@ def test_zigzag_ring_steps_take_views_not_gathers() -> None:
     num_indices = 0
     for rank in range(plan.world_size):
         for tier in RankLayout(plan, rank).tiers:
-            indices = [i for calls in tier.calls for c in calls for i in (c.q_index, c.k_index)]
-            indices += [i for step in tier.sends + tier.grad_sends for i in step.values()]
-            moves = [m for m in tier.grad_into_held + tier.grad_into_own if m is not None]
+            steps = tier.steps
+            indices = [i for s in steps for c in s.calls for i in (c.q_index, c.k_index)]
+            indices += [
+                i for s in steps for sends in (s.sends, s.grad_sends) for i in sends.values()
+            ]
+            moves = [m for s in steps for m in (s.grad_to_next, s.grad_to_own) if m is not None]
             indices += [i for m in moves for i in (m.src, m.dst)]
             assert not any(isinstance(i, torch.Tensor) for i in indices), (rank, tier.tier)
             num_indices += len(indices)
     assert num_indices > 6 * 5 * 3  # every rank of the big ring: calls, sends, gradients
 
 
-def test_row_sum_adopts_a_full_first_part_and_adds_the_rest() -> None:
+def test_row_sum_adds_parts_and_never_writes_into_a_view_it_was_given() -> None:
     gen = torch.Generator().manual_seed(5)
     parts = [torch.randn(6, 2, 3, generator=gen, dtype=torch.float64) for _ in range(4)]
     expected = parts[0] + parts[1] + parts[2]
     expected[[1, 4]] += parts[3][:2]
     total = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
-    total.add(None, parts[0])
-    assert total.value is parts[0]  # a fresh kernel output is taken over, not copied
+    total.add(None, parts[0])  # a full first part (what a kernel returns for the whole buffer)
     total.add(slice(0, 6), parts[1])
     total.add(None, parts[2])
     total.add(torch.tensor([1, 4]), parts[3][:2])
     assert torch.allclose(total.result(), expected, rtol=0, atol=1e-12)
-    # A view is copied (it belongs to a buffer still in use), and a first partial part starts
-    # from zeros.
+    # A first part that is a view of a buffer still in use (one half of a received K/V
+    # gradient) must come out of later additions unchanged.
     both = torch.randn(6, 2, 2, 3, generator=gen, dtype=torch.float64)
+    kept = both.clone()
     half = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
     half.add(None, both[:, 0])
-    half.value.add_(1.0)
-    assert torch.equal(half.value, both[:, 0] + 1.0) and not torch.equal(both[:, 0], half.value)
+    half.add(None, parts[0])
+    assert torch.equal(both, kept)
+    assert torch.allclose(half.result(), kept[:, 0] + parts[0], rtol=0, atol=1e-12)
+    # A first partial part starts from zeros; nothing added gives zeros of the buffer's shape.
     partial = _RowSum((6, 2, 3), torch.float64, torch.device("cpu"))
     partial.add(slice(2, 4), parts[0][:2])
     assert torch.equal(partial.result()[2:4], parts[0][:2]) and not partial.result()[:2].any()
+    empty = _RowSum((6, 2, 3), torch.float32, torch.device("cpu"))
+    assert empty.result().shape == (6, 2, 3) and empty.result().dtype == torch.float32
+    assert not empty.result().any()
 
 
 def test_one_engine_serves_many_layers_without_sharing_buffers() -> None:

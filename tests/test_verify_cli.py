@@ -35,6 +35,11 @@ def test_default_run_passes_and_writes_a_report(tmp_path, capsys):
     nic_keys = lambda c: {k for k, v in c["measured_bytes"].items() if k.startswith("nic:") and v}  # noqa: E731
     assert len(nic_keys(zeppelin[True])) > len(nic_keys(zeppelin[False]))
     assert zeppelin[True]["measured_bytes"]["nic"] == zeppelin[False]["measured_bytes"]["nic"]
+    # The same plan with its inter-node document's heads split inside each node (K/V heads
+    # split, not replicated): n - 1 ring steps per rail instead of g - 1 crosses fewer bytes.
+    (two_d,) = [c for c in report["cases"] if c["case"] == "zeppelin-2d"]
+    assert two_d["two_d_documents"] == zeppelin[True]["tiers"]["inter"]
+    assert 0 < two_d["measured_bytes"]["nic"] < zeppelin[True]["measured_bytes"]["nic"]
 
 
 @pytest.mark.pure

@@ -6,6 +6,9 @@ tensors (``layout.py``), so a call only moves tensors. The call runs the concurr
 (``ring.py``): inter-node transfers are posted first, intra-node next, local documents are
 computed while both travel, then every ring step's blocks are computed (one varlen call per tier
 and mask kind) while the next step's blocks travel. Backward sends dK/dV back around the rings.
+Documents the plan runs with the 2-D scheme (heads split inside each node, one ring per rail
+across nodes) add a head all-to-all before and after, and their column rings take turns with
+the flat tiers (``two_d.py``).
 
 Transport is the ``exchanger`` (``comm.exchange.DistExchanger`` across processes,
 ``testing.threads.ThreadExchanger`` across threads); the engine only calls its ``start``. When
@@ -23,9 +26,11 @@ from typing import Any
 
 import torch
 
+from megatron_zeppelin.attention.head_layout import HeadLayout
 from megatron_zeppelin.attention.kernels import available_kernels
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.ring import RingAttentionFunction, RingRuntime
+from megatron_zeppelin.attention.two_d import TwoDRuntime
 from megatron_zeppelin.planner.plan import AttentionComm, Plan
 
 __all__ = ["ZeppelinAttention"]
@@ -72,9 +77,12 @@ class ZeppelinAttention:
         self.kernel = kernel
         self.softmax_scale = softmax_scale
         self.layout = RankLayout(plan, rank)
-        self._runtime = RingRuntime(
-            self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale
-        )
+        self.heads = HeadLayout(plan, self.layout) if plan.has_two_d else None
+        """The 2-D documents' head buffer and column rings (``None``: the plan has none)."""
+        runtime = RingRuntime(self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale)
+        self._runtime: RingRuntime | TwoDRuntime = runtime
+        if self.heads is not None:
+            self._runtime = TwoDRuntime(runtime, self.heads, exchanger)
 
     @property
     def num_tokens(self) -> int:
@@ -83,8 +91,10 @@ class ZeppelinAttention:
 
     @property
     def num_steps(self) -> int:
-        """Ring steps of the longest ring (0 when every document is local)."""
-        return self.layout.num_steps
+        """Ring steps of the longest ring, flat or across nodes on the head layout (0 when
+        every document is local)."""
+        column_steps = self.heads.num_steps if self.heads is not None else 0
+        return max(self.layout.num_steps, column_steps)
 
     def __call__(
         self, q_tnd: torch.Tensor, k_tnd: torch.Tensor, v_tnd: torch.Tensor

@@ -3,11 +3,13 @@
 Buffers. A rank's attention buffer holds its query rows in the plan's canonical order
 (``plan.attention_ranges``); its K/V rows are the same tokens. The K/V *block* of a document on a
 rank is that rank's rows of the document (its spans in listed order, contiguous in the buffer).
-At *compute* ``c`` the rank holds, for every document of a ring tier with more than ``c``
-members, the block of ring position ``i - c`` (``i`` its own position; ``schedule.py`` has the
-ring semantics): compute 0 uses its own buffer (local documents and its own blocks), compute
-``c >= 1`` a *held buffer*, the messages received at ring step ``c - 1`` concatenated in message
-order (by source rank, then document id).
+A tier's rings are a list of ``RingStep`` records, one per ring step: step ``s`` brings, for
+every document of the tier with more than ``s + 1`` ring members, the block of ring position
+``i - s - 1`` (``i`` the rank's own position; ``schedule.py`` has the ring semantics). What a
+step brings is its *held buffer*: the incoming messages concatenated in message order (by
+source rank, then document id). Compute 0 uses the rank's own buffer (local documents and its
+own blocks); the compute of step ``s`` uses the held buffer of step ``s``, and the gradient of
+that buffer travels back in the same step of the backward.
 
 Masks. Query and key rows carry absolute positions inside their document; causality means key
 position <= query position. One query span ``[qs, qe)`` against one key span ``[ks, ke)`` is
@@ -20,11 +22,11 @@ pair has the same mask. Under zigzag (rank ``i`` of ``g`` holds chunks ``i`` and
 
     compute 0, own block       causal  chunk i      x chunk i
                                causal  chunk 2g-1-i x (chunk i, chunk 2g-1-i)
-    compute c, block j < i     full    (both chunks) x chunk j
-    compute c, block j > i     full    chunk 2g-1-i  x (both chunks of j)
+    ring step, block j < i     full    (both chunks) x chunk j
+    ring step, block j > i     full    chunk 2g-1-i  x (both chunks of j)
 
-so compute 0 is one causal call and every later compute one unmasked call, whatever the number
-of documents. Plans that are not zigzag (any spans) work too, with more pairs.
+so compute 0 is one causal call and every ring step's compute one unmasked call, whatever the
+number of documents. Plans that are not zigzag (any spans) work too, with more pairs.
 
 Row indices (``Rows``) are int64 CPU tensors, ``None`` for "every row of the buffer, in order" or
 a ``slice`` for a run of consecutive rows, so the common cases need no gather or scatter: under
@@ -52,6 +54,7 @@ __all__ = [
     "KernelCall",
     "Pair",
     "RankLayout",
+    "RingStep",
     "RowMove",
     "Rows",
     "TierLayout",
@@ -226,35 +229,62 @@ class RowMove:
         return RowMove(src, dst)
 
 
-@dataclass
+@dataclass(frozen=True)
+class RingStep:
+    """Ring step ``index`` of one tier as one rank sees it, and the compute that uses it.
+
+    Forward: the step carries K/V blocks one hop on. This rank sends rows of the buffer it held
+    before the step (its own buffer at step 0, else the previous step's held buffer) and
+    receives the step's *held buffer*, against which ``calls`` run. Backward: the same K/V
+    travel again, and after ``calls`` the held buffer's gradient goes back one hop on the same
+    edges (``grad``). What this rank receives of it belongs either to the next step's held
+    buffer (a block still on its way home: add it, pass it on) or to its own buffer (the last
+    hop: a finished dK/dV).
+    """
+
+    index: int
+    kv: list[Message]
+    """Every rank's K/V messages of the step (``schedule.ring_schedule``), in global order."""
+    recv_from: list[int]
+    """Sources of this rank's incoming messages in message order (K/V and dK/dV alike: a
+    gradient message travels the edge of the K/V message with the same index)."""
+    sends: dict[int, Rows]
+    """Destination -> rows of the buffer held before the step."""
+    held_rows: int
+    """Rows of the held buffer: the incoming K/V messages concatenated in message order."""
+    calls: list[KernelCall]
+    """This rank's queries against the held buffer."""
+    grad: list[Message]
+    """Every rank's dK/dV messages of the step (``schedule.gradient_schedule``)."""
+    grad_sends: dict[int, Rows]
+    """Destination -> rows of the held buffer's gradient."""
+    grad_to_next: RowMove | None
+    """Gradient rows received in this step -> rows of the next step's held-buffer gradient."""
+    grad_to_own: RowMove | None
+    """Gradient rows received in this step -> rows of this rank's own buffer (finished)."""
+
+
+@dataclass(frozen=True)
 class TierLayout:
-    """One tier's rings as seen from one rank; ``n = num_steps`` ring steps, computes 1..n."""
+    """One tier's rings as seen from one rank: its ring steps in order."""
 
     tier: Tier
-    kv_steps: list[list[Message]]
-    """Global K/V messages per step (``schedule.ring_schedule``)."""
-    grad_steps: list[list[Message]]
-    """Global dK/dV messages per step (``schedule.gradient_schedule``): step ``d`` returns the
-    gradient of the blocks held at compute ``d + 1`` one hop on, the last hop reaching the
-    block's owner."""
-    recv_from: list[list[int]]
-    """Per step, the sources of this rank's incoming messages in message order."""
-    sends: list[dict[int, Rows]]
-    """Per step, destination -> rows of the buffer held at compute ``step`` to send."""
-    held_rows: list[int]
-    """Rows of the held buffer of compute ``c`` (index ``c``; index 0 unused)."""
-    calls: list[list[KernelCall]]
-    """Kernel calls of compute ``c`` (index 0 unused)."""
-    grad_sends: list[dict[int, Rows]]
-    """Per step ``d``, destination -> rows of compute ``d + 1``'s gradient buffer to send."""
-    grad_into_held: list[RowMove | None]
-    """Per step ``d``, received rows -> rows of compute ``d + 2``'s gradient buffer."""
-    grad_into_own: list[RowMove | None]
-    """Per step ``d``, received rows -> rows of this rank's own buffer: finished gradients."""
+    steps: list[RingStep]
 
     @property
     def num_steps(self) -> int:
-        return len(self.kv_steps)
+        return len(self.steps)
+
+
+@dataclass(frozen=True)
+class _Held:
+    """A held buffer: its sources, rows, where each block starts, and the calls against it."""
+
+    recv_from: list[int]
+    num_rows: int
+    where: dict[tuple[int, int], int]
+    """(document, block owner) -> first row."""
+    calls: list[KernelCall]
 
 
 class RankLayout:
@@ -280,10 +310,22 @@ class RankLayout:
         for seq in plan.sequences:
             for span in seq.attention:
                 self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
-        own_pairs = [p for seq, spans in self.own_spans.items() for p in block_pairs(spans, spans)]
-        self.own_calls = kernel_calls(
-            own_pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens
-        )
+        # 2-D documents' attention runs on the head layout (``head_layout.py``). The other
+        # documents between two of them make one run of rows: one set of calls per run takes
+        # its rows as views instead of gathering around the 2-D rows.
+        self.two_d = frozenset(seq.id for seq in plan.sequences if seq.is_two_d)
+        runs: list[list[Pair]] = [[]]
+        for seq, spans in self.own_spans.items():
+            if seq in self.two_d:
+                runs.append([])
+            else:
+                runs[-1] += block_pairs(spans, spans)
+        self.own_calls = [
+            call
+            for pairs in runs
+            if pairs
+            for call in kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens)
+        ]
         # Inter-node first: its messages are the slowest, so they are posted first.
         sizes = block_tokens(plan)  # shared by the four schedules below
         self.tiers = [
@@ -297,74 +339,80 @@ class RankLayout:
         return max((t.num_steps for t in self.tiers), default=0)
 
     def _tier(self, tier: Tier, sizes: dict[tuple[int, int], int]) -> TierLayout:
-        me = self.rank
         kv_steps = ring_schedule(self.plan, tiers=(tier,), sizes=sizes)
         grad_steps = gradient_schedule(self.plan, tiers=(tier,), sizes=sizes, kv_steps=kv_steps)
-        n = len(kv_steps)
-        # Where each (document, origin) block sits in the buffer of compute c.
-        where: list[dict[tuple[int, int], int]] = [
-            {(seq, me): rows[0] for seq, rows in self.own_rows.items()}
-        ]
-        recv_from, held_rows, calls = [], [0], [[]]
-        for step in kv_steps:
-            incoming = [m for m in step if m.dst == me]
-            recv_from.append([m.src for m in incoming])
-            offsets, pairs, row = {}, [], 0
-            for seg in (s for m in incoming for s in m.segments):
-                offsets[(seg.seq, seg.origin)] = row
-                if seg.seq in self.own_spans and seg.num_tokens:
-                    k_spans, k_row = [], row
-                    for s, e in self.block_spans[(seg.seq, seg.origin)]:
-                        k_spans.append((s, e, k_row))
-                        k_row += e - s
-                    pairs += block_pairs(self.own_spans[seg.seq], k_spans)
-                row += seg.num_tokens
-            where.append(offsets)
-            held_rows.append(row)
-            calls.append(kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=row))
-
-        def outgoing(messages: list[Message], at: int) -> dict[int, Rows]:
-            num_rows = self.num_tokens if at == 0 else held_rows[at]
-            sends = {}
-            for m in (m for m in messages if m.src == me):
-                segs = [s for s in m.segments if s.num_tokens]
-                starts = [where[at][(s.seq, s.origin)] for s in segs]
-                ends = [a + s.num_tokens for a, s in zip(starts, segs)]
-                sends[m.dst] = range_rows(starts, ends, num_rows)
-            return sends
-
-        sends = [outgoing(step, s) for s, step in enumerate(kv_steps)]
-        grad_sends = [outgoing(step, d + 1) for d, step in enumerate(grad_steps)]
-        grad_into_held: list[RowMove | None] = []
-        grad_into_own: list[RowMove | None] = []
-        for d, step in enumerate(grad_steps):
-            # (received row, target row, length) per segment, for each of the two targets.
-            into_held: list[tuple[int, int, int]] = []
-            into_own: list[tuple[int, int, int]] = []
-            row = 0
-            for seg in (s for m in step if m.dst == me for s in m.segments):
-                if not seg.num_tokens:
-                    continue
-                if seg.origin == me:  # the last hop: the gradient of this rank's own block
-                    into_own.append((row, self.own_rows[seg.seq][0], seg.num_tokens))
-                else:
-                    assert d + 2 <= n, "a gradient still travelling after the last compute"
-                    into_held.append((row, where[d + 2][(seg.seq, seg.origin)], seg.num_tokens))
-                row += seg.num_tokens
-            held_target = held_rows[d + 2] if d + 2 <= n else 0
-            grad_into_held.append(RowMove.of(into_held, num_src_rows=row, num_dst_rows=held_target))
-            grad_into_own.append(
-                RowMove.of(into_own, num_src_rows=row, num_dst_rows=self.num_tokens)
+        own = _Held(
+            [],
+            self.num_tokens,
+            {(seq, self.rank): rows[0] for seq, rows in self.own_rows.items()},
+            [],
+        )
+        held = [self._held(messages) for messages in kv_steps]
+        steps = []
+        for s, (kv, grad) in enumerate(zip(kv_steps, grad_steps)):
+            following = held[s + 1] if s + 1 < len(held) else None
+            to_next, to_own = self._grad_moves(grad, following)
+            steps.append(
+                RingStep(
+                    index=s,
+                    kv=kv,
+                    recv_from=held[s].recv_from,
+                    sends=self._outgoing(kv, held[s - 1] if s else own),
+                    held_rows=held[s].num_rows,
+                    calls=held[s].calls,
+                    grad=grad,
+                    grad_sends=self._outgoing(grad, held[s]),
+                    grad_to_next=to_next,
+                    grad_to_own=to_own,
+                )
             )
-        return TierLayout(
-            tier,
-            kv_steps,
-            grad_steps,
-            recv_from[:n],
-            sends,
-            held_rows,
-            calls,
-            grad_sends,
-            grad_into_held,
-            grad_into_own,
+        return TierLayout(tier, steps)
+
+    def _held(self, messages: list[Message]) -> _Held:
+        """The buffer ``messages`` bring this rank, and this rank's calls against it."""
+        incoming = [m for m in messages if m.dst == self.rank]
+        where, pairs, row = {}, [], 0
+        for seg in (s for m in incoming for s in m.segments):
+            where[(seg.seq, seg.origin)] = row
+            if seg.seq in self.own_spans and seg.num_tokens:
+                k_spans, k_row = [], row
+                for s, e in self.block_spans[(seg.seq, seg.origin)]:
+                    k_spans.append((s, e, k_row))
+                    k_row += e - s
+                pairs += block_pairs(self.own_spans[seg.seq], k_spans)
+            row += seg.num_tokens
+        calls = kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=row)
+        return _Held([m.src for m in incoming], row, where, calls)
+
+    def _outgoing(self, messages: list[Message], source: _Held) -> dict[int, Rows]:
+        """Destination -> rows of ``source`` this rank sends in ``messages``."""
+        sends = {}
+        for m in (m for m in messages if m.src == self.rank):
+            segs = [s for s in m.segments if s.num_tokens]
+            starts = [source.where[(s.seq, s.origin)] for s in segs]
+            ends = [a + s.num_tokens for a, s in zip(starts, segs)]
+            sends[m.dst] = range_rows(starts, ends, source.num_rows)
+        return sends
+
+    def _grad_moves(
+        self, messages: list[Message], following: _Held | None
+    ) -> tuple[RowMove | None, RowMove | None]:
+        """Where the gradient rows this rank receives in ``messages`` go: into ``following``
+        (the next step's held buffer, still travelling) or home into its own buffer."""
+        to_next: list[tuple[int, int, int]] = []  # (received row, target row, length)
+        to_own: list[tuple[int, int, int]] = []
+        row = 0
+        for seg in (s for m in messages if m.dst == self.rank for s in m.segments):
+            if not seg.num_tokens:
+                continue
+            if seg.origin == self.rank:  # the last hop: the gradient of this rank's own block
+                to_own.append((row, self.own_rows[seg.seq][0], seg.num_tokens))
+            else:
+                assert following is not None, "a gradient still travelling after the last compute"
+                to_next.append((row, following.where[(seg.seq, seg.origin)], seg.num_tokens))
+            row += seg.num_tokens
+        num_next = following.num_rows if following is not None else 0
+        return (
+            RowMove.of(to_next, num_src_rows=row, num_dst_rows=num_next),
+            RowMove.of(to_own, num_src_rows=row, num_dst_rows=self.num_tokens),
         )

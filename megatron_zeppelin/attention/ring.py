@@ -10,14 +10,15 @@ Forward, per rank:
    each rank sends its own K/V blocks one hop on;
 2. compute 0: local documents and the rank's own blocks of ring documents (one causal call) while
    those transfers run;
-3. for compute ``c = 1, 2, ...`` and each tier (intra-node first, it lands first): wait for step
-   ``c - 1``, post step ``c`` forwarding the blocks just received, and compute the queries against
-   them (one varlen call per mask kind, all documents of the tier together), merging partial
-   results with their log-sum-exp (``merge.py``).
+3. then ring step by ring step, the tiers taking turns (intra-node first, it lands first;
+   ``interleave``): for each step of ``tier.steps``, wait for what it brings, post the next
+   step forwarding it, and compute the queries against it (one varlen call per mask kind, all
+   documents of the tier together), merging partial results with their log-sum-exp
+   (``merge.py``).
 
 Backward: the K/V blocks travel the same rings again (nothing but the rank's own tokens is kept
 from the forward), and the gradient of each block travels behind them. The rank holding a block
-at compute ``c`` adds its contribution to the gradient received from the rank before it and
+after step ``s`` adds its contribution to the gradient received from the rank before it and
 passes the sum on; after the last compute one more hop brings the total home to the block's
 owner. The owner's own contribution at compute 0 never leaves it. Gradients of query rows stay
 local. Each pair's gradient uses the final output and lse, so it is exact on its own.
@@ -36,15 +37,48 @@ buffers are what the host pays for most (page faults), far more than the per-ste
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from megatron_zeppelin.attention.kernels import AttentionKernel, compute_dtype, get_kernel
-from megatron_zeppelin.attention.layout import KernelCall, RankLayout, Rows, TierLayout
+from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep, Rows, TierLayout
 from megatron_zeppelin.attention.merge import merge_rows_
 
-__all__ = ["RingAttentionFunction", "RingRuntime"]
+__all__ = ["Buffers", "Gradients", "RingAttentionFunction", "RingRuntime", "interleave"]
+
+
+@dataclass
+class Buffers:
+    """One buffer's tensors in a pass: inputs, and ``out``/``lse`` once computed (forward) or
+    saved (backward, with ``dout``)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    out: torch.Tensor | None = None
+    lse: torch.Tensor | None = None
+    dout: torch.Tensor | None = None
+
+
+def interleave(runs: Iterable[Iterator[None]]) -> None:
+    """Resume each run once per round, in the given order, until every run is done.
+
+    A run is one tier's pass written as a generator that yields after each compute, so the
+    tiers' ring steps take turns: every tier has its step 0 in flight before any compute, and
+    each round visits the tiers in the order their transfers land. Every rank resumes the same
+    runs in the same order, which keeps their exchanges matched."""
+    active = list(runs)
+    while active:
+        active = [run for run in active if next(run, _DONE) is not _DONE]
+
+
+_DONE = object()
+
+Forward = tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]
+"""``out_tnd``, ``lse_tn`` and any more tensors the backward needs."""
 
 
 class _RowSum:
@@ -80,13 +114,37 @@ class _RowSum:
         return self.value
 
 
+@dataclass
+class Gradients:
+    """The running dQ, dK, dV sums of one buffer's backward."""
+
+    buffers: Buffers
+    dq: _RowSum
+    dk: _RowSum
+    dv: _RowSum
+
+    @property
+    def saved(self) -> tuple[torch.Tensor, ...]:
+        b = self.buffers
+        return (b.dout, b.q, b.out, b.lse)
+
+
 class RingRuntime:
-    """A rank's layout bound to an exchanger, a kernel name and a softmax scale."""
+    """A rank's layout bound to an exchanger, a kernel name and a softmax scale. ``tag``
+    prefixes the tags of its exchanges (runtimes whose exchanges are in flight together need
+    different ones)."""
 
     def __init__(
-        self, layout: RankLayout, exchanger: Any, *, kernel: str, softmax_scale: float | None
+        self,
+        layout: RankLayout,
+        exchanger: Any,
+        *,
+        kernel: str,
+        softmax_scale: float | None,
+        tag: str = "zeppelin",
     ) -> None:
         self.layout = layout
+        self.tag = tag
         self.exchanger = exchanger
         self.kernel_name = kernel
         self.softmax_scale = softmax_scale
@@ -116,12 +174,12 @@ class RingRuntime:
         return x.index_select(0, self.on(index, x.device))
 
     # --- exchanges -------------------------------------------------------------------------
-    def _start(self, tier: TierLayout, step: int, source, *, grad: bool) -> Any:  # noqa: ANN001
-        """Post one step. ``source`` is the travelling buffer ``(t, 2, nkv, d)`` of this
-        compute, or ``(k_tnd, v_tnd)`` of this rank's own buffer: own K and V are never
-        stacked whole, only the rows that leave are (a few ring blocks of a large buffer)."""
-        messages = (tier.grad_steps if grad else tier.kv_steps)[step]
-        sends = (tier.grad_sends if grad else tier.sends)[step]
+    def _start(self, tier: TierLayout, step: RingStep, source, *, grad: bool) -> Any:  # noqa: ANN001
+        """Post one step. ``source`` is the travelling buffer ``(t, 2, nkv, d)`` the step
+        forwards (K/V) or returns (dK/dV), or ``(k_tnd, v_tnd)`` of this rank's own buffer: own
+        K and V are never stacked whole, only the rows that leave are (a few ring blocks of a
+        large buffer)."""
+        messages, sends = (step.grad, step.grad_sends) if grad else (step.kv, step.sends)
         if isinstance(source, tuple):
             k, v = source
             payload = {
@@ -138,15 +196,15 @@ class RingRuntime:
             payload,
             row_shape=row_shape,
             dtype=dtype,
-            tag=f"zeppelin/{tier.tier.value}/{kind}/{step}",
+            tag=f"{self.tag}/{tier.tier.value}/{kind}/{step.index}",
         )
 
     def _received(
-        self, tier: TierLayout, step: int, pending: Any, empty: torch.Tensor | None
+        self, step: RingStep, pending: Any, empty: torch.Tensor | None
     ) -> torch.Tensor | None:
-        """The rows received at ``step`` in message order (``empty`` when none came)."""
+        """The rows ``step`` brought in message order (``empty`` when none came)."""
         got = pending.wait()
-        parts = [got[(src, self.layout.rank)] for src in tier.recv_from[step]]
+        parts = [got[(src, self.layout.rank)] for src in step.recv_from]
         if not parts:
             return empty
         return parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -155,7 +213,8 @@ class RingRuntime:
     def forward_calls(self, calls, q, k, v, out, lse) -> tuple[torch.Tensor, torch.Tensor]:  # noqa: ANN001
         """Merge the attention of ``calls`` into the running ``out``/``lse`` (in place) and
         return them. ``out is None``: nothing merged yet, so the first call's output is
-        adopted when it covers every row, else ``out``/``lse`` start empty."""
+        adopted when it covers every row, else ``out``/``lse`` start empty and the first call
+        is written into its rows (merging into nothing is a copy)."""
         kernel = self.kernel(q)
         scale = self.scale(q.shape[-1])
         dtype = compute_dtype(q.dtype)
@@ -171,10 +230,14 @@ class RingRuntime:
             if out is None and call.q_index is None:
                 out, lse = part, part_lse
                 continue
+            q_rows = self.on(call.q_index, q.device)
             if out is None:
                 out = q.new_zeros(q.shape, dtype=dtype)
                 lse = q.new_full(q.shape[:2], float("-inf"), dtype=dtype)
-            q_rows = self.on(call.q_index, q.device)
+                if call.q_unique:  # rows of a buffer 2-D documents share (``two_d.py``)
+                    _put(out, q_rows, part)
+                    _put(lse, q_rows, part_lse)
+                    continue
             merge_rows_(out, lse, q_rows, part, part_lse, unique=call.q_unique)
         if out is None:
             out = q.new_zeros(q.shape, dtype=dtype)
@@ -203,59 +266,90 @@ class RingRuntime:
             dv.add(k_rows, dv_p.to(dv.dtype))
 
     # --- the two passes --------------------------------------------------------------------
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype."""
-        layout = self.layout
-        empty = k.new_zeros((0, 2, *k.shape[1:]))
-        pending = {t.tier: self._start(t, 0, (k, v), grad=False) for t in layout.tiers}
-        out, lse = self.forward_calls(layout.own_calls, q, k, v, None, None)
-        for c in range(1, layout.num_steps + 1):
-            for tier in reversed(layout.tiers):  # intra-node first: it lands first
-                if c > tier.num_steps:
-                    continue
-                held = self._received(tier, c - 1, pending[tier.tier], empty)
-                if c < tier.num_steps:
-                    pending[tier.tier] = self._start(tier, c, held, grad=False)
-                self.forward_calls(tier.calls[c], q, held[:, 0], held[:, 1], out, lse)
-        return out, lse
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Forward:
+        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype (nothing
+        more to save for the backward)."""
+        buffers = Buffers(q, k, v)
+        runs = self.forward_runs(buffers)
+        for run in runs:  # post every tier's step 0, inter-node (slowest links) first
+            next(run)
+        self.forward_own(buffers)
+        interleave(reversed(runs))  # intra-node first: it lands first
+        return buffers.out, buffers.lse, ()
 
-    def backward(self, dout, q, k, v, out, lse):  # noqa: ANN001
+    def forward_own(self, buffers: Buffers) -> None:
+        """Compute 0: local documents and this rank's own blocks; starts ``out``/``lse``."""
+        b = buffers
+        b.out, b.lse = self.forward_calls(self.layout.own_calls, b.q, b.k, b.v, None, None)
+
+    def forward_runs(self, buffers: Buffers) -> list[Iterator[None]]:
+        """One run per tier (see ``interleave``): the first resume posts step 0, each later
+        one receives a step, forwards it and computes against it."""
+        return [self._forward_tier(tier, buffers) for tier in self.layout.tiers]
+
+    def _forward_tier(self, tier: TierLayout, b: Buffers) -> Iterator[None]:
+        empty = b.k.new_zeros((0, 2, *b.k.shape[1:]))
+        pending = self._start(tier, tier.steps[0], (b.k, b.v), grad=False)
+        yield
+        for step, following in zip(tier.steps, [*tier.steps[1:], None]):
+            held = self._received(step, pending, empty)
+            if following is not None:
+                pending = self._start(tier, following, held, grad=False)
+            self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
+            yield
+
+    def backward(self, dout, q, k, v, out, lse, saved=()):  # noqa: ANN001
         """``dq``, ``dk``, ``dv`` of this rank's buffer, in the compute dtype."""
-        layout = self.layout
-        dtype = compute_dtype(q.dtype)
-        saved = (dout, q, out, lse)
-        dq, dk, dv = (_RowSum(tuple(x.shape), dtype, x.device) for x in (q, k, v))
-        empty = k.new_zeros((0, 2, *k.shape[1:]))
-        pending = {t.tier: self._start(t, 0, (k, v), grad=False) for t in layout.tiers}
-        grads: dict[Any, Any] = {}
-        self.backward_calls(layout.own_calls, saved, k, v, dq, dk, dv)
-        for c in range(1, layout.num_steps + 1):
-            for tier in reversed(layout.tiers):
-                if c > tier.num_steps:
-                    continue
-                held = self._received(tier, c - 1, pending[tier.tier], empty)
-                if c < tier.num_steps:
-                    pending[tier.tier] = self._start(tier, c, held, grad=False)
-                block = (held.shape[0], *k.shape[1:])
-                dk_held, dv_held = _RowSum(block, dtype, k.device), _RowSum(block, dtype, k.device)
-                self.backward_calls(
-                    tier.calls[c], saved, held[:, 0], held[:, 1], dq, dk_held, dv_held
-                )
-                dkv = torch.stack((dk_held.result(), dv_held.result()), 1)
-                if c >= 2:  # the gradient of these blocks from the ranks before this one
-                    self._add_grads(tier, c - 2, grads[tier.tier], dkv, dk, dv)
-                grads[tier.tier] = self._start(tier, c - 1, dkv, grad=True)
-        for tier in layout.tiers:
-            self._add_grads(tier, tier.num_steps - 1, grads[tier.tier], None, dk, dv)
-        return dq.result(), dk.result(), dv.result()
+        grads = self.backward_grads(Buffers(q, k, v, out, lse, dout))
+        runs = self.backward_runs(grads)
+        for run in runs:
+            next(run)
+        self.backward_own(grads)
+        interleave(reversed(runs))
+        return grads.dq.result(), grads.dk.result(), grads.dv.result()
 
-    def _add_grads(self, tier: TierLayout, step: int, pending: Any, dkv, dk, dv) -> None:  # noqa: ANN001
-        """Add the gradients received at ``step`` to the held buffer's ``dkv`` (still
+    def backward_grads(self, buffers: Buffers) -> Gradients:
+        """Empty running sums of this rank's dQ, dK, dV for ``buffers``."""
+        dtype = compute_dtype(buffers.q.dtype)
+        device = buffers.q.device
+        sums = (_RowSum(tuple(x.shape), dtype, device) for x in (buffers.q, buffers.k, buffers.v))
+        return Gradients(buffers, *sums)
+
+    def backward_own(self, g: Gradients) -> None:
+        """The gradients of compute 0 (local documents and own blocks)."""
+        b = g.buffers
+        self.backward_calls(self.layout.own_calls, g.saved, b.k, b.v, g.dq, g.dk, g.dv)
+
+    def backward_runs(self, grads: Gradients) -> list[Iterator[None]]:
+        """One run per tier, like ``forward_runs``; each step's dK/dV follow one step behind."""
+        return [self._backward_tier(tier, grads) for tier in self.layout.tiers]
+
+    def _backward_tier(self, tier: TierLayout, g: Gradients) -> Iterator[None]:
+        b = g.buffers
+        dtype = compute_dtype(b.q.dtype)
+        empty = b.k.new_zeros((0, 2, *b.k.shape[1:]))
+        pending = self._start(tier, tier.steps[0], (b.k, b.v), grad=False)
+        yield
+        before, returning = None, None
+        for step, following in zip(tier.steps, [*tier.steps[1:], None]):
+            held = self._received(step, pending, empty)
+            if following is not None:
+                pending = self._start(tier, following, held, grad=False)
+            block = (held.shape[0], *b.k.shape[1:])
+            dk_held, dv_held = _RowSum(block, dtype, b.k.device), _RowSum(block, dtype, b.k.device)
+            self.backward_calls(step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held)
+            dkv = torch.stack((dk_held.result(), dv_held.result()), 1)
+            if before is not None:  # the gradient of these blocks from the ranks before this one
+                self._add_grads(before, returning, dkv, g.dk, g.dv)
+            before, returning = step, self._start(tier, step, dkv, grad=True)
+            yield
+        self._add_grads(before, returning, None, g.dk, g.dv)
+
+    def _add_grads(self, step: RingStep, pending: Any, dkv, dk, dv) -> None:  # noqa: ANN001
+        """Add the gradients received in ``step`` to the next held buffer's ``dkv`` (still
         travelling) and to this rank's own ``dk``/``dv`` (home)."""
-        got = self._received(tier, step, pending, None)
-        into_held, into_own = tier.grad_into_held[step], tier.grad_into_own[step]
+        got = self._received(step, pending, None)
+        into_held, into_own = step.grad_to_next, step.grad_to_own
         if got is None:
             assert into_held is None and into_own is None, "gradient rows that never came"
             return
@@ -276,21 +370,30 @@ class RingRuntime:
             dv.add(dst, rows[:, 1])
 
 
+def _put(x: torch.Tensor, rows: Rows, part: torch.Tensor) -> None:
+    """``x[rows] = part`` for ``layout.Rows`` (never ``None`` here: that part is adopted)."""
+    if isinstance(rows, slice):
+        x[rows] = part
+    else:
+        x.index_copy_(0, rows, part)
+
+
 class RingAttentionFunction(torch.autograd.Function):
-    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan."""
+    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan; ``runtime``
+    is a ``RingRuntime`` or anything with its ``forward`` and ``backward``."""
 
     @staticmethod
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: RingRuntime
     ) -> torch.Tensor:
-        out, lse = runtime.forward(q, k, v)
+        out, lse, saved = runtime.forward(q, k, v)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, *saved)
         ctx.runtime = runtime
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # noqa: ANN205
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.runtime.backward(dout.contiguous(), q, k, v, out, lse)
+        q, k, v, out, lse, *saved = ctx.saved_tensors
+        dq, dk, dv = ctx.runtime.backward(dout.contiguous(), q, k, v, out, lse, tuple(saved))
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None

@@ -5,6 +5,7 @@
 - ``exchange.DistExchanger``: one ring step's messages, direct or over proxy GPUs;
 - ``pending``: how the hops of one step are posted (relays overlapped on gloo, staged on NCCL);
 - ``remap``: all-to-all between the linear and the attention layout (autograd);
+- ``heads``: the 2-D scheme's head all-to-all inside each node, over the ring's exchanger;
 - ``counters.LinkCounters``: bytes per link class, from the sends actually made.
 """
 

@@ -3,7 +3,8 @@
     zeppelin check --json runs/check.json
 
 Runs ``megatron.check.run_check``: 4 gloo processes (2 emulated nodes x 2 GPUs) with tensor
-parallel 1 and 2 x Zeppelin 2, against a single-process reference. Exit status 0 when every
+parallel 1 and 2 x Zeppelin 2 (TP 2 also with sequence parallelism), against a single-process
+reference. Exit status 0 when every
 relative error is within the tolerance, 1 otherwise; 2 with one line on stderr for options
 the check cannot run (refused before any process starts, ``check.check_options``).
 """

@@ -81,6 +81,10 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-split", action="store_true", help="split only documents that capacity forces"
     )
     group.add_argument(
+        "--no-2d", action="store_true", help="keep every inter-node document on a flat ring "
+        "(default: the cost model may split its heads inside each node and ring across nodes)",
+    )  # fmt: skip
+    group.add_argument(
         "--linear-layout", choices=("auto", "attention", "node", "even"), default="auto",
         help="where linear modules run: auto (the fastest the cost model predicts), the "
         "attention layout, tokens even inside each node, or even over all GPUs",
@@ -186,6 +190,7 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
         cost_model,
         allow_split=not getattr(args, "no_split", False),
         linear_layout=getattr(args, "linear_layout", "auto"),
+        two_d=not getattr(args, "no_2d", False),
     )
 
 
@@ -218,7 +223,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_input_arguments(parser)
     add_planner_arguments(parser)
     out = parser.add_argument_group("output")
-    out.add_argument("--json", metavar="OUT", help="write the plan file (zeppelin-plan/1)")
+    out.add_argument("--json", metavar="OUT", help="write the plan file (zeppelin-plan/2)")
     out.add_argument("--plot", metavar="PNG", help="chart of per-rank attention, linear and comm")
 
 
@@ -234,8 +239,10 @@ def summary_lines(plan, result, cost_model) -> list[str]:
         seqs = [s for s in plan.sequences if Tier(s.tier) == tier]
         tokens = sum(s.length for s in seqs)
         longest = max((s.length for s in seqs), default=0)
+        two_d = sum(s.is_two_d for s in seqs)
+        note = f", {two_d} with heads split across nodes (2-D)" if two_d else ""
         lines.append(f"  {tier.value:>5}: {len(seqs):5d} documents {tokens:9d} tokens "
-                     f"(longest {longest})")  # fmt: skip
+                     f"(longest {longest}{note})")  # fmt: skip
     attention = [r.attention_s for r in result.per_rank]
     linear = [plan.num_linear_tokens(r) for r in range(world)]
     lines.append(f"  imbalance (max/mean): attention {_imbalance(attention):.3f}, "
@@ -243,10 +250,30 @@ def summary_lines(plan, result, cost_model) -> list[str]:
     lines.append("  bytes per layer (forward): " + ", ".join(
         f"{k} {format_bytes(v)}" for k, v in sorted(result.link_bytes.items()) if ":" not in k
     ) + f" (remapping: {format_bytes(sum(result.remap_bytes.values()))})")  # fmt: skip
+    lines += tier_lines(plan, cost_model)
     lines.append(f"  predicted step {result.step_time_s * 1e3:.1f} ms, lower bound "
                  f"{result.lower_bound_s * 1e3:.1f} ms, efficiency {result.efficiency:.3f}, "
                  f"MFU {result.mfu:.3f}")  # fmt: skip
     lines.append("  " + cost_sources_line(cost_model))
+    return lines
+
+
+def tier_lines(plan, cost_model) -> list[str]:
+    """Each kind of split document alone on its busiest rank (``simulator.tier_figures``)."""
+    from megatron_zeppelin.planner.simulator import tier_figures
+
+    figures = tier_figures(plan, cost_model, routing=bool(plan.routes))
+    if not figures:
+        return []
+    lines = ["  split documents, each kind alone (busiest rank, one layer, forward + backward):"]
+    for name, f in figures.items():
+        hidden = 1 - f["exposed_s"] / f["transfer_s"] if f["transfer_s"] > 0 else 1.0
+        lines.append(
+            f"    {name:>5}: {f['documents']:4d} documents, compute {f['compute_s'] * 1e3:.2f} ms, "
+            f"transfers {f['transfer_s'] * 1e3:.2f} ms ({hidden:.0%} hidden, "
+            f"{f['exposed_s'] * 1e3:.2f} ms exposed); forward bytes NVLink "
+            f"{format_bytes(f['nvlink_bytes'])}, NIC {format_bytes(f['nic_bytes'])}"
+        )
     return lines
 
 

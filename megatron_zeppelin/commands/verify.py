@@ -3,7 +3,12 @@
 Starts one gloo process per GPU of the emulated cluster (``--nodes 2 --gpus-per-node 2``), plans
 one batch, and runs every case on random data in one process group:
 
-* ``zeppelin``: the Zeppelin plan, routing on (proxies) and off (direct sends);
+* ``zeppelin``: the Zeppelin plan with every ring flat, routing on (proxies) and off (direct
+  sends);
+* ``zeppelin-2d``: the same plan with every inter-node document run with the 2-D scheme (heads
+  split inside each node, one ring per rail across nodes; ``planner/heads.py``), when the batch
+  has one and the heads split over a node's GPUs (the planner chooses per document between the
+  two; here both run on the same batch and the same token layout);
 * ``te-ring-cp``: TransformerEngine-style static ring CP over the same batch (every round).
 
 Each case feeds the engine the way the Megatron layer does: Q, K, V start in the plan's linear
@@ -12,7 +17,7 @@ output moves back; the loss is ``sum(out * dout)`` for a random ``dout``. It rep
 relative error (max-abs error over max-abs value) of the output and of dQ, dK, dV against
 ``testing.reference`` in float64, and the bytes per link class counted from the sends the
 exchanger made over the whole forward and backward against the plan's prediction
-(``schedule.training_link_bytes``). Exit status 0 when every error is within
+(``schedule.engine_link_bytes``). Exit status 0 when every error is within
 ``testing.tolerances`` and every byte count matches, 1 otherwise.
 
 Examples::
@@ -172,24 +177,25 @@ def worker(rank: int, world_size: int, cases: list[Case], spec: EngineSpec) -> l
 # --- parent: plans, reference, report ----------------------------------------------------------
 def predicted_bytes(plan, spec: EngineSpec, *, routing: bool) -> dict[str, int]:
     """Bytes per link class one forward and backward of the engine sends for ``plan``
-    (``schedule.training_link_bytes``): K and V around the rings in the forward, again in the
-    backward, and dK, dV behind them (float32 for half-precision inputs, as the engine sends)."""
+    (``schedule.engine_link_bytes``): K and V around the flat rings in the forward, again in
+    the backward, and dK, dV behind them; for 2-D documents the head all-to-alls and the rings
+    across nodes too (gradients in float32 for half-precision inputs, as the engine sends)."""
+    from megatron_zeppelin.comm.counters import comparable
+    from megatron_zeppelin.planner.schedule import engine_link_bytes
+
+    return comparable(engine_link_bytes(plan, _shape(spec), routing=routing))
+
+
+def _shape(spec: EngineSpec):
+    """The ``heads.AttentionShape`` of a verification run."""
     import torch
 
-    from megatron_zeppelin.comm.counters import comparable
-    from megatron_zeppelin.planner.schedule import training_link_bytes
+    from megatron_zeppelin.planner.heads import AttentionShape
 
     dtype = getattr(torch, spec.dtype)
     grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    per_row = 2 * spec.num_kv_heads * spec.head_dim  # K and V of one token
-    return comparable(
-        training_link_bytes(
-            plan,
-            kv_bytes_per_token=per_row * dtype.itemsize,
-            grad_bytes_per_token=per_row * grad_dtype.itemsize,
-            routing=routing,
-        )
-    )
+    return AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize,
+                          grad_dtype.itemsize)  # fmt: skip
 
 
 @functools.lru_cache(maxsize=8)
@@ -235,6 +241,7 @@ def compare(cases: list[Case], results: list[list[dict]], spec: EngineSpec) -> l
             "dtype": case_spec.dtype,
             "seconds": max(r[index]["seconds"] for r in results),
             "tiers": plan.tier_counts(),
+            "two_d_documents": sum(seq.is_two_d for seq in plan.sequences),
             "errors": errors,
             "tolerance": tol,
             "measured_bytes": measured,
@@ -252,15 +259,30 @@ def compare(cases: list[Case], results: list[list[dict]], spec: EngineSpec) -> l
 
 
 def build_cases(
-    lengths: list[int], *, topology, cost_model, capacity: int, options=None
+    lengths: list[int], *, topology, cost_model, capacity: int, options=None, heads=None
 ) -> list[Case]:
-    """Zeppelin's plan with routing on and off, and every round of the TE-style ring baseline."""
-    from megatron_zeppelin.planner.baselines import build_baseline
-    from megatron_zeppelin.planner.partition import plan_batch
+    """Zeppelin's plan with flat rings, routing on and off; the same plan with its inter-node
+    documents on the 2-D scheme (``heads``: the run's ``(query heads, K/V heads)``; none when
+    they do not split over a node's GPUs); every round of the TE-style ring baseline."""
+    import dataclasses
 
+    from megatron_zeppelin.planner.baselines import build_baseline
+    from megatron_zeppelin.planner.heads import head_groups
+    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+    from megatron_zeppelin.planner.schemes import every_two_d
+
+    flat = dataclasses.replace(options or PlannerOptions(), two_d=False)
     plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
-                      options=options)  # fmt: skip
+                      options=flat)  # fmt: skip
     cases = [Case("zeppelin", plan, True), Case("zeppelin", plan, False)]
+    try:
+        if heads is not None:
+            head_groups(*heads, topology.gpus_per_node)
+        two_d = every_two_d(plan)
+    except ValueError:
+        two_d = plan
+    if two_d.sequences != plan.sequences:
+        cases.append(Case("zeppelin-2d", two_d, True))
     rounds = build_baseline("te-ring-cp", lengths, topology=topology, capacity=capacity)
     for i, baseline in enumerate(rounds):
         name = "te-ring-cp" if len(rounds) == 1 else f"te-ring-cp round {i + 1}/{len(rounds)}"
@@ -392,10 +414,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--heads {spec.num_heads} must be a multiple of --kv-heads "
                          f"{spec.num_kv_heads}")  # fmt: skip
     cases = build_cases(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
-                        options=options)  # fmt: skip
+                        options=options, heads=(spec.num_heads, spec.num_kv_heads))  # fmt: skip
     print(f"{len(lengths)} documents, {sum(lengths)} tokens (longest {max(lengths)}) on "
           f"{topology.num_nodes} x {topology.gpus_per_node} gloo processes, {spec.dtype}, "
           f"capacity {capacity}; zeppelin tiers {cases[0].plan.tier_counts()}")  # fmt: skip
+    if not any(c.name == "zeppelin-2d" for c in cases):
+        print(f"no zeppelin-2d case: no inter-node document, or {spec.num_heads} query heads "
+              f"and {spec.num_kv_heads} K/V heads do not split over {topology.gpus_per_node} "
+              "GPUs per node")  # fmt: skip
     start = time.monotonic()
     report = verify(cases, spec)
     print("\n".join(format_report(report)))

@@ -234,10 +234,14 @@ class ZeppelinCoreAttention(MegatronModule):
 
         there, back = layouts
         # One all-to-all for Q, K and V together: rows travel with all their features.
-        qkv_sf = torch.cat([q_snd.reshape(s, -1), k_snd.reshape(s, -1), v_snd.reshape(s, -1)], 1)
+        # Explicit widths: a rank without tokens has s = 0, where -1 is ambiguous.
+        kv_width = n_kv * d
+        qkv_sf = torch.cat(
+            [q_snd.reshape(s, n * d), k_snd.reshape(s, kv_width), v_snd.reshape(s, kv_width)], 1
+        )
         qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back)
         t = qkv_tf.shape[0]
-        q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, n_kv * d, n_kv * d], dim=1)
+        q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, kv_width, kv_width], dim=1)
         out_tnd = engine(
             q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
         )

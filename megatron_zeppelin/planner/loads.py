@@ -17,6 +17,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel, Link
 from megatron_zeppelin.planner.plan import zigzag_bounds
+from megatron_zeppelin.planner.schemes import SchemePrices
 from megatron_zeppelin.planner.thresholds import FWD_SHARE, linear_seconds_per_token
 from megatron_zeppelin.topology.model import Topology
 
@@ -56,9 +57,18 @@ class Loads:
     needs few (or no) moves; ``attention`` keeps the attention part apart for reporting."""
 
     def __init__(
-        self, topology: Topology, capacity: int, cost_model: CostModel, num_links: int = 1
+        self,
+        topology: Topology,
+        capacity: int,
+        cost_model: CostModel,
+        num_links: int = 1,
+        *,
+        two_d: bool = False,
     ) -> None:
         self.topology = topology
+        self.two_d = SchemePrices(cost_model, topology) if two_d else None
+        """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
+        the 2-D scheme (``schemes.py``)."""
         self.num_links = num_links
         """Links a cross-node ring edge uses: every NIC of the node with routing, else one."""
         self.capacity = capacity
@@ -118,7 +128,12 @@ class Loads:
 
         exposed = max(0.0, transfer(kv) - FWD_SHARE * step)
         exposed += max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step)
-        return attention + (g - 1) * exposed + self.token_weight * per_rank
+        flat = attention + (g - 1) * exposed
+        k = self.topology.gpus_per_node
+        if link == "nic" and self.two_d is not None and g % k == 0:
+            two_d = self.two_d.two_d(length, g // k)
+            flat = min(flat, two_d) if two_d is not None else flat
+        return flat + self.token_weight * per_rank
 
     def best_num_nodes(self, length: int, share: float, num_links: int) -> int:
         """How many whole nodes a document's ring should span: the fewest whose predicted

@@ -41,8 +41,10 @@ with every ring over all its GPUs, handing what still does not fit to other node
 still runs out of room, the whole batch is planned again splitting only what capacity forces
 (``meta["fallback"]``). A ``ValueError`` then means the batch truly cannot be placed.
 
-Zigzag chunks come from ``zigzag_spans``; the linear layout from ``linear_layout.py`` (the
-candidate the cost model predicts fastest); routing of cross-node ring edges from ``routing.py``.
+Zigzag chunks come from ``zigzag_spans``; the 2-D scheme for the inter-node documents the cost
+model predicts faster with it from ``schemes.py``; the linear layout from ``linear_layout.py``
+(the candidate the cost model predicts fastest); routing of cross-node ring edges from
+``routing.py``.
 Everything iterates lists and sorted keys, so the same input always gives the same plan.
 """
 
@@ -73,6 +75,7 @@ from megatron_zeppelin.planner.plan import (
     zigzag_spans,
 )
 from megatron_zeppelin.planner.routing import build_routes
+from megatron_zeppelin.planner.schemes import choose_schemes
 from megatron_zeppelin.planner.thresholds import (
     attention_costs,
     tier_thresholds,
@@ -101,6 +104,9 @@ class PlannerOptions:
     linear_layout: str = "auto"
     """With ``remap``: ``"auto"`` (the fastest predicted of ``attention``, ``node``, ``even``) or
     one of those three forced."""
+    two_d: bool = True
+    """Let the cost model run inter-node documents with their heads split inside each node and
+    one ring per rail across nodes (``schemes.py``). ``False``: every ring is flat."""
 
     def resolved_thresholds(self, cost_model: CostModel) -> tuple[int, int]:
         if self.thresholds == "auto":
@@ -223,7 +229,7 @@ def _plan_batch(
     intra_threshold, inter_threshold = options.resolved_thresholds(cost_model)
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
     num_links = topology.nics_per_node if options.routing else 1
-    loads = Loads(topology, capacity, cost_model, num_links)
+    loads = Loads(topology, capacity, cost_model, num_links, two_d=options.two_d)
     # A document's work on one GPU: its attention plus its tokens' linear modules.
     work = attention_costs(cost_model, array) + loads.token_weight * array
     total_work = float(work.sum())
@@ -550,6 +556,8 @@ def _assemble(
             same = all(r // topology.gpus_per_node == first_node for r in ring)
             tier, spans = (Tier.INTRA if same else Tier.INTER), zigzag_spans(length, ring)
         sequences.append(SequencePlan(doc, length, tier, ring, spans))
+    if options.two_d:  # before routing and the linear layout, which read the rings
+        sequences = list(choose_schemes(sequences, topology, cost_model, routing=options.routing))
     by_rank = attention_ranges_by_rank(sequences, topology.world_size)
     if not options.remap:
         candidates: tuple[str, ...] = ("attention",)
@@ -578,6 +586,7 @@ def _assemble(
         "linear_layout_seconds": predicted,
         "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(routes),
+        "two_d_documents": sum(seq.is_two_d for seq in sequences),
         "cost_sources": dict(cost_model.sources),
     }
     return Plan(

@@ -9,6 +9,9 @@ A plan answers three questions for one micro-batch:
   then the document's spans in the order listed (zigzag: chunk ``i`` then chunk ``2g-1-i``).
 * **linear layout**: per rank, the token ranges it holds for embedding, QKV, projections, MLP and
   loss; its buffer is the ranges in the order listed.
+* **scheme**: a document across whole nodes may run with its heads split inside each node and
+  one ring per rail across the nodes (``Scheme.TWO_D``; ``heads.py``); its attention spans are
+  then where its tokens arrive, and the engine moves heads itself.
 * **routing**: for every ring edge that crosses nodes, how its messages are split over proxy
   GPUs so that every NIC carries a share (``Route``). Edges with no route go direct.
 
@@ -25,7 +28,10 @@ from typing import Any
 
 from megatron_zeppelin.topology.model import Topology
 
-PLAN_FORMAT = "zeppelin-plan/1"
+PLAN_FORMAT = "zeppelin-plan/2"
+READ_FORMATS = ("zeppelin-plan/1", PLAN_FORMAT)
+"""Formats ``Plan.from_dict`` reads: ``/2`` added ``scheme`` per sequence (``/1`` plans are all
+rings)."""
 
 
 class Tier(str, Enum):
@@ -41,6 +47,14 @@ class AttentionComm(str, Enum):
 
     RING = "ring"  # P2P ring, one K/V block per step (TE ring CP, Zeppelin)
     ALLGATHER = "allgather"  # all-gather K/V once over the group (LLaMA-3 CP)
+
+
+class Scheme(str, Enum):
+    """How a split document's attention runs (docs/DESIGN.md, "Two-dimensional attention for
+    documents that span nodes")."""
+
+    RING = "ring"  # one ring over every rank of ``ring``
+    TWO_D = "2d"  # heads split inside each node, one ring per head group across the nodes
 
 
 @dataclass(frozen=True)
@@ -80,6 +94,16 @@ class SequencePlan:
     """Ranks of the document's ring in ring order; one rank for a local document."""
     attention: tuple[Span, ...]
     """Query ranges per rank; they partition ``[0, length)``. Empty spans are not listed."""
+    scheme: Scheme = Scheme.RING
+    """``TWO_D``: ``ring`` lists whole nodes, node by node in ring order (``node_grid``; the
+    order inside a node does not matter: a rank's head group is its local GPU index);
+    ``attention`` is where the document's tokens arrive with all their heads, each rank's spans
+    inside its node's zigzag chunks (``node_chunks``). The engine moves heads between the
+    node's ranks itself."""
+
+    @property
+    def is_two_d(self) -> bool:
+        return self.scheme == Scheme.TWO_D
 
     @property
     def ring_size(self) -> int:
@@ -143,6 +167,52 @@ def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
     return tuple(spans)
 
 
+def node_chunks(length: int, num_nodes: int, position: int) -> list[tuple[int, int]]:
+    """The token ranges node ``position`` (of ``num_nodes`` in ring order) holds of a 2-D
+    document: zigzag chunks ``position`` and ``2n-1-position`` over the nodes, empty ones left
+    out, in position order."""
+    bounds = zigzag_bounds(length, num_nodes)
+    chosen = (bounds[position], bounds[2 * num_nodes - 1 - position])
+    return [(start, end) for start, end in chosen if end > start]
+
+
+def node_grid(ring: tuple[int, ...], topology: Topology) -> tuple[tuple[int, ...], ...]:
+    """A 2-D document's ring as one row per node (its ranks as listed), nodes in ring order;
+    ``ValueError`` unless the ring lists whole nodes, each node's ranks together."""
+    k = topology.gpus_per_node
+    rows = tuple(tuple(ring[i : i + k]) for i in range(0, len(ring), k))
+    nodes = [topology.node_of(row[0]) for row in rows]
+    whole = all(sorted(row) == list(topology.ranks_of_node(n)) for row, n in zip(rows, nodes))
+    if not whole or len(set(nodes)) != len(nodes):
+        raise ValueError(
+            f"ring {ring} of a 2-D document must list whole nodes: every rank of each of its "
+            f"nodes ({k} per node), node by node"
+        )
+    return rows
+
+
+def _check_two_d(seq: SequencePlan, topology: Topology) -> None:
+    """A 2-D document's grid and token layout (see ``SequencePlan.scheme``)."""
+    if len(seq.ring) < 2:
+        raise ValueError(f"sequence {seq.id}: a 2-D document needs a ring of at least 2 ranks")
+    try:
+        grid = node_grid(seq.ring, topology)
+    except ValueError as exc:
+        raise ValueError(f"sequence {seq.id}: {exc}") from None
+    n = len(grid)
+    bounds = zigzag_bounds(seq.length, n)  # node i holds chunks i and 2n-1-i
+    row_of = {rank: i for i, row in enumerate(grid) for rank in row}
+    for span in seq.attention:
+        i = row_of[span.rank]
+        (a, b), (c, d) = bounds[i], bounds[2 * n - 1 - i]
+        if not (a <= span.start and span.end <= b or c <= span.start and span.end <= d):
+            chunks = node_chunks(seq.length, n, i)
+            raise ValueError(
+                f"sequence {seq.id}: span [{span.start}, {span.end}) on rank {span.rank} lies "
+                f"outside its node's chunks {chunks}"
+            )
+
+
 def _span_start(span: Span) -> int:
     return span.start
 
@@ -188,7 +258,7 @@ class Plan:
         gpus_per_node = self.topology.gpus_per_node
         lengths: dict[int, int] = {}
         attention_tokens = [0] * world
-        local = Tier.LOCAL
+        local, ring_scheme = Tier.LOCAL, Scheme.RING
         for seq in self.sequences:
             ring = seq.ring
             if seq.length < 1:
@@ -197,7 +267,12 @@ class Plan:
             spans = seq.attention
             # Fast path for the common case, a whole document on one GPU (the checks below
             # reduce to these).
-            if len(ring) == 1 and len(spans) == 1 and seq.tier == local:
+            if (
+                len(ring) == 1
+                and len(spans) == 1
+                and seq.tier == local
+                and seq.scheme == ring_scheme
+            ):
                 span, rank = spans[0], ring[0]
                 if (
                     span.rank == rank
@@ -240,6 +315,8 @@ class Plan:
                 expected = Tier.INTRA if same else Tier.INTER
             if seq.tier != expected:  # Tier is a str enum: "local" == Tier.LOCAL
                 raise ValueError(f"sequence {seq.id}: tier {seq.tier} but its ring is {expected}")
+            if seq.scheme != Scheme.RING:
+                _check_two_d(seq, self.topology)
         pieces: list[tuple[int, int, int]] = []
         linear_tokens = [0] * world
         for rank, ranges in enumerate(self.linear):
@@ -370,6 +447,7 @@ class Plan:
                     "attention": [
                         {"rank": a.rank, "start": a.start, "end": a.end} for a in s.attention
                     ],
+                    **({"scheme": Scheme(s.scheme).value} if s.scheme != Scheme.RING else {}),
                 }
                 for s in self.sequences
             ],
@@ -397,9 +475,12 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in READ_FORMATS:
             got = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"not a plan file: expected format {PLAN_FORMAT!r}, got {got!r}")
+            raise ValueError(
+                f"not a plan file: expected format {' or '.join(map(repr, READ_FORMATS))}, "
+                f"got {got!r}"
+            )
         try:
             topology = Topology.from_dict(data["topology"])
             world = topology.world_size
@@ -420,6 +501,7 @@ class Plan:
                             Span(int(a["rank"]), int(a["start"]), int(a["end"]))
                             for a in s["attention"]
                         ),
+                        scheme=_scheme(s.get("scheme", "ring")),
                     )
                 )
             linear_map = data["linear"]
@@ -456,6 +538,11 @@ class Plan:
             meta=dict(data.get("meta") or {}),
         )
 
+    @property
+    def has_two_d(self) -> bool:
+        """Whether any document runs the 2-D scheme."""
+        return any(s.scheme != Scheme.RING for s in self.sequences)
+
     @classmethod
     def from_json(cls, text_or_path: str) -> Plan:
         text = text_or_path
@@ -467,3 +554,13 @@ class Plan:
         except json.JSONDecodeError as exc:
             raise ValueError(f"plan file is not valid JSON: {exc}") from exc
         return cls.from_dict(data)
+
+
+def _scheme(value: Any) -> Scheme:
+    try:
+        return Scheme(value)
+    except ValueError:
+        choices = ", ".join(repr(s.value) for s in Scheme)
+        raise ValueError(
+            f"unknown scheme {value!r} in the plan file; choose one of {choices}"
+        ) from None

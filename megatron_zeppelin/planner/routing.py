@@ -33,7 +33,7 @@ def cross_node_edges(
     """Cross-node ring edges ``(src, dst)`` -> (tokens sent in step 0, largest ring size)."""
     edges: dict[tuple[int, int], list[int]] = {}
     for seq in sequences:
-        if seq.tier != Tier.INTER:
+        if seq.tier != Tier.INTER or seq.is_two_d:  # 2-D rings are rails: never routed
             continue
         block: dict[int, int] = defaultdict(int)
         for span in seq.attention:

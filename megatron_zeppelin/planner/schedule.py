@@ -4,6 +4,11 @@ Pure: the engine executes this schedule, the simulator times it, and the byte co
 communication layer must match ``link_bytes`` exactly. The backward's gradient messages are
 ``gradient_schedule``; ``training_link_bytes`` predicts a whole forward and backward.
 
+2-D documents (``Scheme.TWO_D``) are not in the ring schedule: their rings run on the head
+layout (``heads.head_plan``, whose schedule this module computes like any plan's) after a head
+all-to-all inside each node (``exchange_messages``); ``two_d_link_bytes`` predicts both and
+``engine_link_bytes`` everything one layer of the engine sends.
+
 Ring semantics (one document, ring ``r_0 .. r_{g-1}``): before step 0 every position holds its own
 K/V block. At step ``s`` (``0 <= s < g-1``) position ``i`` sends the block it currently holds,
 which is the block of position ``(i - s) mod g``, to position ``(i + 1) mod g``. After ``g-1``
@@ -18,7 +23,8 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megatron_zeppelin.planner.plan import Plan, Tier, split_by_weights
+from megatron_zeppelin.planner.heads import AttentionShape, head_plan, node_members
+from megatron_zeppelin.planner.plan import Plan, Scheme, Tier, split_by_weights
 
 
 @dataclass(frozen=True)
@@ -67,8 +73,13 @@ def ring_schedule(
     if sizes is None:
         sizes = block_tokens(plan)
     wanted = {Tier(t) for t in tiers}
-    # Ring size first: most documents are local, and the tier test is the slower one.
-    rings = [s for s in plan.sequences if s.ring_size > 1 and Tier(s.tier) in wanted]
+    # Ring size first: most documents are local, and the tier test is the slower one. 2-D
+    # documents run their rings on the head layout (``two_d_link_bytes``).
+    rings = [
+        s
+        for s in plan.sequences
+        if s.ring_size > 1 and Tier(s.tier) in wanted and s.scheme == Scheme.RING
+    ]
     num_steps = max((s.ring_size - 1 for s in rings), default=0)
     steps: list[list[Message]] = []
     for step in range(num_steps):
@@ -176,7 +187,8 @@ def training_link_bytes(
     grad_bytes_per_token: int,
     routing: bool,
 ) -> dict[str, int]:
-    """Bytes per link class of one attention forward and backward as the engine runs it.
+    """Bytes per link class of one attention forward and backward of the flat rings as the
+    engine runs them (2-D documents: ``two_d_link_bytes``).
 
     The forward sends K and V around the rings (``ring_schedule``); the backward sends them
     again (only the rank's own tokens are kept from the forward) and dK, dV behind them
@@ -206,4 +218,72 @@ def training_link_bytes(
             counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
             for key, value in counts.items():
                 total[key] = total.get(key, 0) + value
+    return total
+
+
+def exchange_messages(plan: Plan, *, to_heads: bool) -> list[Message]:
+    """The head all-to-all of ``plan``'s 2-D documents, every rank's messages in global order
+    (sorted by ``(src, dst)``, a message's segments by document id).
+
+    ``to_heads``: token layout -> head layout; ``src`` sends its own tokens of each document
+    (``Segment.origin == src``), the heads of ``dst``'s group. Otherwise head layout -> token
+    layout: ``src`` sends ``dst``'s tokens (``origin == dst``), the heads of ``src``'s group.
+    A rank's own part stays home and is not a message.
+    """
+    edges: dict[tuple[int, int], list[Segment]] = defaultdict(list)
+    for seq_id, row, tokens in node_members(plan):
+        for src in row:
+            for dst in row:
+                owner = src if to_heads else dst
+                if src != dst and tokens.get(owner, 0):
+                    edges[(src, dst)].append(Segment(seq_id, owner, tokens[owner]))
+    return [Message(src, dst, tuple(segs)) for (src, dst), segs in sorted(edges.items())]
+
+
+def two_d_link_bytes(plan: Plan, shape: AttentionShape, *, routing: bool) -> dict[str, int]:
+    """Bytes per link class of the 2-D documents in one attention forward and backward.
+
+    Head all-to-alls (NVLink): Q, K, V to the head layout and the output back (forward), dO to
+    the head layout and dQ, dK, dV back (backward, gradients in ``grad_value_bytes``). Rings:
+    the column rings of ``head_plan`` as the flat rings travel (K/V forward, K/V again and
+    dK/dV backward), a group's K/V heads per token. A ring message on an edge the plan routes
+    is routed like any message on it (``routing``); the column rings' own edges are rails.
+    """
+    heads = head_plan(plan)
+    total: dict[str, int] = {"nvlink": 0, "nic": 0}
+    if heads is None:
+        return total
+    groups = shape.groups(heads.num_groups)
+    d, value, grad = shape.head_dim, shape.value_bytes, shape.grad_value_bytes
+    qkv = (groups.num_q + 2 * groups.num_kv) * d  # values of one token's Q, K, V in a group
+    o = groups.num_q * d  # values of one token's output (or its gradient) in a group
+    kv = 2 * groups.num_kv * d
+    sizes = block_tokens(heads.plan)
+    kv_steps = ring_schedule(heads.plan, sizes=sizes)
+    grad_steps = gradient_schedule(heads.plan, sizes=sizes, kv_steps=kv_steps)
+    passes = (
+        # Q, K, V in (forward) and dO in (backward); the output back and dQ, dK, dV back.
+        ([exchange_messages(plan, to_heads=True)], qkv * value + o * value),
+        ([exchange_messages(plan, to_heads=False)], o * value + qkv * grad),
+        (kv_steps, 2 * kv * value),  # forward + backward
+        (grad_steps, kv * grad),
+    )
+    for steps, bytes_per_token in passes:
+        counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
+        for key, value_ in counts.items():
+            total[key] = total.get(key, 0) + value_
+    return total
+
+
+def engine_link_bytes(plan: Plan, shape: AttentionShape, *, routing: bool) -> dict[str, int]:
+    """Bytes per link class of one attention forward and backward of the engine: the flat
+    rings (``training_link_bytes``) and the 2-D documents (``two_d_link_bytes``)."""
+    total = training_link_bytes(
+        plan,
+        kv_bytes_per_token=shape.kv_bytes_per_token,
+        grad_bytes_per_token=shape.grad_bytes_per_token,
+        routing=routing,
+    )
+    for key, value in two_d_link_bytes(plan, shape, routing=routing).items():
+        total[key] = total.get(key, 0) + value
     return total

@@ -18,6 +18,11 @@ Timeline of one layer on one rank:
   ``max(compute, transfer)``. Convention for forward plus backward: the forward phase computes
   ``1 / (1 + 2.5)`` of a block's fwd+bwd time and moves K/V; the backward phase computes the rest
   and moves K/V plus dK/dV, twice the bytes.
+* **2-D documents** (``Scheme.TWO_D``, ``TwoDLayer``): their column rings (``heads.head_plan``)
+  compute a head group's share of the pairs in one more call per phase and send a group's K/V
+  heads in the same ring steps as the flat rings, sharing their links; the four head
+  all-to-alls inside each node (Q/K/V in and the output back, dO in and dQ/dK/dV back) hide
+  behind nothing.
 * **all-gather attention** (``AttentionComm.ALLGATHER``): the same messages all-gather K/V before
   any compute (forward) and reduce-scatter dK/dV after it (backward), not overlapped.
 
@@ -39,13 +44,26 @@ builders on the same footing.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.heads import AttentionShape, head_plan
 from megatron_zeppelin.planner.linear_layout import remap_seconds
 from megatron_zeppelin.planner.models import ATTN_BWD_OVER_FWD
-from megatron_zeppelin.planner.plan import AttentionComm, Plan, SequencePlan, split_by_weights
-from megatron_zeppelin.planner.schedule import Message, link_bytes, ring_schedule
+from megatron_zeppelin.planner.plan import (
+    AttentionComm,
+    Plan,
+    SequencePlan,
+    Tier,
+    split_by_weights,
+)
+from megatron_zeppelin.planner.schedule import (
+    Message,
+    exchange_messages,
+    link_bytes,
+    ring_schedule,
+)
 
 FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
 
@@ -131,9 +149,14 @@ def _spans_by_rank(seq: SequencePlan) -> dict[int, list[tuple[int, int]]]:
     return spans
 
 
-def attention_phases(plan: Plan, sequences: tuple[SequencePlan, ...]) -> list[list[list]]:
-    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (module docstring)."""
+def attention_phases(
+    plan: Plan, sequences: tuple[SequencePlan, ...], *, pair_share: float = 1.0
+) -> list[list[list]]:
+    """Per rank, per phase, the ``(num_q, pairs)`` blocks it computes (module docstring).
+    2-D documents are left out (``two_d_phases``); ``pair_share`` scales the pairs (a head
+    group's share of the heads)."""
     world = plan.world_size
+    sequences = tuple(s for s in sequences if not s.is_two_d)
     num_phases = max((s.ring_size for s in sequences), default=1)
     phases: list[list[list]] = [[[] for _ in range(num_phases)] for _ in range(world)]
     for seq in sequences:
@@ -147,7 +170,7 @@ def attention_phases(plan: Plan, sequences: tuple[SequencePlan, ...]) -> list[li
             for k in range(g):
                 theirs = spans.get(seq.ring[(i - k) % g], [])
                 pairs = sum(causal_pairs(qs, qe, ks, ke) for qs, qe in mine for ks, ke in theirs)
-                phases[rank][k].append((num_q, pairs))
+                phases[rank][k].append((num_q, pairs * pair_share))
     return phases
 
 
@@ -182,18 +205,26 @@ def _message_paths(plan: Plan, msg: Message, routes: dict) -> list[tuple[int, li
 
 
 def step_transfer_times(
-    plan: Plan, cost: CostModel, messages: list[Message], bytes_per_token: float, routing: bool
+    plan: Plan,
+    cost: CostModel,
+    messages: list[Message],
+    bytes_per_token: float,
+    routing: bool,
+    *,
+    more: Sequence[tuple[list[Message], float]] = (),
 ) -> list[float]:
     """Per rank, the time until its messages of one ring step (sent and received) arrive, with
-    every link's bandwidth shared by all the step's traffic on it."""
+    every link's bandwidth shared by all the step's traffic on it. ``more``: other messages of
+    the same step with their own bytes per token (the 2-D documents' column rings)."""
     routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
-    paths = [(msg, _message_paths(plan, msg, routes)) for msg in messages]
+    weighted = [(m, bytes_per_token) for m in messages] + [(m, b) for ms, b in more for m in ms]
+    paths = [(msg, _message_paths(plan, msg, routes)) for msg, _ in weighted]
     load: dict[tuple, float] = defaultdict(float)
-    for _, parts in paths:
+    for (_, per_token), (_, parts) in zip(weighted, paths):
         for n, hops in parts:
             for _kind, out_port, in_port in hops:
-                load[out_port] += n * bytes_per_token
-                load[in_port] += n * bytes_per_token
+                load[out_port] += n * per_token
+                load[in_port] += n * per_token
     per_rank = [0.0] * plan.world_size
     for msg, parts in paths:
         finish = 0.0
@@ -225,6 +256,86 @@ def remap_matrix(plan: Plan) -> dict[tuple[int, int], int]:
                 if overlap > 0 and owner != rank:
                     moved[(rank, owner)] += overlap
     return dict(moved)
+
+
+# --- 2-D documents ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class TwoDLayer:
+    """A plan's 2-D documents in one layer: their column rings' compute per rank and phase
+    (a head group's share of the pairs, one more kernel call per phase: another buffer), their
+    K/V messages per ring step, and the four head all-to-alls per rank (forward: Q/K/V in, the
+    output back; backward: dO in, dQ/dK/dV back), which hide behind nothing."""
+
+    phases: list[list[list]]
+    steps: list[list[Message]]
+    kv_bytes_per_token: float
+    all_to_all_s: list[float]
+
+    @classmethod
+    def of(cls, plan: Plan, cost: CostModel, routing: bool) -> TwoDLayer | None:
+        heads = head_plan(plan)
+        if heads is None:
+            return None
+        shape = AttentionShape.of_model(cost.model)
+        groups = shape.groups(heads.num_groups)
+        d, value = shape.head_dim, shape.value_bytes
+        qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
+        inbound, outbound = (exchange_messages(plan, to_heads=t) for t in (True, False))
+        seconds = [0.0] * plan.world_size
+        # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back.
+        for messages, per_token in ((inbound, qkv), (outbound, out), (inbound, out),
+                                    (outbound, qkv)):  # fmt: skip
+            times = step_transfer_times(plan, cost, messages, per_token, routing=False)
+            seconds = [a + b for a, b in zip(seconds, times)]
+        return cls(
+            attention_phases(heads.plan, heads.plan.sequences,
+                             pair_share=groups.num_q / shape.num_heads),
+            ring_schedule(heads.plan),
+            2 * groups.num_kv * d * value,
+            seconds,
+        )  # fmt: skip
+
+    def add_compute(self, cost: CostModel, compute: list[list[float]]) -> list[list[float]]:
+        """``compute`` (seconds per rank and phase) with the column rings' calls added."""
+        merged = []
+        for flat, mine in zip(compute, self.phases):
+            n = max(len(flat), len(mine))
+            flat = flat + [0.0] * (n - len(flat))
+            merged.append([
+                c + (phase_compute_time(cost, mine[k], diagonal=k == 0) if k < len(mine) else 0.0)
+                for k, c in enumerate(flat)
+            ])  # fmt: skip
+        return merged
+
+    def step(self, k: int) -> list[tuple[list[Message], float]]:
+        """The column rings' forward messages of ring step ``k`` with their bytes per token."""
+        return [(self.steps[k], self.kv_bytes_per_token)] if k < len(self.steps) else []
+
+
+def two_d_forward_messages(plan: Plan, cost: CostModel) -> list[tuple[list[Message], int]]:
+    """The 2-D documents' messages of one layer's forward, each list with its bytes per token:
+    Q/K/V to the head layout, the output back (NVLink), the column rings' K/V step by step."""
+    heads = head_plan(plan)
+    if heads is None:
+        return []
+    shape = AttentionShape.of_model(cost.model)
+    groups = shape.groups(heads.num_groups)
+    d, value = shape.head_dim, shape.value_bytes
+    return [
+        (exchange_messages(plan, to_heads=True), (groups.num_q + 2 * groups.num_kv) * d * value),
+        (exchange_messages(plan, to_heads=False), groups.num_q * d * value),
+        *((step, 2 * groups.num_kv * d * value) for step in ring_schedule(heads.plan)),
+    ]
+
+
+def two_d_forward_bytes(plan: Plan, cost: CostModel, routing: bool) -> dict[str, int]:
+    """Bytes per link class of ``two_d_forward_messages``."""
+    total: dict[str, int] = {}
+    for messages, per_token in two_d_forward_messages(plan, cost):
+        for key, n in link_bytes(plan, [messages], bytes_per_token=per_token,
+                                 routing=routing).items():  # fmt: skip
+            total[key] = total.get(key, 0) + n
+    return total
 
 
 # --- one plan ----------------------------------------------------------------------------------
@@ -262,16 +373,77 @@ def _attention_layer(plan: Plan, cost: CostModel, routing: bool) -> tuple[list[f
             for p in phases
         ]
         return merged, [2 * c for c in comm]
-    fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]
-    bwd = [step_transfer_times(plan, cost, step, 2 * kv, routing) for step in steps]
-    exposed = [0.0] * world
-    for r in range(world):
+    two_d = TwoDLayer.of(plan, cost, routing)
+    if two_d is not None:
+        compute = two_d.add_compute(cost, compute)
+    exposed, _ = _exposed(plan, cost, routing, compute, steps, two_d)
+    return [sum(c) for c in compute], exposed
+
+
+def _exposed(
+    plan: Plan,
+    cost: CostModel,
+    routing: bool,
+    compute: list[list[float]],
+    steps: list[list[Message]],
+    two_d: TwoDLayer | None,
+) -> tuple[list[float], list[float]]:
+    """Per rank, the ring transfers (and head all-to-alls) its compute does not hide, and all
+    of their seconds (each ring step's forward and backward transfers and the all-to-alls)."""
+    kv = cost.model.kv_bytes_per_token()
+    num_steps = max(len(steps), len(two_d.steps) if two_d is not None else 0)
+    fwd, bwd = [], []
+    for k in range(num_steps):
+        step = steps[k] if k < len(steps) else []
+        more = two_d.step(k) if two_d is not None else []
+        fwd.append(step_transfer_times(plan, cost, step, kv, routing, more=more))
+        bwd.append(step_transfer_times(plan, cost, step, 2 * kv, routing,
+                                       more=[(ms, 2 * b) for ms, b in more]))  # fmt: skip
+    exposed = list(two_d.all_to_all_s) if two_d is not None else [0.0] * plan.world_size
+    transfer = list(exposed)
+    for r in range(plan.world_size):
         for k, c in enumerate(compute[r]):
             # A phase lasts max(compute, transfer): only the transfer's excess is exposed.
             tf = fwd[k][r] if k < len(fwd) else 0.0
             tb = bwd[k][r] if k < len(bwd) else 0.0
             exposed[r] += max(0.0, tf - c * FWD_SHARE) + max(0.0, tb - c * (1 - FWD_SHARE))
-    return [sum(c) for c in compute], exposed
+            transfer[r] += tf + tb
+    return exposed, transfer
+
+
+def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dict]:
+    """Each kind of split document alone (intra-node rings, flat inter-node rings, 2-D), one
+    layer on its busiest rank: attention compute, transfer and exposed seconds (forward and
+    backward), and the forward bytes per link class. What a tier's own steps hide of its own
+    transfers; in the step all tiers share the phases and the links."""
+    kinds = {
+        "intra": [s for s in plan.sequences if s.tier == Tier.INTRA and not s.is_two_d],
+        "inter": [s for s in plan.sequences if s.tier == Tier.INTER and not s.is_two_d],
+        "2d": [s for s in plan.sequences if s.is_two_d],
+    }
+    out = {}
+    for name, sequences in kinds.items():
+        if not sequences:
+            continue
+        sub = _subplan(plan, tuple(sequences))
+        phases = attention_phases(sub, sub.sequences)
+        compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
+                   for p in phases]  # fmt: skip
+        two_d = TwoDLayer.of(sub, cost, routing)
+        if two_d is not None:
+            compute = two_d.add_compute(cost, compute)
+        exposed, transfer = _exposed(sub, cost, routing, compute, ring_schedule(sub), two_d)
+        busiest = max(range(sub.world_size), key=lambda r: sum(compute[r]) + exposed[r])
+        sent, _ = _bytes(sub, cost, routing, remap=False)
+        out[name] = {
+            "documents": len(sequences),
+            "compute_s": sum(compute[busiest]),
+            "transfer_s": transfer[busiest],
+            "exposed_s": exposed[busiest],
+            "nvlink_bytes": sent.get("nvlink", 0),
+            "nic_bytes": sent.get("nic", 0),
+        }
+    return out
 
 
 def _subplan(plan: Plan, sequences: tuple[SequencePlan, ...]) -> Plan:
@@ -318,6 +490,8 @@ def _concurrent_layer(plan: Plan, cost: CostModel, routing: bool, remap: bool) -
 def _bytes(plan: Plan, cost: CostModel, routing: bool, remap: bool) -> tuple[dict, dict]:
     steps = ring_schedule(plan)
     ring = link_bytes(plan, steps, bytes_per_token=cost.model.kv_bytes_per_token(), routing=routing)
+    for key, value in two_d_forward_bytes(plan, cost, routing).items():
+        ring[key] = ring.get(key, 0) + value
     remap_out = {"nvlink": 0, "nic": 0}
     if remap:
         per_token = cost.remap_bytes(1)

@@ -116,7 +116,9 @@ def make_plans(settings: ValidationSettings, topology: Topology, cost: CostModel
     from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 
     capacity = settings.capacity or -(-settings.tokens * 5 // (4 * topology.world_size))
-    options = PlannerOptions(thresholds=settings.thresholds, routing=settings.routing, remap=False)
+    # Flat rings only: ``predict`` prices ring steps one layout at a time, not the 2-D scheme.
+    options = PlannerOptions(thresholds=settings.thresholds, routing=settings.routing, remap=False,
+                             two_d=False)  # fmt: skip
     plans = []
     for i in range(settings.num_batches):
         lengths = sample_lengths(settings.dist, num_tokens=settings.tokens, seed=settings.seed + i)
