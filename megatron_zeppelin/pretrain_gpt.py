@@ -1,10 +1,11 @@
 """Megatron-LM's GPT pretraining with Zeppelin: ``python -m megatron_zeppelin.pretrain_gpt``.
 
-Takes every Megatron-LM flag plus ``--zeppelin`` and the ``--zeppelin-*`` flags, e.g.
+Takes every Megatron-LM flag plus ``--zeppelin`` and the ``--zeppelin-*`` flags:
 
     torchrun --nproc-per-node 8 --nnodes 2 ... -m megatron_zeppelin.pretrain_gpt \\
-        --tensor-model-parallel-size 1 --micro-batch-size 1 --seq-length 16384 \\
-        --data-path /data/corpus_text_document --zeppelin --zeppelin-topology dgx-h100
+        MODEL, TRAINING AND DATA FLAGS --zeppelin --zeppelin-topology dgx-h100
+
+(a whole command, tested against Megatron's own parser: docs/MEGATRON.md, "Running it").
 
 Needs ``megatron.training``: megatron-core 0.19 wheels ship it; for 0.16.1 use the Docker image
 or put a Megatron-LM checkout on ``PYTHONPATH``. The hooks are in ``megatron/hooks.py``; this
@@ -17,10 +18,11 @@ installed release has:
   the config container (``pretrain_cfg_container_from_args``) and calls ``pretrain(container,
   datasets_provider, model_type, forward_step, model_provider=)``.
 
-With the 0.19 wheel (rather than a source checkout) three things differ on a cluster, handled
-here and described in docs/MEGATRON.md: the wheel ships the compiled dataset helper but not the
-Makefile Megatron's start-up runs ``make`` on (``use_shipped_dataset_helpers``), and checkpoint
-saving needs ``psutil``, which the wheel does not declare (``require_checkpoint_packages``).
+With the 0.19 wheel (rather than a source checkout) two things are handled here (the others are
+documented in docs/MEGATRON.md, "What the megatron-core 0.19 wheel needs on a cluster"): the
+wheel ships the compiled dataset helper but not the Makefile Megatron's start-up runs ``make``
+on (``use_shipped_dataset_helpers``), and checkpoint saving needs ``psutil``, which the wheel
+does not declare (``require_checkpoint_packages``).
 """
 
 from __future__ import annotations
