@@ -23,7 +23,7 @@ THRESHOLD_WORDS = ("auto", "off")
 NEVER_SPLIT = 1 << 40
 """The threshold of a tier that is ``off``: no document reaches it, so the tier splits only what
 capacity forces."""
-KERNELS = ("auto", "torch", "flash")
+KERNELS = ("auto", "torch", "torch-flash", "flash", "flash3")
 LONG_DOCUMENTS = ("split", "truncate")
 
 
@@ -55,8 +55,10 @@ class ZeppelinConfig:
     """Shortest document worth splitting across nodes, in tokens; 'auto' derives it from the
     cost model, 'off' never splits across nodes unless capacity forces it."""
     kernel: str = field(default="auto", metadata={"choices": KERNELS})
-    """Attention kernel: 'flash' (flash-attn varlen), 'torch' (runs everywhere, CPU included)
-    or 'auto' (flash where installed)."""
+    """Attention kernel: 'flash3' (FlashAttention-3, Hopper), 'flash' (flash-attn 2),
+    'torch-flash' (PyTorch's own flash kernels), 'torch' (tiled, runs everywhere, CPU included),
+    or 'auto' (the first of flash3, flash, torch-flash that runs here, else torch; the start-up
+    summary says which and why). A kernel named here that cannot run stops with an error."""
     routing: bool = True
     """Split inter-node ring messages over proxy GPUs so that every NIC carries a share."""
     remap: bool = True

@@ -32,7 +32,8 @@ import time
 import torch
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernels import VarlenBatch, compute_dtype, register_kernel
+from megatron_zeppelin.attention.kernel_api import VarlenBatch, compute_dtype
+from megatron_zeppelin.attention.kernels import register_kernel
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import distribution_mean, sample_lengths
 from megatron_zeppelin.planner.models import get_model

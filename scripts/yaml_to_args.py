@@ -6,6 +6,9 @@ Each file is a flat mapping ``flag-name: value``: ``true`` gives the bare flag, 
 ``null`` leave it out, a list gives the flag followed by its items, anything else ``--flag
 value``. Later files override earlier ones, key by key. The flags are printed on one line,
 quoted for the shell, so a launcher can write ``ARGS=$(python scripts/yaml_to_args.py ...)``.
+
+A top-level ``env:`` mapping is not a flag: it holds the job's environment variables (a
+cluster's NICs and interfaces), which ``scripts/slurm/zeppelin_env.sh`` exports. It is skipped.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ import shlex
 import sys
 
 import yaml
+
+ENV_SECTION = "env"
+"""The top-level key of environment variables, never turned into a flag."""
 
 
 def load_flags(paths: list[str]) -> dict[str, object]:
@@ -33,6 +39,10 @@ def load_flags(paths: list[str]) -> dict[str, object]:
         if not isinstance(data, dict):
             raise ValueError(f"{path} must be a mapping of flag names to values")
         for key, value in data.items():
+            if key == ENV_SECTION:
+                if not isinstance(value, dict):
+                    raise ValueError(f"{path}: {ENV_SECTION!r} must map variable names to values")
+                continue
             if not isinstance(key, str) or key.startswith("-"):
                 raise ValueError(f"{path}: write flag names without dashes, got {key!r}")
             if isinstance(value, dict):

@@ -19,8 +19,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
-from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError, plan_legs
+from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError
 from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.pending import step_legs
 from megatron_zeppelin.planner.plan import (
     Plan,
     Route,
@@ -100,9 +101,9 @@ def test_legs_cover_every_message_row_once_and_skip_same_gpu_hops():
     plan = hand_plan()
     routes = {(r.src, r.dst): r for r in plan.routes}
     for step in ring_schedule(plan):
-        legs = plan_legs(step, routes)
+        legs = step_legs(step, routes)
         for index, msg in enumerate(step):
-            mine = [leg for leg in legs if leg.message == index]
+            mine = [leg for message, leg in legs if message == index]
             covered = sorted((leg.offset, leg.offset + leg.num_tokens) for leg in mine)
             pos = 0
             for lo, hi in covered:
@@ -337,8 +338,16 @@ def _subworld_worker(rank: int, world_size: int) -> dict:
     # Two Zeppelin worlds of two processes each, exchanging at the same time.
     small = _small_plan()
     mine = next(w for w in HALVES if rank in w)
-    groups = ZeppelinGroups.create(small.topology, ranks=mine)
+    reduced, real = [], dist.all_reduce
+    dist.all_reduce = lambda t, group=None, **kw: (reduced.append(group), real(t, group=group, **kw))[1]  # fmt: skip  # noqa: E501
+    try:
+        groups = ZeppelinGroups.create(small.topology, ranks=mine, timeout_s=30)
+    finally:
+        dist.all_reduce = real
     assert groups.global_ranks == mine and groups.rank == mine.index(rank)
+    # Warmed at creation, in creation order: the sub-world's own group, its node, its rail.
+    mine_groups = [groups.world, *(g for g in groups.nodes if g), *(g for g in groups.rails if g)]
+    out["warmed"] = len(reduced) == 3 and all(a is b for a, b in zip(reduced, mine_groups))
     counters = LinkCounters(small.topology)
     ex = DistExchanger(groups, plan=small, routing=True, counters=counters, timeout_s=30)
     _run_steps(ex, small, groups.rank)
@@ -375,6 +384,8 @@ def test_zeppelin_worlds_on_a_subset_or_permutation_of_the_processes(subworld_an
     )
     # Each world's counters sum that world's sends only, not the other world's.
     assert predicted["nic"] > 0 and all(r["halves"] == predicted for r in results)
+    # Every group of a sub-world (tensor parallelism) is warmed up collectively at creation.
+    assert all(r["warmed"] for r in results)
 
 
 # --- overlapped relays ------------------------------------------------------------------------

@@ -55,6 +55,9 @@ def run() -> dict:
         Case(f"{routed.name}/float32", routed.plan, True, dtype="float32"),
         Case(f"{routed.name}/float32-direct", routed.plan, False, dtype="float32"),
         Case(f"{two_d.name}/float32", two_d.plan, True, dtype="float32"),
+        Case(f"{routed.name}/bfloat16", routed.plan, True, dtype="bfloat16"),
+        Case(f"{routed.name}/float16", routed.plan, True, dtype="float16"),
+        Case(f"{two_d.name}/bfloat16", two_d.plan, True, dtype="bfloat16"),
     ]
     for dist, tokens, seed in (("wikipedia", 2048, 0), ("prolong", 1536, 1), ("wlbllm", 1024, 2)):
         lengths = sample_lengths(dist, num_tokens=tokens, seed=seed)
@@ -78,11 +81,31 @@ def test_hand_batch_covers_every_tier_and_odd_lengths(run):
 
 
 def test_outputs_and_gradients_match_the_dense_reference(run):
+    expected = {"float64": 1e-10, "float32": 1e-5, "bfloat16": 4 * 2**-7, "float16": 4 * 2**-10}
+    assert {e["dtype"] for e in run["report"]} == set(expected)
     for entry in run["report"]:
         tol = entry["tolerance"]
-        assert tol == (1e-10 if entry["dtype"] == "float64" else 1e-5)
+        assert tol == pytest.approx(expected[entry["dtype"]])
         for name, err in entry["errors"].items():
             assert err <= tol, f"{entry['case']} routing={entry['routing']}: {name} {err:.2e}"
+
+
+def test_ring_results_match_one_gpu_in_the_same_dtype(run):
+    for entry in run["report"]:
+        tol = entry["tolerance_vs_single_gpu"]
+        for name, err in entry["errors_vs_single_gpu"].items():
+            assert err <= tol, f"{entry['case']}: {name} {err:.2e} against one GPU"
+        if entry["dtype"] in ("float64", "float32"):
+            assert tol == entry["tolerance"]
+        else:  # half precision: rounding differs from one GPU by order of summation only
+            assert 0 < max(entry["errors_vs_single_gpu"].values()) <= tol < entry["tolerance"]
+
+
+def test_every_rank_posts_in_an_order_nccl_can_run(run):
+    for entry in run["report"]:
+        assert entry["posting_order_consistent"], (entry["case"], entry["posting_order"])
+    results = run["results"]
+    assert all(r[0]["posting"] for r in results), "rank 0..3 each posted batches"
 
 
 def test_measured_bytes_per_link_class_equal_the_prediction(run):

@@ -1,4 +1,4 @@
-"""Tier: pure (CPU), plus gpu-marked tests comparing flash-attn with the torch kernel.
+"""Tier: pure (CPU), plus gpu-marked tests comparing the CUDA kernels with the torch kernel.
 
 The torch varlen kernel against the dense float64 reference: causal documents, grouped-query
 attention, pairs cut into many tiles, one-token documents, unmasked and bottom-right causal
@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
+from megatron_zeppelin.attention.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernel_torch import TorchKernel, _tile_chunks
 from megatron_zeppelin.attention.kernels import (
-    TorchKernel,
-    VarlenBatch,
-    _tile_chunks,
+    choose_kernel,
     flash_available,
     get_kernel,
     register_kernel,
@@ -199,10 +199,20 @@ def test_batch_rejects_bad_lengths() -> None:
         kernel.forward(q, k, v, VarlenBatch([5], [4], causal=True), softmax_scale=1.0)
 
 
+def _cuda_kernel_or_skip(name: str):  # noqa: ANN202
+    try:
+        choose_kernel(name, device="cuda", dtype=torch.bfloat16)
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    return get_kernel(name)
+
+
 @pytest.mark.gpu
-@pytest.mark.skipif(not flash_available(), reason="needs CUDA and flash-attn")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["flash3", "flash", "torch-flash"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_flash_matches_torch_kernel(causal: bool) -> None:
+def test_cuda_kernels_match_torch_kernel(name: str, causal: bool) -> None:
+    kernel = _cuda_kernel_or_skip(name)
     lengths_q, lengths_k = [1, 128, 77, 300], [1, 200, 77, 300]
     if not causal:
         lengths_k = [5, 64, 77, 10]
@@ -211,13 +221,13 @@ def test_flash_matches_torch_kernel(causal: bool) -> None:
     _, k, v = random_qkv(sum(lengths_k), num_heads=8, num_kv_heads=2, head_dim=64, seed=8)
     q, k, v = (x.to(dev, dtype) for x in (q, k, v))
     batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
-    flash, torch_kernel = get_kernel("flash"), get_kernel("torch")
-    out_f, lse_f = flash.forward(q, k, v, batch, softmax_scale=0.125)
+    torch_kernel = get_kernel("torch")
+    out_f, lse_f = kernel.forward(q, k, v, batch, softmax_scale=0.125)
     out_t, lse_t = torch_kernel.forward(q, k, v, batch, softmax_scale=0.125)
     assert_close(out_f.float(), out_t, dtype=dtype, name="out")
     assert_close(lse_f, lse_t, dtype=torch.float32, name="lse")
     dout = torch.randn_like(q)
-    grads_f = flash.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
+    grads_f = kernel.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
     grads_t = torch_kernel.backward(dout, q, k, v, out_f, lse_f, batch, softmax_scale=0.125)
     for got, want in zip(grads_f, grads_t):
         assert_close(got.float(), want, dtype=dtype, name="grad")

@@ -42,6 +42,26 @@ def test_default_run_passes_and_writes_a_report(tmp_path, capsys):
     assert 0 < two_d["measured_bytes"]["nic"] < zeppelin[True]["measured_bytes"]["nic"]
 
 
+@pytest.mark.dist
+def test_bfloat16_run_checks_posting_order_and_times_each_tier(tmp_path, capsys):
+    report_path = tmp_path / "verify.json"
+    argv = ["verify", "--dtype", "bfloat16", "--step-timing", "--json", str(report_path)]
+    assert cli_main(argv) == 0
+    assert "all checks passed" in capsys.readouterr().out
+    report = json.loads(report_path.read_text())
+    assert report["spec"]["dtype"] == "bfloat16" and report["ok"] is True
+    for case in report["cases"]:
+        assert case["posting_order_consistent"] is True
+        assert max(case["errors"].values()) <= case["tolerance"] == 4 * 2**-7
+        assert max(case["errors_vs_single_gpu"].values()) <= case["tolerance_vs_single_gpu"]
+        timing = case["step_timing"]
+        assert len(timing["per_rank"]) == 4
+        for figures in timing["max_over_ranks"].values():
+            assert 0 <= figures["exposed_ms"] <= figures["comm_ms"] + 1e-6
+    zeppelin = next(c for c in report["cases"] if c["case"] == "zeppelin")
+    assert {"own", "intra", "inter"} <= set(zeppelin["step_timing"]["max_over_ranks"])
+
+
 @pytest.mark.pure
 @pytest.mark.parametrize(
     ("argv", "needle"),
@@ -52,6 +72,7 @@ def test_default_run_passes_and_writes_a_report(tmp_path, capsys):
         (["--dist", "wikipedia", "--lengths", "x.txt"], "not both"),
         (["--nodes", "0"], "num_nodes"),
         (["--capacity", "0"], "--capacity"),
+        (["--device", "cuda"], "GPU"),
     ],
 )
 def test_bad_flags_exit_2_with_a_sentence(argv, needle, capsys):

@@ -10,10 +10,13 @@ Documents the plan runs with the 2-D scheme (heads split inside each node, one r
 across nodes) add a head all-to-all before and after, and their column rings take turns with
 the flat tiers (``two_d.py``).
 
-Transport is the ``exchanger`` (``comm.exchange.DistExchanger`` across processes,
-``testing.threads.ThreadExchanger`` across threads); the engine only calls its ``start``. When
-the exchanger has ``set_plan`` (the routed transports do), the engine hands it the plan once, at
-construction, so routes always match the plan being executed.
+Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
+across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
+``start``. When the exchanger has ``set_plan`` (the routed transports do), the engine hands it
+the plan once, at construction, so routes always match the plan being executed. ``timer`` (a
+``step_timing.RingTimer``, optional) records compute and communication per tier and ring step.
+On CUDA every kernel runs on the caller's current stream (``ring.py`` says how the transfers
+overlap it).
 
 Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)``: t tokens of this rank's
 attention buffer (``plan.attention_ranges(rank)`` order), nq query heads grouped over nkv K/V
@@ -22,15 +25,15 @@ heads, d head dim.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron_zeppelin.attention.head_layout import HeadLayout
 from megatron_zeppelin.attention.kernels import available_kernels
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.ring import RingAttentionFunction, RingRuntime
+from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.attention.two_d import TwoDRuntime
+from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.planner.plan import AttentionComm, Plan
 
 __all__ = ["ZeppelinAttention"]
@@ -43,10 +46,11 @@ class ZeppelinAttention:
         self,
         plan: Plan,
         rank: int,
-        exchanger: Any,
+        exchanger: Exchanger,
         *,
         kernel: str = "auto",
         softmax_scale: float | None = None,
+        timer: RingTimer | None = None,
     ) -> None:
         if not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank} is outside the plan's ranks 0..{plan.world_size - 1}")
@@ -79,7 +83,9 @@ class ZeppelinAttention:
         self.layout = RankLayout(plan, rank)
         self.heads = HeadLayout(plan, self.layout) if plan.has_two_d else None
         """The 2-D documents' head buffer and column rings (``None``: the plan has none)."""
-        runtime = RingRuntime(self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale)
+        runtime = RingRuntime(
+            self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale, timer=timer
+        )
         self._runtime: RingRuntime | TwoDRuntime = runtime
         if self.heads is not None:
             self._runtime = TwoDRuntime(runtime, self.heads, exchanger)

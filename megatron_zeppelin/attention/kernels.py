@@ -1,370 +1,72 @@
-"""Attention kernels over many (query block, key block) pairs at once, selected by name.
+"""The kernel registry: attention kernels by name, and what ``"auto"`` picks and why.
 
-One varlen call computes ``P`` independent attention problems packed back to back, as
-flash-attn's ``flash_attn_varlen_func`` does: pair ``p`` takes query rows
-``cu_seqlens_q[p]:cu_seqlens_q[p+1]`` and key rows ``cu_seqlens_k[p]:cu_seqlens_k[p+1]``.
-A call is either unmasked (every query sees every key of its pair) or causal with the mask
-aligned to the bottom-right corner, flash-attn's convention: query ``i`` of a pair with ``lq``
-queries and ``lk`` keys sees keys ``j <= i + lk - lq``. The ring code cuts every block into pairs
-of these two kinds (``ring.py`` explains why that is always possible).
+Kernels (the interface is ``kernel_api.AttentionKernel``, one module per kernel):
 
-Every kernel returns the output AND the log-sum-exp of the scaled scores per query row and head
-(natural log, ``-inf`` where a row sees no key, with a zero output there), so partial results
-can be merged (``merge.py``); its backward takes the final (merged) output and lse, which makes
-the gradient of each pair exact on its own.
+* ``"torch"``: the tiled PyTorch kernel (``kernel_torch.py``), CPU and GPU, any float dtype;
+* ``"torch-flash"``: PyTorch's own FlashAttention-2 varlen operators (``kernel_aten.py``),
+  fp16/bf16 on CUDA with nothing beyond PyTorch installed;
+* ``"flash"``: flash-attn 2 (``kernel_flash.py``), fp16/bf16 on CUDA;
+* ``"flash3"``: FlashAttention-3 (``kernel_flash.py``), fp16/bf16 on Hopper;
+* ``"auto"``: for fp16/bf16 on CUDA the first of ``flash3``, ``flash``, ``torch-flash`` that
+  can run here, else ``torch``.
 
-Kernels:
-
-* ``"torch"``: plain PyTorch, CPU and GPU. It cuts every pair into square tiles (at most
-  ``block_size`` per side, smaller for short pairs so one-token documents are not padded to 128)
-  and runs many tiles per batched matmul, so no ``L x L`` score matrix of a long document is
-  ever built; tiles of one query block are merged with the online softmax.
-* ``"flash"``: flash-attn's varlen kernels (``flash.py``), when the package imports (never
-  required).
-* ``"auto"``: ``flash`` for fp16/bf16 on CUDA when flash-attn imports, else ``torch``.
-
-Half-precision inputs are computed with float32 accumulation; float64 stays float64.
-
-Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq % nkv == 0``
-(grouped-query attention: query head ``h`` uses key/value head ``h // (nq // nkv)``); ``lse_tn``
-``(t, nq)``. Letters: t packed rows, n heads, d head dim.
+A kernel asked for by name that cannot run here is one ``ValueError`` saying why and what to
+use instead; ``auto`` falls back, and ``choose_kernel`` returns which kernel it took and a
+sentence saying why (the start-up summary prints it).
 """
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.attention.kernel_api import AttentionKernel
+from megatron_zeppelin.attention.kernel_aten import TorchFlashKernel, torch_flash_unavailable
+from megatron_zeppelin.attention.kernel_flash import (
+    Flash2Kernel,
+    Flash3Kernel,
+    flash2_unavailable,
+    flash3_unavailable,
+)
+from megatron_zeppelin.attention.kernel_torch import TorchKernel
 
 __all__ = [
-    "AttentionKernel",
-    "TorchKernel",
-    "VarlenBatch",
+    "AUTO_ORDER",
     "available_kernels",
-    "compute_dtype",
+    "choose_kernel",
     "flash_available",
     "get_kernel",
     "register_kernel",
+    "requires_cuda",
 ]
 
-_UNMASKED = 1 << 40  # a diagonal offset no tile reaches: "no causal mask"
+AUTO_ORDER = ("flash3", "flash", "torch-flash")
+"""The CUDA kernels ``auto`` tries, in order, before the tiled ``torch`` kernel."""
+
+_UNAVAILABLE: dict[str, Callable[[], str | None]] = {
+    "flash3": flash3_unavailable,
+    "flash": flash2_unavailable,
+    "torch-flash": torch_flash_unavailable,
+}
+_FACTORIES: dict[str, Callable[[], AttentionKernel]] = {
+    "torch": TorchKernel,
+    "torch-flash": TorchFlashKernel,
+    "flash": Flash2Kernel,
+    "flash3": Flash3Kernel,
+}
+_INSTANCES: dict[str, AttentionKernel] = {}
+_AUTO: dict[tuple[str, torch.dtype | None], str] = {}  # what auto chose, per device and dtype
 
 
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype attention is accumulated in for inputs of ``dtype``."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-class VarlenBatch:
-    """The pairs of one varlen call: their lengths and whether the call is causal.
-
-    Built once per plan and reused in forward and backward; kernels cache their per-device
-    index tensors on it. Lengths are kept as numpy arrays: building thousands of these per
-    plan is bookkeeping, not tensor work.
-    """
-
-    def __init__(self, lengths_q: Sequence[int], lengths_k: Sequence[int], *, causal: bool) -> None:
-        self.lengths_q = np.asarray(lengths_q, dtype=np.int64).reshape(-1)
-        self.lengths_k = np.asarray(lengths_k, dtype=np.int64).reshape(-1)
-        if self.lengths_q.shape != self.lengths_k.shape:
-            raise ValueError("a varlen batch needs one query length and one key length per pair")
-        if self.num_pairs and (self.lengths_q.min() < 1 or self.lengths_k.min() < 1):
-            raise ValueError("every pair of a varlen batch needs at least one query and one key")
-        self.causal = bool(causal)
-        self.cu_seqlens_q = np.concatenate([[0], np.cumsum(self.lengths_q)])
-        self.cu_seqlens_k = np.concatenate([[0], np.cumsum(self.lengths_k)])
-        self.max_seqlen_q = int(self.lengths_q.max()) if self.num_pairs else 0
-        self.max_seqlen_k = int(self.lengths_k.max()) if self.num_pairs else 0
-        self.cache: dict[Any, Any] = {}
-
-    @property
-    def num_pairs(self) -> int:
-        return int(self.lengths_q.shape[0])
-
-    @property
-    def total_q(self) -> int:
-        return int(self.cu_seqlens_q[-1])
-
-    @property
-    def total_k(self) -> int:
-        return int(self.cu_seqlens_k[-1])
-
-    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """``cu_seqlens_q``, ``cu_seqlens_k`` as int32 on ``device`` (flash-attn's format)."""
-        key = ("cu_seqlens", str(device))
-        if key not in self.cache:
-            self.cache[key] = tuple(
-                torch.from_numpy(cu.astype(np.int32)).to(device)
-                for cu in (self.cu_seqlens_q, self.cu_seqlens_k)
-            )
-        return self.cache[key]
-
-    def __repr__(self) -> str:
-        kind = "causal" if self.causal else "full"
-        return f"VarlenBatch({self.num_pairs} {kind} pairs, {self.total_q}x{self.total_k} rows)"
-
-
-class AttentionKernel(Protocol):
-    """A varlen kernel. Both methods return new tensors that the caller owns: the engine adopts
-    them as its running output and gradient buffers and writes into them."""
-
-    name: str
-
-    def forward(
-        self,
-        q_tnd: torch.Tensor,
-        k_tnd: torch.Tensor,
-        v_tnd: torch.Tensor,
-        batch: VarlenBatch,
-        *,
-        softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def backward(
-        self,
-        dout_tnd: torch.Tensor,
-        q_tnd: torch.Tensor,
-        k_tnd: torch.Tensor,
-        v_tnd: torch.Tensor,
-        out_tnd: torch.Tensor,
-        lse_tn: torch.Tensor,
-        batch: VarlenBatch,
-        *,
-        softmax_scale: float,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
-
-
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
-    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"expected q (t, nq, d) and k, v (t, nkv, d); got {tuple(q.shape)}, "
-            f"{tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
-    if q.shape[0] != batch.total_q or k.shape[0] != batch.total_k:
-        raise ValueError(
-            f"{batch!r} needs {batch.total_q} query rows and {batch.total_k} key rows, got "
-            f"{q.shape[0]} and {k.shape[0]}"
-        )
-
-
-class _TileChunk:
-    """Square tiles of side ``size`` processed in one batched matmul: per tile, its first query
-    and key row, how many of its rows are real, and its diagonal offset (key ``j`` is visible
-    to query ``i`` of the tile when ``j - i <= diag``). ``masked``: some tile hides an entry
-    (padding or the causal diagonal); chunks of full, unmasked tiles skip every mask."""
-
-    def __init__(self, size: int, q_start, q_len, k_start, k_len, diag, masked: bool) -> None:  # noqa: ANN001
-        self.size, self.q_start, self.q_len = size, q_start, q_len
-        self.k_start, self.k_len, self.diag = k_start, k_len, diag
-        self.masked = masked
-
-    def to(self, device: torch.device) -> _TileChunk:
-        move = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)
-        arrays = (self.q_start, self.q_len, self.k_start, self.k_len, self.diag)
-        return _TileChunk(self.size, *map(move, arrays), self.masked)
-
-
-def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
-    return (a + b - 1) // b
-
-
-def _ranks_within(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """For ``counts`` items per owner: each item's owner and its index within the owner."""
-    owner = np.repeat(np.arange(counts.shape[0]), counts)
-    first = np.cumsum(counts) - counts
-    return owner, np.arange(owner.shape[0]) - first[owner]
-
-
-def _tile_chunks(
-    batch: VarlenBatch, *, block_size: int, min_tile: int, tiles_per_chunk: Callable[[int], int]
-) -> list[_TileChunk]:
-    """Every (query tile, key tile) a call must compute, skipping tiles the mask hides."""
-    lq, lk = batch.lengths_q, batch.lengths_k
-    sizes = [min_tile]
-    while sizes[-1] < block_size:
-        sizes.append(min(2 * sizes[-1], block_size))
-    sizes_np = np.asarray(sizes)
-    side = sizes_np[np.searchsorted(sizes_np, np.maximum(lq, lk)).clip(max=len(sizes) - 1)]
-    chunks = []
-    for size in sorted(set(side.tolist())):
-        pairs = np.flatnonzero(side == size)
-        p_lq, p_lk = lq[pairs], lk[pairs]
-        # Key j of a pair is visible to query i when j <= i + offset (bottom-right causal).
-        offset = p_lk - p_lq if batch.causal else np.full_like(p_lq, _UNMASKED)
-        tile_pair, tile_index = _ranks_within(_ceil_div(p_lq, size))
-        q_lo = tile_index * size
-        q_len = np.minimum(p_lq[tile_pair] - q_lo, size)
-        # Keys seen by the tile's last query bound the key tiles it needs.
-        seen = np.minimum((q_lo + q_len + offset[tile_pair]).clip(min=0), p_lk[tile_pair])
-        work_tile, k_index = _ranks_within(_ceil_div(seen, size))
-        work_pair = tile_pair[work_tile]
-        k_lo = k_index * size
-        q_start = batch.cu_seqlens_q[pairs][work_pair] + q_lo[work_tile]
-        k_start = batch.cu_seqlens_k[pairs][work_pair] + k_lo
-        k_len = np.minimum(p_lk[work_pair] - k_lo, size)
-        diag = q_lo[work_tile] + offset[work_pair] - k_lo
-        work_q_len = q_len[work_tile]
-        # Full tiles the mask leaves whole (the bulk of an unmasked pair) go to chunks of their
-        # own, which skip building and applying masks: a fifth of a tile's work.
-        whole = (work_q_len == size) & (k_len == size) & (diag >= size - 1)
-        step = tiles_per_chunk(size)
-        fields = (q_start, work_q_len, k_start, k_len, diag)
-        for masked in (False, True):
-            tiles = np.flatnonzero(whole != masked)
-            for lo in range(0, tiles.shape[0], step):
-                part = tiles[lo : lo + step]
-                chunks.append(_TileChunk(size, *(f[part] for f in fields), masked))
-    return chunks
-
-
-class TorchKernel:
-    """Tiled PyTorch attention; see the module docstring."""
-
-    name = "torch"
-
-    def __init__(
-        self, *, block_size: int = 128, min_tile: int = 8, max_tile_elements: int = 1 << 22
-    ) -> None:
-        if block_size < min_tile or min_tile < 1:
-            raise ValueError("block_size must be at least min_tile, and min_tile at least 1")
-        self.block_size = block_size
-        self.min_tile = min_tile
-        self.max_tile_elements = max_tile_elements
-
-    def _chunks(self, batch: VarlenBatch, num_heads: int, device: torch.device) -> list[_TileChunk]:
-        key = ("torch-tiles", self.block_size, self.min_tile, num_heads, str(device))
-        if key not in batch.cache:
-            budget = self.max_tile_elements // num_heads
-            chunks = _tile_chunks(
-                batch,
-                block_size=self.block_size,
-                min_tile=self.min_tile,
-                tiles_per_chunk=lambda size: max(1, budget // (size * size)),
-            )
-            batch.cache[key] = [c.to(device) for c in chunks]
-        return batch.cache[key]
-
-    @staticmethod
-    def _tile(chunk: _TileChunk, total_q: int, total_k: int, pad_rows: bool):
-        """Gather indices of a chunk's tiles and the mask of hidden (query, key) entries
-        (``None`` for a chunk without hidden entries)."""
-        ar = torch.arange(chunk.size, device=chunk.q_start.device)
-        rows_q = (chunk.q_start[:, None] + ar).clamp_(max=total_q - 1)
-        rows_k = (chunk.k_start[:, None] + ar).clamp_(max=total_k - 1)
-        if not chunk.masked:
-            return rows_q, rows_k, None, None
-        # hidden[w, i, j]: key j is after query i's causal limit, or a padding key.
-        hidden = (ar[None, None, :] - ar[None, :, None]) > chunk.diag[:, None, None]
-        hidden |= ar[None, None, :] >= chunk.k_len[:, None, None]
-        pad_q = ar[None, :] >= chunk.q_len[:, None]
-        if pad_rows:
-            hidden |= pad_q[:, :, None]
-        return rows_q, rows_k, hidden, pad_q
-
-    def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        """Output (compute dtype) and lse (compute dtype) of every query row of the batch."""
-        _check_shapes(q_tnd, k_tnd, v_tnd, batch)
-        t, nq, d = q_tnd.shape
-        nkv = k_tnd.shape[1]
-        dtype = compute_dtype(q_tnd.dtype)
-        out = torch.zeros((t, nq, d), dtype=dtype, device=q_tnd.device)
-        lse = torch.full((t, nq), float("-inf"), dtype=dtype, device=q_tnd.device)
-        for chunk in self._chunks(batch, nq, q_tnd.device):
-            rows_q, rows_k, hidden, pad_q = self._tile(chunk, t, k_tnd.shape[0], False)
-            w, s = rows_q.shape
-            q_t = q_tnd[rows_q].to(dtype).view(w, s, nkv, nq // nkv, d)
-            k_t, v_t = k_tnd[rows_k].to(dtype), v_tnd[rows_k].to(dtype)
-            # In place from here on: the score tiles are the largest tensors of the kernel.
-            scores = torch.einsum("wihgd,wjhd->whgij", q_t, k_t).mul_(softmax_scale)
-            if hidden is not None:
-                scores.masked_fill_(hidden[:, None, None], float("-inf"))
-            peak = scores.amax(-1, keepdim=True)
-            peak = torch.where(torch.isinf(peak), torch.zeros_like(peak), peak)
-            probs = scores.sub_(peak).exp_()
-            total = probs.sum(-1)
-            part = torch.einsum("whgij,wjhd->wihgd", probs, v_t)
-            safe = torch.where(total > 0, total, torch.ones_like(total))
-            part = part / safe.permute(0, 3, 1, 2).unsqueeze(-1)
-            part_lse = (peak.squeeze(-1) + torch.log(total)).permute(0, 3, 1, 2)
-            if pad_q is not None:
-                # Padding rows alias real rows (clamped gathers): -inf merges them as nothing.
-                part_lse = part_lse.masked_fill(pad_q[:, :, None, None], float("-inf"))
-                part = part.masked_fill(pad_q[:, :, None, None, None], 0.0)
-            merge_rows_(
-                out,
-                lse,
-                rows_q.reshape(-1),
-                part.reshape(w * s, nq, d),
-                part_lse.reshape(w * s, nq),
-                unique=False,
-            )
-        return out, lse
-
-    def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        """Gradients (compute dtype) of this batch's pairs, given the FINAL output and lse."""
-        _check_shapes(q_tnd, k_tnd, v_tnd, batch)
-        t, nq, d = q_tnd.shape
-        nkv = k_tnd.shape[1]
-        group = nq // nkv
-        dtype = compute_dtype(q_tnd.dtype)
-        dev = q_tnd.device
-        # delta_i = sum_j P_ij dP_ij = <dout_i, out_i>: the softmax backward's row term.
-        delta = (dout_tnd.to(dtype) * out_tnd.to(dtype)).sum(-1)
-        # A row that saw no key has lse -inf and P = 0; +inf keeps exp(score - lse) at 0.
-        lse = torch.where(torch.isinf(lse_tn), float("inf"), lse_tn.to(dtype))
-        dq = torch.zeros((t, nq, d), dtype=dtype, device=dev)
-        dk = torch.zeros(k_tnd.shape, dtype=dtype, device=dev)
-        dv = torch.zeros(k_tnd.shape, dtype=dtype, device=dev)
-        for chunk in self._chunks(batch, nq, dev):
-            # Padding rows alias real rows: masking them keeps their gradients at exactly 0.
-            rows_q, rows_k, hidden, _ = self._tile(chunk, t, k_tnd.shape[0], True)
-            w, s = rows_q.shape
-            q_t = q_tnd[rows_q].to(dtype).view(w, s, nkv, group, d)
-            do_t = dout_tnd[rows_q].to(dtype).view(w, s, nkv, group, d)
-            k_t, v_t = k_tnd[rows_k].to(dtype), v_tnd[rows_k].to(dtype)
-            lse_t = lse[rows_q].view(w, s, nkv, group).permute(0, 2, 3, 1)
-            delta_t = delta[rows_q].view(w, s, nkv, group).permute(0, 2, 3, 1)
-            # In place from here on: the score tiles are the largest tensors of the kernel.
-            scores = torch.einsum("wihgd,wjhd->whgij", q_t, k_t).mul_(softmax_scale)
-            if hidden is not None:
-                scores.masked_fill_(hidden[:, None, None], float("-inf"))
-            probs = scores.sub_(lse_t.unsqueeze(-1)).exp_()
-            dv_t = torch.einsum("whgij,wihgd->wjhd", probs, do_t)
-            dprobs = torch.einsum("wihgd,wjhd->whgij", do_t, v_t)
-            # dS = P * (dP - delta) * scale; the scale is applied to dQ and dK, d values per
-            # row instead of one per score.
-            dscores = dprobs.sub_(delta_t.unsqueeze(-1)).mul_(probs)
-            dq_t = torch.einsum("whgij,wjhd->wihgd", dscores, k_t).mul_(softmax_scale)
-            dk_t = torch.einsum("whgij,wihgd->wjhd", dscores, q_t).mul_(softmax_scale)
-            dq.index_add_(0, rows_q.reshape(-1), dq_t.reshape(w * s, nq, d))
-            dk.index_add_(0, rows_k.reshape(-1), dk_t.reshape(w * s, nkv, d))
-            dv.index_add_(0, rows_k.reshape(-1), dv_t.reshape(w * s, nkv, d))
-        return dq, dk, dv
+def requires_cuda(name: str) -> bool:
+    """Whether kernel ``name`` runs on CUDA only (every built-in kernel but ``torch``)."""
+    return name in _UNAVAILABLE
 
 
 def flash_available() -> bool:
-    """Whether flash-attn imports here (checked without importing it)."""
-    return importlib.util.find_spec("flash_attn") is not None and torch.cuda.is_available()
-
-
-def _flash_kernel() -> AttentionKernel:
-    from megatron_zeppelin.attention.flash import FlashKernel
-
-    return FlashKernel()
-
-
-_FACTORIES: dict[str, Callable[[], AttentionKernel]] = {
-    "torch": TorchKernel,
-    "flash": _flash_kernel,
-}
-_INSTANCES: dict[str, AttentionKernel] = {}
+    """Whether flash-attn 2 (kernel ``"flash"``) can run here."""
+    return flash2_unavailable() is None
 
 
 def register_kernel(name: str, factory: Callable[[], AttentionKernel]) -> None:
@@ -372,11 +74,52 @@ def register_kernel(name: str, factory: Callable[[], AttentionKernel]) -> None:
     if name == "auto":
         raise ValueError("'auto' is reserved: it picks between the registered kernels")
     _FACTORIES[name] = factory
+    _UNAVAILABLE.pop(name, None)
     _INSTANCES.pop(name, None)
+    _AUTO.clear()
 
 
 def available_kernels() -> list[str]:
     return ["auto", *sorted(_FACTORIES)]
+
+
+def choose_kernel(
+    name: str = "auto",
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[str, str]:
+    """The kernel that runs for ``name`` on ``device`` with inputs of ``dtype``, and why.
+
+    A named kernel is returned as it is when it can run here, else ``ValueError`` says why.
+    ``"auto"`` takes the first of ``AUTO_ORDER`` that can run (fp16/bf16 on CUDA), else
+    ``"torch"``; the reason names what it skipped."""
+    if name not in _FACTORIES and name != "auto":
+        raise ValueError(f"unknown attention kernel {name!r}; choose one of {available_kernels()}")
+    if name != "auto":
+        problem = _UNAVAILABLE[name]() if name in _UNAVAILABLE else None
+        if problem is not None:
+            raise ValueError(
+                f"attention kernel {name!r} cannot run here: {problem}; use 'auto' (which "
+                "picks the best kernel that runs here) or 'torch' instead"
+            )
+        return name, f"{name}: asked for by name"
+    on_cuda = device is not None and torch.device(device).type == "cuda"
+    if not on_cuda:
+        return "torch", "no CUDA device: the tiled PyTorch kernel"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return "torch", (
+            f"{str(dtype).removeprefix('torch.')} activations (the flash kernels take float16 "
+            "or bfloat16): the tiled PyTorch kernel"
+        )
+    skipped = []
+    for candidate in AUTO_ORDER:
+        problem = _UNAVAILABLE.get(candidate, lambda: None)()
+        if problem is None:
+            before = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            return candidate, f"{candidate}: the fastest kernel that runs here{before}"
+        skipped.append(f"{candidate}: {problem}")
+    return "torch", f"no flash kernel runs here ({'; '.join(skipped)}): the tiled PyTorch kernel"
 
 
 def get_kernel(
@@ -385,13 +128,14 @@ def get_kernel(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> AttentionKernel:
-    """The kernel called ``name``; ``"auto"`` resolves with ``device`` and ``dtype``."""
+    """The kernel called ``name``; ``"auto"`` resolves with ``device`` and ``dtype``
+    (``choose_kernel``, once per device and dtype: the engine asks at every call)."""
     if name == "auto":
-        on_cuda = device is not None and torch.device(device).type == "cuda"
-        half = dtype in (torch.float16, torch.bfloat16)
-        name = "flash" if on_cuda and half and flash_available() else "torch"
-    if name not in _FACTORIES:
-        raise ValueError(f"unknown attention kernel {name!r}; choose one of {available_kernels()}")
+        key = (str(torch.device(device)) if device is not None else "cpu", dtype)
+        if key not in _AUTO:
+            _AUTO[key] = choose_kernel(name, device=device, dtype=dtype)[0]
+        name = _AUTO[key]
     if name not in _INSTANCES:
+        choose_kernel(name, device=device, dtype=dtype)  # a clear error if it cannot run
         _INSTANCES[name] = _FACTORIES[name]()
     return _INSTANCES[name]

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from megatron_zeppelin.attention.kernels import VarlenBatch
+from megatron_zeppelin.attention.kernel_api import VarlenBatch
 from megatron_zeppelin.planner.plan import Plan, Tier
 from megatron_zeppelin.planner.schedule import (
     Message,

@@ -23,6 +23,14 @@ passes the sum on; after the last compute one more hop brings the total home to 
 owner. The owner's own contribution at compute 0 never leaves it. Gradients of query rows stay
 local. Each pair's gradient uses the final output and lse, so it is exact on its own.
 
+Streams (CUDA): everything here runs on the caller's current stream, the compute stream: every
+kernel call, merge and copy, and the posting of every exchange. The exchanger's transfers run on
+its communicators' own streams (``comm/exchange.py``), which wait for the compute stream at
+posting, and ``wait`` makes the compute stream wait for them; neither blocks the host on NCCL. So
+while one ring step's blocks are computed, the next step's transfers are in flight. A
+``step_timing.RingTimer`` (optional) marks events around both and reports per tier the compute,
+the communication and the part of it the compute stream waited for.
+
 Gradients travel in float32 for half-precision inputs (they are sums over the whole ring);
 K/V travel in the input dtype. Letters: t rows of a buffer, n heads, d head dim; the travelling
 rows are ``kv_t2nd`` ``(t, 2, nkv, d)`` (K and V of a token side by side, one message per edge).
@@ -38,14 +46,18 @@ buffers are what the host pays for most (page faults), far more than the per-ste
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from megatron_zeppelin.attention.kernels import AttentionKernel, compute_dtype, get_kernel
+from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtype
+from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep, Rows, TierLayout
 from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.attention.step_timing import RingTimer
+from megatron_zeppelin.comm.protocol import Exchanger, Pending
 
 __all__ = ["Buffers", "Gradients", "RingAttentionFunction", "RingRuntime", "interleave"]
 
@@ -132,23 +144,32 @@ class Gradients:
 class RingRuntime:
     """A rank's layout bound to an exchanger, a kernel name and a softmax scale. ``tag``
     prefixes the tags of its exchanges (runtimes whose exchanges are in flight together need
-    different ones)."""
+    different ones); ``timer`` (optional) times compute and transfers per tier, under names
+    ``label`` + the tier's (``own`` for compute 0)."""
 
     def __init__(
         self,
         layout: RankLayout,
-        exchanger: Any,
+        exchanger: Exchanger,
         *,
         kernel: str,
         softmax_scale: float | None,
         tag: str = "zeppelin",
+        timer: RingTimer | None = None,
+        label: str = "",
     ) -> None:
         self.layout = layout
         self.tag = tag
         self.exchanger = exchanger
         self.kernel_name = kernel
         self.softmax_scale = softmax_scale
+        self.timer = timer
+        self.label = label
         self._moved: dict[tuple[int, str], torch.Tensor] = {}
+
+    def _compute(self, tier: str):  # noqa: ANN202
+        """Context of one tier's kernel calls at one step (timed when there is a timer)."""
+        return nullcontext() if self.timer is None else self.timer.compute(self.label + tier)
 
     def kernel(self, like: torch.Tensor) -> AttentionKernel:
         return get_kernel(self.kernel_name, device=like.device, dtype=like.dtype)
@@ -174,7 +195,7 @@ class RingRuntime:
         return x.index_select(0, self.on(index, x.device))
 
     # --- exchanges -------------------------------------------------------------------------
-    def _start(self, tier: TierLayout, step: RingStep, source, *, grad: bool) -> Any:  # noqa: ANN001
+    def _start(self, tier: TierLayout, step: RingStep, source, *, grad: bool) -> Pending:  # noqa: ANN001
         """Post one step. ``source`` is the travelling buffer ``(t, 2, nkv, d)`` the step
         forwards (K/V) or returns (dK/dV), or ``(k_tnd, v_tnd)`` of this rank's own buffer: own
         K and V are never stacked whole, only the rows that leave are (a few ring blocks of a
@@ -191,19 +212,26 @@ class RingRuntime:
             payload = {(self.layout.rank, dst): self._rows(source, i) for dst, i in sends.items()}
             row_shape, dtype = tuple(source.shape[1:]), source.dtype
         kind = "grad" if grad else "kv"
-        return self.exchanger.start(
+        pending = self.exchanger.start(
             messages,
             payload,
             row_shape=row_shape,
             dtype=dtype,
             tag=f"{self.tag}/{tier.tier.value}/{kind}/{step.index}",
         )
+        if self.timer is not None:
+            self.timer.posted(pending, self.label + tier.tier.value)
+        return pending
 
     def _received(
-        self, step: RingStep, pending: Any, empty: torch.Tensor | None
+        self, step: RingStep, pending: Pending, empty: torch.Tensor | None
     ) -> torch.Tensor | None:
         """The rows ``step`` brought in message order (``empty`` when none came)."""
+        if self.timer is not None:
+            self.timer.waiting(pending)
         got = pending.wait()
+        if self.timer is not None:
+            self.timer.landed(pending)
         parts = [got[(src, self.layout.rank)] for src in step.recv_from]
         if not parts:
             return empty
@@ -280,7 +308,8 @@ class RingRuntime:
     def forward_own(self, buffers: Buffers) -> None:
         """Compute 0: local documents and this rank's own blocks; starts ``out``/``lse``."""
         b = buffers
-        b.out, b.lse = self.forward_calls(self.layout.own_calls, b.q, b.k, b.v, None, None)
+        with self._compute("own"):
+            b.out, b.lse = self.forward_calls(self.layout.own_calls, b.q, b.k, b.v, None, None)
 
     def forward_runs(self, buffers: Buffers) -> list[Iterator[None]]:
         """One run per tier (see ``interleave``): the first resume posts step 0, each later
@@ -295,7 +324,8 @@ class RingRuntime:
             held = self._received(step, pending, empty)
             if following is not None:
                 pending = self._start(tier, following, held, grad=False)
-            self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
+            with self._compute(tier.tier.value):
+                self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
             yield
 
     def backward(self, dout, q, k, v, out, lse, saved=()):  # noqa: ANN001
@@ -318,7 +348,8 @@ class RingRuntime:
     def backward_own(self, g: Gradients) -> None:
         """The gradients of compute 0 (local documents and own blocks)."""
         b = g.buffers
-        self.backward_calls(self.layout.own_calls, g.saved, b.k, b.v, g.dq, g.dk, g.dv)
+        with self._compute("own"):
+            self.backward_calls(self.layout.own_calls, g.saved, b.k, b.v, g.dq, g.dk, g.dv)
 
     def backward_runs(self, grads: Gradients) -> list[Iterator[None]]:
         """One run per tier, like ``forward_runs``; each step's dK/dV follow one step behind."""
@@ -337,7 +368,10 @@ class RingRuntime:
                 pending = self._start(tier, following, held, grad=False)
             block = (held.shape[0], *b.k.shape[1:])
             dk_held, dv_held = _RowSum(block, dtype, b.k.device), _RowSum(block, dtype, b.k.device)
-            self.backward_calls(step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held)
+            with self._compute(tier.tier.value):
+                self.backward_calls(
+                    step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held
+                )
             dkv = torch.stack((dk_held.result(), dv_held.result()), 1)
             if before is not None:  # the gradient of these blocks from the ranks before this one
                 self._add_grads(before, returning, dkv, g.dk, g.dv)
@@ -345,7 +379,7 @@ class RingRuntime:
             yield
         self._add_grads(before, returning, None, g.dk, g.dv)
 
-    def _add_grads(self, step: RingStep, pending: Any, dkv, dk, dv) -> None:  # noqa: ANN001
+    def _add_grads(self, step: RingStep, pending: Pending, dkv, dk, dv) -> None:  # noqa: ANN001
         """Add the gradients received in ``step`` to the next held buffer's ``dkv`` (still
         travelling) and to this rank's own ``dk``/``dv`` (home)."""
         got = self._received(step, pending, None)

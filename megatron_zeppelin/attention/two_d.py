@@ -23,13 +23,12 @@ inputs, ``gq``/``gkv`` heads of one group, d head dim.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from megatron_zeppelin.attention.head_layout import HeadLayout
 from megatron_zeppelin.attention.ring import Buffers, Forward, RingRuntime, interleave
 from megatron_zeppelin.comm.heads import HeadAllToAll
+from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.planner.heads import HeadGroups, head_groups
 
 __all__ = ["TwoDRuntime"]
@@ -40,7 +39,7 @@ _TAG = "zeppelin/2d"
 class TwoDRuntime:
     """``RingRuntime``'s ``forward``/``backward`` for a plan with 2-D documents."""
 
-    def __init__(self, flat: RingRuntime, heads: HeadLayout, exchanger: Any) -> None:
+    def __init__(self, flat: RingRuntime, heads: HeadLayout, exchanger: Exchanger) -> None:
         self.flat = flat
         self.heads = heads
         self.columns = RingRuntime(
@@ -49,6 +48,8 @@ class TwoDRuntime:
             kernel=flat.kernel_name,
             softmax_scale=flat.softmax_scale,
             tag=_TAG,
+            timer=flat.timer,  # the column rings' figures come as "2d inter", "2d own"
+            label="2d ",
         )
         gpus = heads.num_groups
         self.all_to_all = HeadAllToAll(exchanger, heads.rank, lambda rank: rank % gpus)

@@ -2,16 +2,21 @@
 
 - ``groups.ZeppelinGroups``: node, rail and world groups of every Zeppelin world (all the
   processes, or the data-parallel ranks of one tensor-parallel index), created once at start-up;
+- ``protocol``: the ``Exchanger`` the attention engine calls, and the payload check every
+  transport shares (no torch.distributed there);
 - ``exchange.DistExchanger``: one ring step's messages, direct or over proxy GPUs;
 - ``pending``: how the hops of one step are posted (relays overlapped on gloo, staged on NCCL);
+- ``posting``: the order batches are posted in, recorded and checked across ranks;
 - ``remap``: all-to-all between the linear and the attention layout (autograd);
 - ``heads``: the 2-D scheme's head all-to-all inside each node, over the ring's exchanger;
 - ``counters.LinkCounters``: bytes per link class, from the sends actually made.
 """
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
-from megatron_zeppelin.comm.exchange import DistExchanger, Exchanger, Pending, ZeppelinCommError
+from megatron_zeppelin.comm.exchange import DistExchanger
 from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.posting import PostingLog, check_posting_order
+from megatron_zeppelin.comm.protocol import Exchanger, Pending, ZeppelinCommError
 from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
 
 __all__ = [
@@ -19,9 +24,11 @@ __all__ = [
     "Exchanger",
     "LinkCounters",
     "Pending",
+    "PostingLog",
     "ZeppelinCommError",
     "ZeppelinGroups",
     "attention_to_linear",
+    "check_posting_order",
     "comparable",
     "linear_to_attention",
 ]

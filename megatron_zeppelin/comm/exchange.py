@@ -1,12 +1,13 @@
 """Ring-step exchanges over torch.distributed point-to-point, direct or routed over proxy GPUs.
 
-The engine hands ``Exchanger.start`` the GLOBAL list of one ring step's messages (every rank the
-same list, in the same order) and this rank's outgoing tensors; transfers run in the background
-and ``Pending.wait`` returns what this rank received. Each rank only acts on the messages it sends,
-receives or relays.
+``DistExchanger`` implements ``comm.protocol.Exchanger``: the engine hands ``start`` the GLOBAL
+list of one ring step's messages (every rank the same list, in the same order) and this rank's
+outgoing tensors; transfers run in the background and ``Pending.wait`` returns what this rank
+received. Each rank only acts on the messages it sends, receives or relays.
 
-Routing (plan.routes, DESIGN.md section 3): a message on a routed edge ``a -> b`` is cut along
-dim 0 with ``split_by_weights`` into one part per route part, and part ``j`` travels
+Routing (plan.routes, chosen by ``planner/routing.py``): a message on a routed edge ``a -> b``
+is cut along dim 0 into one part per route part (``planner.schedule.message_legs``), and part
+``j`` travels
 
     hop 1  a -> src_proxy_j        NVLink, skipped when the same GPU
     hop 2  src_proxy_j -> dst_proxy_j   across nodes on the proxies' rail
@@ -15,7 +16,14 @@ dim 0 with ``split_by_weights`` into one part per route part, and part ``j`` tra
 and ``b`` concatenates the parts in order, so the result is identical to a direct send. How the
 hops are posted is ``pending.py``'s business: on gloo every hop is posted by ``start`` and a
 proxy forwards as soon as a part lands, without waiting for its own ``wait``; on NCCL the hops
-are stages posted by ``wait``.
+are stages posted by ``wait``, every rank posting its batches in one communicator order, and
+waits are stream-ordered.
+
+Streams (CUDA): ``start`` and ``wait`` are called on the engine's current stream, the one its
+kernels run on. Each communicator's transfers run on that communicator's own NCCL stream, which
+waits for the current stream when they are posted; ``wait`` makes the current stream wait for
+them. So the kernels of one ring step overlap the next step's transfers, and a kernel that reads
+received rows runs after they land, without the host ever blocking on a transfer.
 
 Ordering is what keeps point-to-point matched: every rank builds its operations by walking the
 same global message list, parts and hops in the same order, and all ranks call ``start``/``wait``
@@ -29,41 +37,23 @@ Shapes: ``payload[(src, dst)]`` is ``(t, *row_shape)``, ``t`` the message's toke
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Protocol
 
 import torch
 
 from megatron_zeppelin.comm.counters import LinkCounters
 from megatron_zeppelin.comm.groups import ZeppelinGroups
-from megatron_zeppelin.comm.pending import (
-    RelayPending,
-    StagedPending,
+from megatron_zeppelin.comm.pending import RelayPending, StagedPending, Transport, step_legs
+from megatron_zeppelin.comm.posting import PostingLog
+from megatron_zeppelin.comm.protocol import (
+    Exchanger,
+    Pending,
     ZeppelinCommError,
-    plan_legs,
+    check_payload,
 )
 from megatron_zeppelin.planner.plan import Plan, Route
 from megatron_zeppelin.planner.schedule import Message
 
-__all__ = ["DistExchanger", "Exchanger", "Pending", "ZeppelinCommError", "plan_legs"]
-
-
-class Pending(Protocol):
-    def wait(self) -> dict[tuple[int, int], torch.Tensor]: ...
-
-
-class Exchanger(Protocol):
-    rank: int
-    world_size: int
-
-    def start(
-        self,
-        messages: Sequence[Message],
-        payload: Mapping[tuple[int, int], torch.Tensor],
-        *,
-        row_shape: tuple[int, ...],
-        dtype: torch.dtype,
-        tag: str,
-    ) -> Pending: ...
+__all__ = ["DistExchanger", "Exchanger", "Pending", "ZeppelinCommError"]
 
 
 class DistExchanger:
@@ -73,7 +63,8 @@ class DistExchanger:
     every message goes direct. ``counters`` (optional) counts every send this rank makes.
     ``overlap``: relay routed parts from a helper thread as soon as they land (``RelayPending``);
     default on for gloo, off (``StagedPending``) for NCCL, where it is refused (``pending.py``
-    says why).
+    says why). ``posting_log`` (staged posting only) records every batch this rank posts, for
+    ``comm.posting.check_posting_order``.
     """
 
     def __init__(
@@ -86,15 +77,21 @@ class DistExchanger:
         timeout_s: float = 300.0,
         device: torch.device | str | None = None,
         overlap: bool | None = None,
+        posting_log: PostingLog | None = None,
     ):
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be positive, got {timeout_s}")
         if overlap is None:
-            overlap = groups.backend == "gloo"
+            overlap = groups.backend == "gloo" and posting_log is None
         elif overlap and groups.backend == "nccl":
             raise ValueError(
                 "overlap=True needs a backend that matches point-to-point by tag (gloo); NCCL "
                 "matches by posting order, so leave overlap unset or False with NCCL"
+            )
+        if overlap and posting_log is not None:
+            raise ValueError(
+                "a posting log records staged posting (the NCCL discipline); relays posted from "
+                "helper threads have no fixed order: pass overlap=False with posting_log"
             )
         self.overlap = bool(overlap)
         self.groups = groups
@@ -103,6 +100,7 @@ class DistExchanger:
         self.routing = routing
         self.counters = counters
         self.timeout_s = float(timeout_s)
+        self.posting_log = posting_log
         if device is None:
             device = (
                 torch.device("cuda", torch.cuda.current_device())
@@ -137,43 +135,23 @@ class DistExchanger:
     ) -> RelayPending | StagedPending:
         """Post this rank's part of one ring step; see the module docstring."""
         row_shape = tuple(int(d) for d in row_shape)
-        sends = {(m.src, m.dst): m for m in messages if m.src == self.rank}
-        for key in payload:
-            if key not in sends:
-                raise ZeppelinCommError(
-                    f"exchange {tag!r}: payload for {key} but rank {self.rank} sends no such "
-                    "message in this step"
-                )
-        for key, msg in sends.items():
-            tensor = payload.get(key)
-            expected = (msg.num_tokens, *row_shape)
-            if tensor is None:
-                if msg.num_tokens:
-                    raise ZeppelinCommError(f"exchange {tag!r}: no payload for message {key}")
-                continue
-            if tuple(tensor.shape) != expected or tensor.dtype != dtype:
-                raise ZeppelinCommError(
-                    f"exchange {tag!r}: payload {key} is {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"the message needs {expected} {dtype}"
-                )
-            if tensor.device != self.device:
-                raise ZeppelinCommError(
-                    f"exchange {tag!r}: payload {key} is on {tensor.device}, the exchanger "
-                    f"sends from {self.device}"
-                )
+        check_payload(messages, payload, rank=self.rank, row_shape=row_shape, dtype=dtype,
+                      tag=tag, device=self.device)  # fmt: skip
         if (
             self.routing
             and self.plan is None
             and any(not self.groups.topology.same_node(m.src, m.dst) for m in messages)
         ):
             raise ValueError("routing is on but no plan was given: call set_plan(plan) first")
-        legs = plan_legs(messages, self._routes if self.routing else None)
+        legs = step_legs(messages, self._routes if self.routing else {})
         held = {
-            index: payload[(messages[leg.message].src, messages[leg.message].dst)]
+            index: payload[(messages[message].src, messages[message].dst)]
             .narrow(0, leg.offset, leg.num_tokens)
             .contiguous()
-            for index, leg in enumerate(legs)
+            for index, (message, leg) in enumerate(legs)
             if leg.path[0] == self.rank
         }
+        transport = Transport(self.groups, self.device, self.counters, self.timeout_s,
+                              self.posting_log)  # fmt: skip
         kind = RelayPending if self.overlap else StagedPending
-        return kind(self, messages, legs, held, row_shape, dtype, tag)
+        return kind(transport, messages, legs, held, row_shape, dtype, tag)

@@ -21,6 +21,23 @@ first global rank, and for each world its world group (sub-worlds only), node gr
 groups. ``create_all`` takes the list of worlds; ``create(..., ranks=)`` takes only this
 process's world and learns the others with one ``all_gather_object``. Nothing else touches group
 creation, so no group is made per batch.
+
+Every group the plugin creates carries the Zeppelin timeout (``timeout_s``, from
+``--zeppelin-comm-timeout-s``): on NCCL that is the watchdog's bound on a stuck transfer, since
+waits there are stream-ordered and never block the host (``pending.py``). The Zeppelin world is a
+group of its own for the same reason, even when it spans every process.
+
+Warm-up. NCCL builds a communicator on its first operation, and PyTorch leaves a batched
+point-to-point call that is a communicator's first, among only some of its ranks, undefined. So
+right after creation every process runs one small all-reduce on every group it is a member of,
+in creation order (the same on every process, so the earliest group not yet warmed always has
+all of its members waiting in it): world groups of sub-worlds (tensor parallelism), node groups
+and rail groups alike.
+
+Posting order. ``posting_order`` sorts the groups a stage's batches use into one order (node
+groups by node, rail groups by local index, then the world), the same on every rank, so batches
+on several communicators never wait on each other crosswise (``posting.py`` explains why NCCL
+needs it).
 """
 
 from __future__ import annotations
@@ -28,12 +45,17 @@ from __future__ import annotations
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 
+import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["ZeppelinGroups"]
+__all__ = ["POSTING_ORDER", "ZeppelinGroups"]
+
+POSTING_ORDER = ("node", "rail", "world")
+"""Kinds of group in the order every rank posts a stage's batches on them."""
 
 TAG_SPACE = 1 << 30
 """Point-to-point tags handed out by ``ZeppelinGroups.reserve_tags`` wrap below this (gloo takes
@@ -80,12 +102,14 @@ class ZeppelinGroups:
         *,
         backend: str | None = None,
         ranks: Sequence[int] | None = None,
+        timeout_s: float | None = None,
     ) -> ZeppelinGroups:
         """This process's groups; call on every process, once, after ``init_process_group``.
 
         ``ranks``: the global ranks of this process's Zeppelin world in Zeppelin-rank order
         (default: every process, in order). Each process passes its own world; the worlds are
         exchanged with one ``all_gather_object`` so every process creates every world's groups.
+        ``timeout_s``: the groups' timeout (default: torch's); see the module docstring.
         """
         _require_initialized()
         world_size = dist.get_world_size()
@@ -97,68 +121,52 @@ class ZeppelinGroups:
                     "change --nodes/--gpus-per-node (or the launcher's process count) so they "
                     "agree"
                 )
-            return cls.create_all(topology, [range(world_size)], backend=backend)
+            return cls.create_all(
+                topology, [range(world_size)], backend=backend, timeout_s=timeout_s
+            )
         mine = [int(r) for r in ranks]
         gathered: list[list[int] | None] = [None] * world_size
         dist.all_gather_object(gathered, mine)
         worlds = {tuple(w) for w in gathered if w is not None}
-        return cls.create_all(topology, sorted(worlds), backend=backend)
+        return cls.create_all(topology, sorted(worlds), backend=backend, timeout_s=timeout_s)
 
     @classmethod
     def create_all(
-        cls, topology: Topology, worlds: Sequence[Sequence[int]], *, backend: str | None = None
+        cls,
+        topology: Topology,
+        worlds: Sequence[Sequence[int]],
+        *,
+        backend: str | None = None,
+        timeout_s: float | None = None,
     ) -> ZeppelinGroups:
         """Create the groups of every Zeppelin world in ``worlds`` (the same list on every
         process: each world's global ranks in Zeppelin-rank order, every process in exactly
-        one) and return this process's view."""
+        one), warm up this process's groups and return its view."""
         _require_initialized()
-        world_size = dist.get_world_size()
         worlds = [tuple(int(r) for r in w) for w in worlds]
-        for w in worlds:
-            if len(w) != topology.world_size:
-                raise ValueError(
-                    f"the topology has {topology.num_nodes} nodes x {topology.gpus_per_node} GPUs"
-                    f" = {topology.world_size} ranks but a Zeppelin world has {len(w)} processes "
-                    f"({list(w)}): change --nodes/--gpus-per-node, or the data-parallel size, so "
-                    "they agree"
-                )
-        members = sorted(r for w in worlds for r in w)
-        if members != list(range(world_size)):
-            raise ValueError(
-                f"the Zeppelin worlds {[list(w) for w in worlds]} must cover each of the "
-                f"{world_size} processes exactly once"
-            )
+        _check_worlds(topology, worlds, dist.get_world_size())
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"the groups' timeout must be positive seconds, got {timeout_s}")
         me = dist.get_rank()
-        backend = str(backend or dist.get_backend())
-        whole = len(worlds) == 1
+        make = _GroupMaker(str(backend or dist.get_backend()), timeout_s, me)
         view: ZeppelinGroups | None = None
         # Same order on every process: worlds by first rank; per world its world group, all
         # node groups, then all rail groups.
         for w in sorted(worlds, key=lambda w: min(w)):
-            if whole and w == tuple(range(world_size)):
-                world_group = dist.group.WORLD
-            else:
-                world_group = dist.new_group(sorted(w), backend=backend)
-            nodes = [_group(topology.ranks_of_node(n), w, me, backend)
+            world_group = make(list(w))
+            nodes = [make([w[r] for r in topology.ranks_of_node(n)])
                      for n in range(topology.num_nodes)]  # fmt: skip
             rails = [
-                _group(
-                    [topology.rank_of(n, local) for n in range(topology.num_nodes)], w, me, backend
-                )  # fmt: skip
+                make([w[topology.rank_of(n, local)] for n in range(topology.num_nodes)])
                 for local in range(topology.gpus_per_node)
             ]
             if me in w:
                 assert world_group is not None
-                identity = w == tuple(range(world_size))
+                identity = w == tuple(range(dist.get_world_size()))
                 view = cls(topology, w.index(me), world_group, tuple(nodes), tuple(rails),
-                           backend, () if identity else w)  # fmt: skip
+                           make.backend, () if identity else w)  # fmt: skip
         assert view is not None, "every process is in one world (checked above)"
-        if view.backend == "nccl":
-            # NCCL builds a communicator lazily on its first collective, and a batched P2P call
-            # that is a group's first must involve all of its ranks; a barrier on our own groups
-            # (every member reaches it in the same order) makes the first ring step safe.
-            for group in (view.node_group(topology.node_of(view.rank)), view.rail_group(view.rank)):
-                dist.barrier(group=group)
+        warm_up(make.mine, make.backend)
         return view
 
     @property
@@ -188,18 +196,86 @@ class ZeppelinGroups:
             raise ValueError(f"rank {self.rank} is not on the rail of rank {rank}")
         return group
 
-    def link_group(self, a: int, b: int) -> dist.ProcessGroup:
-        """The group a transfer between Zeppelin ranks ``a`` and ``b`` runs on: their node's
-        group when they share a node, their rail when they share a local index, else the
-        Zeppelin world."""
+    def link_key(self, a: int, b: int) -> tuple[str, int]:
+        """The group a transfer between Zeppelin ranks ``a`` and ``b`` runs on: ``("node", n)``
+        when they share node ``n``, ``("rail", j)`` when they share local index ``j``, else
+        ``("world", 0)``, the Zeppelin world."""
         topo = self.topology
         if self.rank not in (a, b):
             raise ValueError(f"rank {self.rank} is neither end of the link {a} -> {b}")
         if topo.same_node(a, b):
-            return self.node_group(topo.node_of(a))
+            return ("node", topo.node_of(a))
         if topo.local_of(a) == topo.local_of(b):
-            return self.rail_group(a)
-        return self.world
+            return ("rail", topo.local_of(a))
+        return ("world", 0)
+
+    def group(self, key: tuple[str, int]) -> dist.ProcessGroup:
+        """The process group of a ``link_key``."""
+        kind, index = key
+        if kind == "node":
+            return self.node_group(index)
+        if kind == "rail":
+            group = self.rails[index]
+            if group is None:
+                raise ValueError(f"rank {self.rank} is not on rail {index}")
+            return group
+        if kind == "world":
+            return self.world
+        raise ValueError(f"unknown kind of group {kind!r}; one of {POSTING_ORDER}")
+
+    def link_group(self, a: int, b: int) -> dist.ProcessGroup:
+        """The process group of ``link_key(a, b)``."""
+        return self.group(self.link_key(a, b))
+
+    @staticmethod
+    def posting_order(key: tuple[str, int]) -> tuple[int, int]:
+        """Sort key of a ``link_key``: the order every rank posts a stage's batches in."""
+        return POSTING_ORDER.index(key[0]), key[1]
+
+
+def _check_worlds(topology: Topology, worlds: list[tuple[int, ...]], world_size: int) -> None:
+    for w in worlds:
+        if len(w) != topology.world_size:
+            raise ValueError(
+                f"the topology has {topology.num_nodes} nodes x {topology.gpus_per_node} GPUs"
+                f" = {topology.world_size} ranks but a Zeppelin world has {len(w)} processes "
+                f"({list(w)}): change --nodes/--gpus-per-node, or the data-parallel size, so "
+                "they agree"
+            )
+    if sorted(r for w in worlds for r in w) != list(range(world_size)):
+        raise ValueError(
+            f"the Zeppelin worlds {[list(w) for w in worlds]} must cover each of the "
+            f"{world_size} processes exactly once"
+        )
+
+
+class _GroupMaker:
+    """``new_group`` with the plugin's backend and timeout (a collective on every process);
+    returns the group if this process is in it, else ``None``, and keeps this process's groups
+    in creation order in ``mine``."""
+
+    def __init__(self, backend: str, timeout_s: float | None, me: int) -> None:
+        self.backend, self.me = backend, me
+        self.timeout = timedelta(seconds=timeout_s) if timeout_s is not None else None
+        self.mine: list[dist.ProcessGroup] = []
+
+    def __call__(self, members: list[int]) -> dist.ProcessGroup | None:
+        kwargs = {} if self.timeout is None else {"timeout": self.timeout}
+        group = dist.new_group(sorted(members), backend=self.backend, **kwargs)
+        if self.me not in members:
+            return None
+        self.mine.append(group)
+        return group
+
+
+def warm_up(groups: Sequence[dist.ProcessGroup], backend: str) -> None:
+    """One small all-reduce on each of ``groups``, in order (see the module docstring); on
+    NCCL the tensor lives on this process's current GPU."""
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", torch.cuda.current_device())
+    for group in groups:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def _require_initialized() -> None:
@@ -208,13 +284,3 @@ def _require_initialized() -> None:
             "torch.distributed is not initialized: call init_process_group before "
             "ZeppelinGroups.create"
         )
-
-
-def _group(
-    zeppelin_ranks: Sequence[int], world: tuple[int, ...], me: int, backend: str
-) -> dist.ProcessGroup | None:
-    """``new_group`` of the given Zeppelin ranks of ``world`` (a collective on every process);
-    the group if this process is in it, else ``None``."""
-    members = [world[r] for r in zeppelin_ranks]
-    group = dist.new_group(sorted(members), backend=backend)
-    return group if me in members else None

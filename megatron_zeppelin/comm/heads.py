@@ -18,10 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from megatron_zeppelin.comm.protocol import Exchanger, Pending
 from megatron_zeppelin.planner.schedule import Message
 
 __all__ = ["HeadAllToAll", "HeadExchange", "HeadRanges"]
@@ -83,7 +83,7 @@ class _InFlight:
     """One started head exchange: the exchanger's pending receipts and this rank's own part."""
 
     exchange: HeadExchange
-    pending: Any
+    pending: Pending
     own: torch.Tensor | None
 
 
@@ -92,7 +92,7 @@ class HeadAllToAll:
 
     ``group_of(rank)``: the head group of a rank of the node (its local GPU index)."""
 
-    def __init__(self, exchanger: Any, rank: int, group_of: Callable[[int], int]) -> None:
+    def __init__(self, exchanger: Exchanger, rank: int, group_of: Callable[[int], int]) -> None:
         self.exchanger = exchanger
         self.rank = rank
         self.group_of = group_of

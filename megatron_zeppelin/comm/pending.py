@@ -1,7 +1,9 @@
 """One ring step's transfers in flight: how the hops of routed messages are posted and finished.
 
-``DistExchanger.start`` cuts the step's messages into legs (``plan_legs``: one piece of a message
-on a fixed path of one to three hops) and hands them to one of two ``Pending`` kinds:
+``DistExchanger.start`` cuts the step's messages into legs (``step_legs``: each message's
+``planner.schedule.message_legs``, a piece of the message on a fixed path of one to three hops)
+and hands them to one of two ``Pending`` kinds, with a ``Transport`` record of what they need
+from the exchanger (groups, device, counters, timeout, an optional posting log):
 
 * ``RelayPending`` (gloo): everything is posted by ``start``. Every receive this rank will make,
   of every hop, and every first-hop send go out at once; a helper thread forwards what this
@@ -12,14 +14,26 @@ on a fixed path of one to three hops) and hands them to one of two ``Pending`` k
   and the helper threads post in, and exchanges in flight together never mix.
 * ``StagedPending`` (NCCL, and any backend that matches point-to-point by posting order): the
   hops are stages; stage 0 is posted by ``start``, later stages by ``wait``, each after the
-  stage before it has landed. NCCL ignores tags and matches sends and receives by their order on
-  a communicator, so a helper thread posting relays while the main thread posts the next
+  stage before it. NCCL ignores tags and matches sends and receives by their order on a
+  communicator, so a helper thread posting relays while the main thread posts the next
   exchange would interleave nondeterministically and mismatch; relays there wait for ``wait``.
-  (A stream-ordered relay, posting every stage at ``start`` with the relay's sends ordered after
-  its receives on the GPU, is the NCCL way to overlap and needs several GPUs to test.)
+  A stage's operations go out as one batch per communicator, the batches in the one order of
+  ``ZeppelinGroups.posting_order`` on every rank (``posting.py`` says why NCCL needs it); with a
+  ``PostingLog`` in the transport every batch is recorded for ``posting.check_posting_order``.
 
-Both raise ``ZeppelinCommError`` naming the exchange's tag when a transfer fails or does not
-finish within the exchanger's timeout. Shapes: rows are ``(t, *row_shape)``.
+Waiting. On gloo a wait blocks the host, bounded by the exchanger's timeout. On NCCL
+``Work.wait()`` is stream-ordered: it makes the caller's current CUDA stream wait for the
+transfer and returns at once, so the host goes on queueing kernels while the transfer runs.
+It is never given a timeout there (a timeout makes it block the host until the transfer ends);
+NCCL's watchdog bounds a stuck transfer instead, with the groups' timeout (the same Zeppelin
+timeout, set when ``ZeppelinGroups`` creates them). Streams on NCCL: PyTorch runs each
+communicator's transfers on that communicator's own stream, which first waits for the current
+stream at posting (so a send sees the rows the compute stream wrote), and ``wait`` makes the
+current stream wait for it in turn (so a relay's next-hop send, on another communicator, and the
+kernels that use the rows come after the receive).
+
+Both raise ``ZeppelinCommError`` naming the exchange's tag when a transfer fails or (gloo) does
+not finish within the timeout. Shapes: rows are ``(t, *row_shape)``.
 """
 
 from __future__ import annotations
@@ -29,64 +43,53 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.planner.plan import Route, split_by_weights
-from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.comm.counters import LinkCounters
+from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.posting import RECV, SEND, Batch, PostedOp, PostingLog
+from megatron_zeppelin.comm.protocol import ZeppelinCommError
+from megatron_zeppelin.planner.plan import Route
+from megatron_zeppelin.planner.schedule import MAX_HOPS, Leg, Message, message_legs
 
-if TYPE_CHECKING:
-    from megatron_zeppelin.comm.exchange import DistExchanger
+__all__ = ["RelayPending", "StagedPending", "Transport", "step_legs"]
 
-__all__ = ["RelayPending", "StagedPending", "ZeppelinCommError", "plan_legs"]
-
-MAX_HOPS = 3
 JOIN_GRACE_S = 1.0
 
 
-class ZeppelinCommError(RuntimeError):
-    """A ring exchange was misused, timed out or lost a peer. The message names the tag."""
-
-
 @dataclass(frozen=True)
-class Leg:
-    """One piece of a message on a fixed path: rows ``[offset, offset + num_tokens)``."""
+class Transport:
+    """What transfers in flight need from their exchanger (built by it at each ``start``)."""
 
-    message: int
-    offset: int
-    num_tokens: int
-    path: tuple[int, ...]  # Zeppelin ranks visited, consecutive duplicates removed
+    groups: ZeppelinGroups
+    device: torch.device
+    counters: LinkCounters | None
+    timeout_s: float
+    posting_log: PostingLog | None = None
 
     @property
-    def hops(self) -> list[tuple[int, int]]:
-        return list(zip(self.path[:-1], self.path[1:]))
+    def rank(self) -> int:
+        return self.groups.rank
+
+    @property
+    def host_waits(self) -> bool:
+        """Whether a wait blocks the host with a timeout (gloo) or is stream-ordered (NCCL)."""
+        return self.groups.backend != "nccl"
 
 
-def plan_legs(
-    messages: Sequence[Message], routes: Mapping[tuple[int, int], Route] | None
-) -> list[Leg]:
-    """Every piece of every message with the path it takes (pure; the same on every rank)."""
-    legs = []
-    for index, msg in enumerate(messages):
-        route = routes.get((msg.src, msg.dst)) if routes is not None else None
-        if route is None:
-            if msg.num_tokens:
-                legs.append(Leg(index, 0, msg.num_tokens, (msg.src, msg.dst)))
-            continue
-        sizes = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-        offset = 0
-        for part, n in zip(route.parts, sizes):
-            if n:
-                path = [msg.src]
-                for rank in (part.src_proxy, part.dst_proxy, msg.dst):
-                    if rank != path[-1]:
-                        path.append(rank)
-                assert len(path) - 1 <= MAX_HOPS
-                legs.append(Leg(index, offset, n, tuple(path)))
-            offset += n
-    return legs
+def step_legs(
+    messages: Sequence[Message], routes: Mapping[tuple[int, int], Route]
+) -> list[tuple[int, Leg]]:
+    """``(message index, leg)`` of every leg of one step, in message order (pure; the same on
+    every rank). ``routes``: by edge; an edge without one goes direct."""
+    return [
+        (index, leg)
+        for index, msg in enumerate(messages)
+        for leg in message_legs(msg, routes.get((msg.src, msg.dst)))
+    ]
 
 
 def _shown(notes: list[str]) -> str:
@@ -96,10 +99,10 @@ def _shown(notes: list[str]) -> str:
 class _Pending:
     """What both kinds share: the legs, the rows held, errors, the final assembly."""
 
-    def __init__(self, exchanger: DistExchanger, messages: Sequence[Message], legs: list[Leg],
-                 held: dict[int, torch.Tensor], row_shape: tuple[int, ...], dtype: torch.dtype,
-                 tag: str):  # fmt: skip
-        self._ex = exchanger
+    def __init__(self, transport: Transport, messages: Sequence[Message],
+                 legs: list[tuple[int, Leg]], held: dict[int, torch.Tensor],
+                 row_shape: tuple[int, ...], dtype: torch.dtype, tag: str):  # fmt: skip
+        self._tr = transport
         self._messages = list(messages)
         self._legs = legs
         self._held = held  # leg index -> rows this rank holds now (sent or received)
@@ -110,17 +113,23 @@ class _Pending:
 
     def _buffer(self, leg: Leg) -> torch.Tensor:
         return torch.empty((leg.num_tokens, *self._row_shape), dtype=self._dtype,
-                           device=self._ex.device)  # fmt: skip
+                           device=self._tr.device)  # fmt: skip
 
     def _error(self, where: str, exc: BaseException | None) -> ZeppelinCommError:
         cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
         return ZeppelinCommError(
-            f"exchange {self.tag!r} failed on rank {self._ex.rank} while {where}{cause}. "
+            f"exchange {self.tag!r} failed on rank {self._tr.rank} while {where}{cause}. "
             "A peer may have died or fallen behind by more than the timeout "
-            f"({self._ex.timeout_s:g} s)."
+            f"({self._tr.timeout_s:g} s)."
         )
 
     def _wait_work(self, work: dist.Work, what: str, deadline: float) -> None:
+        if not self._tr.host_waits:
+            try:  # stream-ordered; NCCL's watchdog bounds it (module docstring)
+                work.wait()
+            except Exception as exc:
+                raise self._error(f"waiting on {what}", exc) from exc
+            return
         left = deadline - time.monotonic()
         if left <= 0:
             raise self._error(f"waiting on {what}", TimeoutError("timed out"))
@@ -136,15 +145,15 @@ class _Pending:
         if self._done:
             raise ZeppelinCommError(f"exchange {self.tag!r}: wait() called twice")
         self._done = True
-        return time.monotonic() + self._ex.timeout_s
+        return time.monotonic() + self._tr.timeout_s
 
     def _assemble(self) -> dict[tuple[int, int], torch.Tensor]:
         """``{(src, this rank): rows}`` for each message this rank receives, parts in order."""
-        rank = self._ex.rank
+        rank = self._tr.rank
         pieces: dict[int, list[torch.Tensor]] = {}
-        for index, leg in enumerate(self._legs):
+        for index, (message, leg) in enumerate(self._legs):
             if leg.path[-1] == rank:
-                pieces.setdefault(leg.message, []).append(self._held[index])
+                pieces.setdefault(message, []).append(self._held[index])
         received = {}
         for index, msg in enumerate(self._messages):
             if msg.dst != rank:
@@ -152,7 +161,7 @@ class _Pending:
             parts = pieces.get(index, [])
             if not parts:
                 received[(msg.src, msg.dst)] = torch.empty(
-                    (0, *self._row_shape), dtype=self._dtype, device=self._ex.device
+                    (0, *self._row_shape), dtype=self._dtype, device=self._tr.device
                 )
             else:
                 received[(msg.src, msg.dst)] = parts[0] if len(parts) == 1 else torch.cat(parts)
@@ -165,41 +174,54 @@ class StagedPending(_Pending):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        self._num_stages = max((len(leg.path) - 1 for leg in self._legs), default=0)
+        self._num_stages = max((len(leg.path) - 1 for _, leg in self._legs), default=0)
         self._inflight: list[tuple[dist.Work, str]] = []
         self._arrived: dict[int, torch.Tensor] = {}
         if self._num_stages:
             self._post(0)
 
-    def _post(self, stage: int) -> None:
-        ex = self._ex
-        rank = ex.rank
-        ops: dict[int, tuple[dist.ProcessGroup, list[dist.P2POp]]] = {}
-        notes: list[str] = []
-        for index, leg in enumerate(self._legs):
-            hops = leg.hops
-            if stage >= len(hops):
+    def _stage_ops(self, stage: int) -> dict[tuple[str, int], list[tuple[dist.P2POp, PostedOp]]]:
+        """This rank's operations of ``stage`` by communicator, each list in leg order."""
+        tr = self._tr
+        rank = tr.rank
+        ops: dict[tuple[str, int], list[tuple[dist.P2POp, PostedOp]]] = {}
+        for index, (_, leg) in enumerate(self._legs):
+            if stage >= len(leg.hops):
                 continue
-            a, b = hops[stage]
+            a, b = leg.hops[stage]
             if rank == a:
                 tensor = self._held[index]
-                group = ex.groups.link_group(a, b)
-                op = dist.P2POp(dist.isend, tensor, ex.groups.global_rank(b), group=group)
-                if ex.counters is not None:
-                    ex.counters.record(a, b, tensor.numel() * tensor.element_size())
-                notes.append(f"send {a}->{b}")
+                kind, peer, direction = dist.isend, b, SEND
             elif rank == b:
                 tensor = self._arrived[index] = self._buffer(leg)
-                group = ex.groups.link_group(a, b)
-                op = dist.P2POp(dist.irecv, tensor, ex.groups.global_rank(a), group=group)
-                notes.append(f"recv {a}->{b}")
+                kind, peer, direction = dist.irecv, a, RECV
             else:
                 continue
-            ops.setdefault(id(group), (group, []))[1].append(op)
+            key = tr.groups.link_key(a, b)
+            op = dist.P2POp(kind, tensor, tr.groups.global_rank(peer), group=tr.groups.group(key))
+            num_bytes = tensor.numel() * tensor.element_size()
+            ops.setdefault(key, []).append((op, PostedOp(peer, direction, num_bytes)))
+        return ops
+
+    def _post(self, stage: int) -> None:
+        tr = self._tr
+        ops = self._stage_ops(stage)
+        notes = [f"{p.direction} {tr.rank}->{p.peer}" if p.direction == SEND
+                 else f"{p.direction} {p.peer}->{tr.rank}"
+                 for batch in ops.values() for _, p in batch]  # fmt: skip
         what = f"stage {stage} ({_shown(notes)})"
         try:
-            for _, batch in ops.values():
-                works = dist.batch_isend_irecv(batch)
+            # One global communicator order on every rank: never a rank-dependent one.
+            for key in sorted(ops, key=tr.groups.posting_order):
+                batch = ops[key]
+                if tr.counters is not None:
+                    for _, p in batch:
+                        if p.direction == SEND:
+                            tr.counters.record(tr.rank, p.peer, p.num_bytes)
+                if tr.posting_log is not None:
+                    ops_posted = tuple(p for _, p in batch)
+                    tr.posting_log.append(Batch(key, ops_posted, f"{self.tag} stage {stage}"))
+                works = dist.batch_isend_irecv([op for op, _ in batch])
                 self._inflight.extend((w, what) for w in works)
         except Exception as exc:  # a peer that died before we posted shows up here
             raise self._error(f"posting {what}", exc) from exc
@@ -223,9 +245,10 @@ class RelayPending(_Pending):
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
-        ex, rank = self._ex, self._ex.rank
-        self._deadline = time.monotonic() + ex.timeout_s
-        base = ex.groups.reserve_tags(MAX_HOPS * len(self._legs))
+        tr, rank = self._tr, self._tr.rank
+        assert tr.host_waits and tr.posting_log is None, "relays run on gloo only, unrecorded"
+        self._deadline = time.monotonic() + tr.timeout_s
+        base = tr.groups.reserve_tags(MAX_HOPS * len(self._legs))
         self._works: list[tuple[dist.Work, str]] = []
         self._recvs: dict[tuple[int, int], tuple[dist.Work, torch.Tensor, str]] = {}
         # A gloo receive's wait consumes the arrival: waiting twice blocks. The helper thread
@@ -233,7 +256,7 @@ class RelayPending(_Pending):
         self._relayed: set[tuple[int, int]] = set()
         relays: list[tuple[int, int]] = []  # (hop, leg) this rank forwards, in a fixed order
         sends: list[tuple[int, int]] = []
-        for index, leg in enumerate(self._legs):
+        for index, (_, leg) in enumerate(self._legs):
             for hop, (a, b) in enumerate(leg.hops):
                 if rank == b:
                     buffer = self._buffer(leg)
@@ -255,22 +278,21 @@ class RelayPending(_Pending):
             self._thread.start()
 
     def _p2p(self, op, tensor: torch.Tensor, a: int, b: int, tag: int, what: str) -> dist.Work:  # noqa: ANN001
-        ex = self._ex
+        groups = self._tr.groups
         peer = b if op is dist.isend else a
         try:
-            work = op(tensor, ex.groups.global_rank(peer), group=ex.groups.link_group(a, b),
-                      tag=tag)  # fmt: skip
+            work = op(tensor, groups.global_rank(peer), group=groups.link_group(a, b), tag=tag)
         except Exception as exc:  # a peer that died before we posted shows up here
             raise self._error(f"posting {what}", exc) from exc
         assert work is not None, "this rank is in every group it posts on"
         return work
 
     def _send(self, index: int, hop: int, tensor: torch.Tensor, base: int) -> None:
-        a, b = self._legs[index].hops[hop]
+        a, b = self._legs[index][1].hops[hop]
         what = f"send {a}->{b} (hop {hop + 1})"
         work = self._p2p(dist.isend, tensor, a, b, base + MAX_HOPS * index + hop, what)
-        if self._ex.counters is not None:
-            self._ex.counters.record(a, b, tensor.numel() * tensor.element_size())
+        if self._tr.counters is not None:
+            self._tr.counters.record(a, b, tensor.numel() * tensor.element_size())
         self._works.append((work, what))
 
     def _relay(self, relays: list[tuple[int, int]], base: int) -> None:
@@ -300,7 +322,7 @@ class RelayPending(_Pending):
         for (index, hop), (work, buffer, what) in self._recvs.items():
             if (index, hop) not in self._relayed:
                 self._wait_work(work, what, deadline)
-            if hop == len(self._legs[index].hops) - 1:
+            if hop == len(self._legs[index][1].hops) - 1:
                 self._held[index] = buffer
         for work, what in self._works:
             self._wait_work(work, what, deadline)

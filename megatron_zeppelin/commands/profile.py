@@ -55,16 +55,15 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 
 
 def check_kernel(name: str, *, flag: str = "--kernel", emulated: bool = False) -> None:
-    """Refuse an attention kernel the engine does not know, or flash on emulated (CPU) ranks,
-    before any process starts."""
-    from megatron_zeppelin.attention.kernels import available_kernels
+    """Refuse an attention kernel the engine does not know, or a CUDA-only kernel on emulated
+    (CPU) ranks, before any process starts."""
+    from megatron_zeppelin.attention.kernels import available_kernels, requires_cuda
 
     if name not in available_kernels():
         raise ValueError(f"{flag} {name!r} is not a known kernel: use one of {available_kernels()}")
-    if emulated and name == "flash":
+    if emulated and requires_cuda(name):
         raise ValueError(
-            f"{flag} flash needs flash-attn on CUDA, but emulated ranks are CPU processes: "
-            "use torch (or auto)"
+            f"{flag} {name} needs CUDA, but emulated ranks are CPU processes: use torch (or auto)"
         )
 
 

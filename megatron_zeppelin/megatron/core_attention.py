@@ -45,6 +45,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.megatron.rotary import apply_rotary
 from megatron_zeppelin.planner.plan import Plan
 
@@ -57,7 +58,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     """The micro-batch's plan; the same object on every rank."""
     rank: int = 0
     """This process's Zeppelin rank (its data-parallel rank)."""
-    exchanger: Any = None
+    exchanger: Exchanger | None = None
     """The ring transport, e.g. ``comm.exchange.DistExchanger``, set to this plan."""
     remap_group: dist.ProcessGroup | None = None
     """Process group of the Zeppelin ranks for the remap all-to-all; ``None``: the world."""

@@ -32,24 +32,16 @@ class KernelChoice:
 
 def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
     """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
-    ``dtype`` on ``device`` (the kernel registry's own resolution), and why."""
-    import torch
-
-    from megatron_zeppelin.attention.kernels import flash_available, get_kernel
+    ``dtype`` on ``device``, and why (the kernel registry's own ``choose_kernel``)."""
+    from megatron_zeppelin.attention.kernels import choose_kernel
 
     try:
-        kernel = get_kernel(requested, device=device, dtype=dtype)
-    except (ImportError, RuntimeError, ValueError) as exc:
+        name, why = choose_kernel(requested, device=device, dtype=dtype)
+    except ValueError as exc:
         return KernelChoice(requested, f"requested, but it cannot load here: {exc}")
-    name = getattr(kernel, "name", None) or type(kernel).__name__.removesuffix("Kernel").lower()
     if requested != "auto":
         return KernelChoice(name, "requested with --zeppelin-kernel")
-    facts = [
-        "CUDA device" if torch.device(device).type == "cuda" else "no CUDA device",
-        "flash-attn imports" if flash_available() else "flash-attn not importable",
-        f"{str(dtype).removeprefix('torch.')} activations",
-    ]
-    return KernelChoice(name, f"auto: {', '.join(facts)}")
+    return KernelChoice(name, f"auto: {why}")
 
 
 def node_shape_line(topology: Topology, *, tensor_parallel: int) -> str:

@@ -199,7 +199,9 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
     from megatron_zeppelin.comm.exchange import DistExchanger
     from megatron_zeppelin.comm.groups import ZeppelinGroups
 
-    groups = ZeppelinGroups.create(topology, ranks=ctx.global_ranks)
+    groups = ZeppelinGroups.create(
+        topology, ranks=ctx.global_ranks, timeout_s=config.comm_timeout_s
+    )
     assert groups.rank == ctx.zeppelin_rank, "the Zeppelin rank is the data-parallel rank"
     counters = LinkCounters(topology)
     exchanger = DistExchanger(

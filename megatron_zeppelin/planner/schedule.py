@@ -4,6 +4,10 @@ Pure: the engine executes this schedule, the simulator times it, and the byte co
 communication layer must match ``link_bytes`` exactly. The backward's gradient messages are
 ``gradient_schedule``; ``training_link_bytes`` predicts a whole forward and backward.
 
+How a message travels is ``message_legs``, the one place a routed message is cut over its route:
+both exchangers (``comm/exchange.py``, ``testing/threads.py``), ``link_bytes`` and the simulator
+take their legs from it, so transfers, counters and predictions agree row for row.
+
 2-D documents (``Scheme.TWO_D``) are not in the ring schedule: their rings run on the head
 layout (``heads.head_plan``, whose schedule this module computes like any plan's) after a head
 all-to-all inside each node (``exchange_messages``); ``two_d_link_bytes`` predicts both and
@@ -24,7 +28,10 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from megatron_zeppelin.planner.heads import AttentionShape, head_plan, node_members
-from megatron_zeppelin.planner.plan import Plan, Scheme, Tier, split_by_weights
+from megatron_zeppelin.planner.plan import Plan, Route, Scheme, Tier, split_by_weights
+
+MAX_HOPS = 3
+"""A leg visits at most four GPUs: sender, source proxy, destination proxy, receiver."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,50 @@ class Message:
     @property
     def num_tokens(self) -> int:
         return sum(s.num_tokens for s in self.segments)
+
+
+@dataclass(frozen=True)
+class Leg:
+    """One piece of a message on a fixed path: rows ``[offset, offset + num_tokens)`` of the
+    message travel ``path`` (ranks visited in order, consecutive duplicates removed)."""
+
+    offset: int
+    num_tokens: int
+    path: tuple[int, ...]
+
+    @property
+    def hops(self) -> tuple[tuple[int, int], ...]:
+        return tuple(zip(self.path[:-1], self.path[1:]))
+
+
+def message_legs(msg: Message, route: Route | None) -> tuple[Leg, ...]:
+    """The legs of ``msg`` (pieces with rows only, in row order): one direct leg without a
+    route; with one, the rows cut by ``split_by_weights`` over the route's parts, part ``j``
+    travelling ``src -> src_proxy_j -> dst_proxy_j -> dst`` (NVLink, the proxies' rail across
+    nodes, NVLink; a hop to the same GPU is skipped)."""
+    if route is None:
+        return (Leg(0, msg.num_tokens, (msg.src, msg.dst)),) if msg.num_tokens else ()
+    assert (route.src, route.dst) == (msg.src, msg.dst), (route, msg)
+    legs = []
+    offset = 0
+    for part, n in zip(
+        route.parts, split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
+    ):
+        if n:
+            path = [msg.src]
+            for rank in (part.src_proxy, part.dst_proxy, msg.dst):
+                if rank != path[-1]:
+                    path.append(rank)
+            assert len(path) - 1 <= MAX_HOPS
+            legs.append(Leg(offset, n, tuple(path)))
+        offset += n
+    return tuple(legs)
+
+
+def routes_by_edge(plan: Plan, *, routing: bool = True) -> dict[tuple[int, int], Route]:
+    """``plan``'s routes keyed by ring edge (empty with ``routing=False``: every message goes
+    direct)."""
+    return {(r.src, r.dst): r for r in plan.routes} if routing else {}
 
 
 def block_tokens(plan: Plan) -> dict[tuple[int, int], int]:
@@ -106,39 +157,24 @@ def link_bytes(
     """Bytes each link class carries for ``steps``: ``nvlink`` (within a node), ``nic`` (across
     nodes, all NICs) and ``nic:<node>.<nic>`` per sending NIC.
 
-    A direct cross-node message leaves through the sender's NIC. A routed one is split with
-    ``split_by_weights`` over its route's parts: sender -> source proxy over NVLink (skipped when
-    the same GPU), the source proxy's NIC across nodes, destination proxy -> receiver over NVLink.
+    Every hop of every leg (``message_legs``) counts once: within a node on NVLink, across nodes
+    on the NIC next to the hop's sender (a direct message's sender, a routed part's source proxy).
     """
     topo = plan.topology
+    routes = routes_by_edge(plan, routing=routing)
     out: dict[str, int] = defaultdict(int)
     out["nvlink"] = 0
     out["nic"] = 0
-
-    def nic_send(rank: int, num_bytes: int) -> None:
-        out["nic"] += num_bytes
-        out[f"nic:{topo.node_of(rank)}.{topo.nic_of(rank)}"] += num_bytes
-
     for step in steps:
         for msg in step:
-            num_bytes = msg.num_tokens * bytes_per_token
-            if topo.same_node(msg.src, msg.dst):
-                out["nvlink"] += num_bytes
-                continue
-            route = plan.route_of(msg.src, msg.dst) if routing else None
-            if route is None:
-                nic_send(msg.src, num_bytes)
-                continue
-            parts = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-            for part, n in zip(route.parts, parts):
-                part_bytes = n * bytes_per_token
-                if part_bytes == 0:
-                    continue
-                if part.src_proxy != msg.src:
-                    out["nvlink"] += part_bytes
-                nic_send(part.src_proxy, part_bytes)
-                if part.dst_proxy != msg.dst:
-                    out["nvlink"] += part_bytes
+            for leg in message_legs(msg, routes.get((msg.src, msg.dst))):
+                num_bytes = leg.num_tokens * bytes_per_token
+                for a, b in leg.hops:
+                    if topo.same_node(a, b):
+                        out["nvlink"] += num_bytes
+                    else:
+                        out["nic"] += num_bytes
+                        out[f"nic:{topo.node_of(a)}.{topo.nic_of(a)}"] += num_bytes
     return dict(out)
 
 

@@ -56,13 +56,14 @@ from megatron_zeppelin.planner.plan import (
     Plan,
     SequencePlan,
     Tier,
-    split_by_weights,
 )
 from megatron_zeppelin.planner.schedule import (
     Message,
     exchange_messages,
     link_bytes,
+    message_legs,
     ring_schedule,
+    routes_by_edge,
 )
 
 FWD_SHARE = 1.0 / (1.0 + ATTN_BWD_OVER_FWD)
@@ -176,7 +177,8 @@ def attention_phases(
 
 # --- communication -----------------------------------------------------------------------------
 def _message_paths(plan: Plan, msg: Message, routes: dict) -> list[tuple[int, list[tuple]]]:
-    """``(tokens, hops)`` per part of a message; a hop is ``(link kind, out port, in port)``."""
+    """``(tokens, hops)`` per leg of a message (``schedule.message_legs``); a hop is
+    ``(link kind, out port, in port)``."""
     topo = plan.topology
 
     def hop(a: int, b: int) -> tuple:
@@ -188,20 +190,8 @@ def _message_paths(plan: Plan, msg: Message, routes: dict) -> list[tuple[int, li
             ("nic-in", topo.node_of(b), topo.nic_of(b)),
         )
 
-    route = routes.get((msg.src, msg.dst))
-    if route is None or topo.same_node(msg.src, msg.dst):
-        return [(msg.num_tokens, [hop(msg.src, msg.dst)])]
-    parts = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-    paths = []
-    for part, n in zip(route.parts, parts):
-        hops = []
-        if part.src_proxy != msg.src:
-            hops.append(hop(msg.src, part.src_proxy))
-        hops.append(hop(part.src_proxy, part.dst_proxy))
-        if part.dst_proxy != msg.dst:
-            hops.append(hop(part.dst_proxy, msg.dst))
-        paths.append((n, hops))
-    return paths
+    legs = message_legs(msg, routes.get((msg.src, msg.dst)))
+    return [(leg.num_tokens, [hop(a, b) for a, b in leg.hops]) for leg in legs]
 
 
 def step_transfer_times(
@@ -216,7 +206,7 @@ def step_transfer_times(
     """Per rank, the time until its messages of one ring step (sent and received) arrive, with
     every link's bandwidth shared by all the step's traffic on it. ``more``: other messages of
     the same step with their own bytes per token (the 2-D documents' column rings)."""
-    routes = {(r.src, r.dst): r for r in plan.routes} if routing else {}
+    routes = routes_by_edge(plan, routing=routing)
     weighted = [(m, bytes_per_token) for m in messages] + [(m, b) for ms, b in more for m in ms]
     paths = [(msg, _message_paths(plan, msg, routes)) for msg, _ in weighted]
     load: dict[tuple, float] = defaultdict(float)

@@ -33,7 +33,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_zeppelin.attention.kernels import VarlenBatch, get_kernel
+from megatron_zeppelin.attention.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.planner.costmodel import causal_pairs
 from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.profile.timing import DEFAULT_TIMING, TimingOptions, median_seconds

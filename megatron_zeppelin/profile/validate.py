@@ -188,7 +188,7 @@ def _rank_worker(rank: int, world_size: int, plans: list[Plan], settings: Valida
     from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
 
     torch.set_num_threads(settings.threads)
-    groups = ZeppelinGroups.create(plans[0].topology)
+    groups = ZeppelinGroups.create(plans[0].topology, timeout_s=settings.timeout_s)
     exchangers = [
         DistExchanger(groups, plan=plan, routing=settings.routing, timeout_s=settings.timeout_s)
         for plan in plans

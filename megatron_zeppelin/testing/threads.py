@@ -1,13 +1,14 @@
 """N ranks as N threads of one process: a ring transport and a runner for fast tests.
 
-``ThreadExchanger`` implements the engine's exchanger protocol (``comm.exchange.Exchanger``)
+``ThreadExchanger`` implements the engine's exchanger protocol (``comm.protocol.Exchanger``)
 with in-process mailboxes instead of torch.distributed, so ring-attention tests run N ranks in
 one process without starting processes. It behaves like the real transport where a test can
-tell: payloads are checked the same way, the receiver gets its own copy, ``wait`` twice raises,
-a missing message times out with ``ZeppelinCommError`` naming the tag, and with routing on a
-routed message is cut over its route's parts with ``split_by_weights`` and glued back together
-(so a test sees that routing leaves results unchanged). ``counters`` (a ``LinkCounters``) counts
-every hop the real transport would make.
+tell: payloads are checked by the same function (``comm.protocol.check_payload``), the receiver
+gets its own copy, ``wait`` twice raises, a missing message times out with ``ZeppelinCommError``
+naming the tag, and with routing on a routed message is cut into the same legs as the real
+transport cuts it (``planner.schedule.message_legs``) and glued back together (so a test sees
+that routing leaves results unchanged). ``counters`` (a ``LinkCounters``) counts every hop the
+real transport would make.
 
 ``run_ranks(fn, world_size)`` runs ``fn(rank, exchanger)`` on one thread per rank and returns
 the results by rank; a rank that raises stops the others and the error names the rank; ranks
@@ -25,9 +26,10 @@ from typing import Any, TypeVar
 
 import torch
 
-from megatron_zeppelin.comm.exchange import ZeppelinCommError
-from megatron_zeppelin.planner.plan import Plan, split_by_weights
-from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.comm.counters import LinkCounters
+from megatron_zeppelin.comm.protocol import ZeppelinCommError, check_payload
+from megatron_zeppelin.planner.plan import Plan, Route
+from megatron_zeppelin.planner.schedule import Leg, Message, message_legs
 
 __all__ = ["ThreadExchanger", "ThreadHub", "run_ranks"]
 
@@ -56,12 +58,14 @@ class ThreadPending:
         self,
         exchanger: ThreadExchanger,
         expected: list[tuple[Message, int]],
+        device: torch.device,
         row_shape: tuple[int, ...],
         dtype: torch.dtype,
         tag: str,
     ) -> None:
         self._ex = exchanger
-        self._expected = expected  # (message, number of parts) for each message to this rank
+        self._expected = expected  # (message, number of legs) for each message to this rank
+        self._device = device
         self._row_shape = row_shape
         self._dtype = dtype
         self.tag = tag
@@ -90,7 +94,10 @@ class ThreadPending:
                                 f"exchange {self.tag!r} timed out on rank {ex.rank} waiting for "
                                 f"{msg.src}->{msg.dst} after {ex.timeout_s:g} s"
                             ) from None
-            tensor = torch.cat(parts) if len(parts) != 1 else parts[0]
+            if not parts:
+                tensor = torch.empty((0, *self._row_shape), dtype=self._dtype, device=self._device)
+            else:
+                tensor = torch.cat(parts) if len(parts) != 1 else parts[0]
             expected = (msg.num_tokens, *self._row_shape)
             assert tuple(tensor.shape) == expected, (self.tag, tuple(tensor.shape), expected)
             received[(msg.src, msg.dst)] = tensor
@@ -107,7 +114,7 @@ class ThreadExchanger:
         *,
         plan: Plan | None = None,
         routing: bool = True,
-        counters: Any = None,
+        counters: LinkCounters | None = None,
         timeout_s: float = 60.0,
     ) -> None:
         if not 0 <= rank < hub.world_size:
@@ -119,7 +126,7 @@ class ThreadExchanger:
         self.counters = counters
         self.timeout_s = timeout_s
         self.plan: Plan | None = None
-        self._routes: dict = {}
+        self._routes: dict[tuple[int, int], Route] = {}
         if plan is not None:
             self.set_plan(plan)
 
@@ -131,20 +138,9 @@ class ThreadExchanger:
         self._routes = {(r.src, r.dst): r for r in plan.routes}
         return self
 
-    def _parts(self, msg: Message) -> list[tuple[int, tuple[int, ...]]]:
-        """``(num_tokens, path)`` of each part of ``msg``, in order."""
+    def _legs(self, msg: Message) -> tuple[Leg, ...]:
         route = self._routes.get((msg.src, msg.dst)) if self.routing else None
-        if route is None:
-            return [(msg.num_tokens, (msg.src, msg.dst))]
-        sizes = split_by_weights(msg.num_tokens, [p.weight for p in route.parts])
-        parts = []
-        for part, n in zip(route.parts, sizes):
-            path = [msg.src]
-            for r in (part.src_proxy, part.dst_proxy, msg.dst):
-                if r != path[-1]:
-                    path.append(r)
-            parts.append((n, tuple(path)))
-        return parts
+        return message_legs(msg, route)
 
     def start(
         self,
@@ -155,33 +151,24 @@ class ThreadExchanger:
         dtype: torch.dtype,
         tag: str,
     ) -> ThreadPending:
-        """Deliver this rank's sends of one ring step; see ``comm.exchange.Exchanger``."""
+        """Deliver this rank's sends of one ring step; see ``comm.protocol.Exchanger``."""
         row_shape = tuple(int(d) for d in row_shape)
-        sends = {(m.src, m.dst): m for m in messages if m.src == self.rank}
-        extra = set(payload) - set(sends)
-        if extra:
-            raise ZeppelinCommError(f"exchange {tag!r}: payload for {sorted(extra)} not sent here")
+        sends = check_payload(messages, payload, rank=self.rank, row_shape=row_shape,
+                              dtype=dtype, tag=tag)  # fmt: skip
+        device = torch.device("cpu")
         for key, msg in sends.items():
             tensor = payload.get(key)
             if tensor is None:
-                if msg.num_tokens:
-                    raise ZeppelinCommError(f"exchange {tag!r}: no payload for message {key}")
-                tensor = torch.empty((0, *row_shape), dtype=dtype)
-            if tuple(tensor.shape) != (msg.num_tokens, *row_shape) or tensor.dtype != dtype:
-                raise ZeppelinCommError(
-                    f"exchange {tag!r}: payload {key} is {tuple(tensor.shape)} {tensor.dtype}, "
-                    f"the message needs {(msg.num_tokens, *row_shape)} {dtype}"
-                )
-            offset = 0
-            for index, (n, path) in enumerate(self._parts(msg)):
-                rows = tensor[offset : offset + n].clone()
-                offset += n
-                if self.counters is not None and n:
-                    for a, b in zip(path[:-1], path[1:]):
+                continue
+            device = tensor.device
+            for index, leg in enumerate(self._legs(msg)):
+                rows = tensor[leg.offset : leg.offset + leg.num_tokens].clone()
+                if self.counters is not None:
+                    for a, b in leg.hops:
                         self.counters.record(a, b, rows.numel() * rows.element_size())
                 self.hub.box((tag, msg.src, msg.dst, index)).put(rows)
-        expected = [(m, len(self._parts(m))) for m in messages if m.dst == self.rank]
-        return ThreadPending(self, expected, row_shape, dtype, tag)
+        expected = [(m, len(self._legs(m))) for m in messages if m.dst == self.rank]
+        return ThreadPending(self, expected, device, row_shape, dtype, tag)
 
 
 def run_ranks(

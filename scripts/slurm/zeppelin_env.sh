@@ -19,24 +19,76 @@
 
 # --- rendezvous -----------------------------------------------------------------------------
 # The first host of the allocation runs the TCP store every rank connects to.
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# (awk reads the whole list: `head -n 1` would close the pipe early, and under the launchers'
+# `set -o pipefail` scontrol's SIGPIPE would fail the job now and then.)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 export MASTER_ADDR MASTER_PORT
 
 # --- NCCL and the NICs ----------------------------------------------------------------------
 # Megatron issues its kernels on one CUDA stream per device connection; with 1 connection the
 # compute and communication kernels are queued in issue order, which the overlap of Zeppelin's
-# ring transfers with attention (and Megatron's TP/DP overlap) relies on.
+# ring transfers with attention (and Megatron's TP/DP overlap) relies on. (It is also why every
+# rank posts its ring transfers on the node, rail and world communicators in one fixed order.)
 export CUDA_DEVICE_MAX_CONNECTIONS=1
-# The RDMA devices of the compute fabric, one per rail. Zeppelin routes inter-node bytes over
-# every NIC of a node, so list all of them (and only them: storage NICs would steal traffic).
-# DGX H100: mlx5_0..3,6..9 (4 and 5 are the storage/management ports). Run `ibv_devinfo` to list.
-: "${NCCL_IB_HCA:=mlx5_0,mlx5_1,mlx5_2,mlx5_3,mlx5_6,mlx5_7,mlx5_8,mlx5_9}"
-export NCCL_IB_HCA
-# The TCP interface NCCL uses for its bootstrap (and as fallback transport): the management
-# Ethernet, not the IB ports. Adjust to the name your nodes use (`ip -br link`).
+# The cluster's own network settings: the `env:` section of configs/clusters/$CLUSTER.yaml
+# (flat `NAME: value` lines; scripts/yaml_to_args.py skips it). A variable already set in the
+# submitting shell wins over the file. dgx-h100.yaml lists the compute-fabric NICs
+# (NCCL_IB_HCA, exact names after '='); the paper clusters' files leave the NIC names to you.
+ZEPPELIN_ENV_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+ZEPPELIN_CLUSTER_YAML="$ZEPPELIN_ENV_DIR/../../configs/clusters/$CLUSTER.yaml"
+if [ ! -f "$ZEPPELIN_CLUSTER_YAML" ]; then
+    echo "zeppelin_env.sh: no cluster file $ZEPPELIN_CLUSTER_YAML: set CLUSTER to one of" \
+        "$(cd "$ZEPPELIN_ENV_DIR/../../configs/clusters" && ls -- *.yaml | sed 's/\.yaml//' | tr '\n' ' ')" >&2
+    return 2 2>/dev/null || exit 2
+fi
+while IFS='=' read -r name value; do
+    if [ -z "${!name+set}" ]; then export "$name=$value"; fi
+done < <(awk '
+    /^env:/ { inside = 1; next }
+    inside && /^[^ \t#]/ { inside = 0 }
+    inside && /^  [A-Za-z_][A-Za-z0-9_]*:/ {
+        line = $0; sub(/^  /, "", line)
+        name = line; sub(/:.*/, "", name)
+        value = line; sub(/^[^:]*:[ \t]*/, "", value); sub(/[ \t]+#.*$/, "", value)
+        if (value ~ /^".*"$/) { value = substr(value, 2, length(value) - 2) }
+        print name "=" value
+    }' "$ZEPPELIN_CLUSTER_YAML")
+# NCCL's bootstrap (and fallback) TCP interface, in NCCL's syntax: a leading '^' excludes, '='
+# matches names exactly, otherwise names are prefixes. Default: anything but loopback and Docker.
 : "${NCCL_SOCKET_IFNAME:=^lo,docker0}"
 export NCCL_SOCKET_IFNAME
-export GLOO_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME   # the gloo groups Megatron creates use the same port
+# gloo (the CPU groups Megatron creates) reads GLOO_SOCKET_IFNAME as plain interface names,
+# comma-separated: no '^' or '='. Unset, gloo binds to the address of the host name, which is
+# right on most clusters; when NCCL's setting names interfaces (no '^'), gloo takes the same.
+if [ -z "${GLOO_SOCKET_IFNAME+set}" ] && [[ "$NCCL_SOCKET_IFNAME" != ^* ]]; then
+    export GLOO_SOCKET_IFNAME="${NCCL_SOCKET_IFNAME#=}"
+fi
+# The RDMA devices of the compute fabric, one per rail, exact names after '=' (NCCL matches
+# names without it as prefixes: mlx5_1 would also take mlx5_10 and mlx5_11). Zeppelin routes
+# inter-node bytes over every NIC of a node, so list all of them and only them: storage NICs
+# would steal traffic. `ibv_devinfo` lists the devices. Unset, NCCL uses every device it finds.
+if [ -n "${NCCL_IB_HCA:-}" ]; then
+    export NCCL_IB_HCA
+    # UCX (some MPI / UCC builds) names the same devices with their port, without NCCL's '='.
+    if [[ "$NCCL_IB_HCA" != ^* ]]; then
+        : "${UCX_NET_DEVICES:=$(echo "${NCCL_IB_HCA#=}" | sed 's/\(mlx5_[0-9]*\)\(:[0-9]*\)\{0,1\}/\1:1/g')}"
+        export UCX_NET_DEVICES
+    fi
+else
+    echo "zeppelin_env.sh: NCCL_IB_HCA is not set for cluster $CLUSTER: NCCL will use every" \
+        "RDMA device, storage NICs included; list the compute NICs in $ZEPPELIN_CLUSTER_YAML" >&2
+fi
+# Refuse settings NCCL or gloo would misread, with the line to change.
+if [[ "${GLOO_SOCKET_IFNAME:-}" == *[\^=\ ]* ]]; then
+    echo "zeppelin_env.sh: GLOO_SOCKET_IFNAME=$GLOO_SOCKET_IFNAME: gloo takes interface names" \
+        "only (no '^', '=' or spaces), e.g. GLOO_SOCKET_IFNAME=eth0" >&2
+    return 2 2>/dev/null || exit 2
+fi
+if [ -n "${NCCL_IB_HCA:-}" ] && [[ "$NCCL_IB_HCA" != =* && "$NCCL_IB_HCA" != ^=* ]]; then
+    echo "zeppelin_env.sh: NCCL_IB_HCA=$NCCL_IB_HCA matches device names as prefixes (mlx5_1" \
+        "takes mlx5_10 too): write it with a leading '=', e.g. NCCL_IB_HCA==$NCCL_IB_HCA" >&2
+    return 2 2>/dev/null || exit 2
+fi
 # GPUDirect RDMA: let the NIC read and write GPU memory directly when GPU and NIC share a PCIe
 # switch (PIX) or bridge (PXB); farther apart, stage through host memory. SYS would force it
 # everywhere, which is slower across CPU sockets.
@@ -48,15 +100,15 @@ export NCCL_CROSS_NIC=0
 # Queue pairs per connection: a few QPs spread one large ring message over more ECMP paths of a
 # RoCE fabric and over more NIC engines; 4 is a common sweet spot for 400G NICs.
 export NCCL_IB_QPS_PER_CONNECTION=4
-# RoCE only: the GID index of the RoCE v2 address on each port (`show_gids`), usually 3;
-# InfiniBand ignores it. UCX (used by some MPI / UCC builds) needs the same choice.
-: "${NCCL_IB_GID_INDEX:=3}"
-export NCCL_IB_GID_INDEX
-export UCX_IB_GID_INDEX=$NCCL_IB_GID_INDEX
-export UCX_NET_DEVICES=${UCX_NET_DEVICES:-$(echo "$NCCL_IB_HCA" | sed 's/\(mlx5_[0-9]*\)/\1:1/g')}
-# RoCE traffic class with lossless (PFC) priority on most fabrics; ask the network team.
-: "${NCCL_IB_TC:=106}"
-export NCCL_IB_TC
+# RoCE only: the GID index of the RoCE v2 address on each port (`show_gids`), usually 3, and the
+# traffic class with lossless (PFC) priority, from the cluster file; InfiniBand needs neither.
+# UCX needs the same GID index.
+if [ -n "${NCCL_IB_GID_INDEX:-}" ]; then
+    export NCCL_IB_GID_INDEX
+    : "${UCX_IB_GID_INDEX:=$NCCL_IB_GID_INDEX}"
+    export UCX_IB_GID_INDEX
+fi
+if [ -n "${NCCL_IB_TC:-}" ]; then export NCCL_IB_TC; fi
 # Long rings of many small messages: fail a stuck transfer with a message rather than hang.
 export NCCL_IB_TIMEOUT=22
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1

@@ -1,0 +1,143 @@
+"""The varlen-kernel interface: what the ring code asks of an attention kernel, and its checks.
+
+One varlen call computes ``P`` independent attention problems packed back to back, as
+flash-attn's ``flash_attn_varlen_func`` does: pair ``p`` takes query rows
+``cu_seqlens_q[p]:cu_seqlens_q[p+1]`` and key rows ``cu_seqlens_k[p]:cu_seqlens_k[p+1]``.
+A call is either unmasked (every query sees every key of its pair) or causal with the mask
+aligned to the bottom-right corner, flash-attn's convention: query ``i`` of a pair with ``lq``
+queries and ``lk`` keys sees keys ``j <= i + lk - lq``. The ring code cuts every block into pairs
+of these two kinds (``layout.py`` explains why that is always possible).
+
+Every kernel returns the output AND the log-sum-exp of the scaled scores per query row and head
+(natural log, ``-inf`` where a row sees no key, with a zero output there), so partial results
+can be merged (``merge.py``); its backward takes the final (merged) output and lse, which makes
+the gradient of each pair exact on its own. Kernels live one per module (``kernel_torch.py``,
+``kernel_flash.py``, ``kernel_aten.py``); ``kernels.py`` is the registry that picks one.
+
+Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq % nkv == 0``
+(grouped-query attention: query head ``h`` uses key/value head ``h // (nq // nkv)``); ``lse_tn``
+``(t, nq)``. Letters: t packed rows, n heads, d head dim.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+__all__ = ["AttentionKernel", "VarlenBatch", "check_shapes", "compute_dtype", "cuda_capability"]
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """Compute capability of the current CUDA device, ``None`` without one (what the kernels'
+    availability checks read; the only place they look at the machine)."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention is accumulated in for inputs of ``dtype``."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+class VarlenBatch:
+    """The pairs of one varlen call: their lengths and whether the call is causal.
+
+    Built once per plan and reused in forward and backward; kernels cache their per-device
+    index tensors on it. Lengths are kept as numpy arrays: building thousands of these per
+    plan is bookkeeping, not tensor work.
+    """
+
+    def __init__(self, lengths_q: Sequence[int], lengths_k: Sequence[int], *, causal: bool) -> None:
+        self.lengths_q = np.asarray(lengths_q, dtype=np.int64).reshape(-1)
+        self.lengths_k = np.asarray(lengths_k, dtype=np.int64).reshape(-1)
+        if self.lengths_q.shape != self.lengths_k.shape:
+            raise ValueError("a varlen batch needs one query length and one key length per pair")
+        if self.num_pairs and (self.lengths_q.min() < 1 or self.lengths_k.min() < 1):
+            raise ValueError("every pair of a varlen batch needs at least one query and one key")
+        self.causal = bool(causal)
+        self.cu_seqlens_q = np.concatenate([[0], np.cumsum(self.lengths_q)])
+        self.cu_seqlens_k = np.concatenate([[0], np.cumsum(self.lengths_k)])
+        self.max_seqlen_q = int(self.lengths_q.max()) if self.num_pairs else 0
+        self.max_seqlen_k = int(self.lengths_k.max()) if self.num_pairs else 0
+        self.cache: dict[Any, Any] = {}
+
+    @property
+    def num_pairs(self) -> int:
+        return int(self.lengths_q.shape[0])
+
+    @property
+    def total_q(self) -> int:
+        return int(self.cu_seqlens_q[-1])
+
+    @property
+    def total_k(self) -> int:
+        return int(self.cu_seqlens_k[-1])
+
+    def cu_seqlens(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``cu_seqlens_q``, ``cu_seqlens_k`` as int32 on ``device`` (flash-attn's format)."""
+        key = ("cu_seqlens", str(device))
+        if key not in self.cache:
+            self.cache[key] = tuple(
+                torch.from_numpy(cu.astype(np.int32)).to(device)
+                for cu in (self.cu_seqlens_q, self.cu_seqlens_k)
+            )
+        return self.cache[key]
+
+    def __repr__(self) -> str:
+        kind = "causal" if self.causal else "full"
+        return f"VarlenBatch({self.num_pairs} {kind} pairs, {self.total_q}x{self.total_k} rows)"
+
+
+class AttentionKernel(Protocol):
+    """A varlen kernel. Both methods return new tensors that the caller owns: the engine adopts
+    them as its running output and gradient buffers and writes into them. ``forward`` returns
+    ``(out_tnd, lse_tn)``; ``backward`` ``(dq, dk, dv)`` shaped like ``q``, ``k``, ``v``. Both
+    run on the caller's current CUDA stream (the engine's compute stream)."""
+
+    name: str
+
+    def forward(
+        self,
+        q_tnd: torch.Tensor,
+        k_tnd: torch.Tensor,
+        v_tnd: torch.Tensor,
+        batch: VarlenBatch,
+        *,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def backward(
+        self,
+        dout_tnd: torch.Tensor,
+        q_tnd: torch.Tensor,
+        k_tnd: torch.Tensor,
+        v_tnd: torch.Tensor,
+        out_tnd: torch.Tensor,
+        lse_tn: torch.Tensor,
+        batch: VarlenBatch,
+        *,
+        softmax_scale: float,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
+    """Raise ``ValueError`` unless ``q`` ``(t, nq, d)``, ``k`` and ``v`` ``(t, nkv, d)`` fit
+    ``batch`` (``nq`` a multiple of ``nkv``; ``batch.total_q`` query and ``batch.total_k`` key
+    rows). Every kernel checks its inputs with it before calling into its library."""
+    if q.dim() != 3 or k.shape != v.shape or k.dim() != 3 or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"expected q (t, nq, d) and k, v (t, nkv, d); got {tuple(q.shape)}, "
+            f"{tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"{q.shape[1]} query heads do not group over {k.shape[1]} K/V heads")
+    if q.shape[0] != batch.total_q or k.shape[0] != batch.total_k:
+        raise ValueError(
+            f"{batch!r} needs {batch.total_q} query rows and {batch.total_k} key rows, got "
+            f"{q.shape[0]} and {k.shape[0]}"
+        )

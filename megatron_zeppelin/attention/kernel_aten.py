@@ -1,0 +1,106 @@
+"""PyTorch's own FlashAttention varlen kernels behind ``kernel_api.AttentionKernel``:
+``"torch-flash"``, for GPUs without the flash-attn package (plain ``pip install torch``).
+
+PyTorch ships FlashAttention-2's varlen kernels as two operators (schemas as in torch 2.13):
+
+* ``aten::_flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
+  dropout_p, is_causal, return_debug_mask, *, scale=None, window_size_left=None,
+  window_size_right=None, seqused_k=None, alibi_slopes=None, block_table=None,
+  num_splits=None) -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)``;
+* ``aten::_flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
+  cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state, unused, *, scale=None,
+  window_size_left=None, window_size_right=None) -> (dq, dk, dv)``.
+
+``cum_seq_*`` are int32 cumulative offsets, the log-sum-exp is ``(nq, t)`` float32 for packed
+(3-D) inputs, the causal mask is aligned to the bottom-right corner (the kernel is
+FlashAttention-2's; PyTorch's own ``scaled_dot_product_attention`` refuses ``is_causal`` with
+unequal lengths on this backend for that reason), and grouped-query K/V are taken as they are.
+From torch 2.10, ``torch.nn.attention.varlen.varlen_attn`` wraps the same two operators (in
+torch 2.13 it always takes the flash path: its cuDNN switch returns False). Its backward runs
+through autograd with the output and log-sum-exp of its own forward, while a ring's backward
+must use the merged ones, so this kernel calls the operators directly, the backward the way
+``varlen_attn``'s own backward does: dropout 0, an unused ``(2,)`` uint64 ``rng_state`` and an
+empty ``unused`` tensor (the kernel reads them only for dropout).
+
+On a CPU-only build both operators exist and raise for CPU tensors; with meta tensors they
+return the shapes above, which the tests use. Calls run on the caller's current CUDA stream.
+Shapes as in ``kernel_api.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_zeppelin.attention.kernel_api import VarlenBatch, check_shapes, cuda_capability
+
+__all__ = ["TorchFlashKernel", "torch_flash_unavailable"]
+
+HALF = (torch.float16, torch.bfloat16)
+
+
+def torch_flash_unavailable() -> str | None:
+    """Why kernel ``"torch-flash"`` cannot run here (``None`` when it can)."""
+    if not torch.backends.cuda.is_flash_attention_available():
+        return f"this PyTorch ({torch.__version__}) was built without its flash attention kernels"
+    capability = cuda_capability()
+    if capability is None:
+        return "PyTorch's flash attention kernels need a CUDA GPU and none is visible"
+    if capability < (8, 0):
+        return (
+            "PyTorch's flash attention kernels need compute capability 8.0 or newer; this GPU "
+            f"has {capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+class TorchFlashKernel:
+    """PyTorch's FlashAttention varlen operators (fp16/bf16 on CUDA). ``ops`` defaults to
+    ``torch.ops.aten`` (tests pass a stand-in with the operators' contract)."""
+
+    name = "torch-flash"
+
+    def __init__(self, *, ops: object | None = None) -> None:
+        if ops is None:
+            problem = torch_flash_unavailable()
+            if problem is not None:
+                raise ValueError(f"kernel 'torch-flash' cannot run: {problem}")
+            ops = torch.ops.aten
+        self._ops = ops
+
+    @staticmethod
+    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
+        check_shapes(q, k, v, batch)
+        if q.dtype not in HALF:
+            raise ValueError(
+                f"kernel 'torch-flash' takes float16 or bfloat16 inputs, got {q.dtype}: use "
+                "kernel 'torch' (or 'auto', which picks it for other dtypes)"
+            )
+        if q.shape[-1] % 8 or q.shape[-1] > 256:
+            raise ValueError(
+                "kernel 'torch-flash' takes head dims that are multiples of 8 up to 256, got "
+                f"{q.shape[-1]}: use kernel 'torch'"
+            )
+
+    def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
+        self._check(q_tnd, k_tnd, v_tnd, batch)
+        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
+        cu_q, cu_k = batch.cu_seqlens(q.device)
+        out, lse, *_ = self._ops._flash_attention_forward(
+            q, k, v, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_k,
+            0.0, batch.causal, False, scale=softmax_scale,
+        )  # fmt: skip
+        assert tuple(lse.shape) == (q.shape[1], q.shape[0]), (tuple(lse.shape), tuple(q.shape))
+        return out, lse.float().t()
+
+    def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
+        self._check(q_tnd, k_tnd, v_tnd, batch)
+        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
+        cu_q, cu_k = batch.cu_seqlens(q.device)
+        rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
+        unused = torch.empty(0, device=q.device)
+        dq, dk, dv = self._ops._flash_attention_backward(
+            dout_tnd.contiguous(), q, k, v, out_tnd.to(q.dtype).contiguous(),
+            lse_tn.float().t().contiguous(), cu_q, cu_k, batch.max_seqlen_q,
+            batch.max_seqlen_k, 0.0, batch.causal, rng_state, unused, scale=softmax_scale,
+        )  # fmt: skip
+        return dq, dk, dv
