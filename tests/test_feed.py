@@ -92,9 +92,10 @@ def test_a_planning_error_surfaces_on_the_training_thread_as_the_planners_own() 
         bad_step_lengths.append(lengths)
         return _plan(lengths)
 
-    threads = {t.name for t in threading.enumerate()}
+    before = set(threading.enumerate())
     feed = MicroBatchFeed(_sampler(), plan_or_fail, ahead=3)
-    assert "zeppelin-planner" in {t.name for t in threading.enumerate()} - threads
+    started = set(threading.enumerate()) - before
+    assert [t.name for t in started] == ["zeppelin-planner"]
     first, second = feed.next(), feed.next()
     assert first.plan is not None and second.plan is not None
     with pytest.raises(ValueError) as err:
