@@ -6,9 +6,10 @@
 #
 # The Python 3.12 environment is built once into a cache directory named after the pinned
 # versions (torch first and pinned, so no other requirement can move it) and reused while they
-# stay the same: ${XDG_CACHE_HOME:-$HOME/.cache}/megatron_zeppelin/host-<key>, or
-# $ZEPPELIN_HOST_ENV. This repository is put on PYTHONPATH, not installed. Python 3.12 is found
-# as $HOST_PYTHON, python3.12 on PATH, pyenv's 3.12 or /usr/(local/)bin/python3.12.
+# stay the same: ${XDG_CACHE_HOME:-$HOME/.cache}/megatron_zeppelin/host-<key>.
+# ZEPPELIN_HOST_ENV names an environment of your own instead, used as it is (never built or
+# removed). This repository is put on PYTHONPATH, not installed. Python 3.12 is found as
+# $HOST_PYTHON, python3.12 on PATH, pyenv's 3.12 or /usr/(local/)bin/python3.12.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -47,7 +48,7 @@ find_python() {
 requirements="torch==$TORCH_VERSION megatron-core==$MCORE_VERSION ${HOST_PACKAGES[*]}"
 key="py$PYTHON_VERSION-torch$TORCH_VERSION-mcore$MCORE_VERSION-$(
   printf '%s' "$requirements" | sha256sum | cut -c1-8)"
-env_dir="${ZEPPELIN_HOST_ENV:-${XDG_CACHE_HOME:-$HOME/.cache}/megatron_zeppelin/host-$key}"
+env_dir="${XDG_CACHE_HOME:-$HOME/.cache}/megatron_zeppelin/host-$key"
 
 build_env() {
   local python log
@@ -73,7 +74,13 @@ assert torch.__version__.split('+')[0] == '$TORCH_VERSION', torch.__version__" |
   echo "$requirements" > "$env_dir/.complete"
 }
 
-if [ ! -f "$env_dir/.complete" ]; then
+if [ -n "${ZEPPELIN_HOST_ENV:-}" ]; then
+  # An environment of the user's: used as it is, never rebuilt or removed.
+  env_dir="$ZEPPELIN_HOST_ENV"
+  "$env_dir/bin/python" -W ignore -c "import megatron.training" ||
+    fail "ZEPPELIN_HOST_ENV=$env_dir does not import megatron.training: install" \
+      "$requirements there, or unset ZEPPELIN_HOST_ENV to build the cached environment"
+elif [ ! -f "$env_dir/.complete" ]; then
   mkdir -p "$(dirname "$env_dir")"
   exec 9>"$env_dir.lock"
   flock 9 2>/dev/null || true  # another run building the same environment finishes first
