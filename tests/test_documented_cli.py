@@ -1,17 +1,21 @@
-"""Every ``zeppelin`` command in the README and the docs is one the CLI accepts.
+"""Every ``zeppelin`` command in the README and the docs is one the CLI accepts, and every
+``python scripts/...`` command one its script's argument parser accepts.
 
 The commands are read from the files' code blocks (``tests/host/launch_commands.py`` reads
 them; its Megatron training commands go through Megatron's own parser in the host tier), so a
 new command is covered without editing this test. Each is parsed by the CLI's parser with the
 subcommand's own arguments; a flag written in brackets (``[--no-2d]``) is optional, so both
-forms are parsed. Parsing only: running them all would take minutes (``zeppelin train``).
+forms are parsed. Parsing only: running them all would take minutes (``zeppelin train``); the
+scripts run end to end, at their smallest, in ``tests/test_scripts.py``.
 
 Tier: pure.
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import runpy
 import shlex
 import sys
 from pathlib import Path
@@ -35,14 +39,22 @@ def _doc_code():
     return sys.modules[spec.name]
 
 
-def documented_cli_commands() -> list[tuple[str, str]]:
+def _documented(prefix: str) -> list[tuple[str, str]]:
     doc = _doc_code()
     found = []
     for path in doc.markdown_files():
         for number, line in doc.code_lines(path.read_text()):
-            if line.startswith("zeppelin "):
+            if line.startswith(prefix):
                 found.append((f"{path.relative_to(ROOT)}:{number}", line))
     return found
+
+
+def documented_cli_commands() -> list[tuple[str, str]]:
+    return _documented("zeppelin ")
+
+
+def documented_script_commands() -> list[tuple[str, str]]:
+    return _documented("python scripts/")
 
 
 def _variants(words: list[str]) -> list[list[str]]:
@@ -65,3 +77,32 @@ def test_documented_zeppelin_command_parses(where: str, line: str, capsys) -> No
 
 def test_the_docs_hold_zeppelin_commands() -> None:
     assert len(documented_cli_commands()) >= 5
+
+
+class _Parsed(Exception):
+    """Raised in place of running a script once its arguments parsed."""
+
+
+@pytest.mark.parametrize(("where", "line"), documented_script_commands(), ids=lambda v: v)
+def test_documented_script_command_parses(where: str, line: str, monkeypatch, capsys) -> None:
+    script, *argv = shlex.split(line, comments=True)[1:]
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(parser, args=None, namespace=None):
+        parse(parser, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    for words in _variants(argv):
+        monkeypatch.setattr(sys, "argv", [script, *words])
+        try:
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+        except _Parsed:
+            continue
+        except SystemExit as exc:
+            pytest.fail(f"{where}: {script} {' '.join(words)}: {capsys.readouterr().err} ({exc})")
+        pytest.fail(f"{where}: {script} finished without parsing its arguments")
+
+
+def test_the_docs_hold_script_commands() -> None:
+    assert len(documented_script_commands()) >= 3
