@@ -35,8 +35,9 @@ def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, padded_vocab_size=VOCAB, max_position_embeddings=4096,
         seq_length=SEQ_LENGTH, micro_batch_size=1, global_batch_size=2, seed=5, iteration=0,
-        eval_iters=0, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        context_parallel_size=1, sequence_parallel=False, position_embedding_type="rope",
+        eval_iters=0, eval_interval=1000, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False,
+        position_embedding_type="rope",
         rotary_interleaved=False, rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
         qk_layernorm=False, transformer_impl="local", spec=None,
         untie_embeddings_and_output_weights=True, fp16_lm_cross_entropy=False,
@@ -194,6 +195,11 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     args.eval_iters = 10
     megatron_training(args)
     with pytest.raises(ValueError, match="--eval-iters 0"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
+    args.eval_interval = None  # Megatron's default: train_iters // eval_interval would fail
+    megatron_training(args)
+    with pytest.raises(ValueError, match="add --eval-interval"):
         hooks.model_provider(pre_process=True, post_process=True)
     args = _megatron_args(dataset_prefix)
     args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]
