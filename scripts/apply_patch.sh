@@ -3,9 +3,11 @@
 #
 #   scripts/apply_patch.sh MEGATRON_DIR
 #
-# The patch targets pretrain_gpt.py of Megatron-LM core_v0.16.1. It only hands the run to
-# megatron_zeppelin's hooks when --zeppelin is on the command line; without the flag the script
-# behaves exactly as upstream. Applying twice is a no-op (the second run is detected and skipped).
+# The patch applies to pretrain_gpt.py of Megatron-LM core_v0.16.1 and of the 0.19 releases
+# (core_v0.19.0, the core_r0.19.0 branch). With --zeppelin on the command line the script hands
+# the run to megatron_zeppelin's entry point (megatron_zeppelin/pretrain_gpt.py), which passes
+# the release's pretrain() Zeppelin's hooks; without the flag the script behaves exactly as
+# upstream. Applying twice is a no-op (the second run is detected and skipped).
 set -euo pipefail
 
 if [[ $# -ne 1 ]]; then
@@ -26,7 +28,8 @@ if patch --dry-run --reverse --force -p1 -d "$megatron_dir" < "$patch_file" > /d
 fi
 if ! patch --dry-run --forward -p1 -d "$megatron_dir" < "$patch_file" > /dev/null; then
     echo "error: the patch does not apply to $megatron_dir/pretrain_gpt.py;" \
-        "check out Megatron-LM tag core_v0.16.1 (git -C $megatron_dir checkout core_v0.16.1)" >&2
+        "check out a supported release (git -C $megatron_dir checkout core_v0.16.1, or" \
+        "core_r0.19.0)" >&2
     exit 1
 fi
 patch --forward -p1 -d "$megatron_dir" < "$patch_file"

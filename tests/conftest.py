@@ -2,6 +2,12 @@
 
 Tiers, cheapest first (``pyproject.toml`` describes each marker): ``pure``, ``threads``,
 ``dist``, ``host``, ``gpu``. The edit loop is ``pytest -m "not dist and not host and not gpu"``.
+
+A ``host`` test never skips: the main suite deselects the tier (``-m "not host"``) and the host
+tier (``scripts/host_tier.sh``) runs it where ``megatron.training`` imports, so a skip there
+would hide a broken environment. Host test files import ``megatron.training`` inside their tests,
+never at import, so every environment can collect them and deselect them by marker; a test file
+that skips as a whole (a module-level ``importorskip``) is refused for the same reason.
 """
 
 from __future__ import annotations
@@ -55,3 +61,34 @@ def pytest_collection_modifyitems(config, items):
             + "):\n  "
             + "\n  ".join(wrong)
         )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """A test file that skips as a whole hides its tests from the tier markers: make it fail."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(collector, pytest.Module):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"{collector.nodeid} skips at import ({_skip_reason(report)}): skip inside the tests "
+            "that need it (a tier marker deselects them where they cannot run)"
+        )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A skipped ``host`` test fails: the host tier must not pass without having run it."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and item.get_closest_marker("host") and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = (
+            f"host tests do not skip ({_skip_reason(report)}): run the tier with "
+            "scripts/host_tier.sh, or deselect it with -m 'not host'"
+        )
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)

@@ -35,8 +35,9 @@ def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
         num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
         ffn_hidden_size=64, padded_vocab_size=VOCAB, max_position_embeddings=4096,
         seq_length=SEQ_LENGTH, micro_batch_size=1, global_batch_size=2, seed=5, iteration=0,
-        eval_iters=0, tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
-        context_parallel_size=1, sequence_parallel=False, position_embedding_type="rope",
+        eval_iters=0, eval_interval=1000, tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False,
+        position_embedding_type="rope",
         rotary_interleaved=False, rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
         qk_layernorm=False, transformer_impl="local", spec=None,
         untie_embeddings_and_output_weights=True, fp16_lm_cross_entropy=False,
@@ -196,36 +197,17 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     with pytest.raises(ValueError, match="--eval-iters 0"):
         hooks.model_provider(pre_process=True, post_process=True)
     args = _megatron_args(dataset_prefix)
+    args.eval_interval = None  # Megatron's default: train_iters // eval_interval would fail
+    megatron_training(args)
+    with pytest.raises(ValueError, match="add --eval-interval"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
     args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]
     megatron_training(args)
     hooks.reset()
     with pytest.raises(ValueError, match="core attention"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hooks.model_provider(pre_process=True, post_process=True)
-
-
-@pytest.mark.pure
-def test_pretrain_gpt_hands_megatron_the_hooks(monkeypatch) -> None:
-    from megatron_zeppelin import pretrain_gpt
-
-    calls = []
-    training = types.ModuleType("megatron.training")
-    training.pretrain = lambda *a, **k: calls.append((a, k))
-    monkeypatch.setitem(sys.modules, "megatron.training", training)
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", "--zeppelin"])
-    assert pretrain_gpt.main() == 0
-    (positional, keywords), = calls  # fmt: skip
-    datasets, model, _, step = positional
-    assert (datasets, model, step) == (
-        hooks.train_valid_test_datasets_provider,
-        hooks.model_provider,
-        hooks.forward_step,
-    )
-    assert datasets.is_distributed
-    assert keywords["extra_args_provider"] is hooks.extra_args_provider
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py"])
-    with pytest.raises(SystemExit, match="--zeppelin"):
-        pretrain_gpt.main()
 
 
 @pytest.mark.threads

@@ -1,6 +1,14 @@
-"""The Megatron-LM patch stays a small, well-formed diff that only hands over to our hooks.
+"""The Megatron-LM patch stays a small, well-formed diff that only hands over to the plugin.
 
-Tier: pure (parses ``patches/pretrain_gpt_zeppelin.patch``; no Megatron-LM checkout needed).
+The patch inserts, in ``pretrain_gpt.py``'s ``__main__`` block, a hand-over to
+``megatron_zeppelin.pretrain_gpt.main`` when ``--zeppelin`` is given; that entry point passes
+Megatron the hooks in the calling convention of the installed release. Its context lines (a blank
+line and the "Register startup timestamps" comment of the ``__main__`` block) read the same in
+core_v0.16.1 and in the 0.19 releases (core_v0.19.0 and the core_r0.19.0 branch), so one patch
+serves both: it applies at line 333 of the first and, offset, at line 502 of the second.
+
+Tier: pure (parses ``patches/pretrain_gpt_zeppelin.patch``; a Megatron-LM checkout is used only
+where ``MEGATRON_LM_DIR`` names one).
 """
 
 from __future__ import annotations
@@ -63,9 +71,12 @@ def test_patch_is_small_and_only_adds_the_hand_over():
     removed = [line[1:] for line in body if line.startswith("-")]
     assert len(added) <= 20 and len(removed) <= 4
     added_text = "\n".join(added)
+    assert "from megatron_zeppelin.pretrain_gpt import main as zeppelin_main" in added_text
+    assert 'if "--zeppelin" in sys.argv[1:]:' in added_text
+    # The entry point it hands over to passes Megatron every hook.
+    entry = (ROOT / "megatron_zeppelin" / "pretrain_gpt.py").read_text()
     for hook in HOOKS:
-        assert f"zeppelin_hooks.{hook}" in added_text, hook
-    assert "from megatron_zeppelin.megatron import hooks as zeppelin_hooks" in added_text
+        assert f"hooks.{hook}" in entry, hook
     # Without --zeppelin every removed upstream expression is still what runs.
     for line in removed:
         expression = line.strip().split("=", 1)[-1].rstrip(",").strip()
@@ -96,6 +107,24 @@ def test_patch_applies_to_the_upstream_lines_it_quotes(tmp_path):
         text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_patch_applies_to_a_megatron_lm_checkout(tmp_path):
+    """Where a Megatron-LM checkout is at hand (``MEGATRON_LM_DIR``): the patch script applies
+    to a copy of its ``pretrain_gpt.py``, a second run is a no-op, and the result parses."""
+    import os
+    import shutil
+
+    checkout = os.environ.get("MEGATRON_LM_DIR")
+    if not checkout:
+        pytest.skip("set MEGATRON_LM_DIR to a Megatron-LM checkout to run this")
+    shutil.copy(Path(checkout) / "pretrain_gpt.py", tmp_path / "pretrain_gpt.py")
+    script = str(ROOT / "scripts" / "apply_patch.sh")
+    first = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run(["bash", script, str(tmp_path)], capture_output=True, text=True)
+    assert second.returncode == 0 and "already patched" in second.stdout
+    ast.parse((tmp_path / "pretrain_gpt.py").read_text())
 
 
 # --- the operations files the patched script is launched with ------------------------------

@@ -107,6 +107,11 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
             "--zeppelin has no validation split yet (its sampler walks the whole dataset): "
             "set --eval-iters 0"
         )
+    if "eval_interval" in vars(args) and not args.eval_interval:  # Megatron's default: None
+        raise ValueError(
+            "Megatron divides --train-iters by --eval-interval when it counts samples, even with "
+            "--eval-iters 0: add --eval-interval (any positive number, e.g. --eval-interval 1000)"
+        )
 
 
 def planner_model(args: argparse.Namespace):

@@ -1,0 +1,92 @@
+"""Launch ``python -m megatron_zeppelin.pretrain_gpt`` on N local gloo processes, as torchrun
+would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), through the
+test-only CPU adapter, and read back what Megatron logged."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+# Megatron's training_log line: "iteration        3/       4 | ... | lm loss: 4.789168E+00 |"
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eEnaif]+) \|")
+
+
+@dataclass(frozen=True)
+class Run:
+    """What one launch printed: every rank's output, and the losses Megatron logged."""
+
+    returncode: int
+    outputs: tuple[str, ...]
+    launcher: str = ""
+    """What the launching process printed (its imports, a rank's exit)."""
+
+    @property
+    def losses(self) -> dict[int, float]:
+        """Iteration -> ``lm loss``, from the last rank (Megatron's ``print_rank_last``), with
+        ``--log-interval 1``.
+
+        Megatron (core_v0.16.1 and 0.19, ``training_log``) prints a run's first iteration
+        without resetting its running sums (``should_reset = not is_first_iteration``), so the
+        second line shows the mean of the run's first two iterations; undone here."""
+        logged = [(int(i), float(v)) for i, v in ITERATION.findall(self.outputs[-1])]
+        if len(logged) >= 2:
+            (_, first), (second_iteration, mean) = logged[:2]
+            logged[1] = (second_iteration, 2 * mean - first)
+        return dict(logged)
+
+    def tail(self, chars: int = 4000) -> str:
+        parts = [f"--- launcher ---\n{self.launcher[-chars:]}"]
+        parts += [f"--- rank {r} ---\n{out[-chars:]}" for r, out in enumerate(self.outputs)]
+        return "\n".join(parts)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float) -> Run:
+    """Run ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size`` processes (``run_on_cpu.py``);
+    kill them all when the time runs out, so a hang fails the test instead of stalling it."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(_free_port()),
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron asks for it with TP > 1, as on a GPU
+        OMP_NUM_THREADS="1",
+    )
+    command = [
+        sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
+        "--log-dir", str(log_dir), "-m", "megatron_zeppelin.pretrain_gpt", *args,
+    ]  # fmt: skip
+    launcher_log = log_dir / "launcher.log"
+    with open(launcher_log, "w") as out:
+        proc = subprocess.Popen(
+            command, cwd=log_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+    try:
+        returncode = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        returncode = -signal.SIGKILL
+    logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
+    outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
+    return Run(returncode, outputs, launcher_log.read_text())
+
+
+def finite(losses: dict[int, float]) -> bool:
+    return bool(losses) and all(math.isfinite(v) for v in losses.values())

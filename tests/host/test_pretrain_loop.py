@@ -1,0 +1,165 @@
+"""``python -m megatron_zeppelin.pretrain_gpt`` runs Megatron-LM's real ``pretrain()``
+(megatron-core 0.19) on 4 gloo processes emulating 2 nodes x 2 GPUs, and trains exactly as one
+process does.
+
+A tiny GPT (2 layers, hidden 64, dropout 0, weights drawn on CPU from the seed, so every
+tensor-parallel size starts from the same model) trains a few iterations on a dataset written by
+``zeppelin make-dataset``. Every run's sampler sees the same micro-batch budget (4 x 64 tokens),
+so every run trains the same global batches:
+
+* one process (the reference): every document whole on the one rank;
+* TP 1 on 4 ranks, 64 tokens per GPU: a node holds 128 tokens, so longer documents ring across
+  nodes, and some micro-batches hold a single document (fewer documents than ranks);
+* TP 2 with sequence parallelism on 4 ranks: 2 Zeppelin ranks of 128 tokens, one per node.
+
+Every iteration's loss must be finite and equal the reference's within 1e-5. The TP 1 run saves a
+checkpoint at iteration 2 (what a run killed after iteration 2 leaves on disk); new processes
+``--load`` it, and their iterations 3 and 4 must equal the uninterrupted run's.
+
+Tier: host. The processes run through ``run_on_cpu.py`` (the test-only ``cpu_adapter``).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from launch import ROOT, Run, finite, launch
+
+pytestmark = pytest.mark.host
+
+VOCAB = 128  # token ids of the dataset
+# The model's vocabulary pads to 256 at TP 1 and TP 2 alike, in 0.19 (NullTokenizer: 200 ids) and
+# core_v0.16.1 (201: it adds an end-of-document id), so every run builds the same model.
+MODEL_VOCAB = 200
+CAPACITY = 64  # tokens per GPU in the TP 1 run: 4 GPUs hold a 256-token micro-batch
+ITERATIONS = 4
+SAVE_AT = 2
+TIMEOUT_S = 420.0
+TOLERANCE = 1e-5
+# Up to 250 tokens: over one node's 128 tokens (inter-node rings), and alone in a micro-batch.
+LENGTHS = (250, 7, 200, 40, 180, 30, 150, 20, 130, 12, 90, 8, 60, 5, 3, 110, 45, 70, 25, 140, 16,
+           95, 33, 11, 6, 220, 2, 80, 18, 100)  # fmt: skip
+
+MODEL = (
+    "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --swiglu "
+    "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
+    "--untie-embeddings-and-output-weights --attention-dropout 0 --hidden-dropout 0 "
+    f"--vocab-size {MODEL_VOCAB} --make-vocab-size-divisible-by 128 --tokenizer-type NullTokenizer "
+    "--seq-length 256 --max-position-embeddings 1024 --use-cpu-initialization --seed 1234"
+).split()
+TRAINING = (
+    f"--micro-batch-size 1 --train-iters {ITERATIONS} --lr 1e-3 --clip-grad 1.0 "
+    "--eval-iters 0 --eval-interval 1000 --log-interval 1"
+).split()
+# Megatron on CPU: no Apex / TransformerEngine kernels, gloo, no loader workers (see cpu_adapter).
+ON_CPU = (
+    "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
+    "--distributed-backend gloo --num-workers 0"
+).split()
+ZEPPELIN = (
+    "--zeppelin --zeppelin-kernel torch --zeppelin-topology custom --zeppelin-nodes {nodes} "
+    "--zeppelin-capacity {capacity} --zeppelin-max-document-length 256 --zeppelin-log-plan-every 1"
+)
+# A plan line: "zeppelin micro-batch step 3: plan e33f95bd 1 docs (local 0, intra 0, inter 1); ..."
+PLAN = re.compile(r"zeppelin micro-batch step \d+: plan \w+ (\d+) docs \(.*?inter (\d+)\)")
+
+
+def _args(*, ranks: int, tp: int, nodes: int, capacity: int, data: str, extra=()) -> list[str]:
+    zeppelin_ranks = ranks // tp
+    global_batch = 2 * zeppelin_ranks  # two micro-batches per step on every run
+    return [
+        *MODEL, *TRAINING, *ON_CPU, "--data-path", data,
+        "--global-batch-size", str(global_batch), "--tensor-model-parallel-size", str(tp),
+        *ZEPPELIN.format(nodes=nodes, capacity=capacity).split(), *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("pretrain")
+
+
+@pytest.fixture(scope="module")
+def dataset(work: Path) -> str:
+    """Written by ``zeppelin make-dataset``, as a user would."""
+    lengths = work / "lengths.txt"
+    lengths.write_text(" ".join(map(str, LENGTHS)))
+    prefix = str(work / "docs")
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_zeppelin.cli", "make-dataset", "--output", prefix,
+         "--lengths", str(lengths), "--vocab-size", str(VOCAB)],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return prefix
+
+
+def _trained(run: Run) -> dict[int, float]:
+    assert run.returncode == 0, run.tail()
+    assert finite(run.losses), run.tail()
+    return run.losses
+
+
+@pytest.fixture(scope="module")
+def reference(work: Path, dataset: str) -> dict[int, float]:
+    args = _args(ranks=1, tp=1, nodes=1, capacity=4 * CAPACITY, data=dataset)
+    losses = _trained(launch(args, world_size=1, log_dir=work / "one", timeout_s=TIMEOUT_S))
+    assert sorted(losses) == list(range(1, ITERATIONS + 1))
+    return losses
+
+
+@pytest.fixture(scope="module")
+def tp1_run(work: Path, dataset: str) -> Run:
+    save = ["--save", str(work / "checkpoints"), "--save-interval", str(SAVE_AT)]
+    args = _args(ranks=4, tp=1, nodes=2, capacity=CAPACITY, data=dataset, extra=save)
+    return launch(args, world_size=4, log_dir=work / "tp1", timeout_s=TIMEOUT_S)
+
+
+def _assert_close(losses: dict[int, float], expected: dict[int, float]) -> None:
+    assert sorted(losses) == sorted(expected), (losses, expected)
+    for iteration, loss in expected.items():
+        assert abs(losses[iteration] - loss) <= TOLERANCE, (iteration, losses, expected)
+
+
+def _startup_summary(run: Run) -> list[str]:
+    """Rank 0's start-up summary: node shape, cost-model source, kernel (one line each)."""
+    lines = [line for line in run.outputs[0].splitlines() if line.startswith("zeppelin: ")]
+    assert len(lines) >= 3, run.tail()
+    return lines
+
+
+def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference) -> None:
+    _assert_close(_trained(tp1_run), reference)
+    plans = [(int(docs), int(inter)) for docs, inter in PLAN.findall(tp1_run.outputs[0])]
+    assert any(inter > 0 for _, inter in plans), "no document rang across nodes"
+    assert any(docs < 4 for docs, _ in plans), "no micro-batch had fewer documents than ranks"
+    shape, cost_model, kernel = _startup_summary(tp1_run)[:3]
+    assert shape.startswith("zeppelin: node shape 2 nodes x 2 Zeppelin ranks")
+    assert cost_model.startswith("zeppelin: cost model 2 layers, 4 heads, 4 K/V heads, fp32, TP 1")
+    assert kernel == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
+
+
+def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
+    args = _args(
+        ranks=4, tp=2, nodes=2, capacity=2 * CAPACITY, data=dataset, extra=["--sequence-parallel"]
+    )
+    run = launch(args, world_size=4, log_dir=work / "tp2-sp", timeout_s=TIMEOUT_S)
+    _assert_close(_trained(run), reference)
+    shape, cost_model = _startup_summary(run)[:2]
+    assert shape.startswith("zeppelin: node shape 2 nodes x 1 Zeppelin ranks")
+    assert "2 GPUs per node / TP 2" in shape
+    assert ", TP 2: " in cost_model
+
+
+def test_resuming_from_a_checkpoint_continues_the_uninterrupted_run(
+    work: Path, dataset: str, tp1_run: Run
+) -> None:
+    uninterrupted = _trained(tp1_run)
+    load = ["--load", str(work / "checkpoints"), "--ckpt-step", str(SAVE_AT)]
+    args = _args(ranks=4, tp=1, nodes=2, capacity=CAPACITY, data=dataset, extra=load)
+    resumed = _trained(launch(args, world_size=4, log_dir=work / "resumed", timeout_s=TIMEOUT_S))
+    _assert_close(resumed, {i: v for i, v in uninterrupted.items() if i > SAVE_AT})
