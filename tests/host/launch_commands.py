@@ -43,11 +43,15 @@ def markdown_files() -> list[Path]:
 
 def code_lines(text: str) -> list[tuple[int, str]]:
     """``(line number, line)`` of fenced and 4-space-indented code blocks; a line ending in a
-    backslash is joined with the next and numbered by its first line."""
-    lines, fenced, pending, first = [], False, "", 0
+    backslash is joined with the next and numbered by its first line. Fenced blocks marked
+    ```` ```text ```` hold a command's output, not commands, and are skipped."""
+    lines, fenced, output, pending, first = [], False, False, "", 0
     for number, raw in enumerate(text.splitlines(), 1):
         if raw.lstrip().startswith("```"):
             fenced = not fenced
+            output = fenced and raw.strip()[3:].strip() == "text"
+            continue
+        if output:
             continue
         indented = raw.startswith("    ") and not raw.lstrip().startswith(("-", "*", "|"))
         if not (fenced or indented or pending):
