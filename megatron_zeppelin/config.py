@@ -64,6 +64,10 @@ class ZeppelinConfig:
     remap: bool = True
     """Run the linear modules on a token-balanced layout and move tokens to the attention layout
     and back around core attention; off: linear modules run on the attention layout."""
+    two_d: bool = True
+    """Let documents that span nodes use the 2-D scheme (heads spread over a node by an
+    all-to-all, then rings across nodes per head group) where the planner predicts it faster
+    than one flat ring; off: flat rings only."""
     calibration: str | None = field(default=None, metadata={"aliases": ("cost-model",)})
     """Cost-model file of measured kernel and link figures (from 'zeppelin profile');
     default: datasheet figures."""
@@ -160,7 +164,7 @@ class ZeppelinConfig:
         *,
         allow_split: bool = True,
         linear_layout: str = "auto",
-        two_d: bool = True,
+        two_d: bool | None = None,
     ) -> Any:
         """``planner.partition.PlannerOptions`` of these settings: the one path from flags to
         the planner (the Megatron hooks, the CPU job, the check and ``zeppelin plan`` use it).
@@ -174,6 +178,7 @@ class ZeppelinConfig:
         """
         from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
 
+        two_d = self.two_d if two_d is None else two_d
         intra, inter = self.threshold("intra"), self.threshold("inter")
         common = dict(
             routing=self.routing, remap=self.remap, linear_layout=linear_layout, two_d=two_d

@@ -77,3 +77,13 @@ def test_explicit_inter_below_the_automatic_intra_pulls_intra_down() -> None:
     assert options.thresholds == (1000, 1000)
     options = ZeppelinConfig(intra_threshold="60000").planner_options(COST)
     assert options.thresholds == (60000, 60000)
+
+
+def test_the_two_d_switch_reaches_the_planner_from_the_training_flag() -> None:
+    parser = argparse.ArgumentParser()
+    ZeppelinConfig.add_arguments(parser)
+    on = ZeppelinConfig.from_args(parser.parse_args(["--zeppelin"]))
+    off = ZeppelinConfig.from_args(parser.parse_args(["--zeppelin", "--zeppelin-no-two-d"]))
+    assert on.planner_options(COST).two_d and not off.planner_options(COST).two_d
+    # The plan command's --no-2d wins over the config it builds.
+    assert not on.planner_options(COST, two_d=False).two_d
