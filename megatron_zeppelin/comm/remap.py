@@ -1,9 +1,9 @@
 """Remapping between the linear layout and the attention layout: one all-to-all each way.
 
 The whole Megatron layer runs in the linear layout (equal tokens per GPU); only core attention
-runs in the attention layout (DESIGN.md section 4). ``linear_to_attention`` and
-``attention_to_linear`` move the rows of a ``(t, ...)`` tensor between the two with
-``all_to_all_single``; the split sizes and row orders come from the pure
+runs in the attention layout (docs/DESIGN.md, "The remap between layouts").
+``linear_to_attention`` and ``attention_to_linear`` move the rows of a ``(t, ...)`` tensor
+between the two with ``all_to_all_single``; the split sizes and row orders come from the pure
 ``planner.remap_layout``. Each is an autograd function whose backward is the other direction's
 all-to-all applied to the gradient: a permutation's gradient is its inverse permutation.
 

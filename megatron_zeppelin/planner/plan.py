@@ -330,7 +330,7 @@ class Plan:
             counts[Tier(s.tier).value] += 1
         return counts
 
-    # --- serialization (DESIGN.md, "The plan file") ----------------------------------------
+    # --- serialization (docs/DESIGN.md, "The plan file") -----------------------------------
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": PLAN_FORMAT,
