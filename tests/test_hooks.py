@@ -202,6 +202,11 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     with pytest.raises(ValueError, match="add --eval-interval"):
         hooks.model_provider(pre_process=True, post_process=True)
     args = _megatron_args(dataset_prefix)
+    args.zeppelin_kernel = "torch-flash"  # needs CUDA: refused here, never only printed
+    megatron_training(args)
+    with pytest.raises(ValueError, match="--zeppelin-kernel torch-flash: .*cannot run here"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
     args.spec = ["megatron.core.models.gpt.gpt_layer_specs", "get_gpt_layer_local_spec"]
     megatron_training(args)
     hooks.reset()

@@ -141,6 +141,7 @@ def setup(args: argparse.Namespace) -> None:
 
     _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
+    _check_kernel(config.kernel, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_data_parallel_group()
     ctx = ParallelContext(
@@ -176,14 +177,31 @@ def setup(args: argparse.Namespace) -> None:
     _log_startup(args, tp)
 
 
+def _activations(args: argparse.Namespace) -> tuple[str, torch.dtype]:
+    """Where core attention's inputs live and their dtype (Megatron's ``params_dtype``)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return device, getattr(args, "params_dtype", None) or torch.float32
+
+
+def _check_kernel(requested: str, args: argparse.Namespace) -> None:
+    """A kernel named with --zeppelin-kernel that cannot run here stops every rank at start-up
+    with the reason and what to use instead ('auto' always runs)."""
+    from megatron_zeppelin.attention.kernels import choose_kernel
+
+    device, dtype = _activations(args)
+    try:
+        choose_kernel(requested, device=device, dtype=dtype)
+    except ValueError as exc:
+        raise ValueError(f"--zeppelin-kernel {requested}: {exc}") from None
+
+
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     """The start-up summary (node shape, cost model source, kernel) on rank 0."""
     from megatron_zeppelin.megatron.report import chosen_kernel, startup_lines
 
     if not _is_logging_rank():
         return
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = getattr(args, "params_dtype", None) or torch.float32
+    device, dtype = _activations(args)
     kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
     lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
     print("\n".join(lines), flush=True)

@@ -35,10 +35,7 @@ def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
     ``dtype`` on ``device``, and why (the kernel registry's own ``choose_kernel``)."""
     from megatron_zeppelin.attention.kernels import choose_kernel
 
-    try:
-        name, why = choose_kernel(requested, device=device, dtype=dtype)
-    except ValueError as exc:
-        return KernelChoice(requested, f"requested, but it cannot load here: {exc}")
+    name, why = choose_kernel(requested, device=device, dtype=dtype)  # start-up checked it
     if requested != "auto":
         return KernelChoice(name, "requested with --zeppelin-kernel")
     return KernelChoice(name, f"auto: {why}")
