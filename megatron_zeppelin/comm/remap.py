@@ -1,6 +1,7 @@
 """Remapping between the linear layout and the attention layout: one all-to-all each way.
 
-The whole Megatron layer runs in the linear layout (equal tokens per GPU); only core attention
+The whole Megatron layer runs in the linear layout (the planner's choice by cost: even tokens
+per GPU, even within nodes, or the attention layout itself); only core attention
 runs in the attention layout (docs/DESIGN.md, "The remap between layouts").
 ``linear_to_attention`` and ``attention_to_linear`` move the rows of a ``(t, ...)`` tensor
 between the two with ``all_to_all_single``; the split sizes and row orders come from the pure

@@ -15,7 +15,8 @@ choosing the scheme moves no token. The engine moves a document from
 the token layout to the head layout with one all-to-all inside each node (Q, K and V), runs
 column ``j`` (the ranks of local index ``j`` on the document's nodes: one rail) as a zigzag ring
 of ``n`` over head group ``j``, and moves the output back (a second all-to-all); the backward
-moves dO in and dQ, dK, dV back. A ring of ``n`` nodes thus has ``n`` steps instead of ``n*G``,
+moves dO in and dQ, dK, dV back. A ring of ``n`` nodes thus computes in ``n`` phases (``n - 1``
+transfer steps) instead of ``n*G`` (``n*G - 1``),
 each step's blocks are ``G`` times larger, and every rail's NIC carries one ring.
 
 ``head_plan`` describes the column rings as an ordinary ``Plan`` on the head layout (one

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+from megatron_zeppelin.fileio import atomic_write_text
 from megatron_zeppelin.topology.model import Topology
 
 PLAN_FORMAT = "zeppelin-plan/2"
@@ -369,8 +370,7 @@ class Plan:
     def to_json(self, path: str | None = None) -> str:
         text = json.dumps(self.to_dict(), separators=(",", ":"))
         if path is not None:
-            with open(path, "w") as f:
-                f.write(text)
+            atomic_write_text(path, text)  # a reader never sees half a plan
         return text
 
     @classmethod
