@@ -4,6 +4,7 @@ test-only CPU adapter, and read back what Megatron logged."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -80,9 +81,13 @@ def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float)
     try:
         returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
         returncode = -signal.SIGKILL
+    finally:
+        # Whatever the ranks left behind (Megatron's checkpoint writers, worker pools) goes too:
+        # orphans would outlive the test holding half a GB each.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
     outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
     return Run(returncode, outputs, launcher_log.read_text())
