@@ -82,8 +82,9 @@ class Manifest:
 
     def to_json(self) -> str:
         files = [asdict(f) for f in self.files]
-        return json.dumps({"format": FORMAT, "step": self.step, "job": self.job, "files": files},
-                          indent=1)  # fmt: skip
+        return json.dumps(
+            {"format": FORMAT, "step": self.step, "job": self.job, "files": files}, indent=1
+        )
 
     @classmethod
     def from_json(cls, text: str, *, path: str) -> Manifest:

@@ -140,9 +140,11 @@ def main() -> None:
         "--no-kernel-timing", action="store_true", help="skip the run with the real torch kernel"
     )
     parser.add_argument(
-        "--two-d", action="store_true", help="run the plan's inter-node documents with the 2-D "
+        "--two-d",
+        action="store_true",
+        help="run the plan's inter-node documents with the 2-D "
         "scheme (heads split inside each node; --heads must split over --gpus-per-node)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--threads",
         type=int,

@@ -28,16 +28,21 @@ from megatron_zeppelin.megatron.check import CheckOptions, run_check  # noqa: E4
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="Write the full report to this file.")
     parser.add_argument(
-        "--tensor-parallel", type=int, nargs="+", default=[1, 2],
+        "--tensor-parallel",
+        type=int,
+        nargs="+",
+        default=[1, 2],
         help="Tensor-parallel sizes to check (default: 1 2).",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=CheckOptions.seed, help="Weights seed.")
     parser.add_argument("--tolerance", type=float, default=CheckOptions.tolerance)
     parser.add_argument("--no-routing", action="store_true", help="Send inter-node rings direct.")
     parser.add_argument(
-        "--timeout-s", type=float, default=CheckOptions.timeout_s,
+        "--timeout-s",
+        type=float,
+        default=CheckOptions.timeout_s,
         help="Seconds a transfer may wait for a peer before the check fails.",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,8 +60,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_check(options)
     except DistributedRunError as exc:  # a rank died, stalled or failed: one line, story in a log
-        print(f"zeppelin check: error: {exc.summary} (every rank's traceback: "
-              f"{exc.write_log('zeppelin-check')})", file=sys.stderr)  # fmt: skip
+        print(
+            f"zeppelin check: error: {exc.summary} (every rank's traceback: "
+            f"{exc.write_log('zeppelin-check')})",
+            file=sys.stderr,
+        )
         return 1
     print(f"reference loss {report['reference_loss']:.6f}")
     for name, r in report["runs"].items():

@@ -146,8 +146,12 @@ def run(args: argparse.Namespace) -> int:
     from megatron_zeppelin.profile.runner import profile, summary_lines
 
     check_kernel(args.kernel, emulated=bool(args.emulate))
-    check_positive(tensor_parallel=args.tensor_parallel, repeats=args.repeats,
-                   rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    check_positive(
+        tensor_parallel=args.tensor_parallel,
+        repeats=args.repeats,
+        rounds=args.rounds,
+        timeout=args.timeout,
+    )
     if args.warmup < 0 or args.threads < 0:
         raise ValueError("--warmup and --threads must be 0 or more")
     settings = settings_from_args(args)  # checks the model, dtype and --emulate shape

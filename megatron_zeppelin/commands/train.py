@@ -64,10 +64,15 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
 def command_line(args: argparse.Namespace) -> list[str]:
     """The torchrun command that runs the job with ``args``."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc}", "-m", "megatron_zeppelin.megatron.train_cpu",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "megatron_zeppelin.megatron.train_cpu",
         *worker_arguments(args),
-    ]  # fmt: skip
+    ]
 
 
 def one_line(message: object) -> str:
@@ -134,10 +139,12 @@ def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     from megatron_zeppelin.megatron.args import resolve_topology
 
     for flag, value, least in (
-        ("--steps", args.steps, 0), ("--tokens-per-step", args.tokens_per_step, 1),
-        ("--micro-batches", args.micro_batches, 1), ("--save-every", args.save_every, 0),
+        ("--steps", args.steps, 0),
+        ("--tokens-per-step", args.tokens_per_step, 1),
+        ("--micro-batches", args.micro_batches, 1),
+        ("--save-every", args.save_every, 0),
         ("--dataset-tokens", args.dataset_tokens, 1),
-    ):  # fmt: skip
+    ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -292,12 +299,16 @@ def _launch(args: argparse.Namespace) -> int:
         env["ZEPPELIN_VERBOSE"] = "1"  # the workers then keep third-party warnings on
     timeout = args.zeppelin_comm_timeout_s
     result = launch(
-        "megatron_zeppelin.megatron.train_cpu", worker_arguments(args), nproc=args.nproc,
-        log_dir=_log_dir(args), verbose=args.verbose, env=env,
+        "megatron_zeppelin.megatron.train_cpu",
+        worker_arguments(args),
+        nproc=args.nproc,
+        log_dir=_log_dir(args),
+        verbose=args.verbose,
+        env=env,
         # Workers name a stalled peer themselves after the timeout; the launcher steps in only
         # for a worker stopped while no peer waits on it (start-up, a single process).
         stall_s=2 * timeout,
-    )  # fmt: skip
+    )
     if result.ok:
         return 0
     lines, status = failure_report(result)
@@ -335,8 +346,10 @@ def _rank_line(end) -> tuple[float, str, bool] | None:
     A rank found stopped is the first cause of whatever its peers then reported."""
     outcome, log = end.outcome, _shown_path(end.log)
     if end.stopped:
-        text = (f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
-                "a debugger) and was killed")  # fmt: skip
+        text = (
+            f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
+            "a debugger) and was killed"
+        )
         return -1.0, text, False
     if outcome is not None:
         if outcome.kind == "input":

@@ -245,16 +245,30 @@ class ZeppelinCoreAttention(MegatronModule):
         qkv_sf = torch.cat(
             [q_snd.reshape(s, n * d), k_snd.reshape(s, kv_width), v_snd.reshape(s, kv_width)], 1
         )
-        qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back, watch=watch,
-                            layer=layer, what="remap linear->attention")  # fmt: skip
+        qkv_tf = remap_rows(
+            qkv_sf,
+            there,
+            params.remap_group,
+            back=back,
+            watch=watch,
+            layer=layer,
+            what="remap linear->attention",
+        )
         t = qkv_tf.shape[0]
         q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, kv_width, kv_width], dim=1)
         _mark_ring(watch, layer)
         out_tnd = engine(
             q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
         )
-        return remap_rows(out_tnd.reshape(t, n * d), back, params.remap_group, back=there,
-                          watch=watch, layer=layer, what="remap attention->linear")  # fmt: skip
+        return remap_rows(
+            out_tnd.reshape(t, n * d),
+            back,
+            params.remap_group,
+            back=there,
+            watch=watch,
+            layer=layer,
+            what="remap attention->linear",
+        )
 
 
 def _mark_ring(watch: Any, layer: int) -> None:

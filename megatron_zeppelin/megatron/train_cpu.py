@@ -96,10 +96,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Megatron's sequence parallelism inside each tensor-parallel group.",
     )
-    job.add_argument("--device", choices=DEVICES, default="cpu",
-                     help="cpu: gloo processes; cuda: one GPU per process (NCCL).")  # fmt: skip
-    job.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                     help="Model precision; bf16 keeps float32 main weights in Adam.")  # fmt: skip
+    job.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: gloo processes; cuda: one GPU per process (NCCL).",
+    )
+    job.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="Model precision; bf16 keeps float32 main weights in Adam.",
+    )
     job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
     job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
     job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
@@ -191,8 +199,9 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     config = ZeppelinConfig.from_args(args)
     device, dtype = job_device(args.device), DTYPES[args.dtype]
     if watch is None:
-        watch = CommWatch(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                          timeout_s=config.comm_timeout_s)  # fmt: skip
+        watch = CommWatch(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=config.comm_timeout_s
+        )
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
@@ -221,8 +230,9 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     start = 0
     if args.load:
         state = job_checkpoint.load(args.load)
-        start = job_checkpoint.restore(state, model, optimizer, sampler, dtype=args.dtype,
-                                       where=args.load)  # fmt: skip
+        start = job_checkpoint.restore(
+            state, model, optimizer, sampler, dtype=args.dtype, where=args.load
+        )
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in the background while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
@@ -461,8 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.set_device(job_device("cuda"))
         backend = "cpu:gloo,cuda:nccl"  # host tensors (the loss, the counters) on gloo
-    return run_worker(lambda watch: train(args, watch=watch),
-                      comm_timeout_s=args.zeppelin_comm_timeout_s, backend=backend)  # fmt: skip
+    return run_worker(
+        lambda watch: train(args, watch=watch),
+        comm_timeout_s=args.zeppelin_comm_timeout_s,
+        backend=backend,
+    )
 
 
 if __name__ == "__main__":
