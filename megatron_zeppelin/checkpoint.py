@@ -110,6 +110,7 @@ def rank_file_name(rank: int) -> str:
 
 def serialize(state: Any) -> bytes:
     """``torch.save`` of ``state`` into bytes (so the checksum is of exactly what is written)."""
+    # Deferred: keeps torch out of this module's import.
     import torch
 
     buffer = io.BytesIO()

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from megatron_zeppelin.megatron.worker import LOG_DIR_ENV, Outcome, log_path, read_outcome
 
 __all__ = ["LaunchResult", "RankEnd", "launch", "process_stopped"]
@@ -91,7 +93,6 @@ def launch(
     grace_s: float = GRACE_S,
 ) -> LaunchResult:
     """Run ``python -m module *argv`` on ``nproc`` workers and wait (module docstring)."""
-    import torch.distributed as dist
 
     os.makedirs(log_dir, exist_ok=True)
     store = dist.TCPStore(

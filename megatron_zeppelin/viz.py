@@ -11,6 +11,7 @@ from collections import defaultdict
 
 def _pyplot():
     try:
+        # Deferred: keeps matplotlib, numpy, yaml out of this module's import.
         import matplotlib
     except ImportError:
         raise ValueError(

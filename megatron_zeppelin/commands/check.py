@@ -23,6 +23,7 @@ import sys
 from megatron_zeppelin.megatron import train_cpu  # noqa: F401  isort: skip
 from megatron_zeppelin.fileio import atomic_write_text  # noqa: E402
 from megatron_zeppelin.megatron.check import CheckOptions, run_check  # noqa: E402
+from megatron_zeppelin.testing.dist import DistributedRunError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +47,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.testing.dist import DistributedRunError
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: the directory it would go in does not exist")

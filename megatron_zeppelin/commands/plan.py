@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.viz import plot_plan_load
 
 DEFAULT_MODEL = "llama-7b"
 DEFAULT_TOKENS = 262144
@@ -111,6 +112,7 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
     if (args.lengths is None) == (args.dist is None):
         raise ValueError("give the batch with exactly one of --lengths FILE or --dist NAME")
     if args.lengths is not None:
+        # Deferred: keeps numpy, yaml (the planner) out of `zeppelin plan --help`.
         from megatron_zeppelin.planner.distributions import read_lengths_file
 
         return [read_lengths_file(args.lengths)] * num_batches
@@ -191,6 +193,7 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
     """``PlannerOptions`` from the planner flags, by the same rules as ``--zeppelin-*`` in a
     training run (``ZeppelinConfig.planner_options``): a threshold left out or ``auto`` comes
     from the cost model, ``off`` never splits over that tier unless capacity forces it."""
+    # The config's own imports (dataclasses, inspect) would slow `zeppelin plan --help`.
     from megatron_zeppelin.config import ZeppelinConfig
 
     thresholds = {}
@@ -340,8 +343,6 @@ def run(args: argparse.Namespace) -> int:
         plan.to_json(args.json)
         print(f"plan written to {args.json}")
     if args.plot:
-        from megatron_zeppelin.viz import plot_plan_load
-
         plot_plan_load(plan, result, cost, args.plot)
         print(f"chart written to {args.plot}", file=sys.stderr)
     return 0

@@ -34,6 +34,7 @@ from megatron_zeppelin.commands.plan import (
     zeppelin_plan,
 )
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.viz import plot_comparison
 
 ZEPPELIN = "zeppelin"
 TE_RING_CP = "te-ring-cp"
@@ -41,6 +42,7 @@ MEGATRON = "megatron-dynamic-cp"
 
 
 def builder_names() -> tuple[str, ...]:
+    # Deferred: keeps numpy, tqdm, yaml out of this module's import.
     from megatron_zeppelin.planner.baselines import BASELINES
 
     return (ZEPPELIN, *BASELINES)
@@ -272,8 +274,6 @@ def _run_compare(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     if args.plot:
-        from megatron_zeppelin.viz import plot_comparison
-
         plot_comparison(rows, args.plot)
     if all("error" in row for row in rows):
         raise ValueError(

@@ -34,8 +34,19 @@ import sys
 import time
 from collections.abc import Iterator
 
+import numpy as np
+import torch
+
+from megatron_zeppelin import checkpoint
+from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.launch import launch
 from megatron_zeppelin.megatron import train_cpu
+from megatron_zeppelin.megatron.args import resolve_topology
+from megatron_zeppelin.megatron.data import DocumentDataset
+from megatron_zeppelin.megatron.precision import DTYPES, job_device
 from megatron_zeppelin.megatron.worker import USER_ERROR_EXIT
+from megatron_zeppelin.planner.distributions import distribution_mean
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -107,8 +118,6 @@ def check_before_launch(args: argparse.Namespace) -> None:
 
 def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  # noqa: ANN001
     """One GPU per process with ``--device cuda``, and a kernel that runs on the job's device."""
-    from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
-    from megatron_zeppelin.megatron.precision import DTYPES, job_device
 
     if args.device == "cpu":
         if requires_cuda(config.kernel):
@@ -127,7 +136,6 @@ def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  #
 
 
 def torch_cuda_count() -> int:
-    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -135,8 +143,6 @@ def torch_cuda_count() -> int:
 def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     """Check the job's flags for ``world_size`` processes the way the workers will use them;
     raise ``ValueError`` naming the flag or file to change."""
-    from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.args import resolve_topology
 
     for flag, value, least in (
         ("--steps", args.steps, 0),
@@ -223,15 +229,11 @@ def _check_data(args: argparse.Namespace, dims) -> object | None:
     """Open ``--dataset`` (its tokens must fit the vocabulary) and return its document
     lengths; ``None`` when the synthetic data is still to be written (its distribution must
     exist)."""
-    import numpy as np
-
-    from megatron_zeppelin.megatron.data import DocumentDataset
 
     if args.dataset is None:
         prefix = os.path.join(args.run_dir, "data", f"synthetic-{args.seed}")
         if os.path.exists(prefix + ".idx"):
             return DocumentDataset(prefix).lengths
-        from megatron_zeppelin.planner.distributions import distribution_mean
 
         distribution_mean(args.distribution)  # raises on an unknown name
         return None
@@ -250,7 +252,6 @@ def _check_data(args: argparse.Namespace, dims) -> object | None:
 def _check_checkpoint(args: argparse.Namespace, world_size: int, dims) -> None:
     """``--load`` names a complete checkpoint (every file as its manifest recorded it) of this
     run's model, written by as many processes as this run starts, not past ``--steps``."""
-    from megatron_zeppelin import checkpoint
 
     directory = checkpoint.resolve(args.load)
     try:
@@ -292,7 +293,6 @@ def _log_dir(args: argparse.Namespace) -> str:
 
 def _launch(args: argparse.Namespace) -> int:
     """Start ``--nproc`` workers on this host and wait; the status as described above."""
-    from megatron_zeppelin.launch import launch
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.verbose:

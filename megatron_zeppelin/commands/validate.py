@@ -19,6 +19,8 @@ import json
 import os
 
 from megatron_zeppelin.commands.profile import check_kernel, check_positive, parse_shape
+from megatron_zeppelin.profile.timing import resolve_device
+from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,6 +106,7 @@ def format_report(report: dict) -> list[str]:
 
 def plot_report(report: dict, path: str) -> None:
     """Predicted against measured seconds per rank and batch (total and attention)."""
+    # Deferred: keeps matplotlib out of this module's import.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -137,8 +140,6 @@ def plot_report(report: dict, path: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.profile.timing import resolve_device
-    from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
     emulated = resolve_device(args.device).type == "cpu"
     check_kernel(args.kernel, emulated=emulated)

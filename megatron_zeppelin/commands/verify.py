@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -58,7 +59,7 @@ from megatron_zeppelin.commands.verify_run import (
     single_gpu,
     worker,
 )
-from megatron_zeppelin.fileio import atomic_write_text
+from megatron_zeppelin.fileio import atomic_write_text, format_bytes
 
 __all__ = ["Case", "EngineSpec", "build_cases", "compare", "main", "verify", "worker"]
 
@@ -69,6 +70,7 @@ DEVICES = ("cpu", "cuda")
 # --- parent: plans, reference, report ----------------------------------------------------------
 def _gathered(results: list[list[dict]], index: int, name: str, like):  # noqa: ANN001, ANN202
     """Case ``index``'s ``name`` of every rank, in packed-row order, in float64."""
+    # Deferred: keeps numpy, torch, yaml out of this module's import.
     import torch
 
     got = torch.zeros(like.shape, dtype=torch.float64)
@@ -152,7 +154,6 @@ def build_cases(
     """Zeppelin's plan with flat rings, routing on and off; the same plan with its inter-node
     documents on the 2-D scheme (``heads``: the run's ``(query heads, K/V heads)``; none when
     they do not split over a node's GPUs); every round of the TE-style ring baseline."""
-    import dataclasses
 
     from megatron_zeppelin.planner.baselines import build_baseline
     from megatron_zeppelin.planner.heads import head_groups
@@ -336,9 +337,6 @@ gradient), each ``heads x L x L`` float64."""
 
 def _check_reference_fits(lengths: list[int], spec: EngineSpec) -> None:
     """Refuse a batch whose dense float64 reference would not fit in this machine's memory."""
-    import os
-
-    from megatron_zeppelin.fileio import format_bytes
 
     longest = max(lengths)
     need = REFERENCE_COPIES * spec.num_heads * longest * longest * 8

@@ -63,6 +63,7 @@ class Case:
 def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, Any]:
     """Run one case on this rank; return its results in packed-row order plus its byte counts,
     its posting log and (``spec.step_timing``) its per-tier timings."""
+    # Deferred: keeps numpy, torch, yaml out of this module's import.
     import torch
 
     from megatron_zeppelin.attention.engine import ZeppelinAttention

@@ -122,6 +122,7 @@ class ReferenceCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
+        # Imported when called: keeps heavy imports out, and tests stand in for these.
         from megatron_zeppelin.testing.reference import reference_attention
 
         params = packed_seq_params

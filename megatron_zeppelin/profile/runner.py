@@ -344,6 +344,7 @@ def profile(
             raise ValueError("emulated nodes run gloo processes on the CPU: pass device='cpu'")
         nodes, gpus = settings.emulate
         say(f"starting {nodes * gpus} gloo processes ({nodes} nodes x {gpus} GPUs)")
+        # Imported when called: keeps heavy imports out, and tests stand in for these.
         from megatron_zeppelin.testing.dist import run_distributed
 
         results = run_distributed(

@@ -96,6 +96,7 @@ def validation_topology(settings: ValidationSettings) -> Topology:
 
 def calibrated_cost_model(settings: ValidationSettings, topology: Topology) -> CostModel:
     """Datasheet defaults, then the calibration (refused if measured elsewhere)."""
+    # Imported when called: keeps heavy imports out, and tests stand in for these.
     from megatron_zeppelin.profile.runner import device_name
 
     cost = CostModel.default(get_model(settings.model), topology)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -83,7 +84,6 @@ def _worker(
     _beat(os.path.join(result_dir, f"rank{rank}.beat"))
     try:
         # Several gloo processes on two cores: one intra-op thread each keeps them from fighting.
-        import torch
 
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
