@@ -79,7 +79,8 @@ def measure(
         "imbalance": plan.meta["load_imbalance"],
         "attention_imbalance": plan.meta["attention_imbalance"],
         "tiers": plan.meta["tier_counts"],
-        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+        # ru_maxrss is in KiB on Linux; MB here is 10^6 bytes, as everywhere in the project.
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
     }
 
 
