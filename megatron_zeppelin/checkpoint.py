@@ -82,8 +82,9 @@ class Manifest:
 
     def to_json(self) -> str:
         files = [asdict(f) for f in self.files]
-        return json.dumps({"format": FORMAT, "step": self.step, "job": self.job, "files": files},
-                          indent=1)  # fmt: skip
+        return json.dumps(
+            {"format": FORMAT, "step": self.step, "job": self.job, "files": files}, indent=1
+        )
 
     @classmethod
     def from_json(cls, text: str, *, path: str) -> Manifest:
@@ -109,6 +110,7 @@ def rank_file_name(rank: int) -> str:
 
 def serialize(state: Any) -> bytes:
     """``torch.save`` of ``state`` into bytes (so the checksum is of exactly what is written)."""
+    # Deferred: keeps torch out of this module's import.
     import torch
 
     buffer = io.BytesIO()

@@ -176,6 +176,7 @@ class ZeppelinConfig:
         is worth an NVLink one): an automatic or ``off`` intra threshold comes down to an
         explicit inter one, an automatic inter threshold goes up to an explicit intra one.
         """
+        # Deferred: keeps numpy, yaml out of this module's import.
         from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
 
         two_d = self.two_d if two_d is None else two_d

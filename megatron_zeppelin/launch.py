@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 
+import torch.distributed as dist
+
 from megatron_zeppelin.megatron.worker import LOG_DIR_ENV, Outcome, log_path, read_outcome
 
 __all__ = ["LaunchResult", "RankEnd", "launch", "process_stopped"]
@@ -79,15 +81,28 @@ def process_stopped(pid: int) -> bool:
     return state in ("T", "t")
 
 
-def launch(module: str, argv: list[str], *, nproc: int, log_dir: str, verbose: bool = False,
-           env: dict[str, str] | None = None, stall_s: float = 600.0,
-           grace_s: float = GRACE_S) -> LaunchResult:  # fmt: skip
+def launch(
+    module: str,
+    argv: list[str],
+    *,
+    nproc: int,
+    log_dir: str,
+    verbose: bool = False,
+    env: dict[str, str] | None = None,
+    stall_s: float = 600.0,
+    grace_s: float = GRACE_S,
+) -> LaunchResult:
     """Run ``python -m module *argv`` on ``nproc`` workers and wait (module docstring)."""
-    import torch.distributed as dist
 
     os.makedirs(log_dir, exist_ok=True)
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=max(stall_s, 300.0)))  # fmt: skip
+    store = dist.TCPStore(
+        "127.0.0.1",
+        0,
+        nproc,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=max(stall_s, 300.0)),
+    )
     procs: list[subprocess.Popen] = []
     result = LaunchResult([], log_dir)
     previous = _on_sigterm_interrupt()
@@ -108,23 +123,43 @@ def launch(module: str, argv: list[str], *, nproc: int, log_dir: str, verbose: b
     return result
 
 
-def _start(module: str, argv: list[str], rank: int, nproc: int, port: int, log_dir: str,
-           verbose: bool, extra: dict[str, str]) -> subprocess.Popen:  # fmt: skip
+def _start(
+    module: str,
+    argv: list[str],
+    rank: int,
+    nproc: int,
+    port: int,
+    log_dir: str,
+    verbose: bool,
+    extra: dict[str, str],
+) -> subprocess.Popen:
     env = dict(os.environ)
     env.update(extra)
-    env.update({
-        "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-        "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "ROLE_WORLD_SIZE": str(nproc),
-        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-        "TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_RESTART_COUNT": "0",
-        LOG_DIR_ENV: log_dir,
-    })  # fmt: skip
+    env.update(
+        {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "GROUP_RANK": "0",
+            "ROLE_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "ROLE_WORLD_SIZE": str(nproc),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            LOG_DIR_ENV: log_dir,
+        }
+    )
     stderr = None if verbose else open(log_path(log_dir, rank), "ab")
     try:
         return subprocess.Popen(
-            [sys.executable, "-m", module, *argv], env=env, stdin=subprocess.DEVNULL,
-            stderr=stderr, start_new_session=True,
-        )  # fmt: skip
+            [sys.executable, "-m", module, *argv],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stderr=stderr,
+            start_new_session=True,
+        )
     finally:
         if stderr is not None:
             stderr.close()  # the child holds its own copy

@@ -71,6 +71,7 @@ def use_shipped_dataset_helpers() -> bool:
     Megatron exits. When the Makefile is absent and the compiled helper imports, start-up uses
     the shipped helper instead of compiling; a source checkout (Makefile present) compiles as
     upstream does. Returns whether the shipped helper is used."""
+    # Deferred: keeps megatron-core, numpy, psutil, torch, yaml out of this module's import.
     import megatron.core.datasets as datasets
     from megatron.core.datasets import utils
 

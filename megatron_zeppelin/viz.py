@@ -11,6 +11,7 @@ from collections import defaultdict
 
 def _pyplot():
     try:
+        # Deferred: keeps matplotlib, numpy, yaml out of this module's import.
         import matplotlib
     except ImportError:
         raise ValueError(
@@ -65,16 +66,23 @@ def plot_plan_load(plan, result, cost_model, path: str) -> None:
     top.bar(ranks, idle, bottom=base, label="idle", color="#cccccc")
     top.axhline(result.lower_bound_s * ms, color="black", linestyle="--", label="lower bound")
     top.set_ylabel("ms per step")
-    top.set_title(f"{plan.name}: step {result.step_time_s * ms:.1f} ms, "
-                  f"efficiency {result.efficiency:.2f}")  # fmt: skip
+    top.set_title(
+        f"{plan.name}: step {result.step_time_s * ms:.1f} ms, efficiency {result.efficiency:.2f}"
+    )
     top.set_ylim(0, 1.3 * max(max(base) + max(idle), result.lower_bound_s * ms))  # room for legend
     top.legend(fontsize="small", ncol=5, loc="upper left")
     sent = rank_bytes(plan, cost_model)
     width = 0.28
-    for i, (kind, color) in enumerate((("nvlink", "#55a868"), ("nic", "#8172b3"),
-                                       ("remap", "#937860"))):  # fmt: skip
-        bottom.bar([r + (i - 1) * width for r in ranks], [b / 1e6 for b in sent[kind]],
-                   width=width, label=kind, color=color)  # fmt: skip
+    for i, (kind, color) in enumerate(
+        (("nvlink", "#55a868"), ("nic", "#8172b3"), ("remap", "#937860"))
+    ):
+        bottom.bar(
+            [r + (i - 1) * width for r in ranks],
+            [b / 1e6 for b in sent[kind]],
+            width=width,
+            label=kind,
+            color=color,
+        )
     bottom.set_ylabel("MB sent per layer (fwd)")
     bottom.set_xlabel("rank")
     bottom.legend(fontsize="small")
@@ -97,8 +105,13 @@ def plot_comparison(rows: list[dict], path: str) -> None:
     ax.axhline(rows[0]["lower_bound_s"] * 1e3, color="black", linestyle="--", label="lower bound")
     for bar, row in zip(bars, rows):
         if row.get("speedup_vs_te"):
-            ax.annotate(f"{row['speedup_vs_te']:.2f}x", (bar.get_x() + bar.get_width() / 2,
-                        bar.get_height()), ha="center", va="bottom", fontsize="small")  # fmt: skip
+            ax.annotate(
+                f"{row['speedup_vs_te']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize="small",
+            )
     ax.set_ylabel("step time, ms (speedup over te-ring-cp)")
     ax.tick_params(axis="x", rotation=20)
     ax.legend(fontsize="small")

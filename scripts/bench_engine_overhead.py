@@ -112,7 +112,7 @@ def _median_ms_and_engine_ms(fn, repeats: int) -> tuple[float, float]:  # noqa: 
     return statistics.median(times), statistics.median(engine)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--num-docs", type=int, default=1000)
     parser.add_argument("--distribution", default="wikipedia")
@@ -140,9 +140,11 @@ def main() -> None:
         "--no-kernel-timing", action="store_true", help="skip the run with the real torch kernel"
     )
     parser.add_argument(
-        "--two-d", action="store_true", help="run the plan's inter-node documents with the 2-D "
+        "--two-d",
+        action="store_true",
+        help="run the plan's inter-node documents with the 2-D "
         "scheme (heads split inside each node; --heads must split over --gpus-per-node)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -150,7 +152,11 @@ def main() -> None:
         help="torch intra-op threads (1: bookkeeping is single-threaded anyway, "
         "and more threads than free cores distort every figure)",
     )
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = _parse_args()
     torch.set_num_threads(args.threads)
 
     topo = Topology(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nics_per_node=1)

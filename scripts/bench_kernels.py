@@ -52,8 +52,13 @@ def accuracy(names: list[str]) -> list[dict]:
     for name in names:
         for block, case in BLOCKS.items():
             for d in (64, 128):
-                errors = kernel_errors(get_kernel(name), case.with_head_dim(d), device="cuda",
-                                       dtype=torch.bfloat16, seed=d)  # fmt: skip
+                errors = kernel_errors(
+                    get_kernel(name),
+                    case.with_head_dim(d),
+                    device="cuda",
+                    dtype=torch.bfloat16,
+                    seed=d,
+                )
                 rows.append({"kernel": name, "block": block, "head_dim": d, **errors})
     return rows
 
@@ -92,8 +97,9 @@ def throughput_row(kernel: str, length: int, tokens: int, repeats: int) -> dict:
         leaves = [x.detach().requires_grad_() for x in (qb, kb, vb)]
 
         def fwd() -> torch.Tensor:
-            return F.scaled_dot_product_attention(*leaves, is_causal=True, scale=scale,
-                                                  enable_gqa=True)  # fmt: skip
+            return F.scaled_dot_product_attention(
+                *leaves, is_causal=True, scale=scale, enable_gqa=True
+            )
 
         def fwd_bwd() -> None:
             torch.autograd.grad(fwd(), leaves, db)
@@ -110,9 +116,15 @@ def throughput_row(kernel: str, length: int, tokens: int, repeats: int) -> dict:
 
     flops = 4.0 * docs * length * (length + 1) / 2 * HEAD_DIM * HEADS
     fwd_ms, total_ms = median_ms(fwd, repeats), median_ms(fwd_bwd, repeats)
-    return {"kernel": kernel, "length": length, "documents": docs, "fwd_ms": fwd_ms,
-            "fwd_bwd_ms": total_ms, "fwd_tflops": flops / fwd_ms / 1e9,
-            "fwd_bwd_tflops": 3.5 * flops / total_ms / 1e9}  # fmt: skip
+    return {
+        "kernel": kernel,
+        "length": length,
+        "documents": docs,
+        "fwd_ms": fwd_ms,
+        "fwd_bwd_ms": total_ms,
+        "fwd_tflops": flops / fwd_ms / 1e9,
+        "fwd_bwd_tflops": 3.5 * flops / total_ms / 1e9,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,8 +133,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kernels", default=",".join(KERNELS), help="kernels to measure")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls (median)")
     parser.add_argument("--json", help="write every figure to this file")
-    parser.add_argument("--tiled-max-length", type=int, default=16384,
-                        help="longest document the tiled kernel is timed on")  # fmt: skip
+    parser.add_argument(
+        "--tiled-max-length",
+        type=int,
+        default=16384,
+        help="longest document the tiled kernel is timed on",
+    )
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_kernels needs a CUDA GPU and none is visible", file=sys.stderr)
@@ -131,11 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, kernels {names}")
     acc = accuracy(names)
     print("\naccuracy (bfloat16 against float64, relative error)")
-    print(f"{'kernel':12} {'block':13} {'d':>4} " + " ".join(f"{k:>8}" for k in
-          ("out", "lse", "dq", "dk", "dv")))  # fmt: skip
+    print(
+        f"{'kernel':12} {'block':13} {'d':>4} "
+        + " ".join(f"{k:>8}" for k in ("out", "lse", "dq", "dk", "dv"))
+    )
     for r in acc:
-        print(f"{r['kernel']:12} {r['block']:13} {r['head_dim']:>4} "
-              + " ".join(f"{r[k]:8.1e}" for k in ("out", "lse", "dq", "dk", "dv")))  # fmt: skip
+        print(
+            f"{r['kernel']:12} {r['block']:13} {r['head_dim']:>4} "
+            + " ".join(f"{r[k]:8.1e}" for k in ("out", "lse", "dq", "dk", "dv"))
+        )
     lengths = [1 << p for p in range(10, 18) if (1 << p) <= args.tokens]
     rows = []
     print(f"\nthroughput ({args.tokens} tokens, causal, {HEADS}/{KV_HEADS} heads, d {HEAD_DIM})")
@@ -148,12 +168,23 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             r = throughput_row(kernel, length, args.tokens, args.repeats)
             rows.append(r)
-            print(f"{length:>7} {kernel:12} {r['fwd_ms']:8.2f} {r['fwd_tflops']:9.1f} "
-                  f"{r['fwd_bwd_ms']:8.2f} {r['fwd_bwd_tflops']:9.1f}", flush=True)  # fmt: skip
+            print(
+                f"{length:>7} {kernel:12} {r['fwd_ms']:8.2f} {r['fwd_tflops']:9.1f} "
+                f"{r['fwd_bwd_ms']:8.2f} {r['fwd_bwd_tflops']:9.1f}",
+                flush=True,
+            )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "accuracy": acc, "throughput": rows}, f, indent=1)  # fmt: skip
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "accuracy": acc,
+                    "throughput": rows,
+                },
+                f,
+                indent=1,
+            )
     return 0
 
 

@@ -58,16 +58,19 @@ def configurations(quick: bool) -> list[dict]:
     points = []
     for cluster in CLUSTERS:
         for dist in DISTS:
-            points.append(dict(model="llama-7b", cluster=cluster, gpus=32, dist=dist,
-                               capacity=16384))  # fmt: skip
+            points.append(
+                dict(model="llama-7b", cluster=cluster, gpus=32, dist=dist, capacity=16384)
+            )
     for gpus in (16, 64, 128):
         for dist in ("wikipedia", "prolong"):
-            points.append(dict(model="llama-3b", cluster="zeppelin-A", gpus=gpus, dist=dist,
-                               capacity=16384))  # fmt: skip
+            points.append(
+                dict(model="llama-3b", cluster="zeppelin-A", gpus=gpus, dist=dist, capacity=16384)
+            )
     for model, capacity in (("llama-3b", 32768), ("llama-13b", 16384)):
         for dist in ("wikipedia", "prolong"):
-            points.append(dict(model=model, cluster="zeppelin-C", gpus=64, dist=dist,
-                               capacity=capacity))  # fmt: skip
+            points.append(
+                dict(model=model, cluster="zeppelin-C", gpus=64, dist=dist, capacity=capacity)
+            )
     return points
 
 
@@ -77,10 +80,13 @@ def run_point(
     topology = get_topology(point["cluster"], num_nodes=point["gpus"] // 8)
     cost = CostModel.default(get_model(point["model"]), topology)
     tokens = int(fill * topology.world_size * point["capacity"])
-    batches = [sample_lengths(point["dist"], num_tokens=tokens, seed=s, max_length=max_length)
-               for s in range(steps)]  # fmt: skip
-    results = compare_batches(batches, topology=topology, cost_model=cost,
-                              capacity=point["capacity"])  # fmt: skip
+    batches = [
+        sample_lengths(point["dist"], num_tokens=tokens, seed=s, max_length=max_length)
+        for s in range(steps)
+    ]
+    results = compare_batches(
+        batches, topology=topology, cost_model=cost, capacity=point["capacity"]
+    )
     rows = {r["builder"]: r for r in summarize(results)}
     longest = max(max(b) for b in batches)
     record = {**point, "tokens": tokens, "longest": longest, "rows": rows}
@@ -91,18 +97,28 @@ def run_point(
             ("no_2d", PlannerOptions(two_d=False), True),
             ("no_2d_no_routing", PlannerOptions(two_d=False, routing=False), True),
         ):
-            runs = compare_batches(batches, topology=topology, cost_model=cost,
-                                   capacity=point["capacity"], builders=("zeppelin",),
-                                   options=options, remap=remap)["zeppelin"]  # fmt: skip
+            runs = compare_batches(
+                batches,
+                topology=topology,
+                cost_model=cost,
+                capacity=point["capacity"],
+                builders=("zeppelin",),
+                options=options,
+                remap=remap,
+            )["zeppelin"]
             ok = [r for r in runs if not isinstance(r, str)]
             record[label] = (
                 sum(r.step_time_s for r in ok) / len(ok) if len(ok) == len(runs) else None
             )
             if label == "no_2d":
                 record["spanning"] = spanning_batches(
-                    batches, results["zeppelin"], runs, topology=topology, cost=cost,
+                    batches,
+                    results["zeppelin"],
+                    runs,
+                    topology=topology,
+                    cost=cost,
                     capacity=point["capacity"],
-                )  # fmt: skip
+                )
     return record
 
 
@@ -116,9 +132,16 @@ def spanning_batches(batches, with_2d, without_2d, *, topology, cost, capacity) 
         plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=capacity)
         inter = plan.tier_counts()["inter"]
         if inter:
-            rows.append({"seed": seed, "inter": inter, "two_d": plan.meta["two_d_documents"],
-                         "longest": max(lengths), "efficiency": on.efficiency,
-                         "efficiency_no_2d": off.efficiency})  # fmt: skip
+            rows.append(
+                {
+                    "seed": seed,
+                    "inter": inter,
+                    "two_d": plan.meta["two_d_documents"],
+                    "longest": max(lengths),
+                    "efficiency": on.efficiency,
+                    "efficiency_no_2d": off.efficiency,
+                }
+            )
     return rows
 
 
@@ -138,8 +161,10 @@ def markdown(records: list[dict]) -> str:
         others = [r for name, r in rows.items() if name != "zeppelin" and "error" not in r]
         best = min(others, key=lambda r: r["step_time_s"])
         if "error" in z:
-            lines.append(f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
-                         f"| zeppelin failed: {z['error']} |")  # fmt: skip
+            lines.append(
+                f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
+                f"| zeppelin failed: {z['error']} |"
+            )
             continue
         lines.append(
             f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
@@ -239,10 +264,20 @@ def run_stress_point(dist: str, gpus: int, fill: float, *, steps: int) -> dict:
         spanning.append(plan.meta["tier_counts"]["inter"])
         longest = max(longest, max(lengths))
     step, bound = sum(steps_s) / steps, sum(bounds) / steps
-    return {"dist": dist, "gpus": gpus, "fill": fill, "tokens": tokens, "documents": docs,
-            "longest": longest, "step_time_s": step, "lower_bound_s": bound,
-            "efficiency": bound / step, "per_batch": [b / s for b, s in zip(bounds, steps_s)],
-            "planner_ms": [1e3 * t for t in planner_s], "spanning_nodes": spanning}  # fmt: skip
+    return {
+        "dist": dist,
+        "gpus": gpus,
+        "fill": fill,
+        "tokens": tokens,
+        "documents": docs,
+        "longest": longest,
+        "step_time_s": step,
+        "lower_bound_s": bound,
+        "efficiency": bound / step,
+        "per_batch": [b / s for b, s in zip(bounds, steps_s)],
+        "planner_ms": [1e3 * t for t in planner_s],
+        "spanning_nodes": spanning,
+    }
 
 
 def stress_markdown(records: list[dict]) -> str:
@@ -268,8 +303,11 @@ def _stress(args: argparse.Namespace) -> int:
         for gpus in args.stress_gpus:
             for fill in args.stress_fills:
                 records.append(run_stress_point(dist, gpus, fill, steps=args.steps))
-                print(f"done {dist} {gpus} GPUs fill {fill} after "
-                      f"{time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"done {dist} {gpus} GPUs fill {fill} after {time.monotonic() - start:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print(stress_markdown(records))
     effs = [r["efficiency"] for r in records]
     print(f"\n- min efficiency {min(effs):.3f}, mean {sum(effs) / len(effs):.3f}")
@@ -286,8 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=131072, help="cut longer documents")
     parser.add_argument("--quick", action="store_true", help="two configurations only")
     parser.add_argument("--json", metavar="OUT", help="write every row")
-    parser.add_argument("--ablation", action="store_true",
-                        help="also routing off, remap off, 2-D off")  # fmt: skip
+    parser.add_argument(
+        "--ablation", action="store_true", help="also routing off, remap off, 2-D off"
+    )
     parser.add_argument("--stress", action="store_true", help="Zeppelin on the stress shapes")
     parser.add_argument("--stress-gpus", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--stress-fills", type=float, nargs="+", default=[0.5, 0.95])
@@ -297,8 +336,15 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     start = time.monotonic()
     for point in configurations(args.quick):
-        records.append(run_point(point, steps=args.steps, fill=args.fill,
-                                 max_length=args.max_length, ablation=args.ablation))  # fmt: skip
+        records.append(
+            run_point(
+                point,
+                steps=args.steps,
+                fill=args.fill,
+                max_length=args.max_length,
+                ablation=args.ablation,
+            )
+        )
         print(f"done {point} after {time.monotonic() - start:.0f} s", file=sys.stderr)
     print(markdown(records))
     print()

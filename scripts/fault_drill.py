@@ -62,19 +62,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 # --- running the job ---------------------------------------------------------------------------
 def train_command(args: argparse.Namespace, *flags: str) -> list[str]:
     return [
-        sys.executable, "-m", "megatron_zeppelin.cli", "train", "--run-dir", args.run_dir,
-        "--quiet", "--steps", str(args.steps), *flags,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "megatron_zeppelin.cli",
+        "train",
+        "--run-dir",
+        args.run_dir,
+        "--quiet",
+        "--steps",
+        str(args.steps),
+        *flags,
+    ]
 
 
 def start(args: argparse.Namespace, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen(train_command(args, *flags), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+    return subprocess.Popen(
+        train_command(args, *flags),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def run(args: argparse.Namespace, *flags: str) -> tuple[int, str]:
-    done = subprocess.run(train_command(args, *flags), capture_output=True, text=True,
-                          timeout=WAIT_S)  # fmt: skip
+    done = subprocess.run(
+        train_command(args, *flags), capture_output=True, text=True, timeout=WAIT_S
+    )
     return done.returncode, done.stderr
 
 
@@ -134,8 +148,9 @@ def wait_gone(pids: list[int], proc: subprocess.Popen, since: float) -> tuple[fl
 # --- the drills --------------------------------------------------------------------------------
 def fault_drill(args: argparse.Namespace, name: str, root: str) -> dict:
     """Start the job, inject ``name``'s fault, record what happened."""
-    proc = start(args, "--save", root, "--save-every", "1", "--zeppelin-comm-timeout-s",
-                 str(args.timeout))  # fmt: skip
+    proc = start(
+        args, "--save", root, "--save-every", "1", "--zeppelin-comm-timeout-s", str(args.timeout)
+    )
     wait_for_checkpoint(root, args.fault_at, proc)
     ranks = workers(proc.pid)
     t0 = time.monotonic()
@@ -148,8 +163,13 @@ def fault_drill(args: argparse.Namespace, name: str, root: str) -> dict:
     workers_s, seconds = wait_gone(list(ranks.values()), proc, t0)
     err = proc.communicate()[1]
     lines = err.strip().splitlines()
-    return {"exit": proc.returncode, "seconds": seconds, "workers_s": workers_s, "lines": lines,
-            "traceback_on_terminal": "Traceback" in err}  # fmt: skip
+    return {
+        "exit": proc.returncode,
+        "seconds": seconds,
+        "workers_s": workers_s,
+        "lines": lines,
+        "traceback_on_terminal": "Traceback" in err,
+    }
 
 
 def torn_drill(args: argparse.Namespace, root: str) -> dict:
@@ -192,9 +212,11 @@ def verdict(name: str, fault: dict, resumed: dict, timeout: float) -> tuple[str,
     lines = fault.get("lines", [])
     first = lines[0] if lines else ""
     same = resumed.get("exit") == 0 and resumed.get("max_loss_diff") == 0.0
-    after = (f"resumed from step {resumed.get('from')}: "
-             + (f"{resumed['steps']} steps, max |loss diff| {resumed['max_loss_diff']:g}"
-                if resumed.get("exit") == 0 else f"FAILED ({resumed.get('error')})"))  # fmt: skip
+    after = f"resumed from step {resumed.get('from')}: " + (
+        f"{resumed['steps']} steps, max |loss diff| {resumed['max_loss_diff']:g}"
+        if resumed.get("exit") == 0
+        else f"FAILED ({resumed.get('error')})"
+    )
     if name == "stall":
         where = any("last seen at step" in line for line in lines)
         named = "rank 2 stopped responding" in first and where
@@ -202,8 +224,12 @@ def verdict(name: str, fault: dict, resumed: dict, timeout: float) -> tuple[str,
         expected = f"job over within 2T ({2 * timeout:g} s), rank 2 named with step and layer"
         observed = f"{_ends(fault)}: {_short(lines)}"
     elif name == "kill-worker":
-        ok = (fault["exit"] == 1 and "rank 1 was killed by SIGKILL" in first
-              and not fault["traceback_on_terminal"] and same)  # fmt: skip
+        ok = (
+            fault["exit"] == 1
+            and "rank 1 was killed by SIGKILL" in first
+            and not fault["traceback_on_terminal"]
+            and same
+        )
         expected = "exit 1, one line naming rank 1 and SIGKILL, no traceback"
         observed = f"{_ends(fault)}: {_short(lines)}"
     elif name == "kill-launcher":
@@ -218,8 +244,10 @@ def verdict(name: str, fault: dict, resumed: dict, timeout: float) -> tuple[str,
 
 
 def _ends(fault: dict) -> str:
-    return (f"workers gone after {fault['workers_s']:.1f} s, exit {fault['exit']} after "
-            f"{fault['seconds']:.1f} s")  # fmt: skip
+    return (
+        f"workers gone after {fault['workers_s']:.1f} s, exit {fault['exit']} after "
+        f"{fault['seconds']:.1f} s"
+    )
 
 
 def _short(lines: list[str]) -> str:
@@ -246,8 +274,16 @@ def main(argv: list[str] | None = None) -> int:
             fault = fault_drill(args, name, root)
         resumed = resume(args, root, reference, name)
         expected, observed, ok = verdict(name, fault, resumed, args.timeout)
-        rows.append({"drill": name, "expected": expected, "observed": observed, "ok": ok,
-                     "fault": fault, "resume": resumed})  # fmt: skip
+        rows.append(
+            {
+                "drill": name,
+                "expected": expected,
+                "observed": observed,
+                "ok": ok,
+                "fault": fault,
+                "resume": resumed,
+            }
+        )
         print(f"{name}: {'ok' if ok else 'FAILED'}", file=sys.stderr, flush=True)
     print(f"{'drill':<16} {'ok':<3} expected / observed")
     for row in rows:

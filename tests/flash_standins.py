@@ -37,8 +37,9 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 # --- the maths and the real kernels' input checks ----------------------------------------------
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-           cu_k: torch.Tensor) -> None:  # fmt: skip
+def _check(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor
+) -> None:
     if q.dtype not in HALF or k.dtype != q.dtype or v.dtype != q.dtype:
         raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
     for x in (q, k, v):
@@ -126,10 +127,24 @@ def _module(name: str, version: str, **functions) -> types.ModuleType:  # noqa: 
 
 
 # --- flash-attn 2 -------------------------------------------------------------------------------
-def _varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
-                 softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                 alibi_slopes=None, deterministic=False, return_attn_probs=False,
-                 block_table=None):  # fmt: skip  # noqa: ANN001, ANN202
+def _varlen_func(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
+):  # noqa: ANN001, ANN202
     """``flash_attn_varlen_func`` of v2.6.3 to v2.8.3 (the same signature throughout)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
     out, lse = dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
@@ -140,21 +155,44 @@ def flash_attn_2_6() -> types.ModuleType:
     """v2.6.3: the private varlen backward is a plain function taking one ``window_size`` tuple
     and returning ``(dq, dk, dv, softmax_d)``."""
 
-    def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
-                                    cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                    softmax_scale, causal, window_size, softcap, alibi_slopes,
-                                    deterministic, rng_state=None):  # fmt: skip  # noqa: ANN001, ANN202
+    def _flash_attn_varlen_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        dq,
+        dk,
+        dv,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size,
+        softcap,
+        alibi_slopes,
+        deterministic,
+        rng_state=None,
+    ):  # noqa: ANN001, ANN202
         if not isinstance(window_size, tuple) or len(window_size) != 2:
             raise TypeError(f"window_size must be a (left, right) tuple, got {window_size!r}")
-        grads = dense_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                               softmax_scale, causal)  # fmt: skip
+        grads = dense_backward(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+        )
         for dst, src in zip((dq, dk, dv), grads):
             _write(dst, src)
         return dq, dk, dv, torch.zeros(q.shape[1], q.shape[0])
 
-    return _module("flash_attn.flash_attn_interface", "2.6.3",
-                   flash_attn_varlen_func=_varlen_func,
-                   _flash_attn_varlen_backward=_flash_attn_varlen_backward)  # fmt: skip
+    return _module(
+        "flash_attn.flash_attn_interface",
+        "2.6.3",
+        flash_attn_varlen_func=_varlen_func,
+        _flash_attn_varlen_backward=_flash_attn_varlen_backward,
+    )
 
 
 _BUILT: dict[str, object] = {}
@@ -167,68 +205,205 @@ def flash_attn_2_7(*, zero_tensors: bool) -> types.ModuleType:
     key = f"fa27_{int(zero_tensors)}"
     if key not in _BUILT:
 
-        def impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                 max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
-                 window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
-                 zero_tensors=False):  # fmt: skip  # noqa: ANN001, ANN202
-            grads = dense_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                                   softmax_scale, causal)  # fmt: skip
+        def impl(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            dq,
+            dk,
+            dv,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            dropout_p,
+            softmax_scale,
+            causal,
+            window_size_left,
+            window_size_right,
+            softcap,
+            alibi_slopes,
+            deterministic,
+            rng_state=None,
+            zero_tensors=False,
+        ):  # noqa: ANN001, ANN202
+            grads = dense_backward(
+                dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+            )
             for dst, src in zip((dq, dk, dv), grads):
                 _write(dst, src)
             return torch.zeros(q.shape[1], q.shape[0])
 
-        def typed(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
-                  dk: torch.Tensor | None, dv: torch.Tensor | None,
-                  cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                  max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                  window_size_left: int, window_size_right: int, softcap: float,
-                  alibi_slopes: torch.Tensor | None, deterministic: bool,
-                  rng_state: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
-            return impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                        window_size_left, window_size_right, softcap, alibi_slopes,
-                        deterministic, rng_state)  # fmt: skip
+        def typed(
+            dout: torch.Tensor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            softmax_lse: torch.Tensor,
+            dq: torch.Tensor | None,
+            dk: torch.Tensor | None,
+            dv: torch.Tensor | None,
+            cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor,
+            max_seqlen_q: int,
+            max_seqlen_k: int,
+            dropout_p: float,
+            softmax_scale: float,
+            causal: bool,
+            window_size_left: int,
+            window_size_right: int,
+            softcap: float,
+            alibi_slopes: torch.Tensor | None,
+            deterministic: bool,
+            rng_state: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            return impl(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                softmax_lse,
+                dq,
+                dk,
+                dv,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size_left,
+                window_size_right,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                rng_state,
+            )
 
-        def typed_zero(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       out: torch.Tensor, softmax_lse: torch.Tensor, dq: torch.Tensor | None,
-                       dk: torch.Tensor | None, dv: torch.Tensor | None,
-                       cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int,
-                       max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-                       window_size_left: int, window_size_right: int, softcap: float,
-                       alibi_slopes: torch.Tensor | None, deterministic: bool,
-                       rng_state: torch.Tensor | None = None,
-                       zero_tensors: bool = False) -> torch.Tensor:  # fmt: skip
-            return impl(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                        max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-                        window_size_left, window_size_right, softcap, alibi_slopes,
-                        deterministic, rng_state, zero_tensors)  # fmt: skip
+        def typed_zero(
+            dout: torch.Tensor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            softmax_lse: torch.Tensor,
+            dq: torch.Tensor | None,
+            dk: torch.Tensor | None,
+            dv: torch.Tensor | None,
+            cu_seqlens_q: torch.Tensor,
+            cu_seqlens_k: torch.Tensor,
+            max_seqlen_q: int,
+            max_seqlen_k: int,
+            dropout_p: float,
+            softmax_scale: float,
+            causal: bool,
+            window_size_left: int,
+            window_size_right: int,
+            softcap: float,
+            alibi_slopes: torch.Tensor | None,
+            deterministic: bool,
+            rng_state: torch.Tensor | None = None,
+            zero_tensors: bool = False,
+        ) -> torch.Tensor:
+            return impl(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                softmax_lse,
+                dq,
+                dk,
+                dv,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                dropout_p,
+                softmax_scale,
+                causal,
+                window_size_left,
+                window_size_right,
+                softcap,
+                alibi_slopes,
+                deterministic,
+                rng_state,
+                zero_tensors,
+            )
 
         name = f"zeppelin_standin_{key}::_flash_attn_varlen_backward"
         fn = typed_zero if zero_tensors else typed
         _BUILT[key] = torch.library.custom_op(name, fn, mutates_args=("dq", "dk", "dv"))
     version = "2.8.3" if zero_tensors else "2.7.0"
-    return _module("flash_attn.flash_attn_interface", version,
-                   flash_attn_varlen_func=_varlen_func,
-                   _flash_attn_varlen_backward=_BUILT[key])  # fmt: skip
+    return _module(
+        "flash_attn.flash_attn_interface",
+        version,
+        flash_attn_varlen_func=_varlen_func,
+        _flash_attn_varlen_backward=_BUILT[key],
+    )
 
 
 def flash_attn_package(interface: types.ModuleType) -> types.ModuleType:
     """The ``flash_attn`` package around an interface stand-in (for ``sys.modules``)."""
-    package = _module("flash_attn", interface.__version__,
-                      flash_attn_interface=interface,
-                      flash_attn_varlen_func=interface.flash_attn_varlen_func)  # fmt: skip
+    package = _module(
+        "flash_attn",
+        interface.__version__,
+        flash_attn_interface=interface,
+        flash_attn_varlen_func=interface.flash_attn_varlen_func,
+    )
     package.__path__ = []
     return package
 
 
 # --- FlashAttention-3 ---------------------------------------------------------------------------
-def _fa3_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k, cu_seqlens_k_new,
-                 seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, page_table, kv_batch_idx,
-                 leftpad_k, rotary_cos, rotary_sin, seqlens_rotary, q_descale, k_descale,
-                 v_descale, softmax_scale, causal):  # fmt: skip  # noqa: ANN001, ANN202
-    if any(x is not None for x in (k_new, v_new, qv, out, cu_seqlens_k_new, seqused_q,
-                                   seqused_k, page_table, kv_batch_idx, leftpad_k)):  # fmt: skip
+def _fa3_forward(
+    q,
+    k,
+    v,
+    k_new,
+    v_new,
+    qv,
+    out,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    cu_seqlens_k_new,
+    seqused_q,
+    seqused_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    page_table,
+    kv_batch_idx,
+    leftpad_k,
+    rotary_cos,
+    rotary_sin,
+    seqlens_rotary,
+    q_descale,
+    k_descale,
+    v_descale,
+    softmax_scale,
+    causal,
+):  # noqa: ANN001, ANN202
+    if any(
+        x is not None
+        for x in (
+            k_new,
+            v_new,
+            qv,
+            out,
+            cu_seqlens_k_new,
+            seqused_q,
+            seqused_k,
+            page_table,
+            kv_batch_idx,
+            leftpad_k,
+        )
+    ):
         raise RuntimeError("this stand-in covers plain varlen attention only")
     return dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
 
@@ -238,32 +413,106 @@ def flash_attn_3_beta() -> types.ModuleType:
     has 25 leading arguments without defaults and returns ``(out, softmax_lse, *rest)``;
     ``_flash_attn_backward`` returns ``(dq, dk, dv, softmax_d)``."""
 
-    def _flash_attn_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k,
-                            cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                            page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
-                            seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale,
-                            causal, window_size=(-1, -1), attention_chunk=0, softcap=0.0,
-                            rotary_interleaved=True, scheduler_metadata=None, num_splits=1,
-                            pack_gqa=None, sm_margin=0):  # fmt: skip  # noqa: ANN001, ANN202
-        o, lse = _fa3_forward(q, k, v, k_new, v_new, qv, out, cu_seqlens_q, cu_seqlens_k,
-                              cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k,
-                              page_table, kv_batch_idx, leftpad_k, rotary_cos, rotary_sin,
-                              seqlens_rotary, q_descale, k_descale, v_descale, softmax_scale,
-                              causal)  # fmt: skip
+    def _flash_attn_forward(
+        q,
+        k,
+        v,
+        k_new,
+        v_new,
+        qv,
+        out,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        cu_seqlens_k_new,
+        seqused_q,
+        seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        page_table,
+        kv_batch_idx,
+        leftpad_k,
+        rotary_cos,
+        rotary_sin,
+        seqlens_rotary,
+        q_descale,
+        k_descale,
+        v_descale,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        attention_chunk=0,
+        softcap=0.0,
+        rotary_interleaved=True,
+        scheduler_metadata=None,
+        num_splits=1,
+        pack_gqa=None,
+        sm_margin=0,
+    ):  # noqa: ANN001, ANN202
+        o, lse = _fa3_forward(
+            q,
+            k,
+            v,
+            k_new,
+            v_new,
+            qv,
+            out,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            cu_seqlens_k_new,
+            seqused_q,
+            seqused_k,
+            max_seqlen_q,
+            max_seqlen_k,
+            page_table,
+            kv_batch_idx,
+            leftpad_k,
+            rotary_cos,
+            rotary_sin,
+            seqlens_rotary,
+            q_descale,
+            k_descale,
+            v_descale,
+            softmax_scale,
+            causal,
+        )
         return o, lse, None, None
 
-    def _flash_attn_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                             sequed_q, sequed_k, max_seqlen_q, max_seqlen_k, dq, dk, dv,
-                             softmax_scale, causal, window_size=(-1, -1), softcap=0.0,
-                             deterministic=False, sm_margin=0):  # fmt: skip  # noqa: ANN001, ANN202
-        grads = dense_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                               softmax_scale, causal)  # fmt: skip
+    def _flash_attn_backward(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        softmax_lse,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        sequed_q,
+        sequed_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dq,
+        dk,
+        dv,
+        softmax_scale,
+        causal,
+        window_size=(-1, -1),
+        softcap=0.0,
+        deterministic=False,
+        sm_margin=0,
+    ):  # noqa: ANN001, ANN202
+        grads = dense_backward(
+            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+        )
         for dst, src in zip((dq, dk, dv), grads):
             _write(dst, src)
         return dq, dk, dv, torch.zeros(q.shape[1], q.shape[0])
 
-    return _module("flash_attn_interface", "3.0.0b1", _flash_attn_forward=_flash_attn_forward,
-                   _flash_attn_backward=_flash_attn_backward)  # fmt: skip
+    return _module(
+        "flash_attn_interface",
+        "3.0.0b1",
+        _flash_attn_forward=_flash_attn_forward,
+        _flash_attn_backward=_flash_attn_backward,
+    )
 
 
 def flash_attn_3() -> types.ModuleType:
@@ -271,66 +520,125 @@ def flash_attn_3() -> types.ModuleType:
     with defaults after the first arguments; the backward returns ``softmax_d``."""
     if "fa3" not in _BUILT:
 
-        def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    qv: torch.Tensor | None = None, out_: torch.Tensor | None = None,
-                    cu_seqlens_q: torch.Tensor | None = None,
-                    cu_seqlens_k: torch.Tensor | None = None,
-                    cu_seqlens_k_new: torch.Tensor | None = None,
-                    seqused_q: torch.Tensor | None = None,
-                    seqused_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                    max_seqlen_k: int | None = None,
-                    page_table: torch.Tensor | None = None,
-                    kv_batch_idx: torch.Tensor | None = None,
-                    leftpad_k: torch.Tensor | None = None,
-                    rotary_cos: torch.Tensor | None = None,
-                    rotary_sin: torch.Tensor | None = None,
-                    seqlens_rotary: torch.Tensor | None = None,
-                    q_descale: torch.Tensor | None = None,
-                    k_descale: torch.Tensor | None = None,
-                    v_descale: torch.Tensor | None = None,
-                    softmax_scale: float | None = None, causal: bool = False,
-                    window_size_left: int = -1, window_size_right: int = -1,
-                    attention_chunk: int = 0, softcap: float = 0.0,
-                    rotary_interleaved: bool = True,
-                    scheduler_metadata: torch.Tensor | None = None, num_splits: int = 1,
-                    pack_gqa: bool | None = None,
-                    sm_margin: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                 torch.Tensor]:  # fmt: skip
-            o, lse = _fa3_forward(q, k, v, k_new, v_new, qv, out_, cu_seqlens_q, cu_seqlens_k,
-                                  cu_seqlens_k_new, seqused_q, seqused_k, max_seqlen_q,
-                                  max_seqlen_k, page_table, kv_batch_idx, leftpad_k, rotary_cos,
-                                  rotary_sin, seqlens_rotary, q_descale, k_descale, v_descale,
-                                  softmax_scale, causal)  # fmt: skip
+        def forward(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            k_new: torch.Tensor | None = None,
+            v_new: torch.Tensor | None = None,
+            qv: torch.Tensor | None = None,
+            out_: torch.Tensor | None = None,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            cu_seqlens_k_new: torch.Tensor | None = None,
+            seqused_q: torch.Tensor | None = None,
+            seqused_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            page_table: torch.Tensor | None = None,
+            kv_batch_idx: torch.Tensor | None = None,
+            leftpad_k: torch.Tensor | None = None,
+            rotary_cos: torch.Tensor | None = None,
+            rotary_sin: torch.Tensor | None = None,
+            seqlens_rotary: torch.Tensor | None = None,
+            q_descale: torch.Tensor | None = None,
+            k_descale: torch.Tensor | None = None,
+            v_descale: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            causal: bool = False,
+            window_size_left: int = -1,
+            window_size_right: int = -1,
+            attention_chunk: int = 0,
+            softcap: float = 0.0,
+            rotary_interleaved: bool = True,
+            scheduler_metadata: torch.Tensor | None = None,
+            num_splits: int = 1,
+            pack_gqa: bool | None = None,
+            sm_margin: int = 0,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            o, lse = _fa3_forward(
+                q,
+                k,
+                v,
+                k_new,
+                v_new,
+                qv,
+                out_,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                cu_seqlens_k_new,
+                seqused_q,
+                seqused_k,
+                max_seqlen_q,
+                max_seqlen_k,
+                page_table,
+                kv_batch_idx,
+                leftpad_k,
+                rotary_cos,
+                rotary_sin,
+                seqlens_rotary,
+                q_descale,
+                k_descale,
+                v_descale,
+                softmax_scale,
+                causal,
+            )
             return o, lse, torch.empty(0), torch.empty(0)
 
-        def backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     out: torch.Tensor, softmax_lse: torch.Tensor,
-                     cu_seqlens_q: torch.Tensor | None = None,
-                     cu_seqlens_k: torch.Tensor | None = None,
-                     sequed_q: torch.Tensor | None = None,
-                     sequed_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                     max_seqlen_k: int | None = None, dq: torch.Tensor | None = None,
-                     dk: torch.Tensor | None = None, dv: torch.Tensor | None = None,
-                     softmax_scale: float | None = None, is_causal: bool = False,
-                     window_size_left: int = -1, window_size_right: int = -1,
-                     softcap: float = 0.0, deterministic: bool = False,
-                     sm_margin: int = 0) -> torch.Tensor:  # fmt: skip
-            grads = dense_backward(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k,
-                                   softmax_scale, is_causal)  # fmt: skip
+        def backward(
+            dout: torch.Tensor,
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            out: torch.Tensor,
+            softmax_lse: torch.Tensor,
+            cu_seqlens_q: torch.Tensor | None = None,
+            cu_seqlens_k: torch.Tensor | None = None,
+            sequed_q: torch.Tensor | None = None,
+            sequed_k: torch.Tensor | None = None,
+            max_seqlen_q: int | None = None,
+            max_seqlen_k: int | None = None,
+            dq: torch.Tensor | None = None,
+            dk: torch.Tensor | None = None,
+            dv: torch.Tensor | None = None,
+            softmax_scale: float | None = None,
+            is_causal: bool = False,
+            window_size_left: int = -1,
+            window_size_right: int = -1,
+            softcap: float = 0.0,
+            deterministic: bool = False,
+            sm_margin: int = 0,
+        ) -> torch.Tensor:
+            grads = dense_backward(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                softmax_lse,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                softmax_scale,
+                is_causal,
+            )
             for dst, src in zip((dq, dk, dv), grads):
                 _write(dst, src)
             return torch.zeros(q.shape[1], q.shape[0])
 
         _BUILT["fa3"] = (
-            torch.library.custom_op("zeppelin_standin_fa3::_flash_attn_forward", forward,
-                                    mutates_args=()),
-            torch.library.custom_op("zeppelin_standin_fa3::_flash_attn_backward", backward,
-                                    mutates_args=("dq", "dk", "dv")),
-        )  # fmt: skip
+            torch.library.custom_op(
+                "zeppelin_standin_fa3::_flash_attn_forward", forward, mutates_args=()
+            ),
+            torch.library.custom_op(
+                "zeppelin_standin_fa3::_flash_attn_backward",
+                backward,
+                mutates_args=("dq", "dk", "dv"),
+            ),
+        )
     fwd, bwd = _BUILT["fa3"]
-    return _module("flash_attn_interface", "3.0.0", _flash_attn_forward=fwd,
-                   _flash_attn_backward=bwd)  # fmt: skip
+    return _module(
+        "flash_attn_interface", "3.0.0", _flash_attn_forward=fwd, _flash_attn_backward=bwd
+    )
 
 
 # --- PyTorch's operators ------------------------------------------------------------------------
@@ -338,24 +646,57 @@ def aten_flash_ops() -> types.SimpleNamespace:
     """``torch.ops.aten._flash_attention_forward`` / ``_backward`` as of torch 2.13 (schemas in
     ``kernel_aten.py``), computed on the CPU."""
 
-    def _flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k,
-                                 dropout_p, is_causal, return_debug_mask, *, scale=None,
-                                 window_size_left=None, window_size_right=None, seqused_k=None,
-                                 alibi_slopes=None, block_table=None, num_splits=None):  # fmt: skip  # noqa: ANN001, ANN202
+    def _flash_attention_forward(
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        return_debug_mask,
+        *,
+        scale=None,
+        window_size_left=None,
+        window_size_right=None,
+        seqused_k=None,
+        alibi_slopes=None,
+        block_table=None,
+        num_splits=None,
+    ):  # noqa: ANN001, ANN202
         s = query.shape[-1] ** -0.5 if scale is None else scale
         out, lse = dense_forward(query, key, value, cum_seq_q, cum_seq_k, s, is_causal)
         rng = torch.zeros(2, dtype=torch.uint64)
         return out, lse, rng, torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=out.dtype)
 
-    def _flash_attention_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q,
-                                  cum_seq_k, max_q, max_k, dropout_p, is_causal, rng_state,
-                                  unused, *, scale=None, window_size_left=None,
-                                  window_size_right=None):  # fmt: skip  # noqa: ANN001, ANN202
+    def _flash_attention_backward(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        logsumexp,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        rng_state,
+        unused,
+        *,
+        scale=None,
+        window_size_left=None,
+        window_size_right=None,
+    ):  # noqa: ANN001, ANN202
         if not isinstance(rng_state, torch.Tensor) or not isinstance(unused, torch.Tensor):
             raise TypeError("rng_state and unused must be tensors")
         s = query.shape[-1] ** -0.5 if scale is None else scale
-        return dense_backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k,
-                              s, is_causal)  # fmt: skip
+        return dense_backward(
+            grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, s, is_causal
+        )
 
     return types.SimpleNamespace(
         _flash_attention_forward=_flash_attention_forward,

@@ -149,11 +149,15 @@ def test_flexsp_and_megatron_agree_exactly_when_one_document_sets_the_step() -> 
         size = group_size_for(30_000, capacity, TOPO.world_size)
         assert len(longest.ring) == size  # memory-sized, in both
         times[name] = simulate_rounds(plans, COST).step_time_s
-    alone = plan_without_remap([sequence_on(0, 30_000, tuple(range(size)), TOPO)], TOPO,
-                               name="alone", capacity=None)  # fmt: skip
+    alone = plan_without_remap(
+        [sequence_on(0, 30_000, tuple(range(size)), TOPO)], TOPO, name="alone", capacity=None
+    )
     assert times["megatron-dynamic-cp"] == times["flexsp"] == simulate(alone, COST).step_time_s
     even = [3000, 2800, 2600, 2500, 2400] * 6
-    steps = [simulate_rounds(build_baseline(name, even, topology=TOPO, capacity=capacity,
-                                            cost_model=COST), COST).step_time_s
-             for name in ("megatron-dynamic-cp", "flexsp")]  # fmt: skip
+    steps = [
+        simulate_rounds(
+            build_baseline(name, even, topology=TOPO, capacity=capacity, cost_model=COST), COST
+        ).step_time_s
+        for name in ("megatron-dynamic-cp", "flexsp")
+    ]
     assert steps[0] != pytest.approx(steps[1], rel=1e-3)

@@ -56,8 +56,10 @@ def _calibration(**changes) -> Calibration:
 
 @settings(max_examples=30, deadline=None)
 @given(
-    st.floats(1e13, 1e15), st.floats(10.0, 4000.0), st.floats(0.0, 1e-4),
-)  # fmt: skip
+    st.floats(1e13, 1e15),
+    st.floats(10.0, 4000.0),
+    st.floats(0.0, 1e-4),
+)
 def test_fit_efficiency_recovers_curve(peak, half, overhead):
     truth = Efficiency(peak, half, overhead)
     points = [(n, 3e6 * n * n, truth.time(3e6 * n * n, n)) for n in (64, 256, 1024, 4096, 16384)]

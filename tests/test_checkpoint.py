@@ -26,10 +26,11 @@ def save(root: str, step: int, world: int = 2, *, complete: bool = True) -> str:
     manifest, as a kill during the save would."""
     directory = checkpoint.step_directory(root, step)
     files = tuple(
-        checkpoint.write_rank_file(directory, rank, step,
-                                   checkpoint.serialize({"rank": rank, "step": step}))
+        checkpoint.write_rank_file(
+            directory, rank, step, checkpoint.serialize({"rank": rank, "step": step})
+        )
         for rank in range(world)
-    )  # fmt: skip
+    )
     if complete:
         checkpoint.write_manifest(directory, checkpoint.Manifest(step, files, JOB))
         checkpoint.commit(root, step)
@@ -64,11 +65,14 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_in_charge(tmp_path):
     assert not os.path.exists(torn) and not os.path.exists(good)
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("truncate", "rank001.pt has 10 bytes but the manifest says"),
-    ("remove", "rank001.pt is missing"),
-    ("foreign", "rank001.pt does not match the checksum"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("truncate", "rank001.pt has 10 bytes but the manifest says"),
+        ("remove", "rank001.pt is missing"),
+        ("foreign", "rank001.pt does not match the checksum"),
+    ],
+)
 def test_verify_names_the_first_bad_file(tmp_path, damage, needle):
     root = str(tmp_path / "ckpt")
     directory = save(root, 2)

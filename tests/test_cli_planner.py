@@ -64,15 +64,34 @@ def test_bad_input_is_one_line_and_exit_2(argv, capsys) -> None:
 
 def test_compare_runs_every_builder_on_the_same_batches(tmp_path, capsys) -> None:
     out_json = tmp_path / "compare.json"
-    argv = ["compare", *CLUSTER, "--dist", "wikipedia", "--tokens", "30000", "--capacity",
-            "8192", "--steps", "2", "--quiet", "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "compare",
+        *CLUSTER,
+        "--dist",
+        "wikipedia",
+        "--tokens",
+        "30000",
+        "--capacity",
+        "8192",
+        "--steps",
+        "2",
+        "--quiet",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     text = capsys.readouterr().out
     assert "cost figures:" in text and "attention=default" in text
     data = json.loads(out_json.read_text())
     rows = {r["builder"]: r for r in data["rows"]}
-    assert set(rows) == {"zeppelin", "te-ring-cp", "llama3-allgather-cp", "hybrid-dp",
-                         "megatron-dynamic-cp", "flexsp"}  # fmt: skip
+    assert set(rows) == {
+        "zeppelin",
+        "te-ring-cp",
+        "llama3-allgather-cp",
+        "hybrid-dp",
+        "megatron-dynamic-cp",
+        "flexsp",
+    }
     assert rows["te-ring-cp"]["speedup_vs_te"] == pytest.approx(1.0)
     assert rows["megatron-dynamic-cp"]["speedup_vs_megatron"] == pytest.approx(1.0)
     for row in rows.values():
@@ -86,8 +105,16 @@ def test_compare_runs_every_builder_on_the_same_batches(tmp_path, capsys) -> Non
 def test_plan_writes_a_plan_that_simulate_reads(tmp_path, capsys) -> None:
     lengths = [9000, 3000, 700, 12000, 50, 400, 2500, 1800]
     plan_path = tmp_path / "plan.json"
-    argv = ["plan", *CLUSTER, "--lengths", _write_lengths(tmp_path, lengths), "--capacity",
-            "8192", "--json", str(plan_path)]  # fmt: skip
+    argv = [
+        "plan",
+        *CLUSTER,
+        "--lengths",
+        _write_lengths(tmp_path, lengths),
+        "--capacity",
+        "8192",
+        "--json",
+        str(plan_path),
+    ]
     assert main(argv) == 0
     summary = capsys.readouterr().out
     assert "predicted step" in summary and "lower bound" in summary
@@ -100,9 +127,23 @@ def test_plan_writes_a_plan_that_simulate_reads(tmp_path, capsys) -> None:
 
 def test_simulate_a_baseline_over_steps(tmp_path, capsys) -> None:
     out_json = tmp_path / "sim.json"
-    argv = ["simulate", *CLUSTER, "--dist", "prolong", "--tokens", "20000", "--capacity",
-            "8192", "--steps", "2", "--builder", "te-ring-cp", "--quiet",
-            "--json", str(out_json)]  # fmt: skip
+    argv = [
+        "simulate",
+        *CLUSTER,
+        "--dist",
+        "prolong",
+        "--tokens",
+        "20000",
+        "--capacity",
+        "8192",
+        "--steps",
+        "2",
+        "--builder",
+        "te-ring-cp",
+        "--quiet",
+        "--json",
+        str(out_json),
+    ]
     assert main(argv) == 0
     results = json.loads(out_json.read_text())
     assert len(results) == 2 and all(r["name"] == "te-ring-cp" for r in results)
@@ -122,8 +163,20 @@ def test_plot_writes_png_files(tmp_path) -> None:
 
 def test_compare_without_a_terminal_shows_a_line_per_builder(capsys) -> None:
     """Under pytest stderr is no terminal: no bar, but a line for each builder and batch."""
-    argv = ["compare", *CLUSTER, "--dist", "prolong", "--tokens", "20000", "--capacity",
-            "8192", "--steps", "2", "--builders", "zeppelin,te-ring-cp"]  # fmt: skip
+    argv = [
+        "compare",
+        *CLUSTER,
+        "--dist",
+        "prolong",
+        "--tokens",
+        "20000",
+        "--capacity",
+        "8192",
+        "--steps",
+        "2",
+        "--builders",
+        "zeppelin,te-ring-cp",
+    ]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batch ")]
     assert len(lines) == 4

@@ -143,8 +143,13 @@ def test_gradient_schedule_brings_every_block_gradient_home_along_the_ring():
         for i, origin in enumerate(ring):
             # The gradient of origin's block starts one position on (compute 1 there) and
             # makes g - 1 hops forward, the last one reaching origin, with the block's size.
-            hops = [(m.src, m.dst, seg.num_tokens) for step in grad for m in step
-                    for seg in m.segments if (seg.seq, seg.origin) == (seq.id, origin)]  # fmt: skip
+            hops = [
+                (m.src, m.dst, seg.num_tokens)
+                for step in grad
+                for m in step
+                for seg in m.segments
+                if (seg.seq, seg.origin) == (seq.id, origin)
+            ]
             path = [ring[(i + 1 + h) % g] for h in range(g)]
             assert [(a, b) for a, b, _ in hops] == list(zip(path[:-1], path[1:]))
             assert {n for _, _, n in hops} <= {sizes.get((seq.id, origin), 0)}
@@ -317,8 +322,9 @@ def _small_plan() -> Plan:
 def _run_steps(ex: DistExchanger, plan: Plan, rank: int) -> None:
     for s, msgs in enumerate(ring_schedule(plan)):
         payload = {(m.src, m.dst): payload_rows(s, m) for m in msgs if m.src == rank}
-        got = ex.start(msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64,
-                       tag=f"step {s}").wait()  # fmt: skip
+        got = ex.start(
+            msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64, tag=f"step {s}"
+        ).wait()
         for m in msgs:
             if m.dst == rank:
                 assert torch.equal(got[(m.src, m.dst)], payload_rows(s, m)), (s, m)
@@ -339,7 +345,10 @@ def _subworld_worker(rank: int, world_size: int) -> dict:
     small = _small_plan()
     mine = next(w for w in HALVES if rank in w)
     reduced, real = [], dist.all_reduce
-    dist.all_reduce = lambda t, group=None, **kw: (reduced.append(group), real(t, group=group, **kw))[1]  # fmt: skip  # noqa: E501
+    dist.all_reduce = lambda t, group=None, **kw: (
+        reduced.append(group),
+        real(t, group=group, **kw),
+    )[1]  # noqa: E501
     try:
         groups = ZeppelinGroups.create(small.topology, ranks=mine, timeout_s=30)
     finally:
@@ -402,11 +411,13 @@ def _relay_worker(rank: int, world_size: int) -> dict:
     out: dict = {}
     for overlap in (True, False):
         counters = LinkCounters(plan.topology)
-        ex = DistExchanger(groups, plan=plan, routing=True, counters=counters, timeout_s=30,
-                           overlap=overlap)  # fmt: skip
+        ex = DistExchanger(
+            groups, plan=plan, routing=True, counters=counters, timeout_s=30, overlap=overlap
+        )
         t0 = time.monotonic()
-        pending = ex.start([msg], payload, row_shape=ROW_SHAPE, dtype=torch.float64,
-                           tag=f"relay overlap={overlap}")  # fmt: skip
+        pending = ex.start(
+            [msg], payload, row_shape=ROW_SHAPE, dtype=torch.float64, tag=f"relay overlap={overlap}"
+        )
         if rank in (1, 3):
             time.sleep(PROXY_SLEEP_S)
             out[("relayed before wait", overlap)] = counters.to_dict()

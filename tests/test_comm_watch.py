@@ -28,8 +28,10 @@ pytestmark = pytest.mark.pure
 
 def _watches(world: int, **kwargs) -> list[CommWatch]:
     store = dist.HashStore()
-    return [CommWatch(rank=r, world_size=world, timeout_s=1.0, store=store, beat_s=0.05, **kwargs)
-            for r in range(world)]  # fmt: skip
+    return [
+        CommWatch(rank=r, world_size=world, timeout_s=1.0, store=store, beat_s=0.05, **kwargs)
+        for r in range(world)
+    ]
 
 
 def _publish_once(watch: CommWatch, **position) -> None:
@@ -48,8 +50,10 @@ def test_a_frozen_rank_is_named_with_where_it_was():
     error = me.explain(None)
     text = str(error)
     assert isinstance(error, CommStallError) and error.stalled == (2,) and error.behind == ()
-    assert text.startswith("rank 0 at step 5, layer 1 (forward), remap linear->attention: no "
-                           "answer within 1 s; rank 2 stopped responding")  # fmt: skip
+    assert text.startswith(
+        "rank 0 at step 5, layer 1 (forward), remap linear->attention: no "
+        "answer within 1 s; rank 2 stopped responding"
+    )
     assert "last seen at step 5, layer 1 (forward), remap linear->attention" in text
     assert "rank 1" not in text  # waiting with us, not the cause
     for w in (me, alive):
@@ -174,8 +178,9 @@ def test_the_helper_thread_is_the_only_writer_and_the_board_ends_at_the_last_pos
     last = Beat.from_json(store.get("zeppelin/progress/0").decode())
     assert store.writers == {"zeppelin-heartbeat"}
     assert last.state == "failed" and last.note == "ValueError: bad document"
-    assert last.position == Position(op=40, step=19, layer=3, phase="backward",
-                                     what="loss all-reduce")  # fmt: skip
+    assert last.position == Position(
+        op=40, step=19, layer=3, phase="backward", what="loss all-reduce"
+    )
 
 
 def test_a_collective_that_times_out_on_a_stuck_store_still_raises_in_bounded_time():

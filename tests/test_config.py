@@ -28,10 +28,15 @@ def _megatron_args(argv: list[str], **megatron: object) -> argparse.Namespace:
     """What Megatron's parser would give: our flags plus the Megatron fields we read."""
     args = extra_args_provider(argparse.ArgumentParser()).parse_args(argv)
     defaults = dict(
-        context_parallel_size=1, pipeline_model_parallel_size=1, tensor_model_parallel_size=1,
-        micro_batch_size=1, sequence_parallel=False, position_embedding_type="rope",
-        rotary_interleaved=False, calculate_per_token_loss=False,
-    )  # fmt: skip
+        context_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=1,
+        micro_batch_size=1,
+        sequence_parallel=False,
+        position_embedding_type="rope",
+        rotary_interleaved=False,
+        calculate_per_token_loss=False,
+    )
     for key, value in {**defaults, **megatron}.items():
         setattr(args, key, value)
     return args
@@ -55,10 +60,21 @@ def test_every_field_has_a_flag_with_its_docstring() -> None:
 def test_defaults_round_trip_and_flags_reach_the_config() -> None:
     assert ZeppelinConfig.from_args(_parser().parse_args([])) == ZeppelinConfig()
     args = _parser().parse_args(
-        ["--zeppelin", "--zeppelin-capacity", "8192", "--zeppelin-no-routing",
-         "--zeppelin-intra-threshold", "2048", "--zeppelin-kernel", "torch",
-         "--zeppelin-long-documents", "truncate", "--zeppelin-comm-timeout-s", "30"]
-    )  # fmt: skip
+        [
+            "--zeppelin",
+            "--zeppelin-capacity",
+            "8192",
+            "--zeppelin-no-routing",
+            "--zeppelin-intra-threshold",
+            "2048",
+            "--zeppelin-kernel",
+            "torch",
+            "--zeppelin-long-documents",
+            "truncate",
+            "--zeppelin-comm-timeout-s",
+            "30",
+        ]
+    )
     config = ZeppelinConfig.from_args(args)
     assert config.enabled and not config.routing and config.remap
     assert config.capacity == 8192 and config.kernel == "torch"
@@ -85,12 +101,16 @@ def test_choices_are_enforced_by_the_parser() -> None:
         (dict(gpus_per_node=2, nics_per_node=4), "exceeds"),
         (dict(intra_threshold="off", inter_threshold="off", capacity=4096), "max-document-length"),
         (
-            dict(intra_threshold="off", inter_threshold="off", capacity=4096,
-                 max_document_length=8192),
+            dict(
+                intra_threshold="off",
+                inter_threshold="off",
+                capacity=4096,
+                max_document_length=8192,
+            ),
             "smaller than the longest document",
         ),
     ],
-)  # fmt: skip
+)
 def test_contradictions_are_refused(changes: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         dataclasses.replace(ZeppelinConfig(), **changes).validate()

@@ -41,11 +41,15 @@ def _calibration(**changes) -> Calibration:
 
     alltoall = LinkCost(2e9, 3e-4)
     fields = dict(
-        device="cpu: test", machine="m", dtype="fp32", model=None,
-        attention=figure(FULL), attention_diagonal=figure(DIAGONAL),
+        device="cpu: test",
+        machine="m",
+        dtype="fp32",
+        model=None,
+        attention=figure(FULL),
+        attention_diagonal=figure(DIAGONAL),
         links={"alltoall": LinkFigure(((1 << 20, alltoall.time(1 << 20) * 1.1),), alltoall)},
         extra={"profile": {"settings": {"grid": "quick"}, "load_average": {"before": 1.5}}},
-    )  # fmt: skip
+    )
     fields.update(changes)
     return Calibration(**fields)
 

@@ -29,9 +29,11 @@ RELEASES = {
 
 def instructions(text: str) -> list[tuple[str, str]]:
     """``(INSTRUCTION, arguments)`` with continuation lines joined and comments dropped."""
-    joined = re.sub(r"\\\n", " ", "\n".join(
-        line for line in text.splitlines() if not line.lstrip().startswith("#")
-    ))  # fmt: skip
+    joined = re.sub(
+        r"\\\n",
+        " ",
+        "\n".join(line for line in text.splitlines() if not line.lstrip().startswith("#")),
+    )
     result = []
     for line in joined.splitlines():
         if line.strip():

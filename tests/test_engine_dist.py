@@ -39,8 +39,9 @@ HAND_BATCH = [1203, 1, 601, 45, 533, 7, 97, 230]
 def _cases_of(lengths: list[int], *, name: str) -> list[Case]:
     cost = CostModel.default(get_model("llama-7b"), TOPOLOGY)
     capacity = -(-sum(lengths) * 5 // (4 * TOPOLOGY.world_size))
-    cases = build_cases(lengths, topology=TOPOLOGY, cost_model=cost, capacity=capacity,
-                        options=OPTIONS)  # fmt: skip
+    cases = build_cases(
+        lengths, topology=TOPOLOGY, cost_model=cost, capacity=capacity, options=OPTIONS
+    )
     return [Case(f"{name}/{c.name}", c.plan, c.routing) for c in cases]
 
 

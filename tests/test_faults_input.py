@@ -68,8 +68,12 @@ def test_commands_refuse_bad_input_in_one_line(argv, needle, lengths_files, tmp_
     plan = str(tmp_path / "plan.json")
     assert main(["plan", "--lengths", lengths_files["ok"], *CLUSTER, "--json", plan]) == 0
     capsys.readouterr()
-    names = {**lengths_files, "plan": plan, "out": str(tmp_path / "out"),
-             "missing": str(tmp_path / "missing")}  # fmt: skip
+    names = {
+        **lengths_files,
+        "plan": plan,
+        "out": str(tmp_path / "out"),
+        "missing": str(tmp_path / "missing"),
+    }
     argv = [a.format(**names) for a in argv]
     assert main(argv) == 2
     assert needle in _one_error_line(capsys, argv[0])
@@ -128,8 +132,7 @@ def _write_pointers(prefix: str, pointers: np.ndarray) -> None:
     ("swapped", 2),  # two documents' pointers exchanged: in range, not monotone
     ("past_end", 4),
 ])  # fmt: skip
-def test_a_damaged_pointer_table_names_the_file_and_first_bad_document(tmp_path, damage,
-                                                                        document):  # fmt: skip
+def test_a_damaged_pointer_table_names_the_file_and_first_bad_document(tmp_path, damage, document):
     prefix = _dataset(tmp_path)
     _, pointers = _pointers(prefix)
     if damage == "zeroed":
@@ -141,8 +144,9 @@ def test_a_damaged_pointer_table_names_the_file_and_first_bad_document(tmp_path,
     else:
         pointers[4] += 10**6
     _write_pointers(prefix, pointers)
-    with pytest.raises(ValueError, match=f"docs.idx: the pointer table is damaged from document "
-                                         f"{document} on"):  # fmt: skip
+    with pytest.raises(
+        ValueError, match=f"docs.idx: the pointer table is damaged from document {document} on"
+    ):
         DocumentDataset(prefix)
 
 
@@ -183,8 +187,10 @@ def test_an_empty_dataset_is_one_line_without_noise(tmp_path, capfd):
     assert main(["make-dataset", "--inspect", prefix]) == 2
     _, err = capfd.readouterr()
     lines = err.strip().splitlines()
-    assert lines == [f"zeppelin make-dataset: error: the dataset {prefix} holds no tokens "
-                     "(0 documents): train on a dataset with documents in it"], err  # fmt: skip
+    assert lines == [
+        f"zeppelin make-dataset: error: the dataset {prefix} holds no tokens "
+        "(0 documents): train on a dataset with documents in it"
+    ], err
 
 
 @pytest.mark.parametrize("flags, needle", [

@@ -31,8 +31,14 @@ def _start(tmp_path, *flags: str) -> subprocess.Popen:
         "--zeppelin-max-document-length", "1024", "--steps", "400",
         "--save", str(tmp_path / "ckpt"), "--save-every", "1", *flags,
     ]  # fmt: skip
-    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=_foreground)  # fmt: skip
+    return subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=_foreground,
+    )
 
 
 def _foreground() -> None:
@@ -94,8 +100,9 @@ def test_a_killed_worker_is_one_line_and_no_survivor_tracebacks(tmp_path):
     code, out, err = _finish(proc)
     lines = _assert_quiet(out, err)
     assert code == 1
-    assert lines[0] == ("zeppelin train: error: rank 1 was killed by SIGKILL (from outside: it "
-                        "left no traceback)"), err  # fmt: skip
+    assert lines[0] == (
+        "zeppelin train: error: rank 1 was killed by SIGKILL (from outside: it left no traceback)"
+    ), err
     assert all(_gone(pid) for pid in workers)
     _assert_checkpoint_loads(tmp_path)
 
@@ -108,8 +115,9 @@ def test_a_stalled_worker_ends_the_job_naming_it_with_step_and_layer(tmp_path):
     code, out, err = _finish(proc)
     lines = _assert_quiet(out, err)
     assert code == 1
-    assert lines[0].startswith("zeppelin train: error: rank 1 stopped responding: its process "
-                               "was found stopped"), err  # fmt: skip
+    assert lines[0].startswith(
+        "zeppelin train: error: rank 1 stopped responding: its process was found stopped"
+    ), err
     waiting = [line for line in lines if line.startswith("zeppelin train: error: rank 0: ")]
     assert waiting, err
     assert "rank 0 at step " in waiting[0] and "rank 1 stopped responding" in waiting[0]
@@ -167,11 +175,29 @@ def test_a_non_finite_loss_stops_training_before_the_optimizer_uses_it(tmp_path,
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[60, 40, 30, 50, 20, 70] * 4, vocab_size=512)
     args = build_parser().parse_args(
-        ["--run-dir", str(tmp_path), "--dataset", prefix, "--quiet", "--no-calibration",
-         "--steps", "4", "--tokens-per-step", "200", "--zeppelin-max-document-length", "100",
-         "--zeppelin-nodes", "1", "--lr", "1e30", "--save", str(tmp_path / "ckpt"),
-         "--save-every", "1"]
-    )  # fmt: skip
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--dataset",
+            prefix,
+            "--quiet",
+            "--no-calibration",
+            "--steps",
+            "4",
+            "--tokens-per-step",
+            "200",
+            "--zeppelin-max-document-length",
+            "100",
+            "--zeppelin-nodes",
+            "1",
+            "--lr",
+            "1e30",
+            "--save",
+            str(tmp_path / "ckpt"),
+            "--save-every",
+            "1",
+        ]
+    )
     with pytest.raises(TrainingDiverged, match=r"^step 1: the loss is (nan|inf)"):
         train(args)
     assert checkpoint.verify(checkpoint.resolve(str(tmp_path / "ckpt"))).step == 1
@@ -193,10 +219,16 @@ sys.exit(run_worker(body, comm_timeout_s=30.0))
 
 @pytest.mark.dist
 def test_a_finished_worker_exits_0_without_the_interpreter_teardown(tmp_path):
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-               MASTER_PORT=str(_free_port()))  # fmt: skip
-    done = subprocess.run([sys.executable, "-c", FINISHING_WORKER], env=env, capture_output=True,
-                          text=True, timeout=DEADLINE_S)  # fmt: skip
+    env = dict(
+        os.environ, RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port())
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", FINISHING_WORKER],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=DEADLINE_S,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout == "trained\n"
 

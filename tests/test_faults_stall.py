@@ -41,8 +41,7 @@ def three_rank_plan() -> Plan:
         SequencePlan(seq, length, Tier.LOCAL, (rank,), zigzag_spans(length, (rank,)))
         for seq, (length, rank) in enumerate(docs)
     )
-    return Plan(topology=topo, sequences=sequences,
-                linear=balanced_linear([d[0] for d in docs], 3))  # fmt: skip
+    return Plan(topology=topo, sequences=sequences, linear=balanced_linear([d[0] for d in docs], 3))
 
 
 def _stall_worker(rank: int, world_size: int, seed: int) -> str:
@@ -71,8 +70,13 @@ def _stall_worker(rank: int, world_size: int, seed: int) -> str:
 @pytest.mark.parametrize("trial", range(TRIALS))
 def test_a_stalled_rank_is_named_with_its_step_and_layer(trial: int) -> None:
     with pytest.raises(DistributedRunError) as info:
-        run_distributed(_stall_worker, 3, timeout_s=HARNESS_TIMEOUT_S,
-                        comm_timeout_s=HARNESS_TIMEOUT_S, args=(trial,))  # fmt: skip
+        run_distributed(
+            _stall_worker,
+            3,
+            timeout_s=HARNESS_TIMEOUT_S,
+            comm_timeout_s=HARNESS_TIMEOUT_S,
+            args=(trial,),
+        )
     error = info.value
     text = str(error)
     assert "still running after" not in text, text  # the watch ended it, not the harness
@@ -141,9 +145,21 @@ def test_zeppelin_verify_names_a_stopped_rank_in_one_line(tmp_path) -> None:
     import time
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "megatron_zeppelin.cli", "verify", "--timeout", "5", "--tokens",
-         "4096"], cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_zeppelin.cli",
+            "verify",
+            "--timeout",
+            "5",
+            "--tokens",
+            "4096",
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + HARNESS_TIMEOUT_S
     while len(workers := _spawned_workers(proc.pid)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()

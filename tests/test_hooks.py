@@ -28,21 +28,49 @@ def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
     ``extra_args_provider``, plus the Megatron fields the hooks and the stand-in config read."""
     parser = hooks.extra_args_provider(argparse.ArgumentParser())
     args = parser.parse_args(
-        ["--zeppelin", "--zeppelin-topology", "custom", "--zeppelin-nodes", "1",
-         "--zeppelin-kernel", "torch", *extra]
-    )  # fmt: skip
+        [
+            "--zeppelin",
+            "--zeppelin-topology",
+            "custom",
+            "--zeppelin-nodes",
+            "1",
+            "--zeppelin-kernel",
+            "torch",
+            *extra,
+        ]
+    )
     megatron = dict(
-        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-        ffn_hidden_size=64, padded_vocab_size=VOCAB, max_position_embeddings=4096,
-        seq_length=SEQ_LENGTH, micro_batch_size=1, global_batch_size=2, seed=5, iteration=0,
-        eval_iters=0, eval_interval=1000, tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1, context_parallel_size=1, sequence_parallel=False,
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=64,
+        padded_vocab_size=VOCAB,
+        max_position_embeddings=4096,
+        seq_length=SEQ_LENGTH,
+        micro_batch_size=1,
+        global_batch_size=2,
+        seed=5,
+        iteration=0,
+        eval_iters=0,
+        eval_interval=1000,
+        tensor_model_parallel_size=1,
+        pipeline_model_parallel_size=1,
+        context_parallel_size=1,
+        sequence_parallel=False,
         position_embedding_type="rope",
-        rotary_interleaved=False, rotary_base=10000, rotary_percent=1.0, normalization="RMSNorm",
-        qk_layernorm=False, transformer_impl="local", spec=None,
-        untie_embeddings_and_output_weights=True, fp16_lm_cross_entropy=False,
-        calculate_per_token_loss=False, data_path=[data_prefix],
-    )  # fmt: skip
+        rotary_interleaved=False,
+        rotary_base=10000,
+        rotary_percent=1.0,
+        normalization="RMSNorm",
+        qk_layernorm=False,
+        transformer_impl="local",
+        spec=None,
+        untie_embeddings_and_output_weights=True,
+        fp16_lm_cross_entropy=False,
+        calculate_per_token_loss=False,
+        data_path=[data_prefix],
+    )
     for key, value in megatron.items():
         setattr(args, key, value)
     return args

@@ -216,8 +216,13 @@ def test_cuda_kernels_match_float64(name: str, head_dim: int, block: str) -> Non
     inputs: grouped-query K/V, head dims 64 and 128, diagonal, suffix and off-diagonal blocks,
     output, log-sum-exp and the three gradients."""
     kernel = _cuda_kernel_or_skip(name) if name != "torch" else TorchKernel()
-    errors = kernel_errors(kernel, BLOCKS[block].with_head_dim(head_dim), device="cuda",
-                           dtype=torch.bfloat16, seed=head_dim)  # fmt: skip
+    errors = kernel_errors(
+        kernel,
+        BLOCKS[block].with_head_dim(head_dim),
+        device="cuda",
+        dtype=torch.bfloat16,
+        seed=head_dim,
+    )
     for what, err in errors.items():
         tol = tolerance(torch.float32 if what == "lse" else torch.bfloat16)
         assert err <= tol, f"{name} {block} d={head_dim}: {what} error {err:.2e} > {tol:.0e}"

@@ -45,8 +45,9 @@ def test_loss_and_gradients_match_the_single_process_reference() -> None:
 )
 def test_ranks_with_few_or_no_tokens_come_through_a_step(lengths, thresholds) -> None:
     intra, inter = thresholds
-    options = CheckOptions(lengths=lengths, capacity=256, intra_threshold=intra,
-                           inter_threshold=inter)  # fmt: skip
+    options = CheckOptions(
+        lengths=lengths, capacity=256, intra_threshold=intra, inter_threshold=inter
+    )
     report = run_check(options)
     runs = report["runs"]
     errors = {k: (r["loss_rel_error"], r["max_grad_rel_error"]) for k, r in runs.items()}

@@ -71,8 +71,15 @@ def run_rank(plan, rank: int, backend: str, monkeypatch) -> tuple[PostingLog, Fa
     monkeypatch.setattr(pending_module, "dist", fake)
     log = PostingLog()
     for routing in (True, False):
-        ex = DistExchanger(fake_groups(plan, rank, backend), plan=plan, routing=routing,
-                           device="cpu", overlap=False, posting_log=log, timeout_s=5.0)  # fmt: skip
+        ex = DistExchanger(
+            fake_groups(plan, rank, backend),
+            plan=plan,
+            routing=routing,
+            device="cpu",
+            overlap=False,
+            posting_log=log,
+            timeout_s=5.0,
+        )
         _run_steps(ex, plan, rank, f"routing={routing}")
     return log, fake
 
@@ -84,8 +91,13 @@ def _run_steps(ex: DistExchanger, plan, rank: int, label: str) -> None:  # noqa:
         for kind, steps in (("kv", kv), ("grad", grad)):
             for s, msgs in enumerate(steps):
                 payload = {(m.src, m.dst): payload_rows(s, m) for m in msgs if m.src == rank}
-                ex.start(msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64,
-                         tag=f"{label} {tier.value} {kind} {s}").wait()  # fmt: skip
+                ex.start(
+                    msgs,
+                    payload,
+                    row_shape=ROW_SHAPE,
+                    dtype=torch.float64,
+                    tag=f"{label} {tier.value} {kind} {s}",
+                ).wait()
 
 
 @pytest.mark.pure
@@ -167,8 +179,11 @@ def test_every_group_is_warmed_in_creation_order_and_carries_the_timeout(
 
     reduced = []
     real = dist.all_reduce
-    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: (
-        reduced.append(group), real(t, group=group, **kw))[1])  # fmt: skip
+    monkeypatch.setattr(
+        dist,
+        "all_reduce",
+        lambda t, group=None, **kw: (reduced.append(group), real(t, group=group, **kw))[1],
+    )
     view = groups_module.ZeppelinGroups.create(Topology(1, 1, 1), timeout_s=7.0)
     assert reduced == [view.world, view.nodes[0], view.rails[0]]
     assert view.world is not dist.group.WORLD, "the Zeppelin world is a group of its own"

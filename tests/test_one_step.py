@@ -48,10 +48,25 @@ def test_the_cpu_job_runs_the_one_step_and_reports_planning(
     from megatron_zeppelin.megatron.train_cpu import build_parser, summary_text, train
 
     args = build_parser().parse_args(
-        ["--run-dir", str(tmp_path), "--dataset", dataset, "--quiet", "--no-calibration",
-         "--steps", "2", "--micro-batches", "2", "--tokens-per-step", "120",
-         "--zeppelin-max-document-length", "64", "--zeppelin-nodes", "1"]
-    )  # fmt: skip
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--dataset",
+            dataset,
+            "--quiet",
+            "--no-calibration",
+            "--steps",
+            "2",
+            "--micro-batches",
+            "2",
+            "--tokens-per-step",
+            "120",
+            "--zeppelin-max-document-length",
+            "64",
+            "--zeppelin-nodes",
+            "1",
+        ]
+    )
     result = train(args)
     calls = _zeppelin_calls(forward_calls)
     assert len(calls) == sum(1 for r in result["steps"] for mb in r["documents"] if mb)
@@ -185,11 +200,27 @@ def test_a_planning_error_ahead_of_training_stops_the_cpu_job_with_its_own_line(
 
     monkeypatch.setattr(partition, "plan_batch", fails_on_the_third)
     args = build_parser().parse_args(
-        ["--run-dir", str(tmp_path), "--dataset", dataset, "--quiet", "--no-calibration",
-         "--steps", "4", "--micro-batches", "1", "--tokens-per-step", "60",
-         "--zeppelin-max-document-length", "50", "--zeppelin-nodes", "1",
-         "--zeppelin-plan-ahead", "3"]
-    )  # fmt: skip
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--dataset",
+            dataset,
+            "--quiet",
+            "--no-calibration",
+            "--steps",
+            "4",
+            "--micro-batches",
+            "1",
+            "--tokens-per-step",
+            "60",
+            "--zeppelin-max-document-length",
+            "50",
+            "--zeppelin-nodes",
+            "1",
+            "--zeppelin-plan-ahead",
+            "3",
+        ]
+    )
     with pytest.raises(ValueError) as err:
         train(args)
     assert str(err.value) == message

@@ -19,8 +19,13 @@ pytestmark = pytest.mark.pure
 
 def _plan(lengths, topo: Topology, capacity: int, **options):
     cost = CostModel.default(get_model("llama-7b"), topo)
-    return plan_batch(lengths, topology=topo, cost_model=cost, capacity=capacity,
-                      options=PlannerOptions(**options))  # fmt: skip
+    return plan_batch(
+        lengths,
+        topology=topo,
+        cost_model=cost,
+        capacity=capacity,
+        options=PlannerOptions(**options),
+    )
 
 
 def _check(plan, lengths: list[int], capacity: int) -> None:
@@ -49,8 +54,9 @@ def test_tight_batches_that_fit_are_planned(nodes, gpus, nics, capacity, lengths
 
 @st.composite
 def _tight(draw):
-    topo = Topology(num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.integers(1, 4)),
-                    nics_per_node=1)  # fmt: skip
+    topo = Topology(
+        num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.integers(1, 4)), nics_per_node=1
+    )
     capacity = draw(st.integers(16, 600))
     room = capacity * topo.world_size
     lengths = draw(st.lists(st.integers(1, room), min_size=1, max_size=12))

@@ -43,8 +43,11 @@ def _close(a, b) -> bool:
 
 @st.composite
 def _batches(draw):
-    topo = Topology(num_nodes=draw(st.integers(1, 3)), gpus_per_node=draw(st.sampled_from([2, 4])),
-                    nics_per_node=draw(st.sampled_from([1, 2])))  # fmt: skip
+    topo = Topology(
+        num_nodes=draw(st.integers(1, 3)),
+        gpus_per_node=draw(st.sampled_from([2, 4])),
+        nics_per_node=draw(st.sampled_from([1, 2])),
+    )
     lengths = draw(st.lists(st.integers(1, 40_000), min_size=1, max_size=25))
     capacity = max(64, int(sum(lengths) / topo.world_size * draw(st.floats(1.1, 2.5))) + 8)
     return lengths, topo, capacity
@@ -59,8 +62,9 @@ def test_array_timeline_matches_the_step_by_step_one(batch, builder, routing) ->
         plans = [plan_batch(lengths, topology=topo, cost_model=cost, capacity=capacity)]
     else:
         try:
-            plans = build_baseline(builder, lengths, topology=topo, capacity=capacity,
-                                   cost_model=cost)  # fmt: skip
+            plans = build_baseline(
+                builder, lengths, topology=topo, capacity=capacity, cost_model=cost
+            )
         except (ValueError, IndexError):  # a baseline's own limits (megatron-core's scheduler)
             return
     for plan in plans:
@@ -84,8 +88,11 @@ def test_two_d_documents_are_timed_like_the_stepwise_timeline(preset: str, nodes
     hide behind nothing: the same seconds as the stepwise timeline."""
     topo = get_topology(preset, num_nodes=nodes)
     cost = CostModel.default(MODEL, topo)
-    lengths = [*sample_lengths("prolong", num_tokens=6_000 * topo.world_size, seed=1),
-               9 * 16_384, 7 * 16_384]  # fmt: skip
+    lengths = [
+        *sample_lengths("prolong", num_tokens=6_000 * topo.world_size, seed=1),
+        9 * 16_384,
+        7 * 16_384,
+    ]
     plan = every_two_d(plan_batch(lengths, topology=topo, cost_model=cost, capacity=32_768))
     assert any(s.is_two_d for s in plan.sequences)
     for routing in (True, False):
@@ -101,8 +108,9 @@ def test_any_spans_are_timed_like_zigzag_ones() -> None:
     seq = sequence_on(0, 10_000, (0, 1, 2, 3), topo)
     cut = (0, 1000, 4000, 9000, 10_000)
     pieces = tuple(Span(r, cut[r], cut[r + 1]) for r in range(4))
-    plan = plan_without_remap([dataclasses.replace(seq, attention=pieces)], topo, name="x",
-                              capacity=None)  # fmt: skip
+    plan = plan_without_remap(
+        [dataclasses.replace(seq, attention=pieces)], topo, name="x", capacity=None
+    )
     got = simulator._attention_layer(plan, cost, True)
     assert _close(got[0], reference_attention(plan, cost, True)[0])
     assert got[0][3] > got[0][0]  # the last piece sees the most keys
@@ -122,11 +130,20 @@ def test_routes_with_idle_parts_are_timed_like_the_stepwise_timeline(lengths, we
     a, b = topo.rank_of(0, 0), topo.rank_of(1, 1)
     seqs = [sequence_on(i, n, (a, b), topo) for i, n in enumerate(lengths)]
     routes = tuple(
-        Route(src, dst, tuple(RoutePart(topo.rank_of(topo.node_of(src), j),
-                                        topo.rank_of(topo.node_of(dst), (j + 1) % 4), w)
-                              for j, w in enumerate(weights)))
+        Route(
+            src,
+            dst,
+            tuple(
+                RoutePart(
+                    topo.rank_of(topo.node_of(src), j),
+                    topo.rank_of(topo.node_of(dst), (j + 1) % 4),
+                    w,
+                )
+                for j, w in enumerate(weights)
+            ),
+        )
         for src, dst in ((a, b), (b, a))
-    )  # fmt: skip
+    )
     plan = dataclasses.replace(
         plan_without_remap(seqs, topo, name="routed", capacity=None), routes=routes
     )
@@ -144,8 +161,13 @@ def test_step_time_is_the_shared_layer_function() -> None:
     topo = get_topology("zeppelin-A", num_nodes=2)
     cost = CostModel.default(MODEL, topo)
     lengths = sample_lengths("magi_realworld", num_tokens=int(0.7 * 16_384 * 16), seed=4)
-    plan = plan_batch(lengths, topology=topo, cost_model=cost, capacity=16_384,
-                      options=PlannerOptions(linear_layout="node"))  # fmt: skip
+    plan = plan_batch(
+        lengths,
+        topology=topo,
+        cost_model=cost,
+        capacity=16_384,
+        options=PlannerOptions(linear_layout="node"),
+    )
     compute, exposed = simulator._attention_layer(plan, cost, True)
     linear = [cost.linear_time(plan.num_linear_tokens(r)) for r in range(topo.world_size)]
     moves = {(b, a): n for (a, b), n in remap_matrix(plan).items()}
@@ -156,9 +178,12 @@ def test_step_time_is_the_shared_layer_function() -> None:
 
 @pytest.mark.parametrize(
     ("preset", "nodes", "dist", "fill"),
-    [("zeppelin-B", 4, "wlbllm", 0.7), ("zeppelin-A", 2, "prolong", 0.9),
-     ("zeppelin-C", 4, "magi_realworld", 0.7)],
-)  # fmt: skip
+    [
+        ("zeppelin-B", 4, "wlbllm", 0.7),
+        ("zeppelin-A", 2, "prolong", 0.9),
+        ("zeppelin-C", 4, "magi_realworld", 0.7),
+    ],
+)
 def test_planner_keeps_the_candidate_the_simulator_times_fastest(preset, nodes, dist, fill):
     """Where several placements are close, the simulator times them and the fastest is kept;
     the plan's predicted step is then exactly the simulated one. Otherwise the lone candidate's
@@ -166,8 +191,9 @@ def test_planner_keeps_the_candidate_the_simulator_times_fastest(preset, nodes, 
     topo = get_topology(preset, num_nodes=nodes)
     cost = CostModel.default(MODEL, topo)
     for seed in range(3):
-        lengths = sample_lengths(dist, num_tokens=int(fill * 16_384 * topo.world_size),
-                                 seed=seed, max_length=131_072)  # fmt: skip
+        lengths = sample_lengths(
+            dist, num_tokens=int(fill * 16_384 * topo.world_size), seed=seed, max_length=131_072
+        )
         plan = plan_batch(lengths, topology=topo, cost_model=cost, capacity=16_384)
         step = simulate(plan, cost).step_time_s
         timed = [

@@ -45,15 +45,17 @@ def test_state_dict_restores_the_exact_main_weights() -> None:
         assert torch.equal(a, b)
     for a, b in zip(model.parameters(), other.parameters()):
         assert torch.equal(a, b)
-    smaller = make_optimizer(torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16), lr=1e-2,
-                             dtype=torch.bfloat16)  # fmt: skip
+    smaller = make_optimizer(
+        torch.nn.Linear(3, 2, bias=False).to(torch.bfloat16), lr=1e-2, dtype=torch.bfloat16
+    )
     with pytest.raises(ValueError, match="resume with the model flags"):
         smaller.load_state_dict(state)
 
 
 def test_float32_keeps_torch_adam_and_cuda_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert isinstance(make_optimizer(torch.nn.Linear(2, 2), lr=1e-3, dtype=torch.float32),
-                      torch.optim.Adam)  # fmt: skip
+    assert isinstance(
+        make_optimizer(torch.nn.Linear(2, 2), lr=1e-3, dtype=torch.float32), torch.optim.Adam
+    )
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(ValueError, match="use --device cpu"):
         job_device("cuda")

@@ -95,8 +95,9 @@ def core_v0_16_1(monkeypatch):
     monkeypatch.setitem(sys.modules, "megatron.training", training)
     # The entry point may swap Megatron's helper compilation for the shipped helper: undo it.
     monkeypatch.setattr(dataset_utils, "compile_helpers", dataset_utils.compile_helpers)
-    monkeypatch.setattr(hooks.train_valid_test_datasets_provider, "is_distributed", False,
-                        raising=False)  # fmt: skip
+    monkeypatch.setattr(
+        hooks.train_valid_test_datasets_provider, "is_distributed", False, raising=False
+    )
     CALLS.clear()
     yield CALLS
 
@@ -113,11 +114,19 @@ def test_each_release_is_recognised_by_its_pretrain_signature() -> None:
 def test_stand_in_has_the_parameters_of_core_v0_16_1() -> None:
     """The parameter list read from core_v0.16.1's megatron/training/training.py."""
     assert list(inspect.signature(pretrain_core_v0_16_1).parameters) == [
-        "train_valid_test_dataset_provider", "model_provider", "model_type",
-        "forward_step_func", "process_non_loss_data_func", "extra_args_provider",
-        "args_defaults", "get_embedding_ranks", "get_position_embedding_ranks",
-        "non_loss_data_func", "store", "inprocess_call_wrapper",
-    ]  # fmt: skip
+        "train_valid_test_dataset_provider",
+        "model_provider",
+        "model_type",
+        "forward_step_func",
+        "process_non_loss_data_func",
+        "extra_args_provider",
+        "args_defaults",
+        "get_embedding_ranks",
+        "get_position_embedding_ranks",
+        "non_loss_data_func",
+        "store",
+        "inprocess_call_wrapper",
+    ]
 
 
 def test_pretrain_gpt_hands_core_v0_16_1_the_hooks(core_v0_16_1, monkeypatch) -> None:

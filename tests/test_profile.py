@@ -45,8 +45,14 @@ FAST = TimingOptions(warmup=0, repeats=1)
 
 
 def tiny_settings(**overrides) -> ProfileSettings:
-    base = dict(device="cpu", grid=TINY_GRID, linear_tokens=(8, 16, 32), timing=FAST,
-                link_sizes=(1024, 8192), link_timing=FAST)  # fmt: skip
+    base = dict(
+        device="cpu",
+        grid=TINY_GRID,
+        linear_tokens=(8, 16, 32),
+        timing=FAST,
+        link_sizes=(1024, 8192),
+        link_timing=FAST,
+    )
     return ProfileSettings(**{**base, **overrides})
 
 
@@ -95,10 +101,30 @@ def test_calibrated_cost_model_reports_measured_sources(calibration_file):
 
 @pytest.mark.pure
 def test_compare_command_prints_measured_and_default_sources(calibration_file, capsys):
-    code = cli_main(["compare", "--dist", "wikipedia", "--tokens", "4096", "--nodes", "1",
-                     "--gpus-per-node", "2", "--nics-per-node", "1", "--model", "tiny",
-                     "--cost-model", calibration_file, "--builders", "zeppelin", "--steps", "1",
-                     "--quiet"])  # fmt: skip
+    code = cli_main(
+        [
+            "compare",
+            "--dist",
+            "wikipedia",
+            "--tokens",
+            "4096",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--nics-per-node",
+            "1",
+            "--model",
+            "tiny",
+            "--cost-model",
+            calibration_file,
+            "--builders",
+            "zeppelin",
+            "--steps",
+            "1",
+            "--quiet",
+        ]
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert f"attention={calibration_file}" in out and "nic=default" in out
@@ -107,14 +133,21 @@ def test_compare_command_prints_measured_and_default_sources(calibration_file, c
 def _synthetic(eff: Efficiency, link: LinkCost) -> RankMeasurements:
     model = get_model("tiny")
     attention = []
-    shapes = [(16, 16, True), (128, 128, True), (1024, 1024, True), (64, 512, False),
-              (512, 64, False), (2048, 2048, False)]  # fmt: skip
+    shapes = [
+        (16, 16, True),
+        (128, 128, True),
+        (1024, 1024, True),
+        (64, 512, False),
+        (512, 64, False),
+        (2048, 2048, False),
+    ]
     for num_q, num_k, causal in shapes:
         pairs = block_pairs(num_q, num_k, causal)
         flops = pairs * model.attn_flops_per_pair()
         seconds = eff.time(flops, num_q)
-        attention.append(AttentionPoint(1, num_q, num_k, causal, pairs, flops, seconds / 3,
-                                        seconds * 2 / 3))  # fmt: skip
+        attention.append(
+            AttentionPoint(1, num_q, num_k, causal, pairs, flops, seconds / 3, seconds * 2 / 3)
+        )
     linear = []
     for n in (32, 256, 2048):
         flops = n * model.linear_flops_per_token()
@@ -225,8 +258,9 @@ def test_bad_profile_settings_are_refused():
 
 @pytest.mark.pure
 def test_report_errors_follow_the_measurements():
-    settings = ValidationSettings(device="cpu", emulate=(1, 2), tokens=2048, num_batches=2,
-                                  thresholds=(64, 128))  # fmt: skip
+    settings = ValidationSettings(
+        device="cpu", emulate=(1, 2), tokens=2048, num_batches=2, thresholds=(64, 128)
+    )
     topology = validation_topology(settings)
     cost = calibrated_cost_model(settings, topology)
     plans = make_plans(settings, topology, cost)
@@ -255,9 +289,17 @@ def test_emulated_profile_measures_links_per_rail(tmp_path):
 
 @pytest.mark.dist
 def test_validation_runs_planned_batches(calibration_file, tmp_path):
-    settings = ValidationSettings(calibration=calibration_file, device="cpu", emulate=(2, 1),
-                                  tokens=512, num_batches=1, thresholds=(32, 64), warmup=0,
-                                  repeats=1, timeout_s=120.0)  # fmt: skip
+    settings = ValidationSettings(
+        calibration=calibration_file,
+        device="cpu",
+        emulate=(2, 1),
+        tokens=512,
+        num_batches=1,
+        thresholds=(32, 64),
+        warmup=0,
+        repeats=1,
+        timeout_s=120.0,
+    )
     report = validate(settings)
     (batch,) = report["batches"]
     assert sum(r["tokens"] for r in batch["ranks"]) == 512
@@ -273,8 +315,9 @@ def test_validation_runs_planned_batches(calibration_file, tmp_path):
 
 @pytest.mark.pure
 def test_prediction_prices_phases_by_mask_and_couples_rings():
-    settings = ValidationSettings(device="cpu", emulate=(2, 2), tokens=4096, num_batches=2,
-                                  thresholds=(64, 128))  # fmt: skip
+    settings = ValidationSettings(
+        device="cpu", emulate=(2, 2), tokens=4096, num_batches=2, thresholds=(64, 128)
+    )
     topology = validation_topology(settings)
     # CPU-like compute, so that attention is not hidden behind the transfers.
     cost = calibrated_cost_model(settings, topology).with_figures(

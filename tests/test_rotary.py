@@ -41,9 +41,11 @@ def test_matches_megatron_rope_on_one_document(base: float, percent: float) -> N
 
 @settings(max_examples=25, deadline=None)
 @given(
-    p=st.integers(0, 4000), q=st.integers(0, 4000), shift=st.integers(-4000, 4000),
+    p=st.integers(0, 4000),
+    q=st.integers(0, 4000),
+    shift=st.integers(-4000, 4000),
     seed=st.integers(0, 2**16),
-)  # fmt: skip
+)
 def test_scores_depend_only_on_relative_position(p: int, q: int, shift: int, seed: int) -> None:
     shift = max(shift, -min(p, q))  # positions stay >= 0
     gen = torch.Generator().manual_seed(seed)

@@ -71,8 +71,9 @@ def test_the_chooser_turns_whole_node_rings_into_valid_two_d_documents() -> None
     # The planner's inter-node rings: whole nodes, each node's ranks rotated.
     rotated = tuple(topology.rank_of(n, (3 + t) % k) for n in (2, 0) for t in range(k))
     long_doc = one_document(topology, 65536, rotated, Scheme.RING).sequences[0]
-    part_nodes = dataclasses.replace(long_doc, id=1, ring=rotated[:-1],
-                                     attention=zigzag_spans(65536, rotated[:-1]))  # fmt: skip
+    part_nodes = dataclasses.replace(
+        long_doc, id=1, ring=rotated[:-1], attention=zigzag_spans(65536, rotated[:-1])
+    )
     intra = SequencePlan(2, 9000, Tier.INTRA, (8, 9), zigzag_spans(9000, (8, 9)))
     chosen = choose_schemes([long_doc, part_nodes, intra], topology, cost, routing=True)
     assert faster_scheme(long_doc, topology, cost, routing=True) == Scheme.TWO_D
@@ -96,8 +97,9 @@ def test_heads_that_do_not_split_keep_the_flat_ring() -> None:
     assert set(scheme_seconds(seq, topology, cost, routing=True)) == {Scheme.RING}
     assert choose_schemes([seq], topology, cost, routing=True) == (seq,)
     replicated = CostModel.default(get_model("llama3-8b"), topology)  # 8 K/V heads, 8 GPUs
-    mqa = dataclasses.replace(replicated, model=dataclasses.replace(replicated.model,
-                                                                    num_kv_heads=1))  # fmt: skip
+    mqa = dataclasses.replace(
+        replicated, model=dataclasses.replace(replicated.model, num_kv_heads=1)
+    )
     assert Scheme.TWO_D in scheme_seconds(seq, topology, mqa, routing=True)
 
 
@@ -106,8 +108,9 @@ def test_planner_uses_the_scheme_where_it_is_faster_and_can_be_told_not_to() -> 
     # transfers (the batch the efficiency table calls out).
     topology = get_topology("zeppelin-B", num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
-    lengths = sample_lengths("magi_realworld", num_tokens=int(0.7 * 32 * 16384), seed=0,
-                             max_length=131072)  # fmt: skip
+    lengths = sample_lengths(
+        "magi_realworld", num_tokens=int(0.7 * 32 * 16384), seed=0, max_length=131072
+    )
     plans = {
         two_d: plan_batch(
             lengths,
@@ -115,7 +118,7 @@ def test_planner_uses_the_scheme_where_it_is_faster_and_can_be_told_not_to() -> 
             cost_model=cost,
             capacity=16384,
             options=PlannerOptions(two_d=two_d),
-        )  # fmt: skip
+        )
         for two_d in (True, False)
     }
     assert plans[True].has_two_d and not plans[False].has_two_d

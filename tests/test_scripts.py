@@ -45,18 +45,32 @@ def test_flag_table_matches_the_megatron_doc(script: str) -> None:
 @pytest.mark.dist
 def test_engine_overhead_benchmark_runs_on_a_small_plan() -> None:
     out = run_script(
-        "scripts/bench_engine_overhead.py", "--num-docs", "40", "--long-lengths", "2048",
-        "--repeats", "1", "--no-kernel-timing",
-    )  # fmt: skip
+        "scripts/bench_engine_overhead.py",
+        "--num-docs",
+        "40",
+        "--long-lengths",
+        "2048",
+        "--repeats",
+        "1",
+        "--no-kernel-timing",
+    )
     assert "bookkeeping" in out
 
 
 @pytest.mark.dist
 def test_fault_drill_resumes_a_torn_checkpoint_with_the_same_losses(tmp_path) -> None:
     out = run_script(
-        "scripts/fault_drill.py", "--drills", "torn-checkpoint", "--steps", "5", "--fault-at",
-        "2", "--run-dir", str(tmp_path), timeout=1200.0,
-    )  # fmt: skip
+        "scripts/fault_drill.py",
+        "--drills",
+        "torn-checkpoint",
+        "--steps",
+        "5",
+        "--fault-at",
+        "2",
+        "--run-dir",
+        str(tmp_path),
+        timeout=1200.0,
+    )
     row = next(line for line in out.splitlines() if line.startswith("torn-checkpoint"))
     assert row.split()[1] == "yes", out
     assert "max |loss diff| 0" in out and "rank003.pt has" in out

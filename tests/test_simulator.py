@@ -94,7 +94,7 @@ def _cross_node_plan(topo: Topology, lengths: list[int], routed: bool) -> Plan:
                 RoutePart(topo.rank_of(topo.node_of(src), j), topo.rank_of(topo.node_of(dst), j), 1)
                 for j in range(gpus)
             ),
-        )  # fmt: skip
+        )
         for src, dst in ((a, b), (b, a))
     )
     return dataclasses.replace(plan, routes=routes)
@@ -133,8 +133,9 @@ def test_ring_bytes_match_the_schedule(lengths, name) -> None:
     result = simulate_rounds(plans, COST)
     expected: dict[str, int] = {}
     for plan in plans:
-        got = link_bytes(plan, ring_schedule(plan), bytes_per_token=MODEL.kv_bytes_per_token(),
-                         routing=False)  # fmt: skip
+        got = link_bytes(
+            plan, ring_schedule(plan), bytes_per_token=MODEL.kv_bytes_per_token(), routing=False
+        )
         for k, v in got.items():
             expected[k] = expected.get(k, 0) + v
     assert result.ring_bytes == expected

@@ -60,8 +60,11 @@ def source_env(tmp_path: Path, cluster: str, **preset: str) -> subprocess.Comple
     script = ROOT / "scripts/slurm/zeppelin_env.sh"
     return subprocess.run(
         ["bash", "-c", f"set -euo pipefail; source '{script}'; env -0"],
-        env=env, capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def exported(done: subprocess.CompletedProcess) -> dict[str, str]:

@@ -64,7 +64,7 @@ TRAIN_CASES = [
             "off",
         ],
         "smaller than the longest document",
-    ),  # fmt: skip
+    ),
     (["--zeppelin-capacity", "500"], "does not fit in 1 micro-batch"),
     (["--tokens-per-step", "1000"], "exceeds --tokens-per-step 1000"),
     (["--num-kv-heads", "3"], "not a multiple of --num-kv-heads 3"),
@@ -145,9 +145,20 @@ def test_good_flags_pass_the_checks_and_reach_the_launcher(tmp_path, monkeypatch
     launched = []
     monkeypatch.setattr(train_command, "_launch", lambda args: launched.append(args) or 0)
     assert main(_train(tmp_path, "--steps", "2")) == 0
-    flags = ["--dataset", dataset, "--tokens-per-step", "64", "--zeppelin-max-document-length",
-             "64", "--zeppelin-topology", "auto", "--zeppelin-nodes", "1",
-             "--nproc", "2"]  # fmt: skip
+    flags = [
+        "--dataset",
+        dataset,
+        "--tokens-per-step",
+        "64",
+        "--zeppelin-max-document-length",
+        "64",
+        "--zeppelin-topology",
+        "auto",
+        "--zeppelin-nodes",
+        "1",
+        "--nproc",
+        "2",
+    ]
     assert main(_train(tmp_path, *flags)) == 0
     assert len(launched) == 2 and launched[1].nproc == 2
 
@@ -226,10 +237,25 @@ def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_pr
 
     # Three short documents over four micro-batches: every step leaves some empty.
     args = build_parser().parse_args(
-        ["--run-dir", str(tmp_path), "--dataset", dataset, "--quiet", "--no-calibration",
-         "--steps", "2", "--micro-batches", "4", "--tokens-per-step", "100",
-         "--zeppelin-max-document-length", "64", "--zeppelin-nodes", "1"]
-    )  # fmt: skip
+        [
+            "--run-dir",
+            str(tmp_path),
+            "--dataset",
+            dataset,
+            "--quiet",
+            "--no-calibration",
+            "--steps",
+            "2",
+            "--micro-batches",
+            "4",
+            "--tokens-per-step",
+            "100",
+            "--zeppelin-max-document-length",
+            "64",
+            "--zeppelin-nodes",
+            "1",
+        ]
+    )
     steps = train(args)["steps"]
     assert len(steps) == 2
     for record in steps:

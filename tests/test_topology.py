@@ -94,10 +94,12 @@ def test_topology_from_args():
         ({"SLURM_NNODES": "4", "SLURM_NTASKS_PER_NODE": "8(x4)"}, (4, 8)),
         ({"SLURM_NNODES": "2", "SLURM_NTASKS": "8"}, (2, 4)),
         ({"SLURM_NNODES": "2", "SLURM_GPUS_ON_NODE": "8"}, (2, 8)),
-        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"},
-         (2, 8)),
+        (
+            {"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8", "SLURM_NNODES": "2", "SLURM_NTASKS": "2"},
+            (2, 8),
+        ),
     ],
-)  # fmt: skip
+)
 def test_detect_shapes(env, shape):
     topo = detect_topology(env)
     assert (topo.num_nodes, topo.gpus_per_node) == shape

@@ -91,8 +91,9 @@ def test_plan_file_round_trip_writes_format_2_and_reads_format_1() -> None:
 def test_malformed_two_d_documents_are_refused() -> None:
     good = two_d(0, 500, [0, 1])
     plan_of([good])
-    part_node = SequencePlan(0, 500, Tier.INTER, (0, 1, 4, 5), zigzag_spans(500, (0, 1, 4, 5)),
-                             Scheme.TWO_D)  # fmt: skip
+    part_node = SequencePlan(
+        0, 500, Tier.INTER, (0, 1, 4, 5), zigzag_spans(500, (0, 1, 4, 5)), Scheme.TWO_D
+    )
     with pytest.raises(ValueError, match="whole nodes"):
         plan_of([part_node])
     # A node's ranks in any order (a rank's head group is its local index), but together.
@@ -102,8 +103,9 @@ def test_malformed_two_d_documents_are_refused() -> None:
         plan_of([interleaved])
     # A flat zigzag ring's spans lie inside the node chunks of the same node order (a flat
     # inter-node document becomes 2-D without moving a token), not inside another order's.
-    assert plan_of([SequencePlan(0, 500, Tier.INTER, good.ring, zigzag_spans(500, good.ring),
-                                 Scheme.TWO_D)])  # fmt: skip
+    assert plan_of(
+        [SequencePlan(0, 500, Tier.INTER, good.ring, zigzag_spans(500, good.ring), Scheme.TWO_D)]
+    )
     swapped = zigzag_spans(500, good.ring[4:] + good.ring[:4])
     with pytest.raises(ValueError, match="outside its node's chunks"):
         plan_of([SequencePlan(0, 500, Tier.INTER, good.ring, swapped, Scheme.TWO_D)])
@@ -185,11 +187,13 @@ def test_head_all_to_all_messages_stay_inside_nodes_and_mirror_each_other() -> N
 def test_two_d_bytes_add_up_from_the_scheme() -> None:
     length = 1000
     plan = plan_of([two_d(0, length, [0, 1, 2])])
-    shape = AttentionShape(num_heads=8, num_kv_heads=4, head_dim=16, value_bytes=2,
-                           grad_value_bytes=4)  # fmt: skip
+    shape = AttentionShape(
+        num_heads=8, num_kv_heads=4, head_dim=16, value_bytes=2, grad_value_bytes=4
+    )
     got = two_d_link_bytes(plan, shape, routing=False)
-    assert training_link_bytes(plan, kv_bytes_per_token=128, grad_bytes_per_token=256,
-                               routing=False) == {"nvlink": 0, "nic": 0}  # fmt: skip
+    assert training_link_bytes(
+        plan, kv_bytes_per_token=128, grad_bytes_per_token=256, routing=False
+    ) == {"nvlink": 0, "nic": 0}
     assert engine_link_bytes(plan, shape, routing=False) == got
     # Rings: each of 4 rails carries the document's K/V blocks of one K/V head: every node's
     # block travels n - 1 = 2 hops, forward twice (forward and backward) and dK/dV once.

@@ -75,7 +75,7 @@ def mixed_plan(topology: Topology, docs, *, spans=None, routed: bool = False) ->
                     RoutePart(topology.node_of(src) * k + j, topology.node_of(dst) * k + j, j + 1)
                     for j in range(k)
                 ),
-            )  # fmt: skip
+            )
             for src, dst in sorted(e for e in edges if not topology.same_node(*e))
         )
     return Plan(topology=topology, sequences=tuple(seqs), linear=lin, routes=routes)
@@ -94,7 +94,7 @@ PLANS = {
             (41, (3, 0, 1), False),
             (1, (0,), False),
         ],
-    ),  # fmt: skip
+    ),
     # Three nodes: a 2-D document on two of them in the planner's rotated in-node order, two on
     # all three (one of 3 tokens on 6 ranks).
     "3x2": lambda: mixed_plan(
@@ -106,7 +106,7 @@ PLANS = {
             (19, (2, 3), False),
             (7, (5,), False),
         ],
-    ),  # fmt: skip
+    ),
     # Three GPUs per node; a token layout of the document's own (ranks hold single chunks).
     "2x3-own-layout": lambda: mixed_plan(
         TOPO_2X3,
@@ -121,7 +121,7 @@ PLANS = {
                 Span(1, 33, 44),
             ]
         },
-    ),  # fmt: skip
+    ),
 }
 
 
@@ -148,8 +148,12 @@ def test_grouped_query_heads_split_or_replicated(heads) -> None:  # noqa: ANN001
 def test_bytes_per_link_class_equal_the_prediction(dtype, routing) -> None:  # noqa: ANN001
     for name, heads in (("3x2", (4, 1)), ("2x3-own-layout", (6, 3))):
         plan = PLANS[name]()
-        plan = Plan(topology=plan.topology, sequences=plan.sequences, linear=plan.linear,
-                    routes=_all_routes(plan))  # fmt: skip
+        plan = Plan(
+            topology=plan.topology,
+            sequences=plan.sequences,
+            linear=plan.linear,
+            routes=_all_routes(plan),
+        )
         counters = [LinkCounters(plan.topology) for _ in range(plan.world_size)]
         run_engine(plan, dtype, heads=heads, routing=routing, counters=counters)
         measured = LinkCounters.merged(plan.topology, [c.to_dict() for c in counters]).to_dict()
@@ -173,7 +177,7 @@ def _all_routes(plan: Plan) -> tuple[Route, ...]:
             tuple(
                 RoutePart(topo.node_of(src) * k + j, topo.node_of(dst) * k + j, 1) for j in range(k)
             ),
-        )  # fmt: skip
+        )
         for src, dst in sorted(e for e in edges if not topo.same_node(*e))
     )
 
@@ -196,8 +200,13 @@ def test_planner_plans_with_two_d_documents_match_reference() -> None:
 
     cost = CostModel.default(get_model("tiny"), TOPO_2X2)  # 4 heads over 2 K/V heads
     lengths = sample_lengths("prolong", num_tokens=500, seed=1, max_length=400) + [1, 2, 9, 31]
-    plan = plan_batch(lengths, topology=TOPO_2X2, cost_model=cost, capacity=200,
-                      options=PlannerOptions(thresholds=(8, 16)))  # fmt: skip
+    plan = plan_batch(
+        lengths,
+        topology=TOPO_2X2,
+        cost_model=cost,
+        capacity=200,
+        options=PlannerOptions(thresholds=(8, 16)),
+    )
     assert plan.has_two_d and plan.tier_counts()["intra"] and plan.tier_counts()["local"]
     ref, got = run_engine(plan, torch.float64, heads=(4, 2), seed=2)
     for name in ("out", "dq", "dk", "dv"):
@@ -209,9 +218,15 @@ def test_flat_documents_around_two_d_rows_are_taken_as_views() -> None:
     # calls must not gather around its rows.
     plan = mixed_plan(
         TOPO_2X2,
-        [(40, (0, 1), False), (9, (0,), False), (37, (0, 1, 2, 3), "zigzag"), (7, (1,), False),
-         (30, (2, 3), False), (5, (0,), False)],
-    )  # fmt: skip
+        [
+            (40, (0, 1), False),
+            (9, (0,), False),
+            (37, (0, 1, 2, 3), "zigzag"),
+            (7, (1,), False),
+            (30, (2, 3), False),
+            (5, (0,), False),
+        ],
+    )
     hub = ThreadHub(plan.world_size)
     for rank in range(plan.world_size):
         engine = ZeppelinAttention(plan, rank, ThreadExchanger(hub, rank), kernel="torch")

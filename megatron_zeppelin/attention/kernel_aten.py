@@ -86,9 +86,18 @@ class TorchFlashKernel:
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)
         out, lse, *_ = self._ops._flash_attention_forward(
-            q, k, v, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_k,
-            0.0, batch.causal, False, scale=softmax_scale,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            batch.max_seqlen_q,
+            batch.max_seqlen_k,
+            0.0,
+            batch.causal,
+            False,
+            scale=softmax_scale,
+        )
         assert tuple(lse.shape) == (q.shape[1], q.shape[0]), (tuple(lse.shape), tuple(q.shape))
         return out, lse.float().t()
 
@@ -99,8 +108,20 @@ class TorchFlashKernel:
         rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)
         unused = torch.empty(0, device=q.device)
         dq, dk, dv = self._ops._flash_attention_backward(
-            dout_tnd.contiguous(), q, k, v, out_tnd.to(q.dtype).contiguous(),
-            lse_tn.float().t().contiguous(), cu_q, cu_k, batch.max_seqlen_q,
-            batch.max_seqlen_k, 0.0, batch.causal, rng_state, unused, scale=softmax_scale,
-        )  # fmt: skip
+            dout_tnd.contiguous(),
+            q,
+            k,
+            v,
+            out_tnd.to(q.dtype).contiguous(),
+            lse_tn.float().t().contiguous(),
+            cu_q,
+            cu_k,
+            batch.max_seqlen_q,
+            batch.max_seqlen_k,
+            0.0,
+            batch.causal,
+            rng_state,
+            unused,
+            scale=softmax_scale,
+        )
         return dq, dk, dv

@@ -159,8 +159,9 @@ def flash3_unavailable() -> str | None:
     return _needs(cuda_capability(), (9, 0), f"FlashAttention-3 {version}")
 
 
-def _check_inputs(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  batch: VarlenBatch) -> None:  # fmt: skip
+def _check_inputs(
+    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch
+) -> None:
     check_shapes(q, k, v, batch)
     if q.dtype not in HALF:
         raise ValueError(
@@ -204,10 +205,18 @@ class Flash2Kernel:
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)
         out, lse, _ = self._forward(
-            q, k, v, cu_q, cu_k, batch.max_seqlen_q, batch.max_seqlen_k,
-            dropout_p=0.0, softmax_scale=softmax_scale, causal=batch.causal,
+            q,
+            k,
+            v,
+            cu_q,
+            cu_k,
+            batch.max_seqlen_q,
+            batch.max_seqlen_k,
+            dropout_p=0.0,
+            softmax_scale=softmax_scale,
+            causal=batch.causal,
             return_attn_probs=True,
-        )  # fmt: skip
+        )
         return out, _lse_tn(lse, q)
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
@@ -217,15 +226,28 @@ class Flash2Kernel:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         window = (-1, -1) if self.release.window_split else ((-1, -1),)
         self._backward(
-            dout_tnd.contiguous(), q, k, v, out_tnd.to(q.dtype).contiguous(),
-            lse_tn.float().t().contiguous(), dq, dk, dv, cu_q, cu_k,
-            batch.max_seqlen_q, batch.max_seqlen_k, 0.0, softmax_scale, batch.causal,
+            dout_tnd.contiguous(),
+            q,
+            k,
+            v,
+            out_tnd.to(q.dtype).contiguous(),
+            lse_tn.float().t().contiguous(),
+            dq,
+            dk,
+            dv,
+            cu_q,
+            cu_k,
+            batch.max_seqlen_q,
+            batch.max_seqlen_k,
+            0.0,
+            softmax_scale,
+            batch.causal,
             *window,
             0.0,  # softcap
             None,  # alibi_slopes
             False,  # deterministic
             None,  # rng_state
-        )  # fmt: skip
+        )
         return dq, dk, dv
 
 

@@ -89,8 +89,9 @@ class TwoDRuntime:
         self.columns.forward_own(head)
         interleave([*reversed(flat_runs), *reversed(column_runs)])
         out_h = head.out.to(q.dtype)
-        outbound = a2a.start(heads.to_tokens, (out_h,), lambda group: [(0, g.num_q)],
-                             tag=f"{_TAG}/out")  # fmt: skip
+        outbound = a2a.start(
+            heads.to_tokens, (out_h,), lambda group: [(0, g.num_q)], tag=f"{_TAG}/out"
+        )
         a2a.finish(outbound, (tokens.out,), lambda group: [g.q[group]])
         return tokens.out, tokens.lse, (head.q, head.k, head.v, out_h, head.lse)
 
@@ -98,8 +99,7 @@ class TwoDRuntime:
         """``dq``, ``dk``, ``dv`` of the token buffer, in the compute dtype."""
         g = self.groups(q.shape[1], k.shape[1])
         heads, a2a = self.heads, self.all_to_all
-        inbound = a2a.start(heads.to_heads, (dout,), lambda group: [g.q[group]],
-                            tag=f"{_TAG}/dout")  # fmt: skip
+        inbound = a2a.start(heads.to_heads, (dout,), lambda group: [g.q[group]], tag=f"{_TAG}/dout")
         tokens = self.flat.backward_grads(Buffers(q, k, v, out, lse, dout))
         flat_runs = self.flat.backward_runs(tokens)
         for run in flat_runs:

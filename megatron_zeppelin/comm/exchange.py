@@ -135,8 +135,15 @@ class DistExchanger:
     ) -> RelayPending | StagedPending:
         """Post this rank's part of one ring step; see the module docstring."""
         row_shape = tuple(int(d) for d in row_shape)
-        check_payload(messages, payload, rank=self.rank, row_shape=row_shape, dtype=dtype,
-                      tag=tag, device=self.device)  # fmt: skip
+        check_payload(
+            messages,
+            payload,
+            rank=self.rank,
+            row_shape=row_shape,
+            dtype=dtype,
+            tag=tag,
+            device=self.device,
+        )
         if (
             self.routing
             and self.plan is None
@@ -151,7 +158,8 @@ class DistExchanger:
             for index, (message, leg) in enumerate(legs)
             if leg.path[0] == self.rank
         }
-        transport = Transport(self.groups, self.device, self.counters, self.timeout_s,
-                              self.posting_log)  # fmt: skip
+        transport = Transport(
+            self.groups, self.device, self.counters, self.timeout_s, self.posting_log
+        )
         kind = RelayPending if self.overlap else StagedPending
         return kind(transport, messages, legs, held, row_shape, dtype, tag)

@@ -154,8 +154,9 @@ class ZeppelinGroups:
         # node groups, then all rail groups.
         for w in sorted(worlds, key=lambda w: min(w)):
             world_group = make(list(w))
-            nodes = [make([w[r] for r in topology.ranks_of_node(n)])
-                     for n in range(topology.num_nodes)]  # fmt: skip
+            nodes = [
+                make([w[r] for r in topology.ranks_of_node(n)]) for n in range(topology.num_nodes)
+            ]
             rails = [
                 make([w[topology.rank_of(n, local)] for n in range(topology.num_nodes)])
                 for local in range(topology.gpus_per_node)
@@ -163,8 +164,15 @@ class ZeppelinGroups:
             if me in w:
                 assert world_group is not None
                 identity = w == tuple(range(dist.get_world_size()))
-                view = cls(topology, w.index(me), world_group, tuple(nodes), tuple(rails),
-                           make.backend, () if identity else w)  # fmt: skip
+                view = cls(
+                    topology,
+                    w.index(me),
+                    world_group,
+                    tuple(nodes),
+                    tuple(rails),
+                    make.backend,
+                    () if identity else w,
+                )
         assert view is not None, "every process is in one world (checked above)"
         warm_up(make.mine, make.backend)
         return view

@@ -99,9 +99,16 @@ def _shown(notes: list[str]) -> str:
 class _Pending:
     """What both kinds share: the legs, the rows held, errors, the final assembly."""
 
-    def __init__(self, transport: Transport, messages: Sequence[Message],
-                 legs: list[tuple[int, Leg]], held: dict[int, torch.Tensor],
-                 row_shape: tuple[int, ...], dtype: torch.dtype, tag: str):  # fmt: skip
+    def __init__(
+        self,
+        transport: Transport,
+        messages: Sequence[Message],
+        legs: list[tuple[int, Leg]],
+        held: dict[int, torch.Tensor],
+        row_shape: tuple[int, ...],
+        dtype: torch.dtype,
+        tag: str,
+    ):
         self._tr = transport
         self._messages = list(messages)
         self._legs = legs
@@ -112,8 +119,9 @@ class _Pending:
         self._done = False
 
     def _buffer(self, leg: Leg) -> torch.Tensor:
-        return torch.empty((leg.num_tokens, *self._row_shape), dtype=self._dtype,
-                           device=self._tr.device)  # fmt: skip
+        return torch.empty(
+            (leg.num_tokens, *self._row_shape), dtype=self._dtype, device=self._tr.device
+        )
 
     def _error(self, where: str, exc: BaseException | None) -> ZeppelinCommError:
         cause = f": {type(exc).__name__}: {exc}" if exc is not None else ""
@@ -206,9 +214,13 @@ class StagedPending(_Pending):
     def _post(self, stage: int) -> None:
         tr = self._tr
         ops = self._stage_ops(stage)
-        notes = [f"{p.direction} {tr.rank}->{p.peer}" if p.direction == SEND
-                 else f"{p.direction} {p.peer}->{tr.rank}"
-                 for batch in ops.values() for _, p in batch]  # fmt: skip
+        notes = [
+            f"{p.direction} {tr.rank}->{p.peer}"
+            if p.direction == SEND
+            else f"{p.direction} {p.peer}->{tr.rank}"
+            for batch in ops.values()
+            for _, p in batch
+        ]
         what = f"stage {stage} ({_shown(notes)})"
         try:
             # One global communicator order on every rank: never a rank-dependent one.
@@ -261,8 +273,7 @@ class RelayPending(_Pending):
                 if rank == b:
                     buffer = self._buffer(leg)
                     what = f"recv {a}->{b} (hop {hop + 1})"
-                    work = self._p2p(dist.irecv, buffer, a, b, base + MAX_HOPS * index + hop,
-                                     what)  # fmt: skip
+                    work = self._p2p(dist.irecv, buffer, a, b, base + MAX_HOPS * index + hop, what)
                     self._recvs[(index, hop)] = (work, buffer, what)
                 elif rank == a:
                     (sends if hop == 0 else relays).append((hop, index))
@@ -272,9 +283,11 @@ class RelayPending(_Pending):
         self._thread: threading.Thread | None = None
         if relays:
             self._thread = threading.Thread(
-                target=self._relay, args=(sorted(relays), base), daemon=True,
+                target=self._relay,
+                args=(sorted(relays), base),
+                daemon=True,
                 name=f"zeppelin-relay {self.tag}",
-            )  # fmt: skip
+            )
             self._thread.start()
 
     def _p2p(self, op, tensor: torch.Tensor, a: int, b: int, tag: int, what: str) -> dist.Work:  # noqa: ANN001

@@ -92,8 +92,9 @@ class _RemapFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_t):  # type: ignore[override]
-        grad = all_to_all_rows(grad_t.contiguous(), ctx.back, ctx.group, **vars(ctx.where),
-                               phase="backward")  # fmt: skip
+        grad = all_to_all_rows(
+            grad_t.contiguous(), ctx.back, ctx.group, **vars(ctx.where), phase="backward"
+        )
         return grad, None, None, None, None
 
 
@@ -144,8 +145,9 @@ def linear_to_attention(
     """Rows in ``rank``'s linear buffer order -> rows in its attention buffer order."""
     _check_group(plan, rank, group)
     there, back = _layouts(plan, rank)
-    return remap_rows(x_t, there, group, back=back, watch=watch, layer=layer,
-                      what="remap linear->attention")  # fmt: skip
+    return remap_rows(
+        x_t, there, group, back=back, watch=watch, layer=layer, what="remap linear->attention"
+    )
 
 
 def attention_to_linear(
@@ -160,5 +162,6 @@ def attention_to_linear(
     """Rows in ``rank``'s attention buffer order -> rows in its linear buffer order."""
     _check_group(plan, rank, group)
     there, back = _layouts(plan, rank)
-    return remap_rows(x_t, back, group, back=there, watch=watch, layer=layer,
-                      what="remap attention->linear")  # fmt: skip
+    return remap_rows(
+        x_t, back, group, back=there, watch=watch, layer=layer, what="remap attention->linear"
+    )

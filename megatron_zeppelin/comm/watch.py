@@ -95,8 +95,14 @@ class Beat:
     note: str = ""
 
     def to_json(self) -> str:
-        return json.dumps({"beat": self.beat, "state": self.state, "note": self.note,
-                           "position": vars(self.position)})  # fmt: skip
+        return json.dumps(
+            {
+                "beat": self.beat,
+                "state": self.state,
+                "note": self.note,
+                "position": vars(self.position),
+            }
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Beat:
@@ -107,8 +113,14 @@ class Beat:
 class CommStallError(ZeppelinCommError):
     """A collective or transfer did not finish in time; the message names who stalled."""
 
-    def __init__(self, message: str, *, stalled: Sequence[int] = (), failed: Sequence[int] = (),
-                 behind: Sequence[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        message: str,
+        *,
+        stalled: Sequence[int] = (),
+        failed: Sequence[int] = (),
+        behind: Sequence[int] = (),
+    ):
         super().__init__(message)
         self.stalled = tuple(stalled)
         self.failed = tuple(failed)
@@ -178,9 +190,16 @@ class CommWatch:
     heartbeat nothing is published and the diagnosis names only ranks that said they failed.
     """
 
-    def __init__(self, *, rank: int, world_size: int, timeout_s: float,
-                 store: dist.Store | None = None, backend: str = "gloo",
-                 beat_s: float | None = None):  # fmt: skip
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        timeout_s: float,
+        store: dist.Store | None = None,
+        backend: str = "gloo",
+        beat_s: float | None = None,
+    ):
         if not timeout_s > 0:
             raise ValueError(f"the communication timeout must be positive, got {timeout_s}")
         self.rank = rank
@@ -204,8 +223,14 @@ class CommWatch:
     def for_process_group(cls, timeout_s: float, **kwargs: Any) -> CommWatch:
         """A watch over the default process group, its board in the group's store."""
         store = dist.distributed_c10d._get_default_store()
-        return cls(rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=timeout_s,
-                   store=store, backend=str(dist.get_backend()), **kwargs)  # fmt: skip
+        return cls(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            timeout_s=timeout_s,
+            store=store,
+            backend=str(dist.get_backend()),
+            **kwargs,
+        )
 
     # --- position and heartbeat --------------------------------------------------------------
     def at(self, **fields: Any) -> None:
@@ -220,8 +245,9 @@ class CommWatch:
         """Start the heartbeat thread, the only one that writes to the board (so a store whose
         host stalled never blocks training); idempotent, returns ``self``."""
         if self._thread is None and self.board is not None:
-            self._thread = threading.Thread(target=self._beat_loop, daemon=True,
-                                            name="zeppelin-heartbeat")  # fmt: skip
+            self._thread = threading.Thread(
+                target=self._beat_loop, daemon=True, name="zeppelin-heartbeat"
+            )
             self._thread.start()
         return self
 
@@ -254,12 +280,20 @@ class CommWatch:
             pass
 
     # --- bounded collectives -----------------------------------------------------------------
-    def run(self, what: str, issue: Callable[[bool], Any], *, layer: int | None = None,
-            phase: str = "", timeout_s: float | None = None) -> None:  # fmt: skip
+    def run(
+        self,
+        what: str,
+        issue: Callable[[bool], Any],
+        *,
+        layer: int | None = None,
+        phase: str = "",
+        timeout_s: float | None = None,
+    ) -> None:
         """Run one collective: ``issue(async_op)`` posts it (``dist.<op>(..., async_op=...)``)."""
         with self._lock:
-            self.position = replace(self.position, op=self.position.op + 1, layer=layer,
-                                    phase=phase, what=what)  # fmt: skip
+            self.position = replace(
+                self.position, op=self.position.op + 1, layer=layer, phase=phase, what=what
+            )
         self._wake.set()
         if self.backend == "nccl":
             issue(False)  # stream-ordered; NCCL's watchdog enforces the group's timeout
@@ -275,17 +309,30 @@ class CommWatch:
         if ok is False:
             raise self.explain(None, limit_s=limit)
 
-    def all_reduce(self, tensor: torch.Tensor, group: dist.ProcessGroup | None = None, *,
-                   what: str, op: Any = None) -> None:  # fmt: skip
+    def all_reduce(
+        self,
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        *,
+        what: str,
+        op: Any = None,
+    ) -> None:
         op = dist.ReduceOp.SUM if op is None else op
         self.run(what, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
 
-    def all_gather(self, outputs: list[torch.Tensor], tensor: torch.Tensor,
-                   group: dist.ProcessGroup | None = None, *, what: str) -> None:  # fmt: skip
+    def all_gather(
+        self,
+        outputs: list[torch.Tensor],
+        tensor: torch.Tensor,
+        group: dist.ProcessGroup | None = None,
+        *,
+        what: str,
+    ) -> None:
         self.run(what, lambda a: dist.all_gather(outputs, tensor, group=group, async_op=a))
 
-    def barrier(self, group: dist.ProcessGroup | None = None, *, what: str,
-                timeout_s: float | None = None) -> None:  # fmt: skip
+    def barrier(
+        self, group: dist.ProcessGroup | None = None, *, what: str, timeout_s: float | None = None
+    ) -> None:
         self.run(what, lambda a: dist.barrier(group=group, async_op=a), timeout_s=timeout_s)
 
     def bound_groups(self, groups: Sequence[dist.ProcessGroup | None]) -> None:
@@ -331,12 +378,15 @@ class CommWatch:
         # Heartbeats tell a stopped rank from a waiting one only when every rank beats.
         beating = self._thread is not None
         stalled = [
-            r for r in others
-            if beating and r not in failed and (
+            r
+            for r in others
+            if beating
+            and r not in failed
+            and (
                 r not in second
-                or (second[r].state == "running" and r in first
-                    and second[r].beat == first[r].beat))
-        ]  # fmt: skip
+                or (second[r].state == "running" and r in first and second[r].beat == first[r].beat)
+            )
+        ]
         behind = [
             r
             for r in others
@@ -348,13 +398,16 @@ class CommWatch:
         parts = []
         for r in stalled:
             seen = f", last seen at {second[r].position.describe()}" if r in second else ""
-            parts.append(f"rank {r} stopped responding (no heartbeat for "
-                         f"{self.settle_s:.1f} s){seen}")  # fmt: skip
+            parts.append(
+                f"rank {r} stopped responding (no heartbeat for {self.settle_s:.1f} s){seen}"
+            )
         for r in failed:
             parts.append(f"rank {r} failed ({second[r].note or 'see its log'})")
         for r in behind:
-            parts.append(f"rank {r} is alive but behind, at {second[r].position.describe()} (too "
-                         "slow for --zeppelin-comm-timeout-s, or stuck there)")  # fmt: skip
+            parts.append(
+                f"rank {r} is alive but behind, at {second[r].position.describe()} (too "
+                "slow for --zeppelin-comm-timeout-s, or stuck there)"
+            )
         if not parts:
             return NOBODY_BEHIND, [], [], []
         return "; ".join(parts), stalled, failed, behind

@@ -23,25 +23,30 @@ import sys
 from megatron_zeppelin.megatron import train_cpu  # noqa: F401  isort: skip
 from megatron_zeppelin.fileio import atomic_write_text  # noqa: E402
 from megatron_zeppelin.megatron.check import CheckOptions, run_check  # noqa: E402
+from megatron_zeppelin.testing.dist import DistributedRunError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", default=None, help="Write the full report to this file.")
     parser.add_argument(
-        "--tensor-parallel", type=int, nargs="+", default=[1, 2],
+        "--tensor-parallel",
+        type=int,
+        nargs="+",
+        default=[1, 2],
         help="Tensor-parallel sizes to check (default: 1 2).",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=CheckOptions.seed, help="Weights seed.")
     parser.add_argument("--tolerance", type=float, default=CheckOptions.tolerance)
     parser.add_argument("--no-routing", action="store_true", help="Send inter-node rings direct.")
     parser.add_argument(
-        "--timeout-s", type=float, default=CheckOptions.timeout_s,
+        "--timeout-s",
+        type=float,
+        default=CheckOptions.timeout_s,
         help="Seconds a transfer may wait for a peer before the check fails.",
-    )  # fmt: skip
+    )
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.testing.dist import DistributedRunError
 
     if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
         raise ValueError(f"--json {args.json}: the directory it would go in does not exist")
@@ -55,8 +60,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = run_check(options)
     except DistributedRunError as exc:  # a rank died, stalled or failed: one line, story in a log
-        print(f"zeppelin check: error: {exc.summary} (every rank's traceback: "
-              f"{exc.write_log('zeppelin-check')})", file=sys.stderr)  # fmt: skip
+        print(
+            f"zeppelin check: error: {exc.summary} (every rank's traceback: "
+            f"{exc.write_log('zeppelin-check')})",
+            file=sys.stderr,
+        )
         return 1
     print(f"reference loss {report['reference_loss']:.6f}")
     for name, r in report["runs"].items():

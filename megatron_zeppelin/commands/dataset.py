@@ -17,6 +17,8 @@ import json
 
 import numpy as np
 
+from megatron_zeppelin.megatron.data import DocumentDataset
+from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 from megatron_zeppelin.planner.distributions import MAX_DOCUMENT_LENGTH
 
 DEFAULT_TOKENS = 1_000_000
@@ -113,15 +115,12 @@ def _print(title: str, info: dict) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.megatron.data import DocumentDataset
 
     if args.inspect:
         dataset = DocumentDataset(args.inspect)
         info = describe(dataset.lengths)
         _print(f"dataset {dataset.path_prefix} (tokens stored as {dataset.dtype})", info)
     else:
-        from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-
         if not args.output:
             raise ValueError("give --output PREFIX to write a dataset, or --inspect PREFIX")
         if args.lengths:

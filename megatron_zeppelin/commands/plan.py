@@ -19,6 +19,7 @@ import sys
 from typing import Any
 
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.viz import plot_plan_load
 
 DEFAULT_MODEL = "llama-7b"
 DEFAULT_TOKENS = 262144
@@ -32,9 +33,11 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch")
     batch.add_argument("--lengths", metavar="FILE", help="document lengths, one per line")
     batch.add_argument(
-        "--dist", metavar="NAME", help="draw lengths from an embedded distribution instead "
+        "--dist",
+        metavar="NAME",
+        help="draw lengths from an embedded distribution instead "
         "(wikipedia, prolong, wlbllm, magi_realworld)",
-    )  # fmt: skip
+    )
     batch.add_argument(
         "--tokens", type=int, default=DEFAULT_TOKENS, help="tokens per batch (--dist)"
     )
@@ -51,9 +54,12 @@ def add_input_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--nic-gbit", type=float, default=None, help="NIC line rate, Gbit/s")
     cluster.add_argument("--nvlink-gbps", type=float, default=None, help="NVLink GB/s per GPU")
     cluster.add_argument(
-        "--capacity", type=int, default=None, help="tokens one GPU may hold; default: "
+        "--capacity",
+        type=int,
+        default=None,
+        help="tokens one GPU may hold; default: "
         f"the even share times {CAPACITY_HEADROOM}, rounded up to 1024",
-    )  # fmt: skip
+    )
     model = parser.add_argument_group("model and cost model")
     model.add_argument("--model", default=DEFAULT_MODEL, help="preset: llama-3b, llama-7b, ...")
     model.add_argument("--tp", type=int, default=1, help="tensor-parallel size inside a rank")
@@ -64,13 +70,17 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
     """Zeppelin planner flags (thresholds, routing, remapping)."""
     group = parser.add_argument_group("zeppelin planner")
     group.add_argument(
-        "--intra-threshold", default=None, help="shortest document split inside a node, "
+        "--intra-threshold",
+        default=None,
+        help="shortest document split inside a node, "
         "in tokens, or auto/off (default: the planner's)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--inter-threshold", default=None, help="shortest document split across nodes, "
+        "--inter-threshold",
+        default=None,
+        help="shortest document split across nodes, "
         "in tokens, or auto/off (default: the planner's)",
-    )  # fmt: skip
+    )
     group.add_argument(
         "--no-routing", action="store_true", help="send inter-node messages directly"
     )
@@ -81,14 +91,18 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-split", action="store_true", help="split only documents that capacity forces"
     )
     group.add_argument(
-        "--no-2d", action="store_true", help="keep every inter-node document on a flat ring "
+        "--no-2d",
+        action="store_true",
+        help="keep every inter-node document on a flat ring "
         "(default: the cost model may split its heads inside each node and ring across nodes)",
-    )  # fmt: skip
+    )
     group.add_argument(
-        "--linear-layout", choices=("auto", "attention", "node", "even"), default="auto",
+        "--linear-layout",
+        choices=("auto", "attention", "node", "even"),
+        default="auto",
         help="where linear modules run: auto (the fastest the cost model predicts), the "
         "attention layout, tokens even inside each node, or even over all GPUs",
-    )  # fmt: skip
+    )
 
 
 # --- shared readers --------------------------------------------------------------------------
@@ -98,6 +112,7 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
     if (args.lengths is None) == (args.dist is None):
         raise ValueError("give the batch with exactly one of --lengths FILE or --dist NAME")
     if args.lengths is not None:
+        # Deferred: keeps numpy, yaml (the planner) out of `zeppelin plan --help`.
         from megatron_zeppelin.planner.distributions import read_lengths_file
 
         return [read_lengths_file(args.lengths)] * num_batches
@@ -106,7 +121,7 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
     return [
         sample_lengths(
             args.dist, num_tokens=args.tokens, seed=args.seed + i, max_length=args.max_length
-        )  # fmt: skip
+        )
         for i in range(num_batches)
     ]
 
@@ -178,6 +193,7 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
     """``PlannerOptions`` from the planner flags, by the same rules as ``--zeppelin-*`` in a
     training run (``ZeppelinConfig.planner_options``): a threshold left out or ``auto`` comes
     from the cost model, ``off`` never splits over that tier unless capacity forces it."""
+    # The config's own imports (dataclasses, inspect) would slow `zeppelin plan --help`.
     from megatron_zeppelin.config import ZeppelinConfig
 
     thresholds = {}
@@ -220,8 +236,9 @@ def zeppelin_plan(lengths: list[int], *, topology, cost_model, capacity: int, op
     """Zeppelin's plan of one batch."""
     from megatron_zeppelin.planner.partition import plan_batch
 
-    return plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
-                      options=options)  # fmt: skip
+    return plan_batch(
+        lengths, topology=topology, cost_model=cost_model, capacity=capacity, options=options
+    )
 
 
 def cost_sources_line(cost_model) -> str:
@@ -244,28 +261,40 @@ def summary_lines(plan, result, cost_model) -> list[str]:
     from megatron_zeppelin.planner.plan import Tier
 
     world = plan.world_size
-    lines = [f"{plan.name}: {len(plan.sequences)} documents, {plan.num_tokens} tokens on "
-             f"{world} GPUs ({plan.topology.num_nodes} x {plan.topology.gpus_per_node}), "
-             f"capacity {plan.capacity}"]  # fmt: skip
+    lines = [
+        f"{plan.name}: {len(plan.sequences)} documents, {plan.num_tokens} tokens on "
+        f"{world} GPUs ({plan.topology.num_nodes} x {plan.topology.gpus_per_node}), "
+        f"capacity {plan.capacity}"
+    ]
     for tier in Tier:
         seqs = [s for s in plan.sequences if Tier(s.tier) == tier]
         tokens = sum(s.length for s in seqs)
         longest = max((s.length for s in seqs), default=0)
         two_d = sum(s.is_two_d for s in seqs)
         note = f", {two_d} with heads split across nodes (2-D)" if two_d else ""
-        lines.append(f"  {tier.value:>5}: {len(seqs):5d} documents {tokens:9d} tokens "
-                     f"(longest {longest}{note})")  # fmt: skip
+        lines.append(
+            f"  {tier.value:>5}: {len(seqs):5d} documents {tokens:9d} tokens "
+            f"(longest {longest}{note})"
+        )
     attention = [r.attention_s for r in result.per_rank]
     linear = [plan.num_linear_tokens(r) for r in range(world)]
-    lines.append(f"  imbalance (max/mean): attention {_imbalance(attention):.3f}, "
-                 f"linear tokens {_imbalance(linear):.3f}")  # fmt: skip
-    lines.append("  bytes per layer (forward): " + ", ".join(
-        f"{k} {format_bytes(v)}" for k, v in sorted(result.link_bytes.items()) if ":" not in k
-    ) + f" (remapping: {format_bytes(sum(result.remap_bytes.values()))})")  # fmt: skip
+    lines.append(
+        f"  imbalance (max/mean): attention {_imbalance(attention):.3f}, "
+        f"linear tokens {_imbalance(linear):.3f}"
+    )
+    lines.append(
+        "  bytes per layer (forward): "
+        + ", ".join(
+            f"{k} {format_bytes(v)}" for k, v in sorted(result.link_bytes.items()) if ":" not in k
+        )
+        + f" (remapping: {format_bytes(sum(result.remap_bytes.values()))})"
+    )
     lines += tier_lines(plan, cost_model)
-    lines.append(f"  predicted step {result.step_time_s * 1e3:.1f} ms, lower bound "
-                 f"{result.lower_bound_s * 1e3:.1f} ms, efficiency {result.efficiency:.3f}, "
-                 f"MFU {result.mfu:.3f}")  # fmt: skip
+    lines.append(
+        f"  predicted step {result.step_time_s * 1e3:.1f} ms, lower bound "
+        f"{result.lower_bound_s * 1e3:.1f} ms, efficiency {result.efficiency:.3f}, "
+        f"MFU {result.mfu:.3f}"
+    )
     lines.append("  " + cost_sources_line(cost_model))
     return lines
 
@@ -301,16 +330,19 @@ def run(args: argparse.Namespace) -> int:
     cost = read_cost_model(args, topology)
     (lengths,) = read_batches(args, 1)
     capacity = capacity_for(args, [lengths], topology)
-    plan = zeppelin_plan(lengths, topology=topology, cost_model=cost, capacity=capacity,
-                         options=planner_options(args, cost))  # fmt: skip
+    plan = zeppelin_plan(
+        lengths,
+        topology=topology,
+        cost_model=cost,
+        capacity=capacity,
+        options=planner_options(args, cost),
+    )
     result = simulate(plan, cost, remap=not args.no_remap)
     print("\n".join(summary_lines(plan, result, cost)))
     if args.json:
         plan.to_json(args.json)
         print(f"plan written to {args.json}")
     if args.plot:
-        from megatron_zeppelin.viz import plot_plan_load
-
         plot_plan_load(plan, result, cost, args.plot)
         print(f"chart written to {args.plot}", file=sys.stderr)
     return 0

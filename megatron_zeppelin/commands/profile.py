@@ -22,9 +22,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_zeppelin.attention.kernels import available_kernels, requires_cuda
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
 from megatron_zeppelin.profile import links as link_profile
+from megatron_zeppelin.profile.runner import ProfileSettings, profile, summary_lines
 from megatron_zeppelin.profile.timing import TimingOptions, resolve_device
 
 
@@ -57,7 +59,6 @@ def parse_sizes(text: str) -> tuple[int, ...]:
 def check_kernel(name: str, *, flag: str = "--kernel", emulated: bool = False) -> None:
     """Refuse an attention kernel the engine does not know, or a CUDA-only kernel on emulated
     (CPU) ranks, before any process starts."""
-    from megatron_zeppelin.attention.kernels import available_kernels, requires_cuda
 
     if name not in available_kernels():
         raise ValueError(f"{flag} {name!r} is not a known kernel: use one of {available_kernels()}")
@@ -117,7 +118,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - ProfileSettings, imported late
     """The ``ProfileSettings`` the flags describe."""
-    from megatron_zeppelin.profile.runner import ProfileSettings
 
     on_cuda = resolve_device(args.device).type == "cuda"
     grid_name = args.grid if args.grid != "auto" else ("gpu" if on_cuda else "quick")
@@ -143,11 +143,14 @@ def settings_from_args(args: argparse.Namespace):  # noqa: ANN201 - ProfileSetti
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.profile.runner import profile, summary_lines
 
     check_kernel(args.kernel, emulated=bool(args.emulate))
-    check_positive(tensor_parallel=args.tensor_parallel, repeats=args.repeats,
-                   rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    check_positive(
+        tensor_parallel=args.tensor_parallel,
+        repeats=args.repeats,
+        rounds=args.rounds,
+        timeout=args.timeout,
+    )
     if args.warmup < 0 or args.threads < 0:
         raise ValueError("--warmup and --threads must be 0 or more")
     settings = settings_from_args(args)  # checks the model, dtype and --emulate shape

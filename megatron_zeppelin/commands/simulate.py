@@ -34,6 +34,7 @@ from megatron_zeppelin.commands.plan import (
     zeppelin_plan,
 )
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.viz import plot_comparison
 
 ZEPPELIN = "zeppelin"
 TE_RING_CP = "te-ring-cp"
@@ -41,21 +42,31 @@ MEGATRON = "megatron-dynamic-cp"
 
 
 def builder_names() -> tuple[str, ...]:
+    # Deferred: keeps numpy, tqdm, yaml out of this module's import.
     from megatron_zeppelin.planner.baselines import BASELINES
 
     return (ZEPPELIN, *BASELINES)
 
 
-def build_plans(name: str, lengths: list[int], *, topology, cost_model, capacity: int,
-                options=None) -> list:  # fmt: skip
+def build_plans(
+    name: str, lengths: list[int], *, topology, cost_model, capacity: int, options=None
+) -> list:
     """The plans (one per round) of builder ``name`` for one batch."""
     if name == ZEPPELIN:
-        return [zeppelin_plan(lengths, topology=topology, cost_model=cost_model,
-                              capacity=capacity, options=options)]  # fmt: skip
+        return [
+            zeppelin_plan(
+                lengths,
+                topology=topology,
+                cost_model=cost_model,
+                capacity=capacity,
+                options=options,
+            )
+        ]
     from megatron_zeppelin.planner.baselines import build_baseline
 
-    return build_baseline(name, lengths, topology=topology, capacity=capacity,
-                          cost_model=cost_model)  # fmt: skip
+    return build_baseline(
+        name, lengths, topology=topology, capacity=capacity, cost_model=cost_model
+    )
 
 
 def compare_batches(
@@ -80,8 +91,14 @@ def compare_batches(
         for name in builders:
             start = time.perf_counter()
             try:
-                plans = build_plans(name, lengths, topology=topology, cost_model=cost_model,
-                                    capacity=capacity, options=options)  # fmt: skip
+                plans = build_plans(
+                    name,
+                    lengths,
+                    topology=topology,
+                    cost_model=cost_model,
+                    capacity=capacity,
+                    options=options,
+                )
                 # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
                 results[name].append(simulate_rounds(plans, cost_model, remap=remap))
             except ValueError as exc:
@@ -114,18 +131,20 @@ def summarize(results: dict[str, list]) -> list[dict]:
             for k, v in r.link_bytes.items():
                 if ":" not in k:
                     link[k] = link.get(k, 0.0) + v / len(runs)
-        rows.append({
-            "builder": name,
-            "step_time_s": step,
-            "lower_bound_s": bound,
-            "efficiency": bound / step,
-            "speedup_vs_te": te / step if te else None,
-            "speedup_vs_megatron": megatron / step if megatron else None,
-            "mfu": sum(r.mfu for r in runs) / len(runs),
-            "rounds": sum(r.num_rounds for r in runs) / len(runs),
-            "link_bytes": link,
-            "step_times_s": [r.step_time_s for r in runs],
-        })  # fmt: skip
+        rows.append(
+            {
+                "builder": name,
+                "step_time_s": step,
+                "lower_bound_s": bound,
+                "efficiency": bound / step,
+                "speedup_vs_te": te / step if te else None,
+                "speedup_vs_megatron": megatron / step if megatron else None,
+                "mfu": sum(r.mfu for r in runs) / len(runs),
+                "rounds": sum(r.num_rounds for r in runs) / len(runs),
+                "link_bytes": link,
+                "step_times_s": [r.step_time_s for r in runs],
+            }
+        )
     return rows
 
 
@@ -135,8 +154,10 @@ def format_table(rows: list[dict]) -> str:
     def ratio(x: float | None) -> str:
         return f"{x:.2f}x" if x is not None else "-"
 
-    header = (f"{'builder':<21} {'step ms':>10} {'vs TE':>7} {'vs Mcore':>8} {'eff':>6} "
-              f"{'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}")  # fmt: skip
+    header = (
+        f"{'builder':<21} {'step ms':>10} {'vs TE':>7} {'vs Mcore':>8} {'eff':>6} "
+        f"{'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}"
+    )
     lines = [header, "-" * len(header)]
     for row in rows:
         if "error" in row:
@@ -155,8 +176,13 @@ def format_table(rows: list[dict]) -> str:
 def _progress(total: int, quiet: bool):
     from tqdm import tqdm
 
-    return tqdm(total=total, file=sys.stderr, disable=quiet or not sys.stderr.isatty(),
-                unit="plan", leave=False)  # fmt: skip
+    return tqdm(
+        total=total,
+        file=sys.stderr,
+        disable=quiet or not sys.stderr.isatty(),
+        unit="plan",
+        leave=False,
+    )
 
 
 def _reporter(bar, num_batches: int, quiet: bool) -> Callable[[int, str, float, object], None]:
@@ -167,10 +193,17 @@ def _reporter(bar, num_batches: int, quiet: bool) -> Callable[[int, str, float, 
     def report(batch: int, builder: str, seconds: float, outcome: object) -> None:
         bar.update()
         if lines:
-            what = (f"efficiency {outcome.efficiency:.3f}" if hasattr(outcome, "efficiency")
-                    else "cannot plan")  # fmt: skip
-            print(f"batch {batch + 1}/{num_batches}: {builder} planned and simulated in "
-                  f"{seconds:.1f} s, {what}", file=sys.stderr, flush=True)  # fmt: skip
+            what = (
+                f"efficiency {outcome.efficiency:.3f}"
+                if hasattr(outcome, "efficiency")
+                else "cannot plan"
+            )
+            print(
+                f"batch {batch + 1}/{num_batches}: {builder} planned and simulated in "
+                f"{seconds:.1f} s, {what}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     return report
 
@@ -181,9 +214,11 @@ def _add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     add_planner_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="batches (one per seed)")
     parser.add_argument(
-        "--builders", default=None, help="comma-separated builders (default: zeppelin and "
+        "--builders",
+        default=None,
+        help="comma-separated builders (default: zeppelin and "
         "every baseline: te-ring-cp, llama3-allgather-cp, hybrid-dp, megatron-dynamic-cp, flexsp)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", metavar="OUT", help="write the rows and per-step results")
     parser.add_argument("--plot", metavar="PNG", help="bar chart of step times")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -206,26 +241,39 @@ def _run_compare(args: argparse.Namespace) -> int:
     capacity = capacity_for(args, batches, topology)
     options = planner_options(args, cost)
     with _progress(len(batches) * len(builders), args.quiet) as bar:
-        results = compare_batches(batches, topology=topology, cost_model=cost, capacity=capacity,
-                                  builders=builders, options=options, remap=not args.no_remap,
-                                  on_result=_reporter(bar, len(batches), args.quiet))  # fmt: skip
+        results = compare_batches(
+            batches,
+            topology=topology,
+            cost_model=cost,
+            capacity=capacity,
+            builders=builders,
+            options=options,
+            remap=not args.no_remap,
+            on_result=_reporter(bar, len(batches), args.quiet),
+        )
     rows = summarize(results)
     tokens = sum(len(b) for b in batches) / len(batches)
-    print(f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "
-          f"{cost.model.name} on {topology.world_size} GPUs ({topology.name}), "
-          f"capacity {capacity} tokens/GPU")  # fmt: skip
+    print(
+        f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "
+        f"{cost.model.name} on {topology.world_size} GPUs ({topology.name}), "
+        f"capacity {capacity} tokens/GPU"
+    )
     print(cost_sources_line(cost))
     print(format_table(rows))
     if args.json:
-        payload = {"rows": rows, "capacity": capacity, "topology": topology.to_dict(),
-                   "model": cost.model.name, "cost_sources": cost.sources,
-                   "results": {k: [r if isinstance(r, str) else r.to_dict() for r in v]
-                               for k, v in results.items()}}  # fmt: skip
+        payload = {
+            "rows": rows,
+            "capacity": capacity,
+            "topology": topology.to_dict(),
+            "model": cost.model.name,
+            "cost_sources": cost.sources,
+            "results": {
+                k: [r if isinstance(r, str) else r.to_dict() for r in v] for k, v in results.items()
+            },
+        }
         with open(args.json, "w") as f:
             json.dump(payload, f, indent=1)
     if args.plot:
-        from megatron_zeppelin.viz import plot_comparison
-
         plot_comparison(rows, args.plot)
     if all("error" in row for row in rows):
         raise ValueError(
@@ -246,9 +294,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--plan", metavar="FILE", help="simulate a saved plan file instead")
     parser.add_argument("--steps", type=int, default=1, help="batches (one per seed)")
     parser.add_argument(
-        "--routing", choices=("auto", "on", "off"), default="auto",
+        "--routing",
+        choices=("auto", "on", "off"),
+        default="auto",
         help="time inter-node messages over the plan's routes (auto: when it has any)",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", metavar="OUT", help="write the simulation results")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -281,8 +331,14 @@ def run(args: argparse.Namespace) -> int:
         outcomes = []
         with _progress(len(batches), args.quiet) as bar:
             for step, lengths in enumerate(batches):
-                plans = build_plans(args.builder, lengths, topology=topology, cost_model=cost,
-                                    capacity=capacity, options=options)  # fmt: skip
+                plans = build_plans(
+                    args.builder,
+                    lengths,
+                    topology=topology,
+                    cost_model=cost,
+                    capacity=capacity,
+                    options=options,
+                )
                 result = simulate_rounds(plans, cost, routing=routing, remap=remap)
                 outcomes.append(result)
                 bar.update()
@@ -292,8 +348,10 @@ def run(args: argparse.Namespace) -> int:
                         print(f"  ({len(plans)} rounds; the lines above describe the first)")
         mean = sum(r.step_time_s for r in outcomes) / len(outcomes)
         bound = sum(r.lower_bound_s for r in outcomes) / len(outcomes)
-        print(f"{args.builder}: mean step {mean * 1e3:.1f} ms over {len(outcomes)} batches, "
-              f"efficiency {bound / mean:.3f}")  # fmt: skip
+        print(
+            f"{args.builder}: mean step {mean * 1e3:.1f} ms over {len(outcomes)} batches, "
+            f"efficiency {bound / mean:.3f}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([r.to_dict() for r in outcomes], f, indent=1)
@@ -314,8 +372,9 @@ def _check_plan_alone(args: argparse.Namespace) -> None:
     defaults = argparse.ArgumentParser()
     add_arguments(defaults)
     unset = vars(defaults.parse_args([]))
-    given = [f"--{name.replace('_', '-')}" for name in PLAN_FIXES
-             if getattr(args, name) != unset[name]]  # fmt: skip
+    given = [
+        f"--{name.replace('_', '-')}" for name in PLAN_FIXES if getattr(args, name) != unset[name]
+    ]
     if given:
         raise ValueError(
             f"--plan {args.plan} simulates a saved plan, which fixes the batch, the cluster and "

@@ -34,8 +34,19 @@ import sys
 import time
 from collections.abc import Iterator
 
+import numpy as np
+import torch
+
+from megatron_zeppelin import checkpoint
+from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.launch import launch
 from megatron_zeppelin.megatron import train_cpu
+from megatron_zeppelin.megatron.args import resolve_topology
+from megatron_zeppelin.megatron.data import DocumentDataset
+from megatron_zeppelin.megatron.precision import DTYPES, job_device
 from megatron_zeppelin.megatron.worker import USER_ERROR_EXIT
+from megatron_zeppelin.planner.distributions import distribution_mean
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -64,10 +75,15 @@ def worker_arguments(args: argparse.Namespace) -> list[str]:
 def command_line(args: argparse.Namespace) -> list[str]:
     """The torchrun command that runs the job with ``args``."""
     return [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc-per-node={args.nproc}", "-m", "megatron_zeppelin.megatron.train_cpu",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={args.nproc}",
+        "-m",
+        "megatron_zeppelin.megatron.train_cpu",
         *worker_arguments(args),
-    ]  # fmt: skip
+    ]
 
 
 def one_line(message: object) -> str:
@@ -102,8 +118,6 @@ def check_before_launch(args: argparse.Namespace) -> None:
 
 def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  # noqa: ANN001
     """One GPU per process with ``--device cuda``, and a kernel that runs on the job's device."""
-    from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
-    from megatron_zeppelin.megatron.precision import DTYPES, job_device
 
     if args.device == "cpu":
         if requires_cuda(config.kernel):
@@ -122,7 +136,6 @@ def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  #
 
 
 def torch_cuda_count() -> int:
-    import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -130,14 +143,14 @@ def torch_cuda_count() -> int:
 def check_job(args: argparse.Namespace, *, world_size: int) -> None:
     """Check the job's flags for ``world_size`` processes the way the workers will use them;
     raise ``ValueError`` naming the flag or file to change."""
-    from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.args import resolve_topology
 
     for flag, value, least in (
-        ("--steps", args.steps, 0), ("--tokens-per-step", args.tokens_per_step, 1),
-        ("--micro-batches", args.micro_batches, 1), ("--save-every", args.save_every, 0),
+        ("--steps", args.steps, 0),
+        ("--tokens-per-step", args.tokens_per_step, 1),
+        ("--micro-batches", args.micro_batches, 1),
+        ("--save-every", args.save_every, 0),
         ("--dataset-tokens", args.dataset_tokens, 1),
-    ):  # fmt: skip
+    ):
         if value < least:
             raise ValueError(f"{flag} must be at least {least}, got {value}")
     if not (args.lr > 0 and math.isfinite(args.lr)):
@@ -216,15 +229,11 @@ def _check_data(args: argparse.Namespace, dims) -> object | None:
     """Open ``--dataset`` (its tokens must fit the vocabulary) and return its document
     lengths; ``None`` when the synthetic data is still to be written (its distribution must
     exist)."""
-    import numpy as np
-
-    from megatron_zeppelin.megatron.data import DocumentDataset
 
     if args.dataset is None:
         prefix = os.path.join(args.run_dir, "data", f"synthetic-{args.seed}")
         if os.path.exists(prefix + ".idx"):
             return DocumentDataset(prefix).lengths
-        from megatron_zeppelin.planner.distributions import distribution_mean
 
         distribution_mean(args.distribution)  # raises on an unknown name
         return None
@@ -243,7 +252,6 @@ def _check_data(args: argparse.Namespace, dims) -> object | None:
 def _check_checkpoint(args: argparse.Namespace, world_size: int, dims) -> None:
     """``--load`` names a complete checkpoint (every file as its manifest recorded it) of this
     run's model, written by as many processes as this run starts, not past ``--steps``."""
-    from megatron_zeppelin import checkpoint
 
     directory = checkpoint.resolve(args.load)
     try:
@@ -285,19 +293,22 @@ def _log_dir(args: argparse.Namespace) -> str:
 
 def _launch(args: argparse.Namespace) -> int:
     """Start ``--nproc`` workers on this host and wait; the status as described above."""
-    from megatron_zeppelin.launch import launch
 
     env = {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     if args.verbose:
         env["ZEPPELIN_VERBOSE"] = "1"  # the workers then keep third-party warnings on
     timeout = args.zeppelin_comm_timeout_s
     result = launch(
-        "megatron_zeppelin.megatron.train_cpu", worker_arguments(args), nproc=args.nproc,
-        log_dir=_log_dir(args), verbose=args.verbose, env=env,
+        "megatron_zeppelin.megatron.train_cpu",
+        worker_arguments(args),
+        nproc=args.nproc,
+        log_dir=_log_dir(args),
+        verbose=args.verbose,
+        env=env,
         # Workers name a stalled peer themselves after the timeout; the launcher steps in only
         # for a worker stopped while no peer waits on it (start-up, a single process).
         stall_s=2 * timeout,
-    )  # fmt: skip
+    )
     if result.ok:
         return 0
     lines, status = failure_report(result)
@@ -335,8 +346,10 @@ def _rank_line(end) -> tuple[float, str, bool] | None:
     A rank found stopped is the first cause of whatever its peers then reported."""
     outcome, log = end.outcome, _shown_path(end.log)
     if end.stopped:
-        text = (f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
-                "a debugger) and was killed")  # fmt: skip
+        text = (
+            f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
+            "a debugger) and was killed"
+        )
         return -1.0, text, False
     if outcome is not None:
         if outcome.kind == "input":

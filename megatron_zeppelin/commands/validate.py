@@ -19,6 +19,8 @@ import json
 import os
 
 from megatron_zeppelin.commands.profile import check_kernel, check_positive, parse_shape
+from megatron_zeppelin.profile.timing import resolve_device
+from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -104,14 +106,17 @@ def format_report(report: dict) -> list[str]:
 
 def plot_report(report: dict, path: str) -> None:
     """Predicted against measured seconds per rank and batch (total and attention)."""
+    # Deferred: keeps matplotlib out of this module's import.
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
-    for ax, key, title in ((axes[0], "total_s", "linear + attention"),
-                           (axes[1], "attention_s", "attention")):  # fmt: skip
+    for ax, key, title in (
+        (axes[0], "total_s", "linear + attention"),
+        (axes[1], "attention_s", "attention"),
+    ):
         world = len(report["per_rank"])
         top = 0.0
         for rank in range(world):
@@ -125,28 +130,34 @@ def plot_report(report: dict, path: str) -> None:
         ax.set_title(title)
         ax.legend(fontsize="small")
     o = report["overall"]
-    fig.suptitle(f"cost model vs engine: median |error| {o['median_abs_error']:.0%}, "
-                 f"worst {o['worst_error']:+.0%}")  # fmt: skip
+    fig.suptitle(
+        f"cost model vs engine: median |error| {o['median_abs_error']:.0%}, "
+        f"worst {o['worst_error']:+.0%}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.profile.timing import resolve_device
-    from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
     emulated = resolve_device(args.device).type == "cpu"
     check_kernel(args.kernel, emulated=emulated)
-    check_positive(tokens=args.tokens, batches=args.batches, repeats=args.repeats,
-                   rounds=args.rounds, timeout=args.timeout)  # fmt: skip
+    check_positive(
+        tokens=args.tokens,
+        batches=args.batches,
+        repeats=args.repeats,
+        rounds=args.rounds,
+        timeout=args.timeout,
+    )
     if args.capacity is not None:
         check_positive(capacity=args.capacity)
     if args.warmup < 0:
         raise ValueError(f"--warmup must be 0 or more, got {args.warmup}")
     if args.calibration is not None and not os.path.isfile(args.calibration):
-        raise ValueError(f"--calibration {args.calibration}: no such file (write one with "
-                         "zeppelin profile)")  # fmt: skip
+        raise ValueError(
+            f"--calibration {args.calibration}: no such file (write one with zeppelin profile)"
+        )
     settings = ValidationSettings(
         calibration=args.calibration,
         model=args.model,

@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 from typing import Any
@@ -58,7 +59,7 @@ from megatron_zeppelin.commands.verify_run import (
     single_gpu,
     worker,
 )
-from megatron_zeppelin.fileio import atomic_write_text
+from megatron_zeppelin.fileio import atomic_write_text, format_bytes
 
 __all__ = ["Case", "EngineSpec", "build_cases", "compare", "main", "verify", "worker"]
 
@@ -69,6 +70,7 @@ DEVICES = ("cpu", "cuda")
 # --- parent: plans, reference, report ----------------------------------------------------------
 def _gathered(results: list[list[dict]], index: int, name: str, like):  # noqa: ANN001, ANN202
     """Case ``index``'s ``name`` of every rank, in packed-row order, in float64."""
+    # Deferred: keeps numpy, torch, yaml out of this module's import.
     import torch
 
     got = torch.zeros(like.shape, dtype=torch.float64)
@@ -152,7 +154,6 @@ def build_cases(
     """Zeppelin's plan with flat rings, routing on and off; the same plan with its inter-node
     documents on the 2-D scheme (``heads``: the run's ``(query heads, K/V heads)``; none when
     they do not split over a node's GPUs); every round of the TE-style ring baseline."""
-    import dataclasses
 
     from megatron_zeppelin.planner.baselines import build_baseline
     from megatron_zeppelin.planner.heads import head_groups
@@ -160,8 +161,9 @@ def build_cases(
     from megatron_zeppelin.planner.schemes import every_two_d
 
     flat = dataclasses.replace(options or PlannerOptions(), two_d=False)
-    plan = plan_batch(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
-                      options=flat)  # fmt: skip
+    plan = plan_batch(
+        lengths, topology=topology, cost_model=cost_model, capacity=capacity, options=flat
+    )
     cases = [Case("zeppelin", plan, True), Case("zeppelin", plan, False)]
     try:
         if heads is not None:
@@ -185,8 +187,13 @@ def verify(cases: list[Case], spec: EngineSpec) -> list[dict]:
     world = cases[0].plan.world_size
     if any(c.plan.world_size != world for c in cases):
         raise ValueError("every case must plan for the same number of ranks")
-    results = run_distributed(worker, world, timeout_s=whole_run_timeout(spec.timeout_s),
-                              comm_timeout_s=spec.timeout_s, args=(cases, spec))  # fmt: skip
+    results = run_distributed(
+        worker,
+        world,
+        timeout_s=whole_run_timeout(spec.timeout_s),
+        comm_timeout_s=spec.timeout_s,
+        args=(cases, spec),
+    )
     return compare(cases, results, spec)
 
 
@@ -194,8 +201,12 @@ def verify(cases: list[Case], spec: EngineSpec) -> list[dict]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     batch = parser.add_argument_group("batch")
     batch.add_argument("--lengths", metavar="FILE", help="document lengths, one per line")
-    batch.add_argument("--dist", metavar="NAME", default=None,
-                       help=f"draw lengths from a distribution ({DEFAULT_DIST})")  # fmt: skip
+    batch.add_argument(
+        "--dist",
+        metavar="NAME",
+        default=None,
+        help=f"draw lengths from a distribution ({DEFAULT_DIST})",
+    )
     batch.add_argument("--tokens", type=int, default=2048, help="tokens in the batch (--dist)")
     batch.add_argument("--seed", type=int, default=0, help="seed of the batch and of the data")
     batch.add_argument("--max-length", type=int, default=None, help="cut longer documents")
@@ -203,36 +214,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument("--nodes", type=int, default=2)
     cluster.add_argument("--gpus-per-node", type=int, default=2)
     cluster.add_argument("--nics-per-node", type=int, default=None, help="default: one per GPU")
-    cluster.add_argument("--capacity", type=int, default=None,
-                         help="tokens per GPU; default: the even share times 1.25")  # fmt: skip
+    cluster.add_argument(
+        "--capacity",
+        type=int,
+        default=None,
+        help="tokens per GPU; default: the even share times 1.25",
+    )
     planner = parser.add_argument_group("planner")
     planner.add_argument("--model", default="llama-7b", help="cost-model preset")
     planner.add_argument(
-        "--thresholds", default=DEFAULT_THRESHOLDS, metavar="INTRA,INTER",
+        "--thresholds",
+        default=DEFAULT_THRESHOLDS,
+        metavar="INTRA,INTER",
         help="tier thresholds in tokens, or auto (default: small, so a small batch uses every "
         f"tier: {DEFAULT_THRESHOLDS})",
-    )  # fmt: skip
+    )
     planner.add_argument(
-        "--linear-layout", choices=("even", "node", "attention", "auto"), default="even",
+        "--linear-layout",
+        choices=("even", "node", "attention", "auto"),
+        default="even",
         help="linear layout to plan (default even: every remapping path moves tokens)",
-    )  # fmt: skip
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--heads", type=int, default=EngineSpec.num_heads)
     engine.add_argument("--kv-heads", type=int, default=EngineSpec.num_kv_heads)
     engine.add_argument("--head-dim", type=int, default=EngineSpec.head_dim)
-    engine.add_argument("--dtype", choices=DTYPES, default=EngineSpec.dtype,
-                        help="dtype of Q, K, V (tolerances follow from it)")  # fmt: skip
-    engine.add_argument("--kernel", default=EngineSpec.kernel, help="attention kernel")
-    engine.add_argument("--device", choices=DEVICES, default=EngineSpec.device,
-                        help="cpu: gloo processes; cuda: one GPU per rank over NCCL")  # fmt: skip
     engine.add_argument(
-        "--step-timing", action=argparse.BooleanOptionalAction, default=None,
+        "--dtype",
+        choices=DTYPES,
+        default=EngineSpec.dtype,
+        help="dtype of Q, K, V (tolerances follow from it)",
+    )
+    engine.add_argument("--kernel", default=EngineSpec.kernel, help="attention kernel")
+    engine.add_argument(
+        "--device",
+        choices=DEVICES,
+        default=EngineSpec.device,
+        help="cpu: gloo processes; cuda: one GPU per rank over NCCL",
+    )
+    engine.add_argument(
+        "--step-timing",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="report compute, communication and exposed communication per tier (default: on "
         "with --device cuda, where CUDA events time them)",
-    )  # fmt: skip
-    engine.add_argument("--timeout", type=float, default=EngineSpec.timeout_s,
-                        help="seconds a transfer may wait for a peer before the run fails, "
-                        "naming the rank that stalled")  # fmt: skip
+    )
+    engine.add_argument(
+        "--timeout",
+        type=float,
+        default=EngineSpec.timeout_s,
+        help="seconds a transfer may wait for a peer before the run fails, "
+        "naming the rank that stalled",
+    )
     parser.add_argument("--json", metavar="FILE", help="write the report as JSON")
 
 
@@ -267,8 +300,12 @@ def _inputs(args: argparse.Namespace):
     if args.lengths is not None:
         lengths = read_lengths_file(args.lengths)
     else:
-        lengths = sample_lengths(args.dist or DEFAULT_DIST, num_tokens=args.tokens,
-                                 seed=args.seed, max_length=args.max_length)  # fmt: skip
+        lengths = sample_lengths(
+            args.dist or DEFAULT_DIST,
+            num_tokens=args.tokens,
+            seed=args.seed,
+            max_length=args.max_length,
+        )
     nics = args.nics_per_node if args.nics_per_node is not None else args.gpus_per_node
     topology = Topology(num_nodes=args.nodes, gpus_per_node=args.gpus_per_node, nics_per_node=nics)
     cost_model = CostModel.default(get_model(args.model), topology)
@@ -282,8 +319,9 @@ def _inputs(args: argparse.Namespace):
         try:
             thresholds = tuple(int(t) for t in args.thresholds.split(","))
         except ValueError:
-            raise ValueError(f"--thresholds takes INTRA,INTER tokens or auto, got "
-                             f"{args.thresholds!r}") from None  # fmt: skip
+            raise ValueError(
+                f"--thresholds takes INTRA,INTER tokens or auto, got {args.thresholds!r}"
+            ) from None
         if len(thresholds) != 2:
             raise ValueError(
                 f"--thresholds takes two numbers, INTRA,INTER; got {args.thresholds!r}"
@@ -299,9 +337,6 @@ gradient), each ``heads x L x L`` float64."""
 
 def _check_reference_fits(lengths: list[int], spec: EngineSpec) -> None:
     """Refuse a batch whose dense float64 reference would not fit in this machine's memory."""
-    import os
-
-    from megatron_zeppelin.fileio import format_bytes
 
     longest = max(lengths)
     need = REFERENCE_COPIES * spec.num_heads * longest * longest * 8
@@ -318,8 +353,10 @@ def _check_reference_fits(lengths: list[int], spec: EngineSpec) -> None:
 
 
 def format_report(report: list[dict]) -> list[str]:
-    lines = [f"{'case':<22} {'routing':<7} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
-             f"{'vs 1 GPU':>9}  {'nvlink bytes':>23}  {'nic bytes':>23}  order  ok"]  # fmt: skip
+    lines = [
+        f"{'case':<22} {'routing':<7} {'out':>9} {'dQ':>9} {'dK':>9} {'dV':>9} "
+        f"{'vs 1 GPU':>9}  {'nvlink bytes':>23}  {'nic bytes':>23}  order  ok"
+    ]
     for e in report:
         err = e["errors"]
         m, p = e["measured_bytes"], e["predicted_bytes"]
@@ -333,8 +370,10 @@ def format_report(report: list[dict]) -> list[str]:
         )
         nics = sorted(k for k in set(m) | set(p) if k.startswith("nic:"))
         if nics:
-            lines.append("    per NIC (measured/predicted): " + ", ".join(
-                f"{k[4:]} {m.get(k, 0)}/{p.get(k, 0)}" for k in nics))  # fmt: skip
+            lines.append(
+                "    per NIC (measured/predicted): "
+                + ", ".join(f"{k[4:]} {m.get(k, 0)}/{p.get(k, 0)}" for k in nics)
+            )
         if not e["posting_order_consistent"]:
             lines.append(f"    posting order: {e['posting_order']}")
         if e["step_timing"] is not None:
@@ -352,46 +391,76 @@ def run(args: argparse.Namespace) -> int:
 
     # Everything the workers would trip over is refused here, before a process starts.
     check_kernel(args.kernel, emulated=args.device == "cpu")
-    check_positive(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-                   timeout=args.timeout)  # fmt: skip
+    check_positive(
+        heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, timeout=args.timeout
+    )
     lengths, topology, cost_model, capacity, options = _inputs(args)
     step_timing = args.device == "cuda" if args.step_timing is None else args.step_timing
-    spec = EngineSpec(num_heads=args.heads, num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                      dtype=args.dtype, kernel=args.kernel, seed=args.seed,
-                      timeout_s=args.timeout, device=args.device,
-                      step_timing=step_timing)  # fmt: skip
+    spec = EngineSpec(
+        num_heads=args.heads,
+        num_kv_heads=args.kv_heads,
+        head_dim=args.head_dim,
+        dtype=args.dtype,
+        kernel=args.kernel,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        device=args.device,
+        step_timing=step_timing,
+    )
     if spec.num_heads % spec.num_kv_heads:
-        raise ValueError(f"--heads {spec.num_heads} must be a multiple of --kv-heads "
-                         f"{spec.num_kv_heads}")  # fmt: skip
+        raise ValueError(
+            f"--heads {spec.num_heads} must be a multiple of --kv-heads {spec.num_kv_heads}"
+        )
     _check_devices(args.device, topology.world_size)
     _check_reference_fits(lengths, spec)
-    cases = build_cases(lengths, topology=topology, cost_model=cost_model, capacity=capacity,
-                        options=options, heads=(spec.num_heads, spec.num_kv_heads))  # fmt: skip
+    cases = build_cases(
+        lengths,
+        topology=topology,
+        cost_model=cost_model,
+        capacity=capacity,
+        options=options,
+        heads=(spec.num_heads, spec.num_kv_heads),
+    )
     kind = "gloo processes" if args.device == "cpu" else "GPUs over NCCL"
-    print(f"{len(lengths)} documents, {sum(lengths)} tokens (longest {max(lengths)}) on "
-          f"{topology.num_nodes} x {topology.gpus_per_node} {kind}, {spec.dtype}, "
-          f"capacity {capacity}; zeppelin tiers {cases[0].plan.tier_counts()}")  # fmt: skip
+    print(
+        f"{len(lengths)} documents, {sum(lengths)} tokens (longest {max(lengths)}) on "
+        f"{topology.num_nodes} x {topology.gpus_per_node} {kind}, {spec.dtype}, "
+        f"capacity {capacity}; zeppelin tiers {cases[0].plan.tier_counts()}"
+    )
     if not any(c.name == "zeppelin-2d" for c in cases):
-        print(f"no zeppelin-2d case: no inter-node document, or {spec.num_heads} query heads "
-              f"and {spec.num_kv_heads} K/V heads do not split over {topology.gpus_per_node} "
-              "GPUs per node")  # fmt: skip
+        print(
+            f"no zeppelin-2d case: no inter-node document, or {spec.num_heads} query heads "
+            f"and {spec.num_kv_heads} K/V heads do not split over {topology.gpus_per_node} "
+            "GPUs per node"
+        )
     start = time.monotonic()
     try:
         report = verify(cases, spec)
     except DistributedRunError as exc:  # a rank died, stalled or failed: one line, story in a log
-        print(f"zeppelin verify: error: {exc.summary} (every rank's traceback: "
-              f"{exc.write_log('zeppelin-verify')})", file=sys.stderr)  # fmt: skip
+        print(
+            f"zeppelin verify: error: {exc.summary} (every rank's traceback: "
+            f"{exc.write_log('zeppelin-verify')})",
+            file=sys.stderr,
+        )
         return 1
     print("\n".join(format_report(report)))
     ok = all(e["ok"] for e in report)
     verdict = "all checks passed" if ok else "CHECKS FAILED"
-    print(f"{verdict} in {time.monotonic() - start:.1f} s (relative error = max|got - ref| / "
-          f"max|ref| against float64, tolerance {report[0]['tolerance']:.0e}; against one GPU "
-          f"in {spec.dtype}, tolerance {report[0]['tolerance_vs_single_gpu']:.0e}; order: "
-          "posting order consistent under NCCL's rules)")  # fmt: skip
+    print(
+        f"{verdict} in {time.monotonic() - start:.1f} s (relative error = max|got - ref| / "
+        f"max|ref| against float64, tolerance {report[0]['tolerance']:.0e}; against one GPU "
+        f"in {spec.dtype}, tolerance {report[0]['tolerance_vs_single_gpu']:.0e}; order: "
+        "posting order consistent under NCCL's rules)"
+    )
     if args.json:
-        document = {"lengths": lengths, "topology": topology.to_dict(), "capacity": capacity,
-                    "spec": dataclasses.asdict(spec), "cases": report, "ok": ok}  # fmt: skip
+        document = {
+            "lengths": lengths,
+            "topology": topology.to_dict(),
+            "capacity": capacity,
+            "spec": dataclasses.asdict(spec),
+            "cases": report,
+            "ok": ok,
+        }
         atomic_write_text(args.json, json.dumps(document, indent=1))
         print(f"report written to {args.json}")
     return 0 if ok else 1

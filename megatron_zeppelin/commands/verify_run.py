@@ -63,6 +63,7 @@ class Case:
 def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, Any]:
     """Run one case on this rank; return its results in packed-row order plus its byte counts,
     its posting log and (``spec.step_timing``) its per-tier timings."""
+    # Deferred: keeps numpy, torch, yaml out of this module's import.
     import torch
 
     from megatron_zeppelin.attention.engine import ZeppelinAttention
@@ -73,16 +74,31 @@ def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, 
 
     spec = case.spec(spec)
     plan, dtype, device = case.plan, getattr(torch, spec.dtype), _device(spec)
-    q_tnd, k_tnd, v_tnd = (x.to(device) for x in random_qkv(
-        plan.num_tokens, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-        head_dim=spec.head_dim, dtype=dtype, seed=spec.seed))  # fmt: skip
+    q_tnd, k_tnd, v_tnd = (
+        x.to(device)
+        for x in random_qkv(
+            plan.num_tokens,
+            num_heads=spec.num_heads,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=dtype,
+            seed=spec.seed,
+        )
+    )
     dout_tnd = _dout(plan.num_tokens, spec).to(device, dtype)
     rows_lin, rows_att = linear_rows(plan, rank), attention_rows(plan, rank)
     counters, posting = LinkCounters(plan.topology), PostingLog()
     # Staged posting, NCCL's discipline, on every backend: its posting order is what is checked.
-    exchanger = DistExchanger(groups, plan=plan, routing=case.routing, counters=counters,
-                              timeout_s=spec.timeout_s, device=device, overlap=False,
-                              posting_log=posting)  # fmt: skip
+    exchanger = DistExchanger(
+        groups,
+        plan=plan,
+        routing=case.routing,
+        counters=counters,
+        timeout_s=spec.timeout_s,
+        device=device,
+        overlap=False,
+        posting_log=posting,
+    )
     timer = None
     if spec.step_timing:
         timer = RingTimer(cuda_events if device.type == "cuda" else host_events)
@@ -208,8 +224,9 @@ def _shape(spec: EngineSpec):  # noqa: ANN202
 
     dtype = getattr(torch, spec.dtype)
     grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-    return AttentionShape(spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize,
-                          grad_dtype.itemsize)  # fmt: skip
+    return AttentionShape(
+        spec.num_heads, spec.num_kv_heads, spec.head_dim, dtype.itemsize, grad_dtype.itemsize
+    )
 
 
 @functools.lru_cache(maxsize=8)
@@ -222,8 +239,14 @@ def reference(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
 
     dtype = getattr(torch, spec.dtype)
     num_tokens = sum(lengths)
-    qkv = random_qkv(num_tokens, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                     head_dim=spec.head_dim, dtype=dtype, seed=spec.seed)  # fmt: skip
+    qkv = random_qkv(
+        num_tokens,
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=dtype,
+        seed=spec.seed,
+    )
     qkv = [x.to(torch.float64).requires_grad_(True) for x in qkv]
     out = reference_attention(*qkv, lengths)
     (out * _dout(num_tokens, spec).to(dtype).to(torch.float64)).sum().backward()
@@ -243,17 +266,25 @@ def single_gpu(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
     from megatron_zeppelin.topology.model import Topology
 
     dtype, device = getattr(torch, spec.dtype), _device(spec)
-    sequences = tuple(SequencePlan(i, n, Tier.LOCAL, (0,), zigzag_spans(n, (0,)))
-                      for i, n in enumerate(lengths))  # fmt: skip
+    sequences = tuple(
+        SequencePlan(i, n, Tier.LOCAL, (0,), zigzag_spans(n, (0,))) for i, n in enumerate(lengths)
+    )
     linear = [[TokenRange(i, 0, n) for i, n in enumerate(lengths)]]
     one = Topology(num_nodes=1, gpus_per_node=1, nics_per_node=1)
     plan = Plan(topology=one, sequences=sequences, linear=linear)
     rows = attention_rows(plan, 0)
-    qkv = random_qkv(sum(lengths), num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads,
-                     head_dim=spec.head_dim, dtype=dtype, seed=spec.seed)  # fmt: skip
+    qkv = random_qkv(
+        sum(lengths),
+        num_heads=spec.num_heads,
+        num_kv_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        dtype=dtype,
+        seed=spec.seed,
+    )
     qkv = [x[rows].to(device).requires_grad_(True) for x in qkv]
-    engine = ZeppelinAttention(plan, 0, ThreadExchanger(ThreadHub(1), 0, plan=plan),
-                               kernel=spec.kernel)  # fmt: skip
+    engine = ZeppelinAttention(
+        plan, 0, ThreadExchanger(ThreadHub(1), 0, plan=plan), kernel=spec.kernel
+    )
     out = engine(*qkv)
     (out * _dout(sum(lengths), spec)[rows].to(device, dtype)).sum().backward()
     got = {"out": out.detach(), "dq": qkv[0].grad, "dk": qkv[1].grad, "dv": qkv[2].grad}

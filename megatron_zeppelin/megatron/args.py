@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.topology import presets
 from megatron_zeppelin.topology.model import Topology
+from megatron_zeppelin.topology.probe import detect_topology
 
 
 def extra_args_provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -107,12 +109,9 @@ def zeppelin_node(physical: Topology, tensor_parallel: int) -> Topology:
 def physical_node(config: ZeppelinConfig, zeppelin_world: int, *, tensor_parallel: int) -> Topology:
     """One physical node as the flags describe it (a preset, a YAML file, 'custom' or 'auto');
     ``--zeppelin-gpus-per-node`` and ``--zeppelin-nics-per-node`` count physical GPUs and NICs."""
-    from megatron_zeppelin.topology import presets
 
     name, tp = config.topology, tensor_parallel
     if name == "auto":
-        from megatron_zeppelin.topology.probe import detect_topology
-
         # The launcher's processes per node are GPUs (one process per GPU).
         gpus = config.gpus_per_node or detect_topology().gpus_per_node
         nics = min(config.nics_per_node or gpus, gpus)

@@ -94,16 +94,35 @@ class ReferenceCoreAttention(MegatronModule):
     """Dense causal attention per document (``testing.reference``, float64) with the same
     per-document RoPE."""
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type="self",
-                 cp_comm_type=None, softmax_scale=None, pg_collection=None, *,
-                 rotary_base: float = 10000.0, **unused: Any) -> None:  # fmt: skip
+    def __init__(
+        self,
+        config,
+        layer_number,
+        attn_mask_type,
+        attention_type="self",
+        cp_comm_type=None,
+        softmax_scale=None,
+        pg_collection=None,
+        *,
+        rotary_base: float = 10000.0,
+        **unused: Any,
+    ) -> None:
         super().__init__(config=config)
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
         self.rotary_base = rotary_base
 
-    def forward(self, query, key, value, attention_mask=None, attn_mask_type=None,
-                attention_bias=None, packed_seq_params=None):  # fmt: skip
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask=None,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+    ):
+        # Imported when called: keeps heavy imports out, and tests stand in for these.
         from megatron_zeppelin.testing.reference import reference_attention
 
         params = packed_seq_params
@@ -171,8 +190,7 @@ def check_options(options: CheckOptions) -> None:
                     f"--tensor-parallel {tp} does not split the model's {name} "
                     f"({getattr(options.dims, name)}): use a smaller tensor-parallel size"
                 )
-        resolve_topology(zeppelin_config(options, tp), options.world_size // tp,
-                         tensor_parallel=tp)  # fmt: skip
+        resolve_topology(zeppelin_config(options, tp), options.world_size // tp, tensor_parallel=tp)
 
 
 def _check_worker(
@@ -315,13 +333,20 @@ def run_check(options: CheckOptions | None = None) -> dict[str, Any]:
     check_options(options)
     with tempfile.TemporaryDirectory(prefix="zeppelin-check-") as tmp:
         prefix = os.path.join(tmp, "docs")
-        write_synthetic_dataset(prefix, lengths=list(options.lengths),
-                                vocab_size=options.dims.vocab_size, seed=options.seed)  # fmt: skip
+        write_synthetic_dataset(
+            prefix,
+            lengths=list(options.lengths),
+            vocab_size=options.dims.vocab_size,
+            seed=options.seed,
+        )
         try:
-            reports = run_distributed(_check_worker, options.world_size,
-                                      timeout_s=whole_run_timeout(options.timeout_s),
-                                      comm_timeout_s=options.timeout_s,
-                                      args=(options, prefix, tmp))  # fmt: skip
+            reports = run_distributed(
+                _check_worker,
+                options.world_size,
+                timeout_s=whole_run_timeout(options.timeout_s),
+                comm_timeout_s=options.timeout_s,
+                args=(options, prefix, tmp),
+            )
         except DistributedRunError:
             message = _first_error(tmp, options.world_size)
             if message is None:

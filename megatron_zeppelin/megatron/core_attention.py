@@ -45,9 +45,15 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.comm.protocol import Exchanger
+from megatron_zeppelin.comm.remap import remap_rows
 from megatron_zeppelin.megatron.rotary import apply_rotary
 from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.remap_layout import (
+    attention_to_linear_layout,
+    linear_to_attention_layout,
+)
 
 
 @dataclass
@@ -105,10 +111,6 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         return self._remap[0]
 
     def _layouts(self) -> tuple[Any, Any]:
-        from megatron_zeppelin.planner.remap_layout import (
-            attention_to_linear_layout,
-            linear_to_attention_layout,
-        )
 
         size, me = dist.get_world_size(self.remap_group), dist.get_rank(self.remap_group)
         if size != self.plan.world_size or me != self.rank:
@@ -125,8 +127,6 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     def engine(self, softmax_scale: float | None) -> Any:
         """The engine for this micro-batch, built once and shared by every layer."""
         if self._engine is None:
-            from megatron_zeppelin.attention.engine import ZeppelinAttention
-
             self._engine = ZeppelinAttention(
                 self.plan,
                 self.rank,
@@ -236,7 +236,6 @@ class ZeppelinCoreAttention(MegatronModule):
         if layouts is None:
             _mark_ring(watch, layer)
             return engine(q_snd, k_snd, v_snd).reshape(s, n * d)
-        from megatron_zeppelin.comm.remap import remap_rows
 
         there, back = layouts
         # One all-to-all for Q, K and V together: rows travel with all their features.
@@ -245,16 +244,30 @@ class ZeppelinCoreAttention(MegatronModule):
         qkv_sf = torch.cat(
             [q_snd.reshape(s, n * d), k_snd.reshape(s, kv_width), v_snd.reshape(s, kv_width)], 1
         )
-        qkv_tf = remap_rows(qkv_sf, there, params.remap_group, back=back, watch=watch,
-                            layer=layer, what="remap linear->attention")  # fmt: skip
+        qkv_tf = remap_rows(
+            qkv_sf,
+            there,
+            params.remap_group,
+            back=back,
+            watch=watch,
+            layer=layer,
+            what="remap linear->attention",
+        )
         t = qkv_tf.shape[0]
         q_tnd, k_tnd, v_tnd = qkv_tf.split([n * d, kv_width, kv_width], dim=1)
         _mark_ring(watch, layer)
         out_tnd = engine(
             q_tnd.reshape(t, n, d), k_tnd.reshape(t, n_kv, d), v_tnd.reshape(t, n_kv, d)
         )
-        return remap_rows(out_tnd.reshape(t, n * d), back, params.remap_group, back=there,
-                          watch=watch, layer=layer, what="remap attention->linear")  # fmt: skip
+        return remap_rows(
+            out_tnd.reshape(t, n * d),
+            back,
+            params.remap_group,
+            back=there,
+            watch=watch,
+            layer=layer,
+            what="remap attention->linear",
+        )
 
 
 def _mark_ring(watch: Any, layer: int) -> None:

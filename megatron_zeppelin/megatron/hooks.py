@@ -49,9 +49,27 @@ from functools import partial
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from megatron_zeppelin.megatron.args import extra_args_provider, is_enabled
-from megatron_zeppelin.megatron.report import plan_line
+from megatron_zeppelin.megatron.args import (
+    extra_args_provider,
+    is_enabled,
+    resolve_topology,
+    validate_megatron_args,
+)
+from megatron_zeppelin.megatron.data import DocumentDataset
+from megatron_zeppelin.megatron.feed import MicroBatchFeed
+from megatron_zeppelin.megatron.loss import megatron_loss_func
+from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines
+from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler, save_sampler_state
+from megatron_zeppelin.megatron.runtime import (
+    ParallelContext,
+    build_cost_model,
+    create_transport,
+    plan_summary,
+)
+from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
+from megatron_zeppelin.planner.models import model_from_config
 
 __all__ = [
     "extra_args_provider",
@@ -118,9 +136,8 @@ def planner_model(args: argparse.Namespace):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
     ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size)."""
+    # Deferred: keeps megatron-core out of this module's import.
     from megatron.training.arguments import core_transformer_config_from_args
-
-    from megatron_zeppelin.planner.models import model_from_config
 
     config = core_transformer_config_from_args(args)
     return model_from_config(config, vocab_size=args.padded_vocab_size, name="megatron")
@@ -128,15 +145,8 @@ def planner_model(args: argparse.Namespace):
 
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
-    import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_zeppelin.megatron.args import resolve_topology, validate_megatron_args
-    from megatron_zeppelin.megatron.runtime import (
-        ParallelContext,
-        build_cost_model,
-        create_transport,
-    )
     from megatron_zeppelin.megatron.step import StepRuntime
 
     _refuse_unsupported(args)
@@ -197,7 +207,6 @@ def _check_kernel(requested: str, args: argparse.Namespace) -> None:
 
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     """The start-up summary (node shape, cost model source, kernel) on rank 0."""
-    from megatron_zeppelin.megatron.report import chosen_kernel, startup_lines
 
     if not _is_logging_rank():
         return
@@ -327,11 +336,6 @@ def train_valid_test_datasets_provider(
     """
     from megatron.training import get_args
 
-    from megatron_zeppelin.megatron.data import DocumentDataset
-    from megatron_zeppelin.megatron.feed import MicroBatchFeed
-    from megatron_zeppelin.megatron.resume import restore_sampler
-    from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
-
     args = get_args()
     if _STATE.config is None:
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
@@ -366,8 +370,6 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
     accepted for the call's shape; Zeppelin refuses pipeline parallelism.
     """
-    from megatron_zeppelin.megatron.loss import megatron_loss_func
-    from megatron_zeppelin.megatron.runtime import plan_summary
     from megatron_zeppelin.megatron.step import run_micro_batch
 
     if data_iterator is not None:
@@ -389,7 +391,6 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
 
 def _save_sampler_state(iteration: int) -> None:
     """Rank 0 writes the sampler state for ``iteration`` when Megatron saves there."""
-    from megatron_zeppelin.megatron.resume import is_save_iteration, save_sampler_state
 
     args = _STATE.args
     directory = getattr(args, "save", None)
@@ -403,7 +404,6 @@ def empty_micro_batch(model):
     so all skip the model together and no collective goes unmatched. The output is a
     ``[1, 0]`` loss tensor tied to every parameter by a zero factor, so the backward pass gives
     each one a zero gradient and Megatron's data-parallel gradient reduction runs as usual."""
-    from megatron_zeppelin.megatron.loss import megatron_loss_func
 
     anchor = sum((p.reshape(-1)[:1].sum() for p in model.parameters() if p.requires_grad), 0.0)
     output_bs = (anchor * 0.0).reshape(1, 1)[:, :0]
@@ -412,7 +412,6 @@ def empty_micro_batch(model):
 
 
 def _is_logging_rank() -> bool:
-    import torch.distributed as dist
 
     return not dist.is_initialized() or dist.get_rank() == 0
 

@@ -29,23 +29,29 @@ def job_settings(model_dims: dict[str, Any], tensor_parallel: int) -> dict[str, 
     return {"model": dict(model_dims), "tensor_parallel": tensor_parallel}
 
 
-def save(root: str, step: int, state: dict[str, Any], *, job: dict[str, Any],
-         watch: CommWatch) -> None:  # fmt: skip
+def save(
+    root: str, step: int, state: dict[str, Any], *, job: dict[str, Any], watch: CommWatch
+) -> None:
     """Save this rank's ``state`` as part of the checkpoint of ``step`` under ``root`` (every
     rank calls it: it gathers the files' entries to rank 0)."""
     directory = checkpoint.step_directory(root, step)
-    entry = checkpoint.write_rank_file(directory, dist.get_rank(), step,
-                                       checkpoint.serialize(state))  # fmt: skip
+    entry = checkpoint.write_rank_file(
+        directory, dist.get_rank(), step, checkpoint.serialize(state)
+    )
     mine = torch.tensor([entry.step, entry.size, *bytes.fromhex(entry.sha256)], dtype=torch.int64)
     rows = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     watch.all_gather(rows, mine, what=f"checkpoint of step {step}")
     if dist.get_rank() != 0:
         return
     files = tuple(
-        checkpoint.FileEntry(checkpoint.rank_file_name(rank), int(row[0]), int(row[1]),
-                             bytes(row[2:2 + _SHA256_BYTES].tolist()).hex())
+        checkpoint.FileEntry(
+            checkpoint.rank_file_name(rank),
+            int(row[0]),
+            int(row[1]),
+            bytes(row[2 : 2 + _SHA256_BYTES].tolist()).hex(),
+        )
         for rank, row in enumerate(rows)
-    )  # fmt: skip
+    )
     checkpoint.write_manifest(directory, checkpoint.Manifest(step, files, job))
     checkpoint.commit(root, step)
 
@@ -72,8 +78,10 @@ def restore(state: dict[str, Any], model, optimizer, sampler, *, dtype: str, whe
     ``--dtype`` (``where``: the checkpoint, for the message)."""
     saved = state.get("dtype", "float32")
     if saved != dtype:
-        raise ValueError(f"checkpoint {where} was trained with --dtype {saved}: resume with the "
-                         f"same --dtype (this run asked for {dtype})")  # fmt: skip
+        raise ValueError(
+            f"checkpoint {where} was trained with --dtype {saved}: resume with the "
+            f"same --dtype (this run asked for {dtype})"
+        )
     model.load_state_dict(state["model"])
     optimizer.load_state_dict(state["optimizer"])
     sampler.load_state_dict(state["sampler"])

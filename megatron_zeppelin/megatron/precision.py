@@ -66,8 +66,10 @@ class MainWeightsAdam:
             main.grad = None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"main_params": [m.detach().clone() for m in self.main_params],
-                "adam": self.adam.state_dict()}  # fmt: skip
+        return {
+            "main_params": [m.detach().clone() for m in self.main_params],
+            "adam": self.adam.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state["main_params"]

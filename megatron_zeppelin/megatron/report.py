@@ -33,6 +33,7 @@ class KernelChoice:
 def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
     """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
     ``dtype`` on ``device``, and why (the kernel registry's own ``choose_kernel``)."""
+    # Deferred: keeps torch out of this module's import.
     from megatron_zeppelin.attention.kernels import choose_kernel
 
     name, why = choose_kernel(requested, device=device, dtype=dtype)  # start-up checked it

@@ -21,12 +21,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.counters import LinkCounters
+from megatron_zeppelin.comm.exchange import DistExchanger
+from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
 from megatron_zeppelin.megatron.precision import DTYPES
+from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
 from megatron_zeppelin.planner.models import ModelSpec, model_from_config
 from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -46,6 +51,7 @@ class ModelDims:
 
     def transformer_config(self, *, tensor_parallel: int = 1, sequence_parallel: bool = False):
         """Megatron's ``TransformerConfig`` of this model (initialized on the CPU)."""
+        # Deferred: keeps megatron-core out of this module's import.
         from megatron.core.transformer import TransformerConfig
 
         return TransformerConfig(
@@ -184,8 +190,6 @@ def build_cost_model(
     spec = dims if isinstance(dims, ModelSpec) else dims.model_spec(tensor_parallel=tensor_parallel)
     cost = CostModel.default(spec, topology)
     if calibration:
-        from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-
         cost = apply_calibration(cost, load_calibration(calibration), source=calibration)
     return cost
 
@@ -199,9 +203,6 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
     tensor parallelism > 1 the data-parallel ranks of this TP index. Sum the counters over
     ``ctx.dp_group`` (the Zeppelin world) to compare them with the plan's prediction.
     """
-    from megatron_zeppelin.comm.counters import LinkCounters
-    from megatron_zeppelin.comm.exchange import DistExchanger
-    from megatron_zeppelin.comm.groups import ZeppelinGroups
 
     groups = ZeppelinGroups.create(
         topology, ranks=ctx.global_ranks, timeout_s=config.comm_timeout_s
@@ -221,7 +222,6 @@ def plan_digest(plan: Plan) -> str:
 
 def plan_summary(plan: Plan, spec: ModelSpec, *, routing: bool) -> dict:
     """Tiers, balance and predicted ring bytes (per layer, forward) of a plan."""
-    from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
 
     pairs = [0] * plan.world_size
     for seq in plan.sequences:

@@ -30,6 +30,7 @@ SPEC_KINDS = ("local", "te")
 def has_transformer_engine() -> bool:
     """Whether TransformerEngine's PyTorch modules import here."""
     try:
+        # Probed, not imported at the top: TransformerEngine is optional.
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure (missing CUDA too) means no TE
         return False
@@ -37,6 +38,7 @@ def has_transformer_engine() -> bool:
 
 
 def _megatron_spec(kind: str, **kwargs: Any) -> ModuleSpec:
+    # Deferred: the GPT layer specs pull in most of megatron-core.
     from megatron.core.models.gpt import gpt_layer_specs
 
     if kind == "local":

@@ -107,6 +107,7 @@ def plan_micro_batch(
     options: Any = None,
 ) -> Plan:
     """The micro-batch's plan; every rank computes the same one from the same lengths."""
+    # Imported when called: keeps heavy imports out, and tests stand in for these.
     from megatron_zeppelin.planner.partition import plan_batch
 
     # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.

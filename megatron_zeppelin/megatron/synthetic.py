@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_zeppelin.megatron.data import checksum_path, indexed_dataset_module, write_checksum
+
 TOKEN_PATTERNS = ("patterned", "random")
 _MAX_STRIDE = 4
 
@@ -89,11 +91,6 @@ def write_synthetic_dataset(
     Give either ``lengths`` or ``distribution`` with ``num_tokens`` (and optionally
     ``max_length``, the longest document drawn). Same arguments, same bytes.
     """
-    from megatron_zeppelin.megatron.data import (
-        checksum_path,
-        indexed_dataset_module,
-        write_checksum,
-    )
 
     megatron_io = indexed_dataset_module()
     if tokens not in TOKEN_PATTERNS:

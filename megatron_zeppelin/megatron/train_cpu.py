@@ -38,12 +38,14 @@ quiet_unless_verbose()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 
 from megatron_zeppelin.comm.watch import CommWatch  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
 from megatron_zeppelin.fileio import atomic_write_text, format_bytes  # noqa: E402
 from megatron_zeppelin.megatron import job_checkpoint  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
+from megatron_zeppelin.megatron.data import DocumentDataset  # noqa: E402
 from megatron_zeppelin.megatron.feed import MicroBatchFeed  # noqa: E402
 from megatron_zeppelin.megatron.loss import (  # noqa: E402
     finish_gradients,
@@ -65,8 +67,11 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     init_megatron_parallel,
     plan_summary,
 )
+from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler  # noqa: E402
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch  # noqa: E402
+from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset  # noqa: E402
 from megatron_zeppelin.megatron.worker import check_finite, run_worker  # noqa: E402
+from megatron_zeppelin.planner.calibration import load_calibration, normalize_dtype  # noqa: E402
 from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
 
 CPU_DEFAULTS = {
@@ -96,10 +101,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         action="store_true",
         help="Megatron's sequence parallelism inside each tensor-parallel group.",
     )
-    job.add_argument("--device", choices=DEVICES, default="cpu",
-                     help="cpu: gloo processes; cuda: one GPU per process (NCCL).")  # fmt: skip
-    job.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
-                     help="Model precision; bf16 keeps float32 main weights in Adam.")  # fmt: skip
+    job.add_argument(
+        "--device",
+        choices=DEVICES,
+        default="cpu",
+        help="cpu: gloo processes; cuda: one GPU per process (NCCL).",
+    )
+    job.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="float32",
+        help="Model precision; bf16 keeps float32 main weights in Adam.",
+    )
     job.add_argument("--seed", type=int, default=1234, help="Model, data and sampler seed.")
     job.add_argument("--lr", type=float, default=3e-3, help="Adam learning rate.")
     job.add_argument("--dataset", default=None, help="PREFIX of a .bin/.idx dataset to train on.")
@@ -143,8 +156,6 @@ def model_dims(args: argparse.Namespace) -> ModelDims:
 
 def _dataset(args: argparse.Namespace, rank: int, watch: CommWatch):
     """Open the dataset; write the synthetic one first (rank 0) when it is missing."""
-    from megatron_zeppelin.megatron.data import DocumentDataset
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
     prefix = args.dataset or os.path.join(args.run_dir, "data", f"synthetic-{args.seed}")
     if args.dataset is None and rank == 0 and not os.path.exists(prefix + ".idx"):
@@ -169,7 +180,6 @@ def build_sampler(
 ):
     """The job's document sampler over ``lengths``. With a capacity, no micro-batch gets more
     tokens than the Zeppelin ranks hold together, so every micro-batch can be planned."""
-    from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 
     return DocumentSampler(
         lengths,
@@ -186,13 +196,15 @@ def build_sampler(
 def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[str, Any]:
     """Run the job on an initialized gloo world; returns the run's figures (every rank).
     ``watch`` bounds its collectives (default: one without a progress board)."""
+    # Deferred: keeps tqdm out of this module's import.
     from tqdm import tqdm
 
     config = ZeppelinConfig.from_args(args)
     device, dtype = job_device(args.device), DTYPES[args.dtype]
     if watch is None:
-        watch = CommWatch(rank=dist.get_rank(), world_size=dist.get_world_size(),
-                          timeout_s=config.comm_timeout_s)  # fmt: skip
+        watch = CommWatch(
+            rank=dist.get_rank(), world_size=dist.get_world_size(), timeout_s=config.comm_timeout_s
+        )
     ctx = init_megatron_parallel(args.tensor_parallel)
     topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=ctx.tensor_parallel)
     dims = model_dims(args)
@@ -221,8 +233,9 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     start = 0
     if args.load:
         state = job_checkpoint.load(args.load)
-        start = job_checkpoint.restore(state, model, optimizer, sampler, dtype=args.dtype,
-                                       where=args.load)  # fmt: skip
+        start = job_checkpoint.restore(
+            state, model, optimizer, sampler, dtype=args.dtype, where=args.load
+        )
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in the background while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
@@ -270,7 +283,6 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
 def _train_step(step: int, model, optimizer, feed, runtime, dataset, counters, ctx) -> dict:
     """One optimizer step: every micro-batch through ``step.run_micro_batch``, backward of the
     loss sums, the gradients summed over the Zeppelin ranks; returns the step's record."""
-    from megatron.core import parallel_state
 
     t0 = time.perf_counter()
     if counters is not None:
@@ -342,7 +354,6 @@ def job_cost_model(
     model's dimensions, otherwise the job stops and says what to do."""
     if path is None:
         return build_cost_model(dims, topology, tensor_parallel=tensor_parallel, calibration=None)
-    from megatron_zeppelin.planner.calibration import load_calibration, normalize_dtype
 
     hint = (
         " (picked by default for this machine: pass --no-calibration to plan with datasheet "
@@ -370,7 +381,6 @@ def _save(args: argparse.Namespace, model, optimizer, sampler, step: int, watch:
 
 
 def _tensor_parallel_group():
-    from megatron.core import parallel_state
 
     return parallel_state.get_tensor_model_parallel_group()
 
@@ -461,8 +471,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.device == "cuda":
         torch.cuda.set_device(job_device("cuda"))
         backend = "cpu:gloo,cuda:nccl"  # host tensors (the loss, the counters) on gloo
-    return run_worker(lambda watch: train(args, watch=watch),
-                      comm_timeout_s=args.zeppelin_comm_timeout_s, backend=backend)  # fmt: skip
+    return run_worker(
+        lambda watch: train(args, watch=watch),
+        comm_timeout_s=args.zeppelin_comm_timeout_s,
+        backend=backend,
+    )
 
 
 if __name__ == "__main__":

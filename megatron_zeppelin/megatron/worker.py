@@ -97,8 +97,9 @@ def start_timeout_s(comm_timeout_s: float) -> float:
     return max(comm_timeout_s, 120.0)
 
 
-def run_worker(body: Callable[[CommWatch], object], *, comm_timeout_s: float,
-               backend: str = "gloo") -> int:  # fmt: skip
+def run_worker(
+    body: Callable[[CommWatch], object], *, comm_timeout_s: float, backend: str = "gloo"
+) -> int:
     """Run ``body(watch)`` as one rank of the job (see the module docstring). Never returns: the
     worker leaves through ``os._exit`` with its exit status, after reporting a failure."""
     for sig in (signal.SIGTERM, signal.SIGINT):

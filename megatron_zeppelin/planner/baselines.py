@@ -180,10 +180,18 @@ def _packed_cp(
         for group, (_, docs) in enumerate(samples[k * num_groups : (k + 1) * num_groups]):
             ring = tuple(range(group * cp_size, (group + 1) * cp_size))
             sequences += [sequence_on(i, n, ring, topology) for i, n in docs]
-        meta = {"cp_size": cp_size, "round": k, "num_rounds": num_rounds, "sample_tokens":
-                cp_size * capacity, "execution": "concurrent"}  # fmt: skip
-        plans.append(plan_without_remap(sequences, topology, name=name, capacity=capacity,
-                                        attention_comm=comm, meta=meta))  # fmt: skip
+        meta = {
+            "cp_size": cp_size,
+            "round": k,
+            "num_rounds": num_rounds,
+            "sample_tokens": cp_size * capacity,
+            "execution": "concurrent",
+        }
+        plans.append(
+            plan_without_remap(
+                sequences, topology, name=name, capacity=capacity, attention_comm=comm, meta=meta
+            )
+        )
     return plans
 
 
@@ -298,7 +306,7 @@ def hybrid_dp(
                 "num_rounds": len(rounds),
                 "execution": "concurrent",
             },
-        )  # fmt: skip
+        )
         for k, seqs in enumerate(rounds)
     ]
 
@@ -394,8 +402,12 @@ def flexsp(
             if block is not None and (best is None or groups.load(best) + per_rank > target):
                 best = groups.open(block, size)
             elif best is None:
-                larger = [g for s in groups.heaps if s > size
-                          if (g := groups.least_loaded(s, n)) is not None]  # fmt: skip
+                larger = [
+                    g
+                    for s in groups.heaps
+                    if s > size
+                    if (g := groups.least_loaded(s, n)) is not None
+                ]
                 best = min(larger, key=lambda g: (groups.load(g), g), default=None)
                 if best is None:
                     left.append((seq_id, n))
@@ -417,7 +429,7 @@ def flexsp(
                 "execution": "concurrent",
                 "group_sizes": sorted({len(s.ring) for s in seqs}, reverse=True),
             },
-        )  # fmt: skip
+        )
         for k, seqs in enumerate(rounds)
     ]
 
@@ -441,6 +453,7 @@ def megatron_groups_from_core(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns about missing TE/apex
+            # Deferred: keeps megatron-core out of this module's import.
             from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except ImportError:
         return None
@@ -502,10 +515,16 @@ def megatron_dynamic_cp(
         seqs = [sequence_on(i, lengths[i], ranks, topology) for i, ranks in group]
         # Each document is its own forward/backward pass, so only one of them is resident at a
         # time: capacity holds per document, not for the sum the plan would check.
-        meta = {"round": k, "num_rounds": len(groups), "execution": "sequential",
-                "scheduler": scheduler, "capacity_per_document": capacity}  # fmt: skip
-        plans.append(plan_without_remap(seqs, topology, name="megatron-dynamic-cp",
-                                        capacity=None, meta=meta))  # fmt: skip
+        meta = {
+            "round": k,
+            "num_rounds": len(groups),
+            "execution": "sequential",
+            "scheduler": scheduler,
+            "capacity_per_document": capacity,
+        }
+        plans.append(
+            plan_without_remap(seqs, topology, name="megatron-dynamic-cp", capacity=None, meta=meta)
+        )
     return plans
 
 

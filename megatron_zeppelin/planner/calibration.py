@@ -52,8 +52,12 @@ _HEADER = ("format", "device", "machine", "dtype", "model", "versions", "date", 
 # Model dimensions that change per-layer kernel shapes; a file measured with other values is
 # refused. num_layers and vocab_size do not enter per-layer figures.
 MODEL_DIMS = (
-    "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size", "tensor_parallel",
-)  # fmt: skip
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "ffn_hidden_size",
+    "tensor_parallel",
+)
 _DTYPE_ALIASES = {
     "bf16": "bf16", "bfloat16": "bf16", "torch.bfloat16": "bf16",
     "fp16": "fp16", "float16": "fp16", "half": "fp16", "torch.float16": "fp16",
@@ -125,10 +129,13 @@ class Calibration:
             if fig is None:
                 return None
             f = fig.fit
-            fit = {"flops_per_s": f.flops_per_s, "half_tokens": f.half_tokens,
-                   "overhead_s": f.overhead_s, "fall_tokens": f.fall_tokens}  # fmt: skip
-            return {"points": [list(p) for p in fig.points], "fit": fit,
-                    "fit_error": fig.fit_error}  # fmt: skip
+            fit = {
+                "flops_per_s": f.flops_per_s,
+                "half_tokens": f.half_tokens,
+                "overhead_s": f.overhead_s,
+                "fall_tokens": f.fall_tokens,
+            }
+            return {"points": [list(p) for p in fig.points], "fit": fit, "fit_error": fig.fit_error}
 
         extra = {k: v for k, v in self.extra.items() if k not in (*_HEADER, *COMPUTE_NAMES)}
         return {

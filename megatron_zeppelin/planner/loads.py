@@ -238,8 +238,11 @@ class Loads:
         ranks, values = snapshot
         for r, (cost, attention, exposed, tokens) in zip(ranks, values):
             self.cost[r], self.attention[r], self.exposed[r], self.tokens[r] = (
-                cost, attention, exposed, tokens,
-            )  # fmt: skip
+                cost,
+                attention,
+                exposed,
+                tokens,
+            )
 
     def load(self, rank: int) -> float:
         return self.cost[rank]

@@ -190,8 +190,14 @@ def plan_batch(
         # splitting only what capacity forces (every GPU then keeps the most room).
         if options.allow_split:
             try:
-                plan = _plan(array, topology, cost_model, capacity,
-                             replace(options, allow_split=False), thresholds)  # fmt: skip
+                plan = _plan(
+                    array,
+                    topology,
+                    cost_model,
+                    capacity,
+                    replace(options, allow_split=False),
+                    thresholds,
+                )
                 plan.meta["fallback"] = "capacity: balance splits off"
                 return plan
             except CapacityError:
@@ -235,13 +241,18 @@ def _plan(
     num_links = topology.nics_per_node if options.routing else 1
     best, tried = search(
         array,
-        lambda balance_linear, two_d: Loads(topology, capacity, cost_model, num_links,
-                                            balance_linear=balance_linear,
-                                            two_d=two_d and options.two_d),
+        lambda balance_linear, two_d: Loads(
+            topology,
+            capacity,
+            cost_model,
+            num_links,
+            balance_linear=balance_linear,
+            two_d=two_d and options.two_d,
+        ),
         rules,
         _layout_candidates(options),
         routing=options.routing,
-    )  # fmt: skip
+    )
     meta = {
         "thresholds": list(thresholds),
         "chunk_thresholds": {"nvlink": chunks[0], "nic": chunks[1]},

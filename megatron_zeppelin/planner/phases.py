@@ -86,9 +86,13 @@ class _Rows:
         arrays = [np.concatenate(c) if c else np.zeros(0, dtype=np.int64) for c in self.columns]
         pass_id, rank, phase, num_q, pairs = arrays
         return Blocks(
-            pass_id.astype(np.int64), rank.astype(np.int64), phase.astype(np.int64),
-            num_q.astype(np.float64), pairs.astype(np.float64), num_phases,
-        )  # fmt: skip
+            pass_id.astype(np.int64),
+            rank.astype(np.int64),
+            phase.astype(np.int64),
+            num_q.astype(np.float64),
+            pairs.astype(np.float64),
+            num_phases,
+        )
 
 
 def attention_blocks(

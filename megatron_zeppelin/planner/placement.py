@@ -171,8 +171,9 @@ def _nodes_by_lpt(
     order = np.lexsort((rest, -key))
     # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
     needs = (lengths[rest] + np.where(choice.split[rest], 2 * k, 0))[order].tolist()
-    for doc, length, needed, work in zip(rest[order].tolist(), lengths[rest][order].tolist(),
-                                         needs, key[order].tolist()):  # fmt: skip
+    for doc, length, needed, work in zip(
+        rest[order].tolist(), lengths[rest][order].tolist(), needs, key[order].tolist()
+    ):
         node = state.pick(needed + reserve)
         if node is None:
             node = state.pick(needed)
@@ -252,12 +253,19 @@ def place_within_nodes(
         for attempt in _ATTEMPTS:
             try:
                 promotions += _place_node(
-                    docs, {d for d in docs if choice.split[d]}, ranks, lengths, choice,
+                    docs,
+                    {d for d in docs if choice.split[d]},
+                    ranks,
+                    lengths,
+                    choice,
                     k if attempt.spread else 2,
                     spread if attempt.spread else choice.largest_ring,
-                    loads, placements, pack=choice.pack, by_room=attempt.by_room,
+                    loads,
+                    placements,
+                    pack=choice.pack,
+                    by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
-                )  # fmt: skip
+                )
                 break
             except CapacityError:
                 assert not attempt.hand_on, "the last attempt hands leftovers on instead of failing"
@@ -314,8 +322,9 @@ def _place_node(
     whole = _longest_first((d for d in docs if d not in rings), lengths)
     local = {r: Placement(Tier.LOCAL, (r,)) for r in ranks}  # one record per GPU, shared
     # Seconds of each document whole on one GPU, computed for the batch at once.
-    for doc, length, seconds in zip(whole, lengths[whole].tolist(),
-                                    choice.attention[whole].tolist()):  # fmt: skip
+    for doc, length, seconds in zip(
+        whole, lengths[whole].tolist(), choice.attention[whole].tolist()
+    ):
         found = pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]

@@ -593,5 +593,7 @@ def _check_capacity(capacity: int, attention_tokens: list[int], linear_tokens: l
     for rank, pair in enumerate(zip(attention_tokens, linear_tokens)):
         for label, n in zip(("attention", "linear"), pair):
             if n > capacity:
-                raise ValueError(f"rank {rank} holds {n} tokens in the {label} layout, over its "
-                                 f"capacity of {capacity}")  # fmt: skip
+                raise ValueError(
+                    f"rank {rank} holds {n} tokens in the {label} layout, over its "
+                    f"capacity of {capacity}"
+                )

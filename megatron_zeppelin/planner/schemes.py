@@ -115,8 +115,10 @@ class SchemePrices:
             # NVLink (three hops); a relaying GPU's NVLink port also carries its own message.
             if links == 1:
                 return max(nvlink.time(num_bytes), nic.time(num_bytes))
-            drain = max(num_bytes * (1 + 1 / links) / nvlink.bytes_per_s,
-                        num_bytes / links / nic.bytes_per_s)  # fmt: skip
+            drain = max(
+                num_bytes * (1 + 1 / links) / nvlink.bytes_per_s,
+                num_bytes / links / nic.bytes_per_s,
+            )
             return drain + 2 * nvlink.latency_s + nic.latency_s
 
         kv = self.cost.kv_bytes(1) * length / ring_size
@@ -129,8 +131,13 @@ class SchemePrices:
             return None
         k, nic, nvlink = self.topology.gpus_per_node, self.cost.nic, self.cost.nvlink
         block = length / num_nodes * self._rail_bytes
-        ring = self._ring(length, num_nodes, self._share, nic.latency_s + block / nic.bytes_per_s,
-                          nic.latency_s + 2 * block / nic.bytes_per_s)  # fmt: skip
+        ring = self._ring(
+            length,
+            num_nodes,
+            self._share,
+            nic.latency_s + block / nic.bytes_per_s,
+            nic.latency_s + 2 * block / nic.bytes_per_s,
+        )
         if k == 1:
             return ring
         # Four all-to-alls: a rank sends its L/(nG) tokens to the G - 1 others, a group's
@@ -208,5 +215,6 @@ def every_two_d(plan: Plan) -> Plan:
         for s in plan.sequences
     )
     routes = build_routes(sequences, topo) if plan.routes else ()
-    return replace(plan, sequences=sequences, routes=routes, name=f"{plan.name}-2d",
-                   meta=dict(plan.meta))  # fmt: skip
+    return replace(
+        plan, sequences=sequences, routes=routes, name=f"{plan.name}-2d", meta=dict(plan.meta)
+    )

@@ -150,7 +150,7 @@ class SimResult:
                     "idle_s": r.idle_s,
                     "linear_s": r.linear_s,
                     "attention_s": r.attention_s,
-                }  # fmt: skip
+                }
                 for r in self.per_rank
             ],
         }
@@ -237,8 +237,9 @@ def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarra
     rings = replace(rings, scale=np.full(len(rings.tokens), 2 * groups.num_kv * d * value / kv))
     # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back. One group each.
     qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
-    exchanges = _head_exchanges(plan, [(True, qkv / kv), (False, out / kv), (True, out / kv),
-                                       (False, qkv / kv)])  # fmt: skip
+    exchanges = _head_exchanges(
+        plan, [(True, qkv / kv), (False, out / kv), (True, out / kv), (False, qkv / kv)]
+    )
     _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, (kv,))
     all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
     return calls, rings, all_to_all, blocks.num_phases
@@ -264,9 +265,16 @@ def _head_exchanges(plan: Plan, kinds: list[tuple[bool, float]]) -> RingMessages
     for group, (to_heads, scale) in enumerate(kinds):
         keys, tokens = merged[0 if to_heads else 1]
         busy = tokens > 0
-        for column, values in zip(columns, (np.full(busy.sum(), group), keys[busy] // width,
-                                            keys[busy] % width, tokens[busy],
-                                            np.full(busy.sum(), scale))):  # fmt: skip
+        for column, values in zip(
+            columns,
+            (
+                np.full(busy.sum(), group),
+                keys[busy] // width,
+                keys[busy] % width,
+                tokens[busy],
+                np.full(busy.sum(), scale),
+            ),
+        ):
             column.append(values)
     group, src, dst, tokens, scale = (np.concatenate(c) for c in columns)
     return RingMessages(group, src, dst, tokens, len(kinds), scale)
@@ -299,9 +307,12 @@ def attention_seconds(
     compute = np.bincount(calls.rank, weights=calls.seconds, minlength=world)
     kv = cost.model.kv_bytes_per_token()
     groups, ranks, (forward, backward) = transfer_times(
-        messages, topology, cost, routes,
+        messages,
+        topology,
+        cost,
+        routes,
         (kv, 2 * kv),
-    )  # fmt: skip
+    )
     if allgather:
         # All-gather K/V forward, reduce-scatter dK/dV backward, neither overlapped.
         return compute, np.bincount(ranks, weights=2 * forward, minlength=world)
@@ -344,13 +355,15 @@ def tier_figures(plan: Plan, cost: CostModel, *, routing: bool) -> dict[str, dic
             continue
         sub = subplan(plan, tuple(sequences))
         phases = attention_phases(sub, sub.sequences)
-        compute = [[phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)]
-                   for p in phases]  # fmt: skip
+        compute = [
+            [phase_compute_time(cost, b, diagonal=k == 0) for k, b in enumerate(p)] for p in phases
+        ]
         two_d = TwoDLayer.of(sub, cost, routing)
         if two_d is not None:
             compute = two_d.add_compute(cost, compute)
-        exposed, transfer = exposed_and_transfer(sub, cost, routing, compute,
-                                                 ring_schedule(sub), two_d)  # fmt: skip
+        exposed, transfer = exposed_and_transfer(
+            sub, cost, routing, compute, ring_schedule(sub), two_d
+        )
         busiest = max(range(sub.world_size), key=lambda r: sum(compute[r]) + exposed[r])
         sent, _ = _bytes(sub, cost, routing, {})
         out[name] = {
@@ -412,8 +425,9 @@ def _ring_steps(plan: Plan) -> list[list[Message]]:
     documents ring on the head layout: ``two_d_forward_bytes``)."""
     found = ring_messages([s for s in plan.sequences if not s.is_two_d])
     steps: list[list[Message]] = [[] for _ in range(found.num_steps)]
-    for step, src, dst, n in zip(found.group.tolist(), found.src.tolist(), found.dst.tolist(),
-                                 found.tokens.tolist()):  # fmt: skip
+    for step, src, dst, n in zip(
+        found.group.tolist(), found.src.tolist(), found.dst.tolist(), found.tokens.tolist()
+    ):
         steps[step].append(Message(src, dst, (Segment(-1, -1, n),)))
     return steps
 

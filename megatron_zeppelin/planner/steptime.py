@@ -47,13 +47,17 @@ def all_to_all_seconds(
     same = src // k == dst // k
     # Ports: GPU out / in (NVLink), NIC out / in per (node, NIC).
     out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
-    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
-                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
+    in_port = np.where(
+        same, world + dst, 2 * world + topology.num_nodes * m + (dst // k) * m + nic_of[dst % k]
+    )
     load = np.bincount(np.concatenate([out_port, in_port]), weights=np.tile(num_bytes, 2))
     bandwidth = np.full(len(load), cost_model.link("nic").bytes_per_s)
     bandwidth[: 2 * world] = cost_model.link("nvlink").bytes_per_s
-    latency = max(cost_model.link(kind).latency_s for kind, used in
-                  (("nvlink", same.any()), ("nic", (~same).any())) if used)  # fmt: skip
+    latency = max(
+        cost_model.link(kind).latency_s
+        for kind, used in (("nvlink", same.any()), ("nic", (~same).any()))
+        if used
+    )
     return float((load / bandwidth).max()) + latency
 
 

@@ -110,8 +110,9 @@ def message_paths(topo: Topology, msg: Message, routes: dict) -> list[tuple[int,
 def route_hops(topo: Topology, route: Route) -> list[list[tuple]]:
     """The hops (``hop_ports``) of each of ``route``'s parts, in part order, whatever the
     tokens (``schedule.route_paths``): the array timeline splits the tokens itself."""
-    return [[hop_ports(topo, a, b) for a, b in zip(path[:-1], path[1:])]
-            for path in route_paths(route)]  # fmt: skip
+    return [
+        [hop_ports(topo, a, b) for a, b in zip(path[:-1], path[1:])] for path in route_paths(route)
+    ]
 
 
 def step_transfer_times(
@@ -178,17 +179,22 @@ class TwoDLayer:
         inbound, outbound = (exchange_messages(plan, to_heads=t) for t in (True, False))
         seconds = [0.0] * plan.world_size
         # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back.
-        for messages, per_token in ((inbound, qkv), (outbound, out), (inbound, out),
-                                    (outbound, qkv)):  # fmt: skip
+        for messages, per_token in (
+            (inbound, qkv),
+            (outbound, out),
+            (inbound, out),
+            (outbound, qkv),
+        ):
             times = step_transfer_times(plan, cost, messages, per_token, routing=False)
             seconds = [a + b for a, b in zip(seconds, times)]
         return cls(
-            attention_phases(heads.plan, heads.plan.sequences,
-                             pair_share=groups.num_q / shape.num_heads),
+            attention_phases(
+                heads.plan, heads.plan.sequences, pair_share=groups.num_q / shape.num_heads
+            ),
             ring_schedule(heads.plan),
             2 * groups.num_kv * d * value,
             seconds,
-        )  # fmt: skip
+        )
 
     def add_compute(self, cost: CostModel, compute: list[list[float]]) -> list[list[float]]:
         """``compute`` (seconds per rank and phase) with the column rings' calls added."""
@@ -196,10 +202,13 @@ class TwoDLayer:
         for flat, mine in zip(compute, self.phases):
             n = max(len(flat), len(mine))
             flat = flat + [0.0] * (n - len(flat))
-            merged.append([
-                c + (phase_compute_time(cost, mine[k], diagonal=k == 0) if k < len(mine) else 0.0)
-                for k, c in enumerate(flat)
-            ])  # fmt: skip
+            merged.append(
+                [
+                    c
+                    + (phase_compute_time(cost, mine[k], diagonal=k == 0) if k < len(mine) else 0.0)
+                    for k, c in enumerate(flat)
+                ]
+            )
         return merged
 
     def step(self, k: int) -> list[tuple[list[Message], float]]:
@@ -227,8 +236,9 @@ def two_d_forward_bytes(plan: Plan, cost: CostModel, routing: bool) -> dict[str,
     """Bytes per link class of ``two_d_forward_messages``."""
     total: dict[str, int] = {}
     for messages, per_token in two_d_forward_messages(plan, cost):
-        for key, n in link_bytes(plan, [messages], bytes_per_token=per_token,
-                                 routing=routing).items():  # fmt: skip
+        for key, n in link_bytes(
+            plan, [messages], bytes_per_token=per_token, routing=routing
+        ).items():
             total[key] = total.get(key, 0) + n
     return total
 
@@ -284,8 +294,11 @@ def exposed_and_transfer(
         step = steps[k] if k < len(steps) else []
         more = two_d.step(k) if two_d is not None else []
         fwd.append(step_transfer_times(plan, cost, step, kv, routing, more=more))
-        bwd.append(step_transfer_times(plan, cost, step, 2 * kv, routing,
-                                       more=[(ms, 2 * b) for ms, b in more]))  # fmt: skip
+        bwd.append(
+            step_transfer_times(
+                plan, cost, step, 2 * kv, routing, more=[(ms, 2 * b) for ms, b in more]
+            )
+        )
     exposed = list(two_d.all_to_all_s) if two_d is not None else [0.0] * plan.world_size
     transfer = list(exposed)
     for r in range(plan.world_size):
@@ -302,5 +315,12 @@ def subplan(plan: Plan, sequences: tuple[SequencePlan, ...]) -> Plan:
     """The plan reduced to ``sequences``, run concurrently (no builder meta)."""
     ids = {s.id for s in sequences}
     linear = tuple(tuple(r for r in ranges if r.seq in ids) for ranges in plan.linear)
-    return Plan(plan.topology, sequences, linear, routes=plan.routes, capacity=None,
-                attention_comm=plan.attention_comm, name=plan.name)  # fmt: skip
+    return Plan(
+        plan.topology,
+        sequences,
+        linear,
+        routes=plan.routes,
+        capacity=None,
+        attention_comm=plan.attention_comm,
+        name=plan.name,
+    )

@@ -51,20 +51,33 @@ class RingMessages:
         """Both lists of messages, as separate messages (groups numbered alike)."""
         cat = np.concatenate
         return RingMessages(
-            cat([self.group, other.group]), cat([self.src, other.src]),
-            cat([self.dst, other.dst]), cat([self.tokens, other.tokens]),
-            max(self.num_steps, other.num_steps), cat([self.scaled(), other.scaled()]),
-        )  # fmt: skip
+            cat([self.group, other.group]),
+            cat([self.src, other.src]),
+            cat([self.dst, other.dst]),
+            cat([self.tokens, other.tokens]),
+            max(self.num_steps, other.num_steps),
+            cat([self.scaled(), other.scaled()]),
+        )
 
     @classmethod
     def of(cls, groups: list[list[Message]], scales: list[float]) -> RingMessages:
         """Message lists, list ``i`` as group ``i`` with bytes-per-token scale ``scales[i]``."""
-        rows = [(i, m.src, m.dst, m.num_tokens, scale)
-                for i, (ms, scale) in enumerate(zip(groups, scales)) for m in ms]  # fmt: skip
-        group, src, dst, tokens, scale = (np.asarray(c) for c in zip(*rows)) if rows else (
-            np.zeros(0, dtype=np.int64),) * 5  # fmt: skip
-        return cls(group.astype(np.int64), src.astype(np.int64), dst.astype(np.int64),
-                   tokens.astype(np.int64), len(groups), scale.astype(np.float64))  # fmt: skip
+        rows = [
+            (i, m.src, m.dst, m.num_tokens, scale)
+            for i, (ms, scale) in enumerate(zip(groups, scales))
+            for m in ms
+        ]
+        group, src, dst, tokens, scale = (
+            (np.asarray(c) for c in zip(*rows)) if rows else (np.zeros(0, dtype=np.int64),) * 5
+        )
+        return cls(
+            group.astype(np.int64),
+            src.astype(np.int64),
+            dst.astype(np.int64),
+            tokens.astype(np.int64),
+            len(groups),
+            scale.astype(np.float64),
+        )
 
 
 def split_by_weights_array(num_tokens: np.ndarray, weights: Sequence[int]) -> np.ndarray:
@@ -92,8 +105,9 @@ def _block_sizes(seq: SequencePlan) -> list[int]:
 def _sizes(docs: list[tuple[int, SequencePlan]], g: int) -> np.ndarray:
     """Tokens of every (document, ring position) block."""
     if all(is_zigzag(seq) for _, seq in docs):  # two spans per position, in ring order
-        bounds = np.asarray([[(s.start, s.end) for s in seq.attention] for _, seq in docs],
-                            dtype=np.int64).reshape(len(docs), g, 2, 2)  # fmt: skip
+        bounds = np.asarray(
+            [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
+        ).reshape(len(docs), g, 2, 2)
         return (bounds[..., 1] - bounds[..., 0]).sum(axis=2)
     return np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
 
@@ -159,10 +173,11 @@ def transfer_times(
     # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
     keys, inverse = np.unique(
-        np.concatenate([hops.group * num_ports + hops.out_port,
-                        hops.group * num_ports + hops.in_port]),
+        np.concatenate(
+            [hops.group * num_ports + hops.out_port, hops.group * num_ports + hops.in_port]
+        ),
         return_inverse=True,
-    )  # fmt: skip
+    )
     load = np.bincount(inverse, weights=np.tile(hops.tokens * hops.scale, 2))
     out_load, in_load = load[inverse[: len(hops.group)]], load[inverse[len(hops.group) :]]
     # A part drains at the pace of its most loaded port and pays every hop's latency.
@@ -175,8 +190,9 @@ def transfer_times(
     finish = []
     for size in bytes_per_token:
         per_message = np.zeros(len(hops.message_group))
-        np.maximum.at(per_message, hops.part_message[busy],
-                      (part_drain * size + part_latency)[busy])  # fmt: skip
+        np.maximum.at(
+            per_message, hops.part_message[busy], (part_drain * size + part_latency)[busy]
+        )
         finish.append(per_message)
     return _per_rank(hops, finish, topology.world_size)
 
@@ -226,30 +242,46 @@ def _direct_hops(
     same = src // k == dst // k
     # Port ids: GPU out / in (NVLink), then NIC out / in per (node, NIC).
     out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
-    in_port = np.where(same, world + dst, 2 * world + topology.num_nodes * m
-                       + (dst // k) * m + nic_of[dst % k])  # fmt: skip
+    in_port = np.where(
+        same, world + dst, 2 * world + topology.num_nodes * m + (dst // k) * m + nic_of[dst % k]
+    )
     nv, nic = cost.nvlink, cost.nic
     parts = np.arange(len(chosen))
     return _Hops(
-        group, out_port, in_port, messages.tokens[chosen], messages.scaled()[chosen],
+        group,
+        out_port,
+        in_port,
+        messages.tokens[chosen],
+        messages.scaled()[chosen],
         np.where(same, nv.bytes_per_s, nic.bytes_per_s),
         np.where(same, nv.latency_s, nic.latency_s),
-        parts, len(chosen), parts, group, src, dst,
-    )  # fmt: skip
+        parts,
+        len(chosen),
+        parts,
+        group,
+        src,
+        dst,
+    )
 
 
 def _joined(a: _Hops, b: _Hops) -> _Hops:
     """The hops of both, parts and messages of ``b`` numbered after ``a``'s."""
     cat = np.concatenate
     return _Hops(
-        cat([a.group, b.group]), cat([a.out_port, b.out_port]), cat([a.in_port, b.in_port]),
-        cat([a.tokens, b.tokens]), cat([a.scale, b.scale]), cat([a.bandwidth, b.bandwidth]),
-        cat([a.latency, b.latency]), cat([a.part, b.part + a.num_parts]),
+        cat([a.group, b.group]),
+        cat([a.out_port, b.out_port]),
+        cat([a.in_port, b.in_port]),
+        cat([a.tokens, b.tokens]),
+        cat([a.scale, b.scale]),
+        cat([a.bandwidth, b.bandwidth]),
+        cat([a.latency, b.latency]),
+        cat([a.part, b.part + a.num_parts]),
         a.num_parts + b.num_parts,
         cat([a.part_message, b.part_message + len(a.message_group)]),
-        cat([a.message_group, b.message_group]), cat([a.message_src, b.message_src]),
+        cat([a.message_group, b.message_group]),
+        cat([a.message_src, b.message_src]),
         cat([a.message_dst, b.message_dst]),
-    )  # fmt: skip
+    )
 
 
 def _routed_hops(
@@ -274,8 +306,11 @@ def _routed_hops(
         src, dst = edge // world, edge % world
         weights = [p.weight for p in routes[(src, dst)].parts]
         tokens = split_by_weights_array(messages.tokens[rows], weights)  # (message, part)
-        hops = [(p, hop) for p, path in enumerate(route_hops(topology, routes[(src, dst)]))
-                for hop in path]  # fmt: skip
+        hops = [
+            (p, hop)
+            for p, path in enumerate(route_hops(topology, routes[(src, dst)]))
+            for hop in path
+        ]
         part_of_hop = np.asarray([p for p, _ in hops], dtype=np.int64)
         links = [cost.link(kind) for _, (kind, _, _) in hops]
         shape = (len(rows), len(hops))
@@ -297,13 +332,20 @@ def _routed_hops(
         np.concatenate(c) if c else np.zeros(0) for c in columns
     )
     return _Hops(
-        group.astype(np.int64), out_port.astype(np.int64), in_port.astype(np.int64),
-        tokens.astype(np.int64), scale.astype(np.float64), bandwidth.astype(np.float64),
+        group.astype(np.int64),
+        out_port.astype(np.int64),
+        in_port.astype(np.int64),
+        tokens.astype(np.int64),
+        scale.astype(np.float64),
+        bandwidth.astype(np.float64),
         latency.astype(np.float64),
-        part.astype(np.int64), num_parts,
+        part.astype(np.int64),
+        num_parts,
         np.concatenate(part_message) if part_message else np.zeros(0, dtype=np.int64),
-        messages.group[chosen], messages.src[chosen], messages.dst[chosen],
-    )  # fmt: skip
+        messages.group[chosen],
+        messages.src[chosen],
+        messages.dst[chosen],
+    )
 
 
 def _port_id(port: tuple, world: int, k: int, m: int, num_nodes: int) -> int:

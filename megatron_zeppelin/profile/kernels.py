@@ -79,7 +79,7 @@ class AttentionGrid:
                 (512, 1024),
                 (1024, 1024),
                 (2048, 1024),
-            ),  # fmt: skip
+            ),
             packed=((16, 64), (8, 256), (4, 512)),
             packed_full=((16, 64, 64), (4, 256, 256), (2, 512, 1024)),
         )
@@ -98,7 +98,7 @@ class AttentionGrid:
                 (1024, 1024),
                 (2048, 512),
                 (2048, 2048),
-            ),  # fmt: skip
+            ),
             packed=((64, 16), (16, 64), (4, 1024)),
             packed_full=((16, 64, 64), (4, 256, 512), (2, 1024, 1024)),
         )
@@ -117,7 +117,7 @@ class AttentionGrid:
                 (8192, 1024),
                 (8192, 8192),
                 (16384, 16384),
-            ),  # fmt: skip
+            ),
             packed=((256, 64), (64, 256), (16, 1024), (4, 8192)),
             packed_full=((64, 256, 256), (16, 1024, 1024), (4, 4096, 8192)),
         )
@@ -254,9 +254,15 @@ class _KernelCall:
     def backward(self) -> tuple[torch.Tensor, ...]:
         assert self.out_tnd is not None and self.lse_tn is not None, "call keep_forward first"
         return self.impl.backward(
-            self.dout_tnd, self.q_tnd, self.k_tnd, self.v_tnd, self.out_tnd, self.lse_tn,
-            self.batch, softmax_scale=self.scale,
-        )  # fmt: skip
+            self.dout_tnd,
+            self.q_tnd,
+            self.k_tnd,
+            self.v_tnd,
+            self.out_tnd,
+            self.lse_tn,
+            self.batch,
+            softmax_scale=self.scale,
+        )
 
 
 def _dense_sdpa_seconds(

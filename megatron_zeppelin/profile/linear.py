@@ -77,8 +77,14 @@ class LayerGemms:
     def backward(self) -> None:
         torch.autograd.backward(self.outputs, self.grads)
         self.outputs = ()
-        for p in (self.w_qkv_qh, self.w_proj_hh, self.w_in_2fh, self.w_out_hf, self.x_th,
-                  self.attn_th):  # fmt: skip
+        for p in (
+            self.w_qkv_qh,
+            self.w_proj_hh,
+            self.w_in_2fh,
+            self.w_out_hf,
+            self.x_th,
+            self.attn_th,
+        ):
             p.grad = None
 
 

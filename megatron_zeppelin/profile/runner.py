@@ -183,18 +183,33 @@ def measure_rank(
     attention_rounds, linear_rounds = [], []
     load_during = None
     for i in range(settings.rounds):
-        say(f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes, "
-            f"pass {i + 1} of {settings.rounds}")  # fmt: skip
-        attention_rounds.append(kernel_profile.measure_attention(
-            model, grid=settings.grid, device=device, dtype=dtype, kernel=settings.kernel,
-            timing=settings.timing, before_point=lockstep,
-        ))  # fmt: skip
+        say(
+            f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes, "
+            f"pass {i + 1} of {settings.rounds}"
+        )
+        attention_rounds.append(
+            kernel_profile.measure_attention(
+                model,
+                grid=settings.grid,
+                device=device,
+                dtype=dtype,
+                kernel=settings.kernel,
+                timing=settings.timing,
+                before_point=lockstep,
+            )
+        )
         load_during = _load_average()
         say(f"linear modules, {len(settings.linear_tokens)} token counts")
-        linear_rounds.append(linear_profile.measure_linear(
-            model, token_counts=settings.linear_tokens, device=device, dtype=dtype,
-            timing=settings.timing, before_point=lockstep,
-        ))  # fmt: skip
+        linear_rounds.append(
+            linear_profile.measure_linear(
+                model,
+                token_counts=settings.linear_tokens,
+                device=device,
+                dtype=dtype,
+                timing=settings.timing,
+                before_point=lockstep,
+            )
+        )
     attention = _median_over_rounds(attention_rounds)
     linear = _median_over_rounds(linear_rounds)
     links: list[link_profile.LinkPoint] = []
@@ -277,7 +292,7 @@ def build_calibration(
                 ),
             }
             for p in attention
-        ],  # fmt: skip
+        ],
         "linear": [
             {**asdict(p), "predicted_s": calibration.linear.fit.time(p.flops, p.num_tokens)}
             for p in linear
@@ -329,6 +344,7 @@ def profile(
             raise ValueError("emulated nodes run gloo processes on the CPU: pass device='cpu'")
         nodes, gpus = settings.emulate
         say(f"starting {nodes * gpus} gloo processes ({nodes} nodes x {gpus} GPUs)")
+        # Imported when called: keeps heavy imports out, and tests stand in for these.
         from megatron_zeppelin.testing.dist import run_distributed
 
         results = run_distributed(

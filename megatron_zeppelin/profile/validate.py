@@ -96,6 +96,7 @@ def validation_topology(settings: ValidationSettings) -> Topology:
 
 def calibrated_cost_model(settings: ValidationSettings, topology: Topology) -> CostModel:
     """Datasheet defaults, then the calibration (refused if measured elsewhere)."""
+    # Imported when called: keeps heavy imports out, and tests stand in for these.
     from megatron_zeppelin.profile.runner import device_name
 
     cost = CostModel.default(get_model(settings.model), topology)
@@ -117,13 +118,17 @@ def make_plans(settings: ValidationSettings, topology: Topology, cost: CostModel
 
     capacity = settings.capacity or -(-settings.tokens * 5 // (4 * topology.world_size))
     # Flat rings only: ``predict`` prices ring steps one layout at a time, not the 2-D scheme.
-    options = PlannerOptions(thresholds=settings.thresholds, routing=settings.routing, remap=False,
-                             two_d=False)  # fmt: skip
+    options = PlannerOptions(
+        thresholds=settings.thresholds, routing=settings.routing, remap=False, two_d=False
+    )
     plans = []
     for i in range(settings.num_batches):
         lengths = sample_lengths(settings.dist, num_tokens=settings.tokens, seed=settings.seed + i)
-        plans.append(plan_batch(lengths, topology=topology, cost_model=cost, capacity=capacity,
-                                options=options))  # fmt: skip
+        plans.append(
+            plan_batch(
+                lengths, topology=topology, cost_model=cost, capacity=capacity, options=options
+            )
+        )
     return plans
 
 
@@ -221,7 +226,7 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
             [
                 measure_plan(p, 0, ThreadExchanger(hub, 0, plan=p), lambda: None, settings)
                 for p in plans
-            ]  # fmt: skip
+            ]
             for _ in range(settings.rounds)
         ]
         return [median_over_passes(passes)]
@@ -300,34 +305,43 @@ def compare(
             meas, pred = measured[rank][b], predicted[rank]
             total_meas = meas["linear_s"] + meas["attention_s"]
             total_pred = pred["linear_s"] + pred["attention_s"]
-            ranks.append({
-                "rank": rank,
-                "tokens": plan.num_attention_tokens(rank),
-                "predicted": {**pred, "total_s": total_pred},
-                "measured": {**meas, "total_s": total_meas},
-                "error": relative_error(total_pred, total_meas),
-                "attention_error": relative_error(pred["attention_s"], meas["attention_s"]),
-                "linear_error": relative_error(pred["linear_s"], meas["linear_s"]),
-            })  # fmt: skip
+            ranks.append(
+                {
+                    "rank": rank,
+                    "tokens": plan.num_attention_tokens(rank),
+                    "predicted": {**pred, "total_s": total_pred},
+                    "measured": {**meas, "total_s": total_meas},
+                    "error": relative_error(total_pred, total_meas),
+                    "attention_error": relative_error(pred["attention_s"], meas["attention_s"]),
+                    "linear_error": relative_error(pred["linear_s"], meas["linear_s"]),
+                }
+            )
         step_meas = max(r["measured"]["total_s"] for r in ranks)
-        batches.append({
-            "batch": b,
-            "num_documents": len(plan.sequences),
-            "tiers": plan.tier_counts(),
-            "ranks": ranks,
-            "step": {"predicted_s": step_pred, "measured_s": step_meas,
-                     "error": relative_error(step_pred, step_meas)},
-        })  # fmt: skip
+        batches.append(
+            {
+                "batch": b,
+                "num_documents": len(plan.sequences),
+                "tiers": plan.tier_counts(),
+                "ranks": ranks,
+                "step": {
+                    "predicted_s": step_pred,
+                    "measured_s": step_meas,
+                    "error": relative_error(step_pred, step_meas),
+                },
+            }
+        )
     world = plans[0].world_size
     per_rank = []
     for rank in range(world):
         errors = [batch["ranks"][rank]["error"] for batch in batches]
-        per_rank.append({
-            "rank": rank,
-            "median_error": statistics.median(errors),
-            "median_abs_error": statistics.median(abs(e) for e in errors),
-            "worst_error": max(errors, key=abs),
-        })  # fmt: skip
+        per_rank.append(
+            {
+                "rank": rank,
+                "median_error": statistics.median(errors),
+                "median_abs_error": statistics.median(abs(e) for e in errors),
+                "worst_error": max(errors, key=abs),
+            }
+        )
     every = [r["error"] for batch in batches for r in batch["ranks"]]
     steps = [batch["step"]["error"] for batch in batches]
     return {

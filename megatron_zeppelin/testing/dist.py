@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -83,7 +84,6 @@ def _worker(
     _beat(os.path.join(result_dir, f"rank{rank}.beat"))
     try:
         # Several gloo processes on two cores: one intra-op thread each keeps them from fighting.
-        import torch
 
         torch.set_num_threads(1)
         store = dist.FileStore(store_path, world_size)
@@ -212,8 +212,9 @@ def run_distributed(
         ]
         for p in procs:
             p.start()
-        seen = _join(procs, tmp, deadline=time.monotonic() + timeout_s,
-                     stall_s=comm_timeout_s or timeout_s)  # fmt: skip
+        seen = _join(
+            procs, tmp, deadline=time.monotonic() + timeout_s, stall_s=comm_timeout_s or timeout_s
+        )
         stragglers = [rank for rank, p in enumerate(procs) if p.is_alive()]
         for p in procs:
             if p.is_alive():
@@ -227,8 +228,9 @@ def run_distributed(
                     outcomes.append(pickle.load(f))
             else:
                 outcomes.append(None)
-    _raise_first_cause(outcomes, seen, stragglers, world_size, timeout_s,
-                       comm_timeout_s or timeout_s)  # fmt: skip
+    _raise_first_cause(
+        outcomes, seen, stragglers, world_size, timeout_s, comm_timeout_s or timeout_s
+    )
     for rank, outcome in enumerate(outcomes):
         if outcome is None:
             raise DistributedRunError(
@@ -237,8 +239,14 @@ def run_distributed(
     return [outcome["value"] for outcome in outcomes]  # type: ignore[index]
 
 
-def _raise_first_cause(outcomes: list, seen: _Watch, stragglers: list[int], world_size: int,
-                       timeout_s: float, stall_s: float) -> None:  # fmt: skip
+def _raise_first_cause(
+    outcomes: list,
+    seen: _Watch,
+    stragglers: list[int],
+    world_size: int,
+    timeout_s: float,
+    stall_s: float,
+) -> None:
     """Raise ``DistributedRunError`` if the run failed: ranks that died or went silent first
     (the cause), then ranks that raised (often a consequence), then ranks that overran."""
     causes = [(r, f"rank {r} of {world_size} {_exit_text(code)}") for r, code in seen.dead.items()]
@@ -248,10 +256,14 @@ def _raise_first_cause(outcomes: list, seen: _Watch, stragglers: list[int], worl
         if r not in seen.dead
     ]
     causes += [
-        (r, f"rank {r} of {world_size} stopped responding (no heartbeat for {stall_s:g} s: its "
-            "process stopped or hung) and was killed")
-        for r in seen.silent if r not in seen.dead and r not in seen.stopped
-    ]  # fmt: skip
+        (
+            r,
+            f"rank {r} of {world_size} stopped responding (no heartbeat for {stall_s:g} s: its "
+            "process stopped or hung) and was killed",
+        )
+        for r in seen.silent
+        if r not in seen.dead and r not in seen.stopped
+    ]
     raised = [
         (rank, f"rank {rank} of {world_size} raised {outcome['error']}", outcome["traceback"])
         for rank, outcome in enumerate(outcomes)

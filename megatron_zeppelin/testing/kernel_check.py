@@ -39,8 +39,15 @@ class KernelCase:
     head_dim: int = 128
 
     def with_head_dim(self, head_dim: int) -> KernelCase:
-        return KernelCase(self.block, self.lengths_q, self.lengths_k, self.causal,
-                          self.num_heads, self.num_kv_heads, head_dim)  # fmt: skip
+        return KernelCase(
+            self.block,
+            self.lengths_q,
+            self.lengths_k,
+            self.causal,
+            self.num_heads,
+            self.num_kv_heads,
+            head_dim,
+        )
 
 
 BLOCKS: dict[str, KernelCase] = {
@@ -107,12 +114,18 @@ def kernel_errors(
     dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, batch, softmax_scale=scale)
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
-    ref, ref_lse = pair_attention(*leaves, case.lengths_q, case.lengths_k,
-                                  causal=case.causal, scale=scale)  # fmt: skip
+    ref, ref_lse = pair_attention(
+        *leaves, case.lengths_q, case.lengths_k, causal=case.causal, scale=scale
+    )
     ref.backward(dout.double())
     got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
-    want = {"out": ref, "lse": ref_lse, "dq": leaves[0].grad, "dk": leaves[1].grad,
-            "dv": leaves[2].grad}  # fmt: skip
+    want = {
+        "out": ref,
+        "lse": ref_lse,
+        "dq": leaves[0].grad,
+        "dk": leaves[1].grad,
+        "dv": leaves[2].grad,
+    }
     return {name: _error(got[name], want[name]) for name in got}
 
 

@@ -153,8 +153,9 @@ class ThreadExchanger:
     ) -> ThreadPending:
         """Deliver this rank's sends of one ring step; see ``comm.protocol.Exchanger``."""
         row_shape = tuple(int(d) for d in row_shape)
-        sends = check_payload(messages, payload, rank=self.rank, row_shape=row_shape,
-                              dtype=dtype, tag=tag)  # fmt: skip
+        sends = check_payload(
+            messages, payload, rank=self.rank, row_shape=row_shape, dtype=dtype, tag=tag
+        )
         device = torch.device("cpu")
         for key, msg in sends.items():
             tensor = payload.get(key)

@@ -75,9 +75,13 @@ def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float)
     launcher_log = log_dir / "launcher.log"
     with open(launcher_log, "w") as out:
         proc = subprocess.Popen(
-            command, cwd=log_dir, env=env, stdout=out, stderr=subprocess.STDOUT,
+            command,
+            cwd=log_dir,
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
-        )  # fmt: skip
+        )
     try:
         returncode = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:

@@ -113,8 +113,9 @@ def _slurm_command(words: list[str], where: str) -> Command:
     for i, word in enumerate(words):
         if word in ("--nodes", "-N"):
             nodes = int(words[i + 1])
-    return slurm_command(env.get("MODEL", "llama-7b"), env.get("CLUSTER", "dgx-h100"), nodes,
-                         where=where)  # fmt: skip
+    return slurm_command(
+        env.get("MODEL", "llama-7b"), env.get("CLUSTER", "dgx-h100"), nodes, where=where
+    )
 
 
 def slurm_command(model: str, cluster: str, nodes: int, *, where: str = "") -> Command:

@@ -41,8 +41,38 @@ SAVE_AT = 2
 TIMEOUT_S = 420.0
 TOLERANCE = 1e-5
 # Up to 250 tokens: over one node's 128 tokens (inter-node rings), and alone in a micro-batch.
-LENGTHS = (250, 7, 200, 40, 180, 30, 150, 20, 130, 12, 90, 8, 60, 5, 3, 110, 45, 70, 25, 140, 16,
-           95, 33, 11, 6, 220, 2, 80, 18, 100)  # fmt: skip
+LENGTHS = (
+    250,
+    7,
+    200,
+    40,
+    180,
+    30,
+    150,
+    20,
+    130,
+    12,
+    90,
+    8,
+    60,
+    5,
+    3,
+    110,
+    45,
+    70,
+    25,
+    140,
+    16,
+    95,
+    33,
+    11,
+    6,
+    220,
+    2,
+    80,
+    18,
+    100,
+)
 
 MODEL = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --swiglu "
@@ -72,10 +102,18 @@ def _args(*, ranks: int, tp: int, nodes: int, capacity: int, data: str, extra=()
     zeppelin_ranks = ranks // tp
     global_batch = 2 * zeppelin_ranks  # two micro-batches per step on every run
     return [
-        *MODEL, *TRAINING, *ON_CPU, "--data-path", data,
-        "--global-batch-size", str(global_batch), "--tensor-model-parallel-size", str(tp),
-        *ZEPPELIN.format(nodes=nodes, capacity=capacity).split(), *extra,
-    ]  # fmt: skip
+        *MODEL,
+        *TRAINING,
+        *ON_CPU,
+        "--data-path",
+        data,
+        "--global-batch-size",
+        str(global_batch),
+        "--tensor-model-parallel-size",
+        str(tp),
+        *ZEPPELIN.format(nodes=nodes, capacity=capacity).split(),
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -90,10 +128,23 @@ def dataset(work: Path) -> str:
     lengths.write_text(" ".join(map(str, LENGTHS)))
     prefix = str(work / "docs")
     done = subprocess.run(
-        [sys.executable, "-m", "megatron_zeppelin.cli", "make-dataset", "--output", prefix,
-         "--lengths", str(lengths), "--vocab-size", str(VOCAB)],
-        cwd=ROOT, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "megatron_zeppelin.cli",
+            "make-dataset",
+            "--output",
+            prefix,
+            "--lengths",
+            str(lengths),
+            "--vocab-size",
+            str(VOCAB),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return prefix
 
