@@ -28,8 +28,12 @@ def main(argv: list[str] | None = None) -> None:
     lengths = sample_lengths(args.dist, num_tokens=args.tokens, seed=0)
 
     def sampler() -> DocumentSampler:
-        return DocumentSampler(lengths, tokens_per_step=args.tokens_per_step,
-                               num_micro_batches=args.micro_batches, seed=1)  # fmt: skip
+        return DocumentSampler(
+            lengths,
+            tokens_per_step=args.tokens_per_step,
+            num_micro_batches=args.micro_batches,
+            seed=1,
+        )
 
     replayed = sampler()
     start = time.perf_counter()
@@ -41,9 +45,11 @@ def main(argv: list[str] | None = None) -> None:
     restored.load_state_dict(replayed.state_dict())
     restore_s = time.perf_counter() - start
     assert restored.next_step() == replayed.next_step(), "restored state gives another batch"
-    print(f"{len(lengths):,} documents, {args.tokens_per_step:,} tokens per step: replay "
-          f"{replay_s * 1e3:.1f} ms per step, restore {restore_s * 1e3:.3f} ms; 50,000 steps "
-          f"replayed: {replay_s * 50_000 / 60:.0f} min")  # fmt: skip
+    print(
+        f"{len(lengths):,} documents, {args.tokens_per_step:,} tokens per step: replay "
+        f"{replay_s * 1e3:.1f} ms per step, restore {restore_s * 1e3:.3f} ms; 50,000 steps "
+        f"replayed: {replay_s * 50_000 / 60:.0f} min"
+    )
 
 
 if __name__ == "__main__":

@@ -78,6 +78,15 @@ def test_fault_drill_resumes_a_torn_checkpoint_with_the_same_losses(tmp_path) ->
 
 @pytest.mark.dist
 def test_resume_benchmark_checks_the_restored_batch_and_prints_both_times() -> None:
-    out = run_script("scripts/bench_resume.py", "--tokens", "300000", "--tokens-per-step",
-                     "20000", "--micro-batches", "2", "--steps", "3")  # fmt: skip
+    out = run_script(
+        "scripts/bench_resume.py",
+        "--tokens",
+        "300000",
+        "--tokens-per-step",
+        "20000",
+        "--micro-batches",
+        "2",
+        "--steps",
+        "3",
+    )
     assert "replay" in out and "restore" in out and "ms per step" in out
