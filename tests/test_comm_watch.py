@@ -128,6 +128,19 @@ def test_run_lets_bad_arguments_through_and_posts_synchronously_on_nccl():
     nccl = CommWatch(rank=0, world_size=1, timeout_s=1.0, backend="nccl")
     nccl.run("loss all-reduce", lambda async_op: calls.append(async_op))
     assert calls == [False]  # stream-ordered; NCCL's watchdog holds the bound
+    # The training job's --device cuda world: host tensors on gloo, CUDA tensors on NCCL.
+    mixed = CommWatch(rank=0, world_size=1, timeout_s=1.0, backend="cpu:gloo,cuda:nccl")
+    mixed.run("loss all-reduce", lambda async_op: calls.append(async_op), cuda=True)
+    assert calls == [False, False]
+    posted = []
+
+    class Done:
+        def wait(self, timeout):
+            posted.append(timeout.total_seconds())
+            return True
+
+    mixed.run("counters", lambda async_op: (calls.append(async_op), Done())[1])
+    assert calls == [False, False, True] and posted == [1.0]  # a host tensor keeps its bound
 
 
 def test_comm_failures_are_told_from_bad_input_and_bugs():

@@ -78,7 +78,7 @@ def all_to_all_rows(
     if watch is None:
         issue(False)
     else:
-        watch.run(what, issue, layer=layer, phase=phase)
+        watch.run(what, issue, layer=layer, phase=phase, cuda=send.is_cuda)
     return recv.index_select(0, torch.as_tensor(layout.recv_index, device=device))
 
 

@@ -288,14 +288,17 @@ class CommWatch:
         layer: int | None = None,
         phase: str = "",
         timeout_s: float | None = None,
+        cuda: bool = False,
     ) -> None:
-        """Run one collective: ``issue(async_op)`` posts it (``dist.<op>(..., async_op=...)``)."""
+        """Run one collective: ``issue(async_op)`` posts it (``dist.<op>(..., async_op=...)``).
+        ``cuda``: its tensors are on a GPU, so with a backend that sends CUDA tensors through
+        NCCL (``nccl``, or ``cpu:gloo,cuda:nccl``) the wait stays stream-ordered."""
         with self._lock:
             self.position = replace(
                 self.position, op=self.position.op + 1, layer=layer, phase=phase, what=what
             )
         self._wake.set()
-        if self.backend == "nccl":
+        if self.backend == "nccl" or (cuda and "cuda:nccl" in self.backend):
             issue(False)  # stream-ordered; NCCL's watchdog enforces the group's timeout
             return
         limit = self.timeout_s if timeout_s is None else timeout_s
@@ -318,7 +321,11 @@ class CommWatch:
         op: Any = None,
     ) -> None:
         op = dist.ReduceOp.SUM if op is None else op
-        self.run(what, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
+        self.run(
+            what,
+            lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a),
+            cuda=tensor.is_cuda,
+        )
 
     def all_gather(
         self,
@@ -328,7 +335,11 @@ class CommWatch:
         *,
         what: str,
     ) -> None:
-        self.run(what, lambda a: dist.all_gather(outputs, tensor, group=group, async_op=a))
+        self.run(
+            what,
+            lambda a: dist.all_gather(outputs, tensor, group=group, async_op=a),
+            cuda=tensor.is_cuda,
+        )
 
     def barrier(
         self, group: dist.ProcessGroup | None = None, *, what: str, timeout_s: float | None = None
