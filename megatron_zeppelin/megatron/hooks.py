@@ -51,6 +51,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.megatron.args import (
     extra_args_provider,
     is_enabled,
@@ -182,6 +183,14 @@ def setup(args: argparse.Namespace) -> None:
         remap_group=group,
         tensor_parallel=tp,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        # The remap all-to-all is bounded by --zeppelin-comm-timeout-s and a stall names the
+        # layer (Megatron's own collectives keep --distributed-timeout-minutes).
+        watch=CommWatch(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            timeout_s=config.comm_timeout_s,
+            backend=str(dist.get_backend()),
+        ),
     )
     _STATE.num_micro_batches = args.global_batch_size // per_rank
     _log_startup(args, tp)
