@@ -127,15 +127,22 @@ def test_the_harness_names_a_stopped_rank_nobody_waits_on() -> None:
     assert "still running after" not in str(info.value)
 
 
-def _spawned_workers(pid: int) -> list[int]:
-    """The multiprocessing workers a command started, in spawn (rank) order."""
+def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
-        children = sorted(int(p) for p in f.read().split())
+        return sorted(int(p) for p in f.read().split())
+
+
+def _spawned_workers(pid: int) -> list[int]:
+    """The rank processes a command started, in start (rank) order: the children of its
+    multiprocessing fork server (``testing.dist``), or its spawned children."""
     found = []
-    for child in children:
+    for child in _children(pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:
-            if b"spawn_main" in f.read():
-                found.append(child)
+            cmdline = f.read()
+        if b"forkserver" in cmdline:
+            found.extend(_children(child))
+        elif b"spawn_main" in cmdline:
+            found.append(child)
     return found
 
 
