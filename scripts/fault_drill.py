@@ -3,6 +3,7 @@ torn checkpoint; after each, resume from the last complete checkpoint and compar
 
     python scripts/fault_drill.py                            # every drill, 4 workers, T = 5 s
     python scripts/fault_drill.py --drills stall,kill-worker --timeout 5 --json drill.json
+    python scripts/fault_drill.py --drills torn-checkpoint --nproc 2 --steps 5 --fault-at 2
 
 Every drill starts ``zeppelin train`` (2 emulated nodes x 2 GPUs, a checkpoint every step,
 ``--zeppelin-comm-timeout-s T``; the reference and resumed runs keep the job's default), waits
@@ -50,10 +51,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fault-at", type=int, default=3, help="Checkpoint to wait for.")
     parser.add_argument("--timeout", type=float, default=5.0, help="--zeppelin-comm-timeout-s.")
     parser.add_argument("--json", default=None, help="Write the results here.")
+    parser.add_argument("--nproc", type=int, default=4, help="Workers (2 nodes of nproc / 2).")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.drills.split(",")) - set(DRILLS))
     if unknown:
         parser.error(f"unknown drills {unknown}; choose from {', '.join(DRILLS)}")
+    if args.nproc < 2 or args.nproc % 2:
+        parser.error("--nproc must be an even number of workers, at least 2 (two nodes)")
+    if args.nproc < 3 and {"stall", "kill-worker"} & set(args.drills.split(",")):
+        parser.error("the stall and kill-worker drills need --nproc 4 or more (they stop rank 2)")
     if not 1 <= args.fault_at < args.steps:
         parser.error("--fault-at must be at least 1 and below --steps")
     return args
@@ -71,8 +77,15 @@ def train_command(args: argparse.Namespace, *flags: str) -> list[str]:
         "--quiet",
         "--steps",
         str(args.steps),
+        "--nproc",
+        str(args.nproc),
         *flags,
     ]
+
+
+def last_rank_file(args: argparse.Namespace) -> str:
+    """The rank file the torn-checkpoint drill cuts short: the last rank's."""
+    return f"rank{args.nproc - 1:03d}.pt"
 
 
 def start(args: argparse.Namespace, *flags: str) -> subprocess.Popen:
@@ -188,11 +201,16 @@ def torn_drill(args: argparse.Namespace, root: str) -> dict:
         f.truncate(os.path.getsize(f.name) // 2)
     broken = root + "-broken"
     shutil.copytree(good, broken)
-    with open(os.path.join(broken, "rank003.pt"), "r+b") as f:
+    with open(os.path.join(broken, last_rank_file(args)), "r+b") as f:
         f.truncate(os.path.getsize(f.name) // 2)
     code, err = run(args, "--load", broken)
     shutil.rmtree(broken)
-    return {"exit": code, "lines": err.strip().splitlines(), "resumes_from": step}
+    return {
+        "exit": code,
+        "lines": err.strip().splitlines(),
+        "resumes_from": step,
+        "cut_short": last_rank_file(args),
+    }
 
 
 def resume(args: argparse.Namespace, root: str, reference: dict[int, float], tag: str) -> dict:
@@ -237,7 +255,7 @@ def verdict(name: str, fault: dict, resumed: dict, timeout: float) -> tuple[str,
         expected = "every worker gone within seconds"
         observed = f"all workers gone {fault['workers_s']:.1f} s after the kill"
     else:
-        ok = fault["exit"] == 2 and "rank003.pt has" in first and same
+        ok = fault["exit"] == 2 and f"{fault['cut_short']} has" in first and same
         expected = "a torn save is skipped; a cut-short file is refused before launch (exit 2)"
         observed = f"--load of the damaged copy: exit {fault['exit']}: {_short(lines)}"
     return expected, f"{observed}; {after}", ok
