@@ -20,8 +20,8 @@ from megatron_zeppelin.attention.kernels import (
     get_kernel,
     register_kernel,
 )
-from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors, pair_attention
-from megatron_zeppelin.testing.reference import random_qkv, reference_attention
+from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors
+from megatron_zeppelin.testing.reference import pair_attention, random_qkv, reference_attention
 from megatron_zeppelin.testing.tolerances import assert_close, tolerance
 
 

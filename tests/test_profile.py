@@ -352,7 +352,7 @@ def test_a_cuda_device_gets_this_processs_gpu_index(monkeypatch: pytest.MonkeyPa
     what ``zeppelin profile --device cuda`` passed it; the index comes from ``LOCAL_RANK``."""
     import torch
 
-    from megatron_zeppelin.profile.timing import resolve_device
+    from megatron_zeppelin.devices import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

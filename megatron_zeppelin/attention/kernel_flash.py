@@ -175,6 +175,15 @@ def _check_inputs(
         )
 
 
+def _kernel_inputs(name: str, q_tnd, k_tnd, v_tnd, batch: VarlenBatch):  # noqa: ANN001, ANN202
+    """Checked, contiguous ``q, k, v`` and the pairs' ``cu_seqlens`` on their device. The engine
+    passes views (K and V halves of a received buffer); the kernels need contiguous rows (a
+    no-op for tensors that already are)."""
+    _check_inputs(name, q_tnd, k_tnd, v_tnd, batch)
+    q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
+    return q, k, v, *batch.cu_seqlens(q.device)
+
+
 def _lse_tn(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """flash-attn's varlen lse ``(nq, t)`` as the interface's float32 ``(t, nq)``."""
     assert tuple(lse.shape) == (q.shape[1], q.shape[0]), (tuple(lse.shape), tuple(q.shape))
@@ -199,11 +208,7 @@ class Flash2Kernel:
         self._backward = interface._flash_attn_varlen_backward
 
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        _check_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
-        # The engine passes views (K and V halves of a received buffer); the kernels need
-        # contiguous rows. A no-op for tensors that already are.
-        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
-        cu_q, cu_k = batch.cu_seqlens(q.device)
+        q, k, v, cu_q, cu_k = _kernel_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         out, lse, _ = self._forward(
             q,
             k,
@@ -220,9 +225,7 @@ class Flash2Kernel:
         return out, _lse_tn(lse, q)
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        _check_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
-        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
-        cu_q, cu_k = batch.cu_seqlens(q.device)
+        q, k, v, cu_q, cu_k = _kernel_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         window = (-1, -1) if self.release.window_split else ((-1, -1),)
         self._backward(
@@ -269,9 +272,7 @@ class Flash3Kernel:
         self._backward = interface._flash_attn_backward
 
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        _check_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
-        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
-        cu_q, cu_k = batch.cu_seqlens(q.device)
+        q, k, v, cu_q, cu_k = _kernel_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         out, lse, *_ = self._forward(
             q, k, v, None, None, None, None,  # k_new, v_new, qv, out
             cu_q, cu_k, None, None, None,  # cu_seqlens_k_new, seqused_q, seqused_k
@@ -283,9 +284,7 @@ class Flash3Kernel:
         return out, _lse_tn(lse, q)
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        _check_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
-        q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
-        cu_q, cu_k = batch.cu_seqlens(q.device)
+        q, k, v, cu_q, cu_k = _kernel_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         self._backward(
             dout_tnd.contiguous(), q, k, v, out_tnd.to(q.dtype).contiguous(),

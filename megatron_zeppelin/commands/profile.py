@@ -23,11 +23,12 @@ import argparse
 import sys
 
 from megatron_zeppelin.attention.kernels import available_kernels, requires_cuda
+from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
 from megatron_zeppelin.profile import links as link_profile
 from megatron_zeppelin.profile.runner import ProfileSettings, profile, summary_lines
-from megatron_zeppelin.profile.timing import TimingOptions, resolve_device
+from megatron_zeppelin.profile.timing import TimingOptions
 
 
 def parse_shape(text: str) -> tuple[int, int]:

@@ -35,11 +35,11 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
-import torch
 
 from megatron_zeppelin import checkpoint
 from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.devices import require_gpus
 from megatron_zeppelin.launch import launch
 from megatron_zeppelin.megatron import train_cpu
 from megatron_zeppelin.megatron.args import resolve_topology
@@ -118,7 +118,6 @@ def check_before_launch(args: argparse.Namespace) -> None:
 
 def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  # noqa: ANN001
     """One GPU per process with ``--device cuda``, and a kernel that runs on the job's device."""
-
     if args.device == "cpu":
         if requires_cuda(config.kernel):
             raise ValueError(
@@ -127,17 +126,8 @@ def _check_device(args: argparse.Namespace, config, world_size: int) -> None:  #
             )
         return
     job_device("cuda")
-    if world_size > torch_cuda_count():
-        raise ValueError(
-            f"--device cuda runs one process per GPU: --nproc {world_size} needs {world_size} "
-            f"GPUs and {torch_cuda_count()} are visible"
-        )
+    require_gpus(world_size, fix="lower --nproc")
     choose_kernel(config.kernel, device="cuda", dtype=DTYPES[args.dtype])
-
-
-def torch_cuda_count() -> int:
-
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def check_job(args: argparse.Namespace, *, world_size: int) -> None:

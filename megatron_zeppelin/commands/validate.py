@@ -19,7 +19,7 @@ import json
 import os
 
 from megatron_zeppelin.commands.profile import check_kernel, check_positive, parse_shape
-from megatron_zeppelin.profile.timing import resolve_device
+from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.profile.validate import ValidationSettings, validate
 
 

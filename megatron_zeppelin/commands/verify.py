@@ -59,6 +59,7 @@ from megatron_zeppelin.commands.verify_run import (
     single_gpu,
     worker,
 )
+from megatron_zeppelin.devices import require_gpus
 from megatron_zeppelin.fileio import atomic_write_text, format_bytes
 
 __all__ = ["Case", "EngineSpec", "build_cases", "compare", "main", "verify", "worker"]
@@ -271,16 +272,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _check_devices(device: str, world_size: int) -> None:
     """``--device cuda`` needs one GPU per emulated rank (NCCL refuses two ranks on one GPU)."""
-    if device != "cuda":
-        return
-    import torch
-
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count < world_size:
-        raise ValueError(
-            f"--device cuda runs one process per GPU: {world_size} ranks need {world_size} GPUs "
-            f"and {count} are visible; use --device cpu or fewer --nodes/--gpus-per-node"
-        )
+    if device == "cuda":
+        require_gpus(world_size, fix="use --device cpu or fewer --nodes/--gpus-per-node")
 
 
 DEFAULT_DIST = "wikipedia"

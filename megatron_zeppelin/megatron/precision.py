@@ -10,11 +10,12 @@ bfloat16 step of the weight (about 1/256 of it), which stalls small learning rat
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+
+from megatron_zeppelin.devices import resolve_device
 
 __all__ = ["DEVICES", "DTYPES", "MainWeightsAdam", "job_device", "make_optimizer"]
 
@@ -23,20 +24,10 @@ DTYPES = {"float32": torch.float32, "bf16": torch.bfloat16}
 
 
 def job_device(name: str) -> torch.device:
-    """This process's device: the CPU, or the GPU of its ``LOCAL_RANK``."""
-    if name == "cpu":
-        return torch.device("cpu")
-    if name != "cuda":
+    """This process's device: the CPU, or the GPU of its ``LOCAL_RANK`` (``devices.py``)."""
+    if name not in DEVICES:
         raise ValueError(f"--device {name!r} is not one of {list(DEVICES)}")
-    if not torch.cuda.is_available():
-        raise ValueError("--device cuda, but no CUDA GPU is visible here: use --device cpu")
-    local = int(os.environ.get("LOCAL_RANK", "0"))
-    if local >= torch.cuda.device_count():
-        raise ValueError(
-            f"process {local} of this node has no GPU of its own ({torch.cuda.device_count()} "
-            "visible): start at most one process per GPU (--nproc)"
-        )
-    return torch.device("cuda", local)
+    return resolve_device(name)
 
 
 class MainWeightsAdam:

@@ -37,6 +37,7 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import (
     MODEL_DIMS,
     Calibration,
@@ -51,12 +52,7 @@ from megatron_zeppelin.planner.models import ModelSpec, get_model
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
 from megatron_zeppelin.profile import links as link_profile
-from megatron_zeppelin.profile.timing import (
-    TimingOptions,
-    dtype_name,
-    resolve_device,
-    resolve_dtype,
-)
+from megatron_zeppelin.profile.timing import TimingOptions, dtype_name, resolve_dtype
 from megatron_zeppelin.topology.model import Topology
 
 Progress = Callable[[str], None]

@@ -9,7 +9,6 @@ spread over every figure.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -94,23 +93,6 @@ def _one_call(fn: Callable[[], object], device: torch.device) -> float:
     begin = time.perf_counter()
     fn()
     return time.perf_counter() - begin
-
-
-def resolve_device(name: str | None) -> torch.device:
-    """``None``/``"auto"``: CUDA where present, else CPU; anything else as given. A CUDA device
-    always has an index (``torch.cuda.set_device`` and the events need one): the one given,
-    else this process's GPU by ``LOCAL_RANK``."""
-    if name in (None, "auto"):
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type != "cuda":
-        return device
-    if not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for but no CUDA device is visible; use 'cpu'")
-    if device.index is None:
-        local = int(os.environ.get("LOCAL_RANK", "0"))
-        device = torch.device("cuda", local % torch.cuda.device_count())
-    return device
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:

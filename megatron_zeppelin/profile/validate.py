@@ -41,12 +41,13 @@ from typing import Any
 
 import torch
 
+from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.profile.linear import LayerGemms
-from megatron_zeppelin.profile.timing import resolve_device, resolve_dtype, synchronize
+from megatron_zeppelin.profile.timing import resolve_dtype, synchronize
 from megatron_zeppelin.topology.model import Topology
 
 

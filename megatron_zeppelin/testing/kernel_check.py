@@ -15,15 +15,15 @@ tolerance; ``scripts/bench_kernels.py`` prints them.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from megatron_zeppelin.attention.kernel_api import AttentionKernel, VarlenBatch
+from megatron_zeppelin.testing.reference import pair_attention
 from megatron_zeppelin.testing.tolerances import relative_error
 
-__all__ = ["BLOCKS", "KernelCase", "kernel_errors", "pair_attention"]
+__all__ = ["BLOCKS", "KernelCase", "kernel_errors"]
 
 
 @dataclass(frozen=True)
@@ -55,37 +55,6 @@ BLOCKS: dict[str, KernelCase] = {
     "suffix": KernelCase("suffix", (64, 200, 1, 33), (300, 200, 50, 97), True),
     "off-diagonal": KernelCase("off-diagonal", (64, 300, 77, 1), (200, 100, 77, 5), False),
 }
-
-
-def pair_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    lengths_q: Sequence[int],
-    lengths_k: Sequence[int],
-    *,
-    causal: bool,
-    scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dense attention of every pair in ``q``'s dtype (the causal mask bottom-right, as
-    ``kernel_api.py`` defines it): ``(out_tnd, lse_tn)``; differentiable."""
-    outs, lses = [], []
-    group = q.shape[1] // k.shape[1]
-    q0 = k0 = 0
-    for lq, lk in zip(lengths_q, lengths_k):
-        qp = q[q0 : q0 + lq]
-        kp = k[k0 : k0 + lk].repeat_interleave(group, 1)
-        vp = v[k0 : k0 + lk].repeat_interleave(group, 1)
-        scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
-        if causal:
-            hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-            scores = scores.masked_fill(hidden.triu(diagonal=lk - lq + 1), float("-inf"))
-        lse = scores.logsumexp(-1)
-        probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
-        outs.append(torch.einsum("nqk,knd->qnd", probs, vp))
-        lses.append(lse.transpose(0, 1))
-        q0, k0 = q0 + lq, k0 + lk
-    return torch.cat(outs), torch.cat(lses)
 
 
 def kernel_errors(

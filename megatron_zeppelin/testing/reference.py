@@ -24,6 +24,7 @@ __all__ = [
     "attention_rows",
     "linear_rows",
     "packed_offsets",
+    "pair_attention",
     "random_qkv",
     "reference_attention",
     "rows_of_ranges",
@@ -62,23 +63,42 @@ def reference_attention(
         raise ValueError(f"{nq} query heads do not group over {nkv} K/V heads")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     q, k, v = (x.to(torch.float64) for x in (q_tnd, k_tnd, v_tnd))
-    # Grouped-query attention: query head h reads K/V head h // (nq // nkv).
-    k = k.repeat_interleave(nq // nkv, dim=1)
-    v = v.repeat_interleave(nq // nkv, dim=1)
+    out, lse = pair_attention(q, k, v, lengths, lengths, causal=True, scale=scale)
+    return (out, lse) if return_lse else out
+
+
+def pair_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    lengths_q: Sequence[int],
+    lengths_k: Sequence[int],
+    *,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dense attention of every pair (the query rows of pair ``p`` against its key rows) in
+    ``q``'s dtype, the causal mask aligned bottom-right as ``attention/kernel_api.py`` defines
+    it: ``(out_tnd, lse_tn)``, differentiable. ``reference_attention`` is its causal case."""
+    if not len(lengths_q):
+        return q.new_zeros((0, *q.shape[1:])), q.new_zeros((0, q.shape[1]))
     outs, lses = [], []
-    offsets = packed_offsets(lengths)
-    for start, end in zip(offsets[:-1], offsets[1:]):
-        n = end - start
-        scores_nqk = torch.einsum("qnd,knd->nqk", q[start:end], k[start:end]) * scale
-        future = torch.triu(torch.ones(n, n, dtype=torch.bool, device=q.device), diagonal=1)
-        scores_nqk = scores_nqk.masked_fill(future, float("-inf"))
-        lses.append(torch.logsumexp(scores_nqk, dim=-1).transpose(0, 1))
-        outs.append(torch.einsum("nqk,knd->qnd", torch.softmax(scores_nqk, dim=-1), v[start:end]))
-    empty = q.new_zeros((0, nq, d))
-    out = torch.cat(outs) if outs else empty
-    if not return_lse:
-        return out
-    return out, (torch.cat(lses) if lses else q.new_zeros((0, nq)))
+    group = q.shape[1] // k.shape[1]
+    q0 = k0 = 0
+    for lq, lk in zip(lengths_q, lengths_k):
+        qp = q[q0 : q0 + lq]
+        kp = k[k0 : k0 + lk].repeat_interleave(group, 1)
+        vp = v[k0 : k0 + lk].repeat_interleave(group, 1)
+        scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
+        if causal:
+            hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
+            scores = scores.masked_fill(hidden.triu(diagonal=lk - lq + 1), float("-inf"))
+        lse = scores.logsumexp(-1)
+        probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
+        outs.append(torch.einsum("nqk,knd->qnd", probs, vp))
+        lses.append(lse.transpose(0, 1))
+        q0, k0 = q0 + lq, k0 + lk
+    return torch.cat(outs), torch.cat(lses)
 
 
 def rows_of_ranges(plan: Plan, ranges: Sequence[TokenRange]) -> torch.Tensor:
