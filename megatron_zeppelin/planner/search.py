@@ -53,6 +53,7 @@ from megatron_zeppelin.planner.placement import (
     place_within_nodes,
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
+from megatron_zeppelin.planner.pool import place_pool
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
@@ -233,6 +234,10 @@ def search(
         (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
+    pooled = _pool_candidate(array, new_loads, rules, layouts, found)
+    if pooled is not None:  # always timed against the best so far
+        found.append(pooled)
+        shortlist = [*shortlist[: _MAX_TIMED - 1], pooled]
     for candidate in shortlist:
         candidate.build(array, routing)
         if len(shortlist) > 1:
@@ -241,6 +246,31 @@ def search(
             candidate.keep_estimate()
     best = min(shortlist, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
+
+
+def _pool_candidate(
+    array: np.ndarray,
+    new_loads: Callable[[bool, bool], Loads],
+    rules: TierRules,
+    layouts: tuple[str, ...],
+    found: list[Candidate],
+) -> Candidate | None:
+    """The placement over the GPUs as one pool (``pool.place_pool``), where no candidate so far
+    is even enough and splitting is allowed; ``None`` otherwise or where it runs out of room."""
+    if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
+        return None
+    loads = new_loads(True, True)
+    choice = assign_tiers(array, loads, rules)
+    try:
+        placements = place_pool(array, choice, loads)
+    except CapacityError:
+        return None
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    predicted = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+    )
+    extra = sum(p.tier != Tier.LOCAL for p in placements) - int((choice.split | choice.inter).sum())
+    return Candidate(placements, loads, 0, max(0, extra), predicted)
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:

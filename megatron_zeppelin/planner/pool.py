@@ -1,0 +1,260 @@
+"""A placement over the world's GPUs as one pool: rings sized to the mean, on any GPUs.
+
+The staged placement (``placement.py``) gives an inter-node document whole nodes and every other
+document a node first: a document worth 1.5 nodes takes 2, and where documents are few per node
+the nodes do not fill evenly. Here every GPU is a slot of the same target load ``M`` (the
+batch's work over the GPUs, raised by what splitting adds):
+
+1. every document whose work exceeds a GPU's share (and every document capacity forces to split)
+   gets, longest first, the smallest ring whose per-member load ``Loads.ring_key`` fits under
+   ``M`` on GPUs that still have that much room: inside one node where one has enough such GPUs
+   (NVLink), else over whole nodes with the 2-D scheme where its price fits and whole free nodes
+   are left, else over the GPUs of as few nodes as possible (a flat ring across nodes over part
+   of each node's GPUs: the engine runs any ring, ``attention/ring.py``);
+2. every other document, longest first, goes whole to the least-loaded GPU with room, over the
+   whole world (a local document talks to nobody, so its node does not matter).
+
+``search`` adds it as one more candidate and keeps whichever the simulator times faster.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+
+import numpy as np
+
+from megatron_zeppelin.planner.loads import Loads, min_ring
+from megatron_zeppelin.planner.placement import (
+    CapacityError,
+    Heap,
+    Placement,
+    TierChoice,
+    capacity_error,
+    pop_with_room,
+)
+from megatron_zeppelin.planner.plan import Tier, zigzag_loads
+
+__all__ = ["place_pool"]
+
+_TOLERANCE = 1.02
+"""A ring member may end this far above the target load."""
+_TARGET_ROUNDS = 3
+"""Rounds of sizing every ring against the target and raising the target by what they add."""
+
+
+def place_pool(array: np.ndarray, choice: TierChoice, loads: Loads) -> list[Placement]:
+    """Every document's placement (module docstring), its work added to ``loads``; a document
+    is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
+    (``_floor_tokens``), exceeds a GPU's share. Raises
+    ``CapacityError`` where a document finds no room."""
+    world = loads.topology.world_size
+    balanced = choice.attention + loads.linear_weight * array
+    share = float(balanced.sum()) / world
+    floor = _floor_tokens(array, loads)
+    # A document whole on a GPU that must also hold ``floor`` tokens: its work and theirs.
+    whole_load = balanced + loads.linear_weight * np.maximum(0, floor - array)
+    rings = choice.split | choice.inter | (whole_load > share)
+    rings &= array >= 2
+    ring_docs = np.flatnonzero(rings)
+    ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
+    target = _target(array, balanced, ring_docs, loads)
+    placements: list[Placement | None] = [None] * len(array)
+    for doc in ring_docs:
+        placements[doc] = _place_ring(doc, int(array[doc]), target, loads, floor)
+    whole = np.flatnonzero(~rings)
+    whole = whole[np.lexsort((whole, -array[whole]))]
+    _place_whole(whole, array, choice.attention, loads, placements, floor)
+    return placements  # type: ignore[return-value]
+
+
+def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads) -> float:
+    """The load every GPU should end at: the batch's work over the GPUs, where each ring
+    counts its members' total at the size it would take for the current target."""
+    world = loads.topology.world_size
+    whole = float(balanced.sum()) - float(balanced[ring_docs].sum())
+    target = float(balanced.sum()) / world
+    for _ in range(_TARGET_ROUNDS):
+        total = whole
+        for doc in ring_docs:
+            size, key = _size_for(int(array[doc]), float(balanced[doc]), target, loads)
+            total += size * key
+        target = max(target, total / world)
+    return target
+
+
+def _sizes(length: int, work: float, target: float, loads: Loads) -> range:
+    """Ring sizes worth pricing: from the document's work over the target to a few times it."""
+    topo = loads.topology
+    start = max(2, min_ring(length, loads.capacity) or 2, math.floor(work / target))
+    stop = min(topo.world_size, 2 * start + 2 * topo.gpus_per_node)
+    return range(start, max(start, stop) + 1)
+
+
+def _price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool = True) -> float:
+    """Per-member load of a ring of ``size``: on NVLink inside a node (where it fits one and
+    ``in_node``), else across nodes, with the 2-D scheme's price only when asked (it needs whole
+    nodes)."""
+    k = loads.topology.gpus_per_node
+    if size <= k and in_node:
+        return loads.ring_key(length, size, "nvlink")
+    saved = loads.two_d
+    if not two_d:
+        loads.two_d = None
+    try:
+        return loads.ring_key(length, size, "nic")
+    finally:
+        loads.two_d = saved
+
+
+def _size_for(length: int, work: float, target: float, loads: Loads) -> tuple[int, float]:
+    """The smallest ring whose members' load fits the target (2-D priced where the size is
+    whole nodes), else the one with the least load per member."""
+    best = (math.inf, 2)
+    for size in _sizes(length, work, target, loads):
+        key = _price(length, size, loads, two_d=loads.two_d is not None)
+        if key <= target * _TOLERANCE:
+            return size, key
+        if key < best[0]:
+            best = (key, size)
+    return best[1], best[0]
+
+
+def _floor_tokens(array: np.ndarray, loads: Loads) -> int:
+    """Tokens every GPU ends up holding however the batch is placed, near enough: with the other
+    GPUs full, a GPU may fall short of the mean by no more than the room the mean leaves (a
+    batch that fills most of the capacity leaves no GPU free to hold only attention-heavy
+    pieces)."""
+    mean = float(array.sum()) / loads.topology.world_size
+    return max(0, int(2 * mean - loads.capacity))
+
+
+def _projected(loads: Loads, floor: int, added: int = 0) -> np.ndarray:
+    """Each GPU's load once it holds at least ``floor`` tokens (``added`` more than now),
+    the missing ones priced at their linear seconds alone (the least they can cost)."""
+    tokens = np.asarray(loads.tokens) + added
+    return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
+
+
+def _place_ring(doc: int, length: int, target: float, loads: Loads, floor: int) -> Placement:
+    """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
+    the size and GPUs that end soonest."""
+    topo = loads.topology
+    k = topo.gpus_per_node
+    room = loads.capacity - np.asarray(loads.tokens)
+    fallback: tuple[float, tuple[int, ...], bool] | None = None
+    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+    for size in _sizes(length, work, target, loads):
+        per_rank = max(zigzag_loads(length, size))
+        cost = _projected(loads, floor, per_rank)
+        options = []  # (per-member load, where the members may be)
+        if size <= k:
+            options.append((_price(length, size, loads, two_d=False), "node"))
+        if size % k == 0 and loads.two_d is not None:
+            options.append((_price(length, size, loads, two_d=True), "whole"))
+        options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
+        for key, where in options:
+            ring = _members(cost, room, size, key, per_rank, target * _TOLERANCE, k, where)
+            if ring is not None:
+                return _add(ring, length, loads, where == "whole")
+            ring = _members(cost, room, size, key, per_rank, math.inf, k, where)
+            if ring is not None:
+                end = float(cost[list(ring)].max()) + key
+                if fallback is None or end < fallback[0]:
+                    fallback = (end, ring, where == "whole")
+    if fallback is None:
+        raise capacity_error(doc, length, "on any GPUs of the pool")
+    return _add(fallback[1], length, loads, fallback[2])
+
+
+def _members(
+    cost: np.ndarray,
+    room: np.ndarray,
+    size: int,
+    key: float,
+    per_rank: int,
+    limit: float,
+    k: int,
+    where: str,
+) -> tuple[int, ...] | None:
+    """``size`` GPUs with ``per_rank`` tokens of room that end within ``limit`` after adding
+    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"``, the
+    nodes with the most such GPUs first (fewest cross-node edges), over at least two nodes."""
+    ok = (room >= per_rank) & (cost + key <= limit)
+    by_node = ok.reshape(-1, k)
+    counts = by_node.sum(axis=1)
+    node_cost = cost.reshape(-1, k)
+    if where == "whole":
+        full = np.flatnonzero(counts == k)
+        if len(full) < size // k:
+            return None
+        chosen = full[np.argsort(node_cost[full].max(axis=1), kind="stable")[: size // k]]
+        return tuple(int(n) * k + j for n in sorted(chosen.tolist()) for j in range(k))
+    if where == "node":
+        enough = np.flatnonzero(counts >= size)
+        if not len(enough):
+            return None
+        # The node whose ``size``-th least-loaded eligible GPU is least loaded.
+        masked = np.where(by_node[enough], node_cost[enough], np.inf)
+        kth = np.sort(masked, axis=1)[:, size - 1]
+        node = int(enough[int(np.argmin(kth))])
+        ranks = np.argsort(masked[int(np.argmin(kth))], kind="stable")[:size]
+        return tuple(node * k + int(j) for j in sorted(ranks.tolist()))
+    if int(counts.sum()) < size:
+        return None
+    order = np.lexsort((node_cost.max(axis=1), -counts))
+    ring: list[int] = []
+    for node in order.tolist():
+        free = [node * k + j for j in range(k) if by_node[node, j]]
+        free.sort(key=lambda r: (cost[r], r))
+        ring.extend(sorted(free[: size - len(ring)]))
+        if len(ring) == size:
+            break
+    nodes = sorted({r // k for r in ring})
+    if len(nodes) < 2:
+        return None  # one node's ring is priced on NVLink
+    return tuple(r for n in nodes for r in ring if r // k == n)
+
+
+def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Placement:
+    k = loads.topology.gpus_per_node
+    if len({r // k for r in ring}) == 1:
+        loads.add_ring(ring, length)
+        return Placement(Tier.INTRA, ring)
+    saved = loads.two_d
+    if not two_d:
+        loads.two_d = None
+    try:
+        loads.add_ring(ring, length, "nic")
+    finally:
+        loads.two_d = saved
+    return Placement(Tier.INTER, ring)
+
+
+def _place_whole(
+    docs: np.ndarray,
+    array: np.ndarray,
+    attention: np.ndarray,
+    loads: Loads,
+    placements: list[Placement | None],
+    floor: int,
+) -> None:
+    """Whole documents, longest first, on the GPU with room of the least ``_projected`` load,
+    over the world."""
+    world = loads.topology.world_size
+    weight = loads.linear_weight
+
+    def key(rank: int) -> float:
+        return loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
+
+    heap: Heap = [(key(r), r) for r in range(world)]
+    heapq.heapify(heap)
+    local = [Placement(Tier.LOCAL, (r,)) for r in range(world)]
+    for doc, length, seconds in zip(docs.tolist(), array[docs].tolist(), attention[docs].tolist()):
+        found = pop_with_room(heap, loads.tokens, loads.capacity, length)
+        if found is None:
+            raise CapacityError(capacity_error(doc, length, "on any GPU of the pool"))
+        rank = found[1]
+        loads.add_local(rank, length, seconds)
+        placements[doc] = local[rank]
+        heapq.heappush(heap, (key(rank), rank))
