@@ -103,6 +103,10 @@ class PlannerOptions:
     two_d: bool = True
     """Let the cost model run inter-node documents with their heads split inside each node and
     one ring per rail across nodes (``schemes.py``). ``False``: every ring is flat."""
+    pool: bool = True
+    """Also try the placement over the GPUs as one pool (``pool.py``: rings sized to the mean
+    load on any GPUs, across nodes over part of a node's GPUs too). ``False``: only the staged
+    placement (whole nodes for a ring across nodes)."""
 
     def resolved_thresholds(self, cost_model: CostModel) -> tuple[int, int]:
         if self.thresholds == "auto":
@@ -252,6 +256,7 @@ def _plan(
         rules,
         _layout_candidates(options),
         routing=options.routing,
+        pool=options.pool,
     )
     meta = {
         "thresholds": list(thresholds),

@@ -100,6 +100,8 @@ class Candidate:
     """Attention seconds per rank (compute plus exposed transfers)."""
     timed: bool = True
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
+    pooled: bool = False
+    """Placed over the GPUs as one pool (``pool.py``), not node by node."""
 
     @property
     def balance_linear(self) -> bool:
@@ -191,6 +193,7 @@ class Candidate:
 
     def summary(self) -> dict:
         out = {
+            "placement": "pool" if self.pooled else "staged",
             "balance": self.balance,
             "rings": self.rings,
             "extra_rings": self.extra_rings,
@@ -208,6 +211,7 @@ def search(
     layouts: tuple[str, ...],
     *,
     routing: bool,
+    pool: bool = True,
 ) -> tuple[Candidate, list[dict]]:
     """The fastest candidate (module docstring) and a summary of every one tried.
     ``new_loads(balance_linear, two_d)`` gives empty loads to place on (``two_d``: where the
@@ -234,7 +238,7 @@ def search(
         (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
-    pooled = _pool_candidate(array, new_loads, rules, layouts, found)
+    pooled = _pool_candidate(array, new_loads, rules, layouts, found) if pool else None
     if pooled is not None:  # always timed against the best so far
         found.append(pooled)
         shortlist = [*shortlist[: _MAX_TIMED - 1], pooled]
@@ -270,7 +274,7 @@ def _pool_candidate(
         loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
     )
     extra = sum(p.tier != Tier.LOCAL for p in placements) - int((choice.split | choice.inter).sum())
-    return Candidate(placements, loads, 0, max(0, extra), predicted)
+    return Candidate(placements, loads, 0, max(0, extra), predicted, pooled=True)
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
