@@ -26,12 +26,10 @@ import numpy as np
 
 from megatron_zeppelin.planner.loads import Loads, min_ring
 from megatron_zeppelin.planner.placement import (
-    CapacityError,
     Heap,
     Placement,
     TierChoice,
     capacity_error,
-    pop_with_room,
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
@@ -64,7 +62,7 @@ def place_pool(array: np.ndarray, choice: TierChoice, loads: Loads) -> list[Plac
         placements[doc] = _place_ring(doc, int(array[doc]), target, loads, floor)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
-    _place_whole(whole, array, choice.attention, loads, placements, floor)
+    _place_whole(whole, array, choice.attention, loads, placements, target, floor)
     return placements  # type: ignore[return-value]
 
 
@@ -237,24 +235,34 @@ def _place_whole(
     attention: np.ndarray,
     loads: Loads,
     placements: list[Placement | None],
+    target: float,
     floor: int,
 ) -> None:
-    """Whole documents, longest first, on the GPU with room of the least ``_projected`` load,
-    over the world."""
+    """Whole documents, longest first, on the GPU with room of the least ``_projected`` load
+    (ties: the lowest rank), over the world: the heap's top when it has room (the common case),
+    else one pass over every GPU (a nearly full cluster would otherwise pop most of the heap
+    for every document). A document no GPU has room for becomes a ring of GPUs that have."""
     world = loads.topology.world_size
-    weight = loads.linear_weight
-
-    def key(rank: int) -> float:
-        return loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
-
-    heap: Heap = [(key(r), r) for r in range(world)]
+    keys = _projected(loads, floor)
+    tokens = np.asarray(loads.tokens)
+    heap: Heap = [(float(keys[r]), r) for r in range(world)]
     heapq.heapify(heap)
     local = [Placement(Tier.LOCAL, (r,)) for r in range(world)]
     for doc, length, seconds in zip(docs.tolist(), array[docs].tolist(), attention[docs].tolist()):
-        found = pop_with_room(heap, loads.tokens, loads.capacity, length)
-        if found is None:
-            raise CapacityError(capacity_error(doc, length, "on any GPU of the pool"))
-        rank = found[1]
+        while heap[0][0] != keys[heap[0][1]]:
+            heapq.heappop(heap)  # stale
+        rank = heap[0][1]
+        if loads.capacity - tokens[rank] < length:
+            fits = loads.capacity - tokens >= length
+            if not fits.any():
+                placements[doc] = _place_ring(doc, length, target, loads, floor)
+                keys, tokens = _projected(loads, floor), np.asarray(loads.tokens)
+                heap = [(float(keys[r]), r) for r in range(world)]
+                heapq.heapify(heap)
+                continue
+            rank = int(np.argmin(np.where(fits, keys, np.inf)))
         loads.add_local(rank, length, seconds)
         placements[doc] = local[rank]
-        heapq.heappush(heap, (key(rank), rank))
+        tokens[rank] = loads.tokens[rank]
+        keys[rank] = loads.cost[rank] + loads.linear_weight * max(0, floor - loads.tokens[rank])
+        heapq.heappush(heap, (float(keys[rank]), rank))
