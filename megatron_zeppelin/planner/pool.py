@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -33,7 +34,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["place_pool"]
+__all__ = ["PoolGoal", "place_pool"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
@@ -41,11 +42,28 @@ _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
 
-def place_pool(array: np.ndarray, choice: TierChoice, loads: Loads) -> list[Placement]:
+@dataclass(frozen=True)
+class PoolGoal:
+    """What the pool placement aims at and may do."""
+
+    target: float
+    """The load every GPU should end at (seconds per layer, ``Loads.cost``)."""
+    floor: int
+    """Tokens every GPU ends up holding (``_floor_tokens``)."""
+    nic_chunk: int
+    """Per-rank tokens below which a ring across nodes stops hiding its transfers
+    (``tiers.chunk_thresholds``): smaller pieces cross nodes only where capacity needs it."""
+
+
+def place_pool(
+    array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, *, long_first: bool
+) -> list[Placement]:
     """Every document's placement (module docstring), its work added to ``loads``; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
-    (``_floor_tokens``), exceeds a GPU's share. Raises
-    ``CapacityError`` where a document finds no room."""
+    (``_floor_tokens``), exceeds a GPU's share. ``long_first``: whole documents of more than
+    half a GPU's room are placed before the rings, while GPUs are free to hold them (ring
+    pieces then fill what they leave). Raises ``CapacityError`` where a document finds no
+    room."""
     world = loads.topology.world_size
     balanced = choice.attention + loads.linear_weight * array
     share = float(balanced.sum()) / world
@@ -56,13 +74,15 @@ def place_pool(array: np.ndarray, choice: TierChoice, loads: Loads) -> list[Plac
     rings &= array >= 2
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    target = _target(array, balanced, ring_docs, loads)
+    goal = PoolGoal(_target(array, balanced, ring_docs, loads), floor, nic_chunk)
     placements: list[Placement | None] = [None] * len(array)
-    for doc in ring_docs:
-        placements[doc] = _place_ring(doc, int(array[doc]), target, loads, floor)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
-    _place_whole(whole, array, choice.attention, loads, placements, target, floor)
+    first = int(np.count_nonzero(array[whole] > loads.capacity // 2)) if long_first else 0
+    _place_whole(whole[:first], array, choice.attention, loads, placements, goal)
+    for doc in ring_docs:
+        placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
+    _place_whole(whole[first:], array, choice.attention, loads, placements, goal)
     return placements  # type: ignore[return-value]
 
 
@@ -134,9 +154,11 @@ def _projected(loads: Loads, floor: int, added: int = 0) -> np.ndarray:
     return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
 
 
-def _place_ring(doc: int, length: int, target: float, loads: Loads, floor: int) -> Placement:
+def _place_ring(doc: int, length: int, loads: Loads, goal: PoolGoal) -> Placement:
     """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
-    the size and GPUs that end soonest."""
+    the size and GPUs that end soonest. Across nodes only with pieces of at least
+    ``goal.nic_chunk`` tokens, or where capacity leaves no other way."""
+    target, floor = goal.target, goal.floor
     topo = loads.topology
     k = topo.gpus_per_node
     room = loads.capacity - np.asarray(loads.tokens)
@@ -145,12 +167,15 @@ def _place_ring(doc: int, length: int, target: float, loads: Loads, floor: int) 
     for size in _sizes(length, work, target, loads):
         per_rank = max(zigzag_loads(length, size))
         cost = _projected(loads, floor, per_rank)
+        # Pieces too small to hide a NIC transfer cross nodes only for a document no node holds.
+        cross = length // size >= goal.nic_chunk or length > k * loads.capacity
         options = []  # (per-member load, where the members may be)
         if size <= k:
             options.append((_price(length, size, loads, two_d=False), "node"))
-        if size % k == 0 and loads.two_d is not None:
+        if cross and size % k == 0 and loads.two_d is not None:
             options.append((_price(length, size, loads, two_d=True), "whole"))
-        options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
+        if cross:
+            options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
         for key, where in options:
             ring = _members(cost, room, size, key, per_rank, target * _TOLERANCE, k, where)
             if ring is not None:
@@ -235,14 +260,13 @@ def _place_whole(
     attention: np.ndarray,
     loads: Loads,
     placements: list[Placement | None],
-    target: float,
-    floor: int,
+    goal: PoolGoal,
 ) -> None:
     """Whole documents, longest first, on the GPU with room of the least ``_projected`` load
     (ties: the lowest rank), over the world: the heap's top when it has room (the common case),
     else one pass over every GPU (a nearly full cluster would otherwise pop most of the heap
     for every document). A document no GPU has room for becomes a ring of GPUs that have."""
-    world = loads.topology.world_size
+    world, floor = loads.topology.world_size, goal.floor
     keys = _projected(loads, floor)
     tokens = np.asarray(loads.tokens)
     heap: Heap = [(float(keys[r]), r) for r in range(world)]
@@ -255,7 +279,7 @@ def _place_whole(
         if loads.capacity - tokens[rank] < length:
             fits = loads.capacity - tokens >= length
             if not fits.any():
-                placements[doc] = _place_ring(doc, length, target, loads, floor)
+                placements[doc] = _place_ring(doc, length, loads, goal)
                 keys, tokens = _projected(loads, floor), np.asarray(loads.tokens)
                 heap = [(float(keys[r]), r) for r in range(world)]
                 heapq.heapify(heap)

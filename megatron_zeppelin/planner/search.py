@@ -259,22 +259,26 @@ def _pool_candidate(
     layouts: tuple[str, ...],
     found: list[Candidate],
 ) -> Candidate | None:
-    """The placement over the GPUs as one pool (``pool.place_pool``), where no candidate so far
-    is even enough and splitting is allowed; ``None`` otherwise or where it runs out of room."""
+    """The placement over the GPUs as one pool (``pool.place_pool``; of its two orders, the one
+    ``Loads`` predicts faster), where no candidate so far is even enough and splitting is
+    allowed; ``None`` otherwise or where it runs out of room."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
         return None
-    loads = new_loads(True, True)
-    choice = assign_tiers(array, loads, rules)
-    try:
-        placements = place_pool(array, choice, loads)
-    except CapacityError:
-        return None
-    attention_s = np.add(loads.attention, loads.exposed).tolist()
-    predicted = price_linear_layouts(
-        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
-    )
-    extra = sum(p.tier != Tier.LOCAL for p in placements) - int((choice.split | choice.inter).sum())
-    return Candidate(placements, loads, 0, max(0, extra), predicted, pooled=True)
+    best = None
+    for long_first in (False, True):
+        loads = new_loads(True, True)
+        choice = assign_tiers(array, loads, rules)
+        try:
+            placements = place_pool(array, choice, loads, rules.chunks[1], long_first=long_first)
+        except CapacityError:
+            continue
+        attention_s = np.add(loads.attention, loads.exposed).tolist()
+        predicted = price_linear_layouts(
+            loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+        )
+        if best is None or min(predicted.values()) < min(best.predicted.values()):
+            best = Candidate(placements, loads, 0, 0, predicted, pooled=True)
+    return best
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
