@@ -201,8 +201,9 @@ def _members(
     where: str,
 ) -> tuple[int, ...] | None:
     """``size`` GPUs with ``per_rank`` tokens of room that end within ``limit`` after adding
-    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"``, the
-    nodes with the most such GPUs first (fewest cross-node edges), over at least two nodes."""
+    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"`` (the best fit under
+    a finite limit, else the least loaded); or ``"any"``, the nodes with the most such GPUs
+    first (fewest cross-node edges), over at least two nodes."""
     ok = (room >= per_rank) & (cost + key <= limit)
     by_node = ok.reshape(-1, k)
     counts = by_node.sum(axis=1)
@@ -217,6 +218,14 @@ def _members(
         enough = np.flatnonzero(counts >= size)
         if not len(enough):
             return None
+        if math.isfinite(limit):
+            # Best fit: the most loaded GPUs that still end within the limit, on the node
+            # where the least loaded of them is most loaded (free GPUs stay free).
+            fit = np.where(by_node[enough], -node_cost[enough], np.inf)
+            kth = np.sort(fit, axis=1)[:, size - 1]
+            pick = int(np.argmin(kth))
+            ranks = np.argsort(fit[pick], kind="stable")[:size]
+            return tuple(int(enough[pick]) * k + int(j) for j in sorted(ranks.tolist()))
         # The node whose ``size``-th least-loaded eligible GPU is least loaded.
         masked = np.where(by_node[enough], node_cost[enough], np.inf)
         kth = np.sort(masked, axis=1)[:, size - 1]
