@@ -38,6 +38,9 @@ __all__ = ["PoolGoal", "place_pool"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
+_FIRST_SHARE = 0.15
+"""With ``long_first``, whole documents worth more than this fraction of a GPU's share go before
+the rings (the slack rings leave on their members is too small for them)."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -61,9 +64,9 @@ def place_pool(
     """Every document's placement (module docstring), its work added to ``loads``; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
     (``_floor_tokens``), exceeds a GPU's share. ``long_first``: whole documents of more than
-    half a GPU's room are placed before the rings, while GPUs are free to hold them (ring
-    pieces then fill what they leave). Raises ``CapacityError`` where a document finds no
-    room."""
+    half a GPU's room or ``_FIRST_SHARE`` of its share of work are placed before the rings,
+    while GPUs are free to hold them (ring pieces then fill what they leave). Raises
+    ``CapacityError`` where a document finds no room."""
     world = loads.topology.world_size
     balanced = choice.attention + loads.linear_weight * array
     share = float(balanced.sum()) / world
@@ -78,7 +81,8 @@ def place_pool(
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
-    first = int(np.count_nonzero(array[whole] > loads.capacity // 2)) if long_first else 0
+    big = (array[whole] > loads.capacity // 2) | (balanced[whole] > _FIRST_SHARE * share)
+    first = int(np.count_nonzero(big)) if long_first else 0
     _place_whole(whole[:first], array, choice.attention, loads, placements, goal)
     for doc in ring_docs:
         placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
