@@ -20,6 +20,11 @@ placement is priced under every allowed linear layout (``linear_layout.price_lin
 mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
 pays).
 
+Where no placement so far is predicted even enough, the placement over the GPUs as one pool is a
+candidate too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
+part of a node's GPUs where that fits best); it is always timed by the simulator beside the
+staged placements' shortlist, so it is kept only where the simulator finds it faster.
+
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
 (``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept; the
@@ -239,9 +244,9 @@ def search(
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
     pooled = _pool_candidate(array, new_loads, rules, layouts, found) if pool else None
-    if pooled is not None:  # always timed against the best so far
+    if pooled is not None:  # always timed, beside the staged placements' shortlist
         found.append(pooled)
-        shortlist = [*shortlist[: _MAX_TIMED - 1], pooled]
+        shortlist.append(pooled)
     for candidate in shortlist:
         candidate.build(array, routing)
         if len(shortlist) > 1:
