@@ -105,12 +105,15 @@ def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads
     return target
 
 
-def _sizes(length: int, work: float, target: float, loads: Loads) -> range:
-    """Ring sizes worth pricing: from the document's work over the target to a few times it."""
+def _sizes(length: int, work: float, target: float, loads: Loads) -> list[int]:
+    """Ring sizes worth pricing: from the document's work over the target up to a few times it,
+    then the smaller ones capacity allows (where GPUs lack room for the larger ones)."""
     topo = loads.topology
-    start = max(2, min_ring(length, loads.capacity) or 2, math.floor(work / target))
-    stop = min(topo.world_size, 2 * start + 2 * topo.gpus_per_node)
-    return range(start, max(start, stop) + 1)
+    world = topo.world_size
+    low = max(2, min_ring(length, loads.capacity) or 2)
+    start = min(world, max(low, math.floor(work / target)))
+    stop = min(world, 2 * start + 2 * topo.gpus_per_node)
+    return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
 
 
 def _price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool = True) -> float:
