@@ -34,13 +34,15 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["PoolGoal", "place_pool"]
+__all__ = ["POOL_ORDERS", "PoolGoal", "place_pool"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
-_FIRST_SHARE = 0.15
-"""With ``long_first``, whole documents worth more than this fraction of a GPU's share go before
-the rings (the slack rings leave on their members is too small for them)."""
+POOL_ORDERS: tuple[float | None, ...] = (None, math.inf, 0.15)
+"""The orders ``search`` tries (``place_pool``'s ``first``): rings first; whole documents of more
+than half a GPU's room first; those and the ones worth more than 0.15 of a GPU's share first
+(the slack rings leave on their members is too small for them). Which packs a batch best is not
+predicted well enough by ``Loads``: the simulator decides."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -59,13 +61,13 @@ class PoolGoal:
 
 
 def place_pool(
-    array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, *, long_first: bool
+    array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, first: float | None
 ) -> list[Placement]:
     """Every document's placement (module docstring), its work added to ``loads``; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
-    (``_floor_tokens``), exceeds a GPU's share. ``long_first``: whole documents of more than
-    half a GPU's room or ``_FIRST_SHARE`` of its share of work are placed before the rings,
-    while GPUs are free to hold them (ring pieces then fill what they leave). Raises
+    (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
+    half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
+    GPUs are free to hold them (ring pieces then fill what they leave). Raises
     ``CapacityError`` where a document finds no room."""
     world = loads.topology.world_size
     balanced = choice.attention + loads.linear_weight * array
@@ -81,12 +83,14 @@ def place_pool(
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
-    big = (array[whole] > loads.capacity // 2) | (balanced[whole] > _FIRST_SHARE * share)
-    first = int(np.count_nonzero(big)) if long_first else 0
-    _place_whole(whole[:first], array, choice.attention, loads, placements, goal)
+    count = 0
+    if first is not None:
+        big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
+        count = int(np.count_nonzero(big))
+    _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
     for doc in ring_docs:
         placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
-    _place_whole(whole[first:], array, choice.attention, loads, placements, goal)
+    _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     return placements  # type: ignore[return-value]
 
 
@@ -154,10 +158,10 @@ def _floor_tokens(array: np.ndarray, loads: Loads) -> int:
     return max(0, int(2 * mean - loads.capacity))
 
 
-def _projected(loads: Loads, floor: int, added: int = 0) -> np.ndarray:
-    """Each GPU's load once it holds at least ``floor`` tokens (``added`` more than now),
-    the missing ones priced at their linear seconds alone (the least they can cost)."""
-    tokens = np.asarray(loads.tokens) + added
+def _projected(loads: Loads, floor: int) -> np.ndarray:
+    """Each GPU's load once it holds at least ``floor`` tokens, the missing ones priced at their
+    linear seconds alone (the least they can cost)."""
+    tokens = np.asarray(loads.tokens)
     return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
 
 
@@ -165,36 +169,45 @@ def _place_ring(doc: int, length: int, loads: Loads, goal: PoolGoal) -> Placemen
     """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
     the size and GPUs that end soonest. Across nodes only with pieces of at least
     ``goal.nic_chunk`` tokens, or where capacity leaves no other way."""
-    target, floor = goal.target, goal.floor
-    topo = loads.topology
-    k = topo.gpus_per_node
-    room = loads.capacity - np.asarray(loads.tokens)
-    fallback: tuple[float, tuple[int, ...], bool] | None = None
+    k = loads.topology.gpus_per_node
+    tokens, cost = np.asarray(loads.tokens), np.asarray(loads.cost)
+    room = loads.capacity - tokens
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    for size in _sizes(length, work, target, loads):
+    tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
+    for size in _sizes(length, work, goal.target, loads):
         per_rank = max(zigzag_loads(length, size))
-        cost = _projected(loads, floor, per_rank)
-        # Pieces too small to hide a NIC transfer cross nodes only for a document no node holds.
-        cross = length // size >= goal.nic_chunk or length > k * loads.capacity
-        options = []  # (per-member load, where the members may be)
-        if size <= k:
-            options.append((_price(length, size, loads, two_d=False), "node"))
-        if cross and size % k == 0 and loads.two_d is not None:
-            options.append((_price(length, size, loads, two_d=True), "whole"))
-        if cross:
-            options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
-        for key, where in options:
-            ring = _members(cost, room, size, key, per_rank, target * _TOLERANCE, k, where)
+        ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
+        for key, where in _options(length, size, loads, goal):
+            tries.append((size, per_rank, ends, key, where))
+            ring = _members(ends, room, size, key, per_rank, goal.target * _TOLERANCE, k, where)
             if ring is not None:
                 return _add(ring, length, loads, where == "whole")
-            ring = _members(cost, room, size, key, per_rank, math.inf, k, where)
-            if ring is not None:
-                end = float(cost[list(ring)].max()) + key
-                if fallback is None or end < fallback[0]:
-                    fallback = (end, ring, where == "whole")
+    fallback: tuple[float, tuple[int, ...], bool] | None = None
+    for size, per_rank, ends, key, where in tries:
+        ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
+        if ring is not None:
+            end = float(ends[list(ring)].max()) + key
+            if fallback is None or end < fallback[0]:
+                fallback = (end, ring, where == "whole")
     if fallback is None:
         raise capacity_error(doc, length, "on any GPUs of the pool")
     return _add(fallback[1], length, loads, fallback[2])
+
+
+def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
+    """Where a ring of ``size`` may go and its per-member load there: one node on NVLink, whole
+    nodes with the 2-D scheme, any GPUs across nodes. Pieces too small to hide a NIC transfer
+    cross nodes only for a document no node could hold."""
+    k = loads.topology.gpus_per_node
+    cross = length // size >= goal.nic_chunk or length > k * loads.capacity
+    options = []
+    if size <= k:
+        options.append((_price(length, size, loads, two_d=False), "node"))
+    if cross and size % k == 0 and loads.two_d is not None:
+        options.append((_price(length, size, loads, two_d=True), "whole"))
+    if cross:
+        options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
+    return options
 
 
 def _members(

@@ -20,10 +20,11 @@ placement is priced under every allowed linear layout (``linear_layout.price_lin
 mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
 pays).
 
-Where no placement so far is predicted even enough, the placement over the GPUs as one pool is a
-candidate too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
-part of a node's GPUs where that fits best); it is always timed by the simulator beside the
-staged placements' shortlist, so it is kept only where the simulator finds it faster.
+Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
+candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
+part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``); they are always
+timed by the simulator beside the staged placements' shortlist, so one is kept only where the
+simulator finds it faster.
 
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
@@ -58,7 +59,7 @@ from megatron_zeppelin.planner.placement import (
     place_within_nodes,
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
-from megatron_zeppelin.planner.pool import place_pool
+from megatron_zeppelin.planner.pool import POOL_ORDERS, place_pool
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
@@ -243,10 +244,9 @@ def search(
         (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
-    pooled = _pool_candidate(array, new_loads, rules, layouts, found) if pool else None
-    if pooled is not None:  # always timed, beside the staged placements' shortlist
-        found.append(pooled)
-        shortlist.append(pooled)
+    pooled = _pool_candidates(array, new_loads, rules, layouts, found) if pool else []
+    found += pooled  # always timed, beside the staged placements' shortlist
+    shortlist += pooled
     for candidate in shortlist:
         candidate.build(array, routing)
         if len(shortlist) > 1:
@@ -257,33 +257,32 @@ def search(
     return best, [c.summary() for c in found]
 
 
-def _pool_candidate(
+def _pool_candidates(
     array: np.ndarray,
     new_loads: Callable[[bool, bool], Loads],
     rules: TierRules,
     layouts: tuple[str, ...],
     found: list[Candidate],
-) -> Candidate | None:
-    """The placement over the GPUs as one pool (``pool.place_pool``; of its two orders, the one
-    ``Loads`` predicts faster), where no candidate so far is even enough and splitting is
-    allowed; ``None`` otherwise or where it runs out of room."""
+) -> list[Candidate]:
+    """The placements over the GPUs as one pool (``pool.place_pool``, in each of its
+    ``POOL_ORDERS``), where no candidate so far is even enough and splitting is allowed; an
+    order that runs out of room is left out."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
-        return None
-    best = None
-    for long_first in (False, True):
+        return []
+    out = []
+    for first in POOL_ORDERS:
         loads = new_loads(True, True)
         choice = assign_tiers(array, loads, rules)
         try:
-            placements = place_pool(array, choice, loads, rules.chunks[1], long_first=long_first)
+            placements = place_pool(array, choice, loads, rules.chunks[1], first)
         except CapacityError:
             continue
         attention_s = np.add(loads.attention, loads.exposed).tolist()
         predicted = price_linear_layouts(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
         )
-        if best is None or min(predicted.values()) < min(best.predicted.values()):
-            best = Candidate(placements, loads, 0, 0, predicted, pooled=True)
-    return best
+        out.append(Candidate(placements, loads, 0, 0, predicted, pooled=True))
+    return _distinct(out)
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
