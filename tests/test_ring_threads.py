@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -218,6 +219,30 @@ def test_planner_plans_match_reference() -> None:
         for key in ("out", "dq", "dk", "dv"):
             assert_close(got[key], ref[key], dtype=torch.float64, name=f"{name} {key}")
     assert tiers_seen == {"local", "intra", "inter"}
+
+
+def test_pool_placement_plans_match_reference() -> None:
+    """A plan of the pool placement (``planner/pool.py``): a ring across nodes over part of the
+    nodes' GPUs beside whole documents, forward and backward exact."""
+    from megatron_zeppelin.planner.costmodel import CostModel
+    from megatron_zeppelin.planner.loads import Loads
+    from megatron_zeppelin.planner.models import get_model
+    from megatron_zeppelin.planner.pool import place_pool
+    from megatron_zeppelin.planner.thresholds import tier_thresholds
+    from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+
+    cost = CostModel.default(get_model("tiny"), TOPO_2X3)
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, TOPO_2X3, True))
+    lengths = np.array([350, 60, 37, 20, 9, 3, 1])  # 350 tokens fit no node of 3 x 100
+    loads = Loads(TOPO_2X3, 100, cost, TOPO_2X3.nics_per_node)
+    choice = assign_tiers(lengths, loads, rules)
+    placements = place_pool(lengths, choice, loads, rules.chunks[1], None)
+    assert any(p.tier == Tier.INTER and len(p.ring) % 3 for p in placements)
+    plan = make_plan(TOPO_2X3, [(int(n), p.ring) for n, p in zip(lengths, placements)])
+    ref, got = run_engine(plan, torch.float64, seed=5)
+    for key in ("out", "dq", "dk", "dv"):
+        assert_close(got[key], ref[key], dtype=torch.float64, name=f"pool {key}")
 
 
 def test_zigzag_needs_one_kernel_call_per_step() -> None:
