@@ -89,7 +89,9 @@ def test_pool_placement_keeps_capacity_and_places_every_document(first) -> None:
     thresholds = tier_thresholds(cost)
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
-    placements = place_pool(array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first)
+    placements, _ = place_pool(
+        array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first
+    )
     assert len(placements) == len(array) and all(p is not None for p in placements)
     assert max(loads.tokens) <= CAPACITY and sum(loads.tokens) == int(array.sum())
     for placement in placements:

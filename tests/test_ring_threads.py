@@ -237,7 +237,7 @@ def test_pool_placement_plans_match_reference() -> None:
     lengths = np.array([350, 60, 37, 20, 9, 3, 1])  # 350 tokens fit no node of 3 x 100
     loads = Loads(TOPO_2X3, 100, cost, TOPO_2X3.nics_per_node)
     choice = assign_tiers(lengths, loads, rules)
-    placements = place_pool(lengths, choice, loads, rules.chunks[1], None)
+    placements, _ = place_pool(lengths, choice, loads, rules.chunks[1], None)
     assert any(p.tier == Tier.INTER and len(p.ring) % 3 for p in placements)
     plan = make_plan(TOPO_2X3, [(int(n), p.ring) for n, p in zip(lengths, placements)])
     ref, got = run_engine(plan, torch.float64, seed=5)

@@ -287,6 +287,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     meta = {
         **meta,
         "balance": best.balance,
+        "placement": "pool" if best.pooled else "staged",
         "tier_counts": counts,
         "max_ring_size": max(len(p.ring) for p in best.placements),
         "attention_imbalance": _imbalance(best.attention_s),

@@ -62,8 +62,9 @@ class PoolGoal:
 
 def place_pool(
     array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, first: float | None
-) -> list[Placement]:
-    """Every document's placement (module docstring), its work added to ``loads``; a document
+) -> tuple[list[Placement], int]:
+    """Every document's placement (module docstring), its work added to ``loads``, and how many
+    documents meant to stay whole became rings for lack of room on any GPU; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
     (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
@@ -91,7 +92,8 @@ def place_pool(
     for doc in ring_docs:
         placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
-    return placements  # type: ignore[return-value]
+    promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
+    return placements, promotions  # type: ignore[return-value]
 
 
 def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads) -> float:
@@ -221,51 +223,76 @@ def _members(
     where: str,
 ) -> tuple[int, ...] | None:
     """``size`` GPUs with ``per_rank`` tokens of room that end within ``limit`` after adding
-    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"`` (the best fit under
-    a finite limit, else the least loaded); or ``"any"``, the nodes with the most such GPUs
-    first (fewest cross-node edges), over at least two nodes."""
+    ``key``, in ring order (node by node): consecutive ``"whole"`` nodes; one ``"node"``; or
+    ``"any"`` GPUs of consecutive nodes, two or more."""
     ok = (room >= per_rank) & (cost + key <= limit)
     by_node = ok.reshape(-1, k)
-    counts = by_node.sum(axis=1)
     node_cost = cost.reshape(-1, k)
     if where == "whole":
-        full = np.flatnonzero(counts == k)
-        if len(full) < size // k:
-            return None
-        chosen = full[np.argsort(node_cost[full].max(axis=1), kind="stable")[: size // k]]
-        return tuple(int(n) * k + j for n in sorted(chosen.tolist()) for j in range(k))
+        return _whole_nodes(by_node, node_cost, size // k)
     if where == "node":
-        enough = np.flatnonzero(counts >= size)
-        if not len(enough):
-            return None
-        if math.isfinite(limit):
-            # Best fit: the most loaded GPUs that still end within the limit, on the node
-            # where the least loaded of them is most loaded (free GPUs stay free).
-            fit = np.where(by_node[enough], -node_cost[enough], np.inf)
-            kth = np.sort(fit, axis=1)[:, size - 1]
-            pick = int(np.argmin(kth))
-            ranks = np.argsort(fit[pick], kind="stable")[:size]
-            return tuple(int(enough[pick]) * k + int(j) for j in sorted(ranks.tolist()))
-        # The node whose ``size``-th least-loaded eligible GPU is least loaded.
-        masked = np.where(by_node[enough], node_cost[enough], np.inf)
-        kth = np.sort(masked, axis=1)[:, size - 1]
-        node = int(enough[int(np.argmin(kth))])
-        ranks = np.argsort(masked[int(np.argmin(kth))], kind="stable")[:size]
-        return tuple(node * k + int(j) for j in sorted(ranks.tolist()))
-    if int(counts.sum()) < size:
+        return _in_node(by_node, node_cost, size, best_fit=math.isfinite(limit))
+    return _across(by_node, node_cost, size)
+
+
+def _whole_nodes(by_node: np.ndarray, node_cost: np.ndarray, num: int) -> tuple[int, ...] | None:
+    """The window of ``num`` consecutive nodes, every GPU eligible, with the lowest peak."""
+    k = by_node.shape[1]
+    full = by_node.all(axis=1)
+    if num > len(full):
         return None
-    order = np.lexsort((node_cost.max(axis=1), -counts))
-    ring: list[int] = []
-    for node in order.tolist():
-        free = [node * k + j for j in range(k) if by_node[node, j]]
-        free.sort(key=lambda r: (cost[r], r))
-        ring.extend(sorted(free[: size - len(ring)]))
-        if len(ring) == size:
+    windows = np.lib.stride_tricks.sliding_window_view(full, num).all(axis=1)
+    if not windows.any():
+        return None
+    peaks = np.lib.stride_tricks.sliding_window_view(node_cost.max(axis=1), num).max(axis=1)
+    first = int(np.argmin(np.where(windows, peaks, np.inf)))
+    return tuple(n * k + j for n in range(first, first + num) for j in range(k))
+
+
+def _in_node(
+    by_node: np.ndarray, node_cost: np.ndarray, size: int, *, best_fit: bool
+) -> tuple[int, ...] | None:
+    """``size`` eligible GPUs of one node. Best fit: the most loaded that still qualify, on the
+    node where the least loaded of them is most loaded (free GPUs stay free); otherwise the
+    least loaded."""
+    k = by_node.shape[1]
+    enough = np.flatnonzero(by_node.sum(axis=1) >= size)
+    if not len(enough):
+        return None
+    sign = -1.0 if best_fit else 1.0
+    masked = np.where(by_node[enough], sign * node_cost[enough], np.inf)
+    pick = int(np.argmin(np.sort(masked, axis=1)[:, size - 1]))
+    ranks = np.argsort(masked[pick], kind="stable")[:size]
+    return tuple(int(enough[pick]) * k + int(j) for j in sorted(ranks.tolist()))
+
+
+def _across(by_node: np.ndarray, node_cost: np.ndarray, size: int) -> tuple[int, ...] | None:
+    """``size`` eligible GPUs of the fewest consecutive nodes (at least two, each giving one or
+    more): the window with the most eligible GPUs, then its least-loaded ones, one per node
+    first so that every node of the window is in the ring."""
+    k = by_node.shape[1]
+    counts = by_node.sum(axis=1)
+    least = max(2, -(-size // k))
+    for num in range(least, min(len(counts), least + 2) + 1):
+        totals = np.lib.stride_tricks.sliding_window_view(counts, num).sum(axis=1)
+        each = np.lib.stride_tricks.sliding_window_view(counts, num).min(axis=1) >= 1
+        fits = each & (totals >= size) & (num <= size)
+        if fits.any():
             break
-    nodes = sorted({r // k for r in ring})
-    if len(nodes) < 2:
-        return None  # one node's ring is priced on NVLink
-    return tuple(r for n in nodes for r in ring if r // k == n)
+    else:
+        return None
+    first = int(np.argmax(np.where(fits, totals, -1)))
+    nodes = range(first, first + num)
+    by_cost = {
+        n: sorted(np.flatnonzero(by_node[n]).tolist(), key=lambda j: node_cost[n, j]) for n in nodes
+    }
+    chosen = {n: [by_cost[n][0]] for n in nodes}
+    rest = sorted(
+        ((node_cost[n, j], n, j) for n in nodes for j in by_cost[n][1:]),
+    )[: size - num]
+    for _, n, j in rest:
+        chosen[n].append(j)
+    return tuple(n * k + j for n in nodes for j in sorted(chosen[n]))
 
 
 def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Placement:

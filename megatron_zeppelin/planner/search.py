@@ -274,14 +274,14 @@ def _pool_candidates(
         loads = new_loads(True, True)
         choice = assign_tiers(array, loads, rules)
         try:
-            placements = place_pool(array, choice, loads, rules.chunks[1], first)
+            placements, promotions = place_pool(array, choice, loads, rules.chunks[1], first)
         except CapacityError:
             continue
         attention_s = np.add(loads.attention, loads.exposed).tolist()
         predicted = price_linear_layouts(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
         )
-        out.append(Candidate(placements, loads, 0, 0, predicted, pooled=True))
+        out.append(Candidate(placements, loads, promotions, 0, predicted, pooled=True))
     return _distinct(out)
 
 
