@@ -223,8 +223,8 @@ def _members(
     where: str,
 ) -> tuple[int, ...] | None:
     """``size`` GPUs with ``per_rank`` tokens of room that end within ``limit`` after adding
-    ``key``, in ring order (node by node): consecutive ``"whole"`` nodes; one ``"node"``; or
-    ``"any"`` GPUs of consecutive nodes, two or more."""
+    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"`` GPUs
+    of two nodes or more."""
     ok = (room >= per_rank) & (cost + key <= limit)
     by_node = ok.reshape(-1, k)
     node_cost = cost.reshape(-1, k)
@@ -236,17 +236,15 @@ def _members(
 
 
 def _whole_nodes(by_node: np.ndarray, node_cost: np.ndarray, num: int) -> tuple[int, ...] | None:
-    """The window of ``num`` consecutive nodes, every GPU eligible, with the lowest peak."""
+    """``num`` nodes with every GPU eligible, the least loaded first, in node order (the 2-D
+    scheme needs whole nodes, not consecutive ones: a window of free consecutive nodes is rare
+    once rings of every size have been placed)."""
     k = by_node.shape[1]
-    full = by_node.all(axis=1)
-    if num > len(full):
+    full = np.flatnonzero(by_node.all(axis=1))
+    if len(full) < num:
         return None
-    windows = np.lib.stride_tricks.sliding_window_view(full, num).all(axis=1)
-    if not windows.any():
-        return None
-    peaks = np.lib.stride_tricks.sliding_window_view(node_cost.max(axis=1), num).max(axis=1)
-    first = int(np.argmin(np.where(windows, peaks, np.inf)))
-    return tuple(n * k + j for n in range(first, first + num) for j in range(k))
+    chosen = full[np.argsort(node_cost[full].max(axis=1), kind="stable")[:num]]
+    return tuple(int(n) * k + j for n in sorted(chosen.tolist()) for j in range(k))
 
 
 def _in_node(
@@ -267,32 +265,31 @@ def _in_node(
 
 
 def _across(by_node: np.ndarray, node_cost: np.ndarray, size: int) -> tuple[int, ...] | None:
-    """``size`` eligible GPUs of the fewest consecutive nodes (at least two, each giving one or
-    more): the window with the most eligible GPUs, then its least-loaded ones, one per node
-    first so that every node of the window is in the ring."""
+    """``size`` eligible GPUs over two nodes or more: of a window of consecutive nodes where one
+    with at most one node more than the ring needs has them all, else the nodes with the most
+    eligible GPUs first (the fewest cross-node edges); the least loaded of each, node by node."""
     k = by_node.shape[1]
     counts = by_node.sum(axis=1)
-    least = max(2, -(-size // k))
-    for num in range(least, min(len(counts), least + 2) + 1):
-        totals = np.lib.stride_tricks.sliding_window_view(counts, num).sum(axis=1)
-        each = np.lib.stride_tricks.sliding_window_view(counts, num).min(axis=1) >= 1
-        fits = each & (totals >= size) & (num <= size)
-        if fits.any():
-            break
-    else:
+    if int(counts.sum()) < size:
         return None
-    first = int(np.argmax(np.where(fits, totals, -1)))
-    nodes = range(first, first + num)
-    by_cost = {
-        n: sorted(np.flatnonzero(by_node[n]).tolist(), key=lambda j: node_cost[n, j]) for n in nodes
-    }
-    chosen = {n: [by_cost[n][0]] for n in nodes}
-    rest = sorted(
-        ((node_cost[n, j], n, j) for n in nodes for j in by_cost[n][1:]),
-    )[: size - num]
-    for _, n, j in rest:
-        chosen[n].append(j)
-    return tuple(n * k + j for n in nodes for j in sorted(chosen[n]))
+    least = max(2, -(-size // k))
+    order = np.lexsort((node_cost.max(axis=1), -counts))
+    for num in range(least, min(len(counts), least + 1) + 1):
+        totals = np.lib.stride_tricks.sliding_window_view(counts, num).sum(axis=1)
+        if totals.max() >= size:
+            first = int(np.argmax(totals))
+            order = np.arange(first, first + num)
+            break
+    ring: list[int] = []
+    for node in order.tolist():
+        free = sorted(np.flatnonzero(by_node[node]).tolist(), key=lambda j: (node_cost[node, j], j))
+        ring.extend(node * k + j for j in sorted(free[: size - len(ring)]))
+        if len(ring) == size:
+            break
+    nodes = sorted({r // k for r in ring})
+    if len(nodes) < 2:
+        return None  # one node's ring is priced on NVLink
+    return tuple(r for n in nodes for r in ring if r // k == n)
 
 
 def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Placement:
