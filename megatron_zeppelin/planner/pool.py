@@ -2,19 +2,23 @@
 
 The staged placement (``placement.py``) gives an inter-node document whole nodes and every other
 document a node first: a document worth 1.5 nodes takes 2, and where documents are few per node
-the nodes do not fill evenly. Here every GPU is a slot of the same target load ``M`` (the
-batch's work over the GPUs, raised by what splitting adds):
+the nodes do not fill evenly. Here every GPU is a slot of the same target load (the batch's work
+over the GPUs, raised by what splitting adds), and a GPU's load is projected to what it will be
+once it holds the tokens a nearly full batch forces on every GPU (``_floor_tokens``):
 
 1. every document whose work exceeds a GPU's share (and every document capacity forces to split)
    gets, longest first, the smallest ring whose per-member load ``Loads.ring_key`` fits under
-   ``M`` on GPUs that still have that much room: inside one node where one has enough such GPUs
-   (NVLink), else over whole nodes with the 2-D scheme where its price fits and whole free nodes
-   are left, else over the GPUs of as few nodes as possible (a flat ring across nodes over part
-   of each node's GPUs: the engine runs any ring, ``attention/ring.py``);
-2. every other document, longest first, goes whole to the least-loaded GPU with room, over the
-   whole world (a local document talks to nobody, so its node does not matter).
+   the target on GPUs that still have that much room: inside one node where one has enough such
+   GPUs (NVLink; the most loaded that still fit, so free GPUs stay free), else over whole nodes
+   with the 2-D scheme where its price fits, else over part of the GPUs of a window of
+   consecutive nodes (a flat ring across nodes: the engine runs any ring, ``attention/ring.py``).
+   Pieces too short to hide a NIC transfer cross nodes only for a document no node holds;
+2. every other document, longest first, goes whole to the GPU with room of the least projected
+   load, over the whole world (a local document talks to nobody, so its node does not matter);
+   one no GPU has room for becomes a ring (a capacity promotion).
 
-``search`` adds it as one more candidate and keeps whichever the simulator times faster.
+``POOL_ORDERS`` may put the long whole documents before the rings. ``search`` places every order
+and keeps a pool placement only where the simulator times it faster than the staged ones.
 """
 
 from __future__ import annotations
