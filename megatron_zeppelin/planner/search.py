@@ -22,9 +22,9 @@ pays).
 
 Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
 candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
-part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``); they are always
-timed by the simulator beside the staged placements' shortlist, so one is kept only where the
-simulator finds it faster.
+part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``); those predicted
+within ``_SHORTLIST`` of the best staged one are timed by the simulator beside the staged
+shortlist, so one is kept only where the simulator finds it faster.
 
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
@@ -245,8 +245,10 @@ def search(
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
     pooled = _pool_candidates(array, new_loads, rules, layouts, found) if pool else []
-    found += pooled  # always timed, beside the staged placements' shortlist
-    shortlist += pooled
+    found += pooled
+    # Timed beside the staged shortlist where predicted within it (``Loads`` misjudges them
+    # by a few percent, not by more).
+    shortlist += [c for c in pooled if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
     for candidate in shortlist:
         candidate.build(array, routing)
         if len(shortlist) > 1:
