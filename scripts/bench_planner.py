@@ -9,6 +9,7 @@ validation.
     python scripts/bench_planner.py                 # full grid
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
     python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
+    python scripts/bench_planner.py --quick --no-pool # without the pool placement
     python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
 
@@ -113,8 +114,11 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-2d", action="store_true", help="every ring flat (PlannerOptions)")
+    parser.add_argument(
+        "--no-pool", action="store_true", help="the staged placement only (PlannerOptions)"
+    )
     args = parser.parse_args()
-    options = PlannerOptions(two_d=not args.no_2d)
+    options = PlannerOptions(two_d=not args.no_2d, pool=not args.no_pool)
     if args.docs:
         rows = by_documents(args.docs, args.seeds, options)
         if args.json:
