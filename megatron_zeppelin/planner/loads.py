@@ -80,8 +80,12 @@ class Loads:
         *,
         balance_linear: bool = True,
         two_d: bool = False,
+        shares: dict | None = None,
     ) -> None:
         self.topology = topology
+        self._shares: dict[tuple, RankShare] = {} if shares is None else shares
+        """``rank_share`` by its arguments; placements of one batch with the same ``two_d``
+        may share it (the planner asks for the same few lengths and ring sizes many times)."""
         self.two_d = SchemePrices(cost_model, topology) if two_d else None
         """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
         the 2-D scheme (``schemes.py``)."""
@@ -134,6 +138,13 @@ class Loads:
         NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
         GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
         wait for the slowest part."""
+        key = (length, ring_size, link, num_links)
+        share = self._shares.get(key)
+        if share is None:
+            share = self._shares[key] = self._rank_share(length, ring_size, link, num_links)
+        return share
+
+    def _rank_share(self, length: int, ring_size: int, link: Link, num_links: int) -> RankShare:
         g = ring_size
         compute = self.ring_seconds(length, g)
         if g == 1:

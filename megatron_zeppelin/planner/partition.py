@@ -239,6 +239,7 @@ def _plan(
     chunks = chunk_thresholds(thresholds, topology, options.routing)
     rules = TierRules(options.allow_split, options.thresholds == "auto", thresholds, chunks)
     num_links = topology.nics_per_node if options.routing else 1
+    shares: dict[bool, dict] = {False: {}, True: {}}  # rank shares, with and without 2-D
     best, tried = search(
         array,
         lambda balance_linear, two_d: Loads(
@@ -248,6 +249,7 @@ def _plan(
             num_links,
             balance_linear=balance_linear,
             two_d=two_d and options.two_d,
+            shares=shares[two_d and options.two_d],
         ),
         rules,
         _layout_candidates(options),

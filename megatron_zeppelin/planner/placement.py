@@ -132,9 +132,14 @@ class _Nodes:
         return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
 
     def add(self, node: int, work: float, tokens: int) -> None:
-        self.load[node] += work
+        heap, load = self.heap, self.load
+        top = heap[0][1] == node and heap[0][0] == load[node]  # ``pick``'s usual answer
+        load[node] += work
         self.tokens[node] += tokens
-        heapq.heappush(self.heap, (self.load[node], node))
+        if top:  # its entry is stale now: replace it (one sift instead of a push and a pop)
+            heapq.heapreplace(heap, (load[node], node))
+        else:
+            heapq.heappush(heap, (load[node], node))
 
 
 def _nodes_by_lpt(
@@ -325,6 +330,12 @@ def _place_node(
     for doc, length, seconds in zip(
         whole, lengths[whole].tolist(), choice.attention[whole].tolist()
     ):
+        rank = heap[0][1]
+        if capacity - tokens_of[rank] >= length:  # the least loaded has room: the usual case
+            loads.add_local(rank, length, seconds)
+            placements[doc] = local[rank]
+            heapq.heapreplace(heap, (key_of[rank], rank))
+            continue
         found = pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]

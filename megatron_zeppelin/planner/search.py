@@ -39,8 +39,6 @@ from functools import partial
 import numpy as np
 
 from megatron_zeppelin.planner.linear_layout import (
-    attention_ranges_by_rank,
-    build_linear_layout,
     fastest,
     price_linear_layouts,
 )
@@ -173,9 +171,7 @@ class Candidate:
         """The simulator's layer time per layout (after ``build``): its attention timeline on
         the attention layout (which is all it reads of a plan), priced under every layout."""
         topology, cost = self.loads.topology, self.loads.cost_model
-        by_rank = attention_ranges_by_rank(self.sequences, topology.world_size)
-        linear, _ = build_linear_layout(by_rank, topology, "attention")
-        plan = Plan(topology, self.sequences, linear, routes=self.routes)
+        plan = _AttentionView(topology, self.sequences, ((),) * topology.world_size, self.routes)
         compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan))
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
@@ -198,6 +194,15 @@ class Candidate:
         if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
+
+
+class _AttentionView(Plan):
+    """A candidate's attention layout and routes as a ``Plan`` for the simulator's attention
+    timeline, which reads nothing else: no linear layout, and no validation (the plan that is
+    kept is built and validated whole by ``partition``; the others are dropped)."""
+
+    def validate(self) -> None:
+        pass
 
 
 def search(
