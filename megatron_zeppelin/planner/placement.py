@@ -8,6 +8,7 @@ predicted work to ``Loads``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, replace
 
@@ -249,6 +250,10 @@ def place_within_nodes(
     topo = loads.topology
     k = topo.gpus_per_node
     spread = np.full(len(lengths), k, dtype=np.int64)
+    split = choice.split.tolist()
+    order = [0] * len(lengths)  # every document's place in the batch, longest first
+    for place, doc in enumerate(_longest_first(range(len(lengths)), lengths)):
+        order[doc] = place
     promotions = 0
     overflow: list[int] = []
     for node in range(topo.num_nodes):
@@ -259,7 +264,7 @@ def place_within_nodes(
             try:
                 promotions += _place_node(
                     docs,
-                    {d for d in docs if choice.split[d]},
+                    {d for d in docs if split[d]},
                     ranks,
                     lengths,
                     choice,
@@ -270,6 +275,7 @@ def place_within_nodes(
                     pack=choice.pack,
                     by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
+                    order=order,
                 )
                 break
             except CapacityError:
@@ -295,13 +301,23 @@ def _place_node(
     pack: bool = True,
     by_room: bool = False,
     overflow: list[int] | None = None,
+    order: list[int] | None = None,
 ) -> int:
     """One node: rings first (longest first), then local documents by LPT. With ``pack``, each
     ring is the smallest that ends within the node's mean load where one does (the other GPUs
     stay free for whole documents); otherwise the one that ends soonest (wide rings, which
     spread the tokens too: better where the node is short of token room). Returns how many
     local documents had to become rings for lack of room. With ``overflow``, documents that
-    find no room are appended to it instead of failing."""
+    find no room are appended to it instead of failing. ``order``: every document's place in
+    the batch longest first (ties: lower index), when the caller has it."""
+
+    def longest_first(chosen: list[int]) -> list[int]:
+        return (
+            _longest_first(chosen, lengths)
+            if order is None
+            else sorted(chosen, key=order.__getitem__)
+        )
+
     target: float | None = None
     if pack:
         target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, choice.work, loads)
@@ -317,15 +333,15 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc in _longest_first((d for d in docs if d in rings), lengths):
+    for doc in longest_first([d for d in docs if d in rings]):
         placements[doc] = ring(doc, int(lengths[doc]))
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
     tokens_of, capacity = loads.tokens, loads.capacity
-    whole = _longest_first((d for d in docs if d not in rings), lengths)
-    local = {r: Placement(Tier.LOCAL, (r,)) for r in ranks}  # one record per GPU, shared
+    whole = longest_first([d for d in docs if d not in rings])
+    local = {r: _local(r) for r in ranks}
     # Seconds of each document whole on one GPU, computed for the batch at once.
     for doc, length, seconds in zip(
         whole, lengths[whole].tolist(), choice.attention[whole].tolist()
@@ -354,10 +370,16 @@ def _place_node(
 def _node_work(docs: list[int], lengths: np.ndarray, work: np.ndarray, loads: Loads) -> float:
     """What the documents add to a node's ``cost``: their work, less their linear seconds when
     only attention is balanced."""
-    total = float(sum(work[d] for d in docs))
+    total = float(sum(work[docs].tolist()))
     if not loads.balance_linear:
-        total -= loads.token_weight * float(sum(lengths[d] for d in docs))
+        total -= loads.token_weight * float(sum(lengths[docs].tolist()))
     return total
+
+
+@functools.cache
+def _local(rank: int) -> Placement:
+    """A whole document on ``rank``: one record per GPU, shared."""
+    return Placement(Tier.LOCAL, (rank,))
 
 
 # --- rings ---------------------------------------------------------------------------------------
@@ -449,7 +471,8 @@ def place_intra(
     start = min_ring(length, loads.capacity, start=min(smallest, k))
     if start is None or start > k:
         raise capacity_error(doc, length, f"on node {node}")
-    by_load = sorted(ranks, key=lambda r: (loads.load(r), r))
+    cost = loads.cost
+    by_load = sorted(ranks, key=lambda r: (cost[r], r))
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
     for g in sizes:
@@ -458,7 +481,8 @@ def place_intra(
         chosen = _least_loaded_with_room(by_load, length, g, loads)
         if chosen is None:
             continue
-        finish = max(loads.load(r) for r in chosen) + loads.ring_key(length, g, "nvlink")
+        # ``chosen`` keeps ``by_load``'s order: its last member is its busiest.
+        finish = cost[chosen[-1]] + loads.ring_key(length, g, "nvlink")
         if target is not None and finish <= target:
             best = (finish, g, chosen)
             break
@@ -475,5 +499,7 @@ def _least_loaded_with_room(
     by_load: list[int], length: int, ring_size: int, loads: Loads
 ) -> list[int] | None:
     per_rank = max(zigzag_loads(length, ring_size))
-    chosen = [r for r in by_load if loads.room(r) >= per_rank][:ring_size]
+    most = loads.capacity - per_rank  # tokens a member may hold already
+    tokens = loads.tokens
+    chosen = [r for r in by_load if tokens[r] <= most][:ring_size]
     return chosen if len(chosen) == ring_size else None
