@@ -218,17 +218,18 @@ class Loads:
         ``"nic"`` when the ring spans nodes. Transfers the ring cannot hide keep its ranks busy
         as surely as compute does."""
         share = self.rank_share(length, len(ring), link, self.num_links)
-        k = self.topology.gpus_per_node
+        k, compute, weight = self.topology.gpus_per_node, share.compute_s, self.linear_weight
+        cost, attention, exposed_s, tokens = self.cost, self.attention, self.exposed, self.tokens
         for i, (rank, n) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
             node = rank // k
             crosses = link == "nic" and (
                 ring[i - 1] // k != node or ring[(i + 1) % len(ring)] // k != node
             )
             exposed = share.exposed_at(crosses)
-            self.cost[rank] += share.compute_s + exposed + self.linear_weight * n
-            self.attention[rank] += share.compute_s
-            self.exposed[rank] += exposed
-            self.tokens[rank] += n
+            cost[rank] += compute + exposed + weight * n
+            attention[rank] += compute
+            exposed_s[rank] += exposed
+            tokens[rank] += n
 
     def add_local(self, rank: int, length: int, seconds: float | None = None) -> None:
         """Add a whole document; ``seconds``: its ``ring_seconds(length, 1)`` when known (the

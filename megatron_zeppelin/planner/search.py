@@ -201,6 +201,8 @@ class _AttentionView(Plan):
     timeline, which reads nothing else: no linear layout, and no validation (the plan that is
     kept is built and validated whole by ``partition``; the others are dropped)."""
 
+    __hash__ = object.__hash__  # a view is built once: hashing its every span is wasted
+
     def validate(self) -> None:
         pass
 
