@@ -153,8 +153,8 @@ class Candidate:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
         if not self.sequences:
             sequences = []
-            for doc, placement in enumerate(self.placements):
-                length, ring = int(array[doc]), placement.ring
+            for doc, (placement, length) in enumerate(zip(self.placements, array.tolist())):
+                ring = placement.ring
                 spans = (
                     (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
                 )
