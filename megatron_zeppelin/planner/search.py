@@ -97,6 +97,8 @@ class Candidate:
     """Attention seconds per rank (compute plus exposed transfers)."""
     timed: bool = True
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
+    settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
+    """``settled``'s answers so far."""
 
     @property
     def balance_linear(self) -> bool:
@@ -129,6 +131,13 @@ class Candidate:
         return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * mean
 
     def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
+        """``_settled`` once per factor: the search asks again for every variant it tries
+        (``array`` is the batch, the same for every call)."""
+        if factor not in self.settled_by_factor:
+            self.settled_by_factor[factor] = self._settled(array, factor)
+        return self.settled_by_factor[factor]
+
+    def _settled(self, array: np.ndarray, factor: float) -> bool:
         """No other placement is worth trying: this one is ``even_enough(factor)``, or one
         document's share of the busiest GPU already exceeds the mean load (its ring, not the
         packing of the others, sets the step)."""
