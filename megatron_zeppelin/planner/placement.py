@@ -180,6 +180,16 @@ def _nodes_by_lpt(
     for doc, length, needed, work in zip(
         rest[order].tolist(), lengths[rest][order].tolist(), needs, key[order].tolist()
     ):
+        top, node = state.heap[0]
+        if top == state.load[node] and state.room - state.tokens[node] >= needed + reserve:
+            # ``pick``'s and ``add``'s usual case, inline: the least-loaded node has room.
+            by_node[node].append(doc)
+            assigned_key[node] += work
+            assigned_tokens[node] += length
+            state.load[node] += work
+            state.tokens[node] += length
+            heapq.heapreplace(state.heap, (state.load[node], node))
+            continue
         node = state.pick(needed + reserve)
         if node is None:
             node = state.pick(needed)
