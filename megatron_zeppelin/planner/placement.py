@@ -132,6 +132,18 @@ class _Nodes:
             return None
         return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
 
+    def take_top(self, needed: int, work: float, tokens: int) -> int | None:
+        """``pick`` and ``add`` in the usual case, the heap's top current and with room for
+        ``needed`` tokens: add to it and return it; else ``None``, nothing changed."""
+        heap, load = self.heap, self.load
+        value, node = heap[0]
+        if value != load[node] or self.room - self.tokens[node] < needed:
+            return None
+        load[node] += work
+        self.tokens[node] += tokens
+        heapq.heapreplace(heap, (load[node], node))
+        return node
+
     def add(self, node: int, work: float, tokens: int) -> None:
         heap, load = self.heap, self.load
         top = heap[0][1] == node and heap[0][0] == load[node]  # ``pick``'s usual answer
@@ -180,24 +192,16 @@ def _nodes_by_lpt(
     for doc, length, needed, work in zip(
         rest[order].tolist(), lengths[rest][order].tolist(), needs, key[order].tolist()
     ):
-        top, node = state.heap[0]
-        if top == state.load[node] and state.room - state.tokens[node] >= needed + reserve:
-            # ``pick``'s and ``add``'s usual case, inline: the least-loaded node has room.
-            by_node[node].append(doc)
-            assigned_key[node] += work
-            assigned_tokens[node] += length
-            state.load[node] += work
-            state.tokens[node] += length
-            heapq.heapreplace(state.heap, (state.load[node], node))
-            continue
-        node = state.pick(needed + reserve)
-        if node is None:
-            node = state.pick(needed)
+        node = state.take_top(needed + reserve, work, length)
+        if node is None:  # the heap's top is stale or full: ``pick`` looks further
+            node = state.pick(needed + reserve)
+            node = state.pick(needed) if node is None else node
+            if node is not None:
+                state.add(node, work, length)
         if node is not None:
             by_node[node].append(doc)
             assigned_key[node] += work
             assigned_tokens[node] += length
-            state.add(node, work, length)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
@@ -319,14 +323,6 @@ def _place_node(
     local documents had to become rings for lack of room. With ``overflow``, documents that
     find no room are appended to it instead of failing. ``order``: every document's place in
     the batch longest first (ties: lower index), when the caller has it."""
-
-    def longest_first(chosen: list[int]) -> list[int]:
-        return (
-            _longest_first(chosen, lengths)
-            if order is None
-            else sorted(chosen, key=order.__getitem__)
-        )
-
     target: float | None = None
     if pack:
         target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, choice.work, loads)
@@ -342,31 +338,28 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc in longest_first([d for d in docs if d in rings]):
+    for doc in _in_order([d for d in docs if d in rings], lengths, order):
         placements[doc] = ring(doc, int(lengths[doc]))
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
     tokens_of, capacity = loads.tokens, loads.capacity
-    whole = longest_first([d for d in docs if d not in rings])
+    whole = _in_order([d for d in docs if d not in rings], lengths, order)
     local = {r: _local(r) for r in ranks}
     # Seconds of each document whole on one GPU, computed for the batch at once.
     for doc, length, seconds in zip(
         whole, lengths[whole].tolist(), choice.attention[whole].tolist()
     ):
-        rank = heap[0][1]
-        if capacity - tokens_of[rank] >= length:  # the least loaded has room: the usual case
-            loads.add_local(rank, length, seconds)
-            placements[doc] = local[rank]
-            heapq.heapreplace(heap, (key_of[rank], rank))
-            continue
-        found = pop_with_room(heap, tokens_of, capacity, length)
+        top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
+        found = top if capacity - tokens_of[top[1]] >= length else None
+        found = found or pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]
             loads.add_local(rank, length, seconds)
             placements[doc] = local[rank]
-            heapq.heappush(heap, (key_of[rank], rank))
+            update = heapq.heapreplace if found is top else heapq.heappush
+            update(heap, (key_of[rank], rank))
             continue
         # No GPU has room for it whole: a ring of the GPUs with room.
         placements[doc] = ring(doc, length)
@@ -374,6 +367,11 @@ def _place_node(
         heap = [(key_of[r], r) for r in ranks]
         heapq.heapify(heap)
     return promotions
+
+
+def _in_order(docs: list[int], lengths: np.ndarray, order: np.ndarray | None) -> list[int]:
+    """``docs`` longest first (ties: lower index), by ``order`` where given."""
+    return _longest_first(docs, lengths) if order is None else sorted(docs, key=order.__getitem__)
 
 
 def _node_work(docs: list[int], lengths: np.ndarray, work: np.ndarray, loads: Loads) -> float:
