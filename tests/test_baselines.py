@@ -103,8 +103,10 @@ def test_flexsp_groups_are_disjoint_power_of_two_blocks(lengths: list[int]) -> N
 def test_megatron_baseline_calls_megatron_core() -> None:
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
     lengths = [3 * CAPACITY, 2 * CAPACITY, 900, 300, 5000, 17, 4096, 1200]
-    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)
-    assert {p.meta["scheduler"] for p in plans} == {"megatron-core BalancedCPScheduler"}
+    plans = megatron_dynamic_cp(
+        lengths, topology=TOPO, capacity=CAPACITY, scheduler="megatron-core"
+    )
+    assert {p.meta["scheduler"] for p in plans} == {"megatron-core"}
     _check_common("megatron-dynamic-cp", plans, lengths)
     for plan in plans:
         for seq in plan.sequences:
@@ -115,9 +117,9 @@ def test_megatron_baseline_calls_megatron_core() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=batches)
-def test_megatron_fallback_makes_valid_plans(lengths: list[int]) -> None:
-    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY, use_core=False)
-    assert plans[0].meta["scheduler"] == "fallback"
+def test_megatron_reimplemented_scheduler_makes_valid_plans(lengths: list[int]) -> None:
+    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)
+    assert plans[0].meta["scheduler"] == "reimplemented"
     _check_common("megatron-dynamic-cp", plans, lengths)
 
 
