@@ -26,7 +26,10 @@ from megatron_zeppelin.planner.megatron_schedule import (
 
 pytestmark = pytest.mark.pure
 
-pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
+
+@pytest.fixture
+def megatron_core() -> None:
+    pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
 
 
 def _ties(rng: random.Random, n: int, capacity: int, world: int) -> list[int]:
@@ -94,7 +97,7 @@ def _assert_same(lengths: list[int], world: int, capacity: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_same_schedule_as_megatron_core_on_random_batches(seed: int) -> None:
+def test_same_schedule_as_megatron_core_on_random_batches(seed: int, megatron_core) -> None:
     rng = random.Random(seed)
     compared = 0
     while compared < 100:
@@ -118,7 +121,7 @@ def test_same_schedule_as_megatron_core_on_random_batches(seed: int) -> None:
     ],
 )
 def test_same_schedule_as_megatron_core_on_each_rule(
-    lengths: list[int], world: int, capacity: int
+    lengths: list[int], world: int, capacity: int, megatron_core
 ) -> None:
     _assert_same(lengths, world, capacity)
 
@@ -128,7 +131,7 @@ def test_same_schedule_as_megatron_core_on_each_rule(
     [("wikipedia", 1_500_000, 256, 8192), ("prolong", 2_000_000, 128, 16384)],
 )
 def test_same_schedule_as_megatron_core_at_scale(
-    dist: str, num_tokens: int, world: int, capacity: int
+    dist: str, num_tokens: int, world: int, capacity: int, megatron_core
 ) -> None:
     lengths = sample_lengths(dist, num_tokens=num_tokens, seed=3, max_length=world * capacity)
     _assert_same(lengths, world, capacity)
