@@ -5,6 +5,8 @@ Tier: pure (no torch.distributed; megatron-core's scheduler is plain Python).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -163,3 +165,13 @@ def test_flexsp_and_megatron_agree_exactly_when_one_document_sets_the_step() -> 
         for name in ("megatron-dynamic-cp", "flexsp")
     ]
     assert steps[0] != pytest.approx(steps[1], rel=1e-3)
+
+
+def test_megatron_scheduler_choice_is_checked(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="megatron-core"):
+        megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY, scheduler="fastest")
+    # Without megatron-core its own scheduler cannot run; the reimplementation still does.
+    monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel.hybrid_cp_schedule", None)
+    with pytest.raises(ValueError, match="megatron-core is not installed"):
+        megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY, scheduler="megatron-core")
+    assert megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY)[0].sequences
