@@ -5,6 +5,8 @@ Tier: pure (no torch.distributed; megatron-core's scheduler is plain Python).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -103,8 +105,10 @@ def test_flexsp_groups_are_disjoint_power_of_two_blocks(lengths: list[int]) -> N
 def test_megatron_baseline_calls_megatron_core() -> None:
     pytest.importorskip("megatron.core.pipeline_parallel.hybrid_cp_schedule")
     lengths = [3 * CAPACITY, 2 * CAPACITY, 900, 300, 5000, 17, 4096, 1200]
-    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)
-    assert {p.meta["scheduler"] for p in plans} == {"megatron-core BalancedCPScheduler"}
+    plans = megatron_dynamic_cp(
+        lengths, topology=TOPO, capacity=CAPACITY, scheduler="megatron-core"
+    )
+    assert {p.meta["scheduler"] for p in plans} == {"megatron-core"}
     _check_common("megatron-dynamic-cp", plans, lengths)
     for plan in plans:
         for seq in plan.sequences:
@@ -115,9 +119,9 @@ def test_megatron_baseline_calls_megatron_core() -> None:
 
 @settings(max_examples=25, deadline=None)
 @given(lengths=batches)
-def test_megatron_fallback_makes_valid_plans(lengths: list[int]) -> None:
-    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY, use_core=False)
-    assert plans[0].meta["scheduler"] == "fallback"
+def test_megatron_reimplemented_scheduler_makes_valid_plans(lengths: list[int]) -> None:
+    plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)
+    assert plans[0].meta["scheduler"] == "reimplemented"
     _check_common("megatron-dynamic-cp", plans, lengths)
 
 
@@ -161,3 +165,13 @@ def test_flexsp_and_megatron_agree_exactly_when_one_document_sets_the_step() -> 
         for name in ("megatron-dynamic-cp", "flexsp")
     ]
     assert steps[0] != pytest.approx(steps[1], rel=1e-3)
+
+
+def test_megatron_scheduler_choice_is_checked(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="megatron-core"):
+        megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY, scheduler="fastest")
+    # Without megatron-core its own scheduler cannot run; the reimplementation still does.
+    monkeypatch.setitem(sys.modules, "megatron.core.pipeline_parallel.hybrid_cp_schedule", None)
+    with pytest.raises(ValueError, match="megatron-core is not installed"):
+        megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY, scheduler="megatron-core")
+    assert megatron_dynamic_cp([10], topology=TOPO, capacity=CAPACITY)[0].sequences

@@ -161,6 +161,33 @@ def test_plot_writes_png_files(tmp_path) -> None:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_compare_pauses_the_garbage_collector_only_while_a_builder_runs(monkeypatch) -> None:
+    """The collector is off while a builder plans and simulates, back on after it (also when
+    the builder fails), and left off where the caller had switched it off."""
+    import gc
+
+    from megatron_zeppelin.commands import simulate as command
+
+    seen = []
+
+    def build_plans(name, lengths, **kwargs):
+        seen.append(gc.isenabled())
+        raise ValueError("no room")
+
+    monkeypatch.setattr(command, "build_plans", build_plans)
+    was_enabled = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            results = command.compare_batches(
+                [[10, 20]], topology=None, cost_model=None, capacity=64, builders=["flexsp"]
+            )
+            assert results == {"flexsp": ["no room"]} and seen[-1] is False
+            assert gc.isenabled() is enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+
+
 def test_compare_without_a_terminal_shows_a_line_per_builder(capsys) -> None:
     """Under pytest stderr is no terminal: no bar, but a line for each builder and batch."""
     argv = [

@@ -170,3 +170,17 @@ def test_remapping_costs_time_and_bytes_only_when_tokens_move() -> None:
     assert off.step_time_s == simulate(base, cost).step_time_s
     # Balanced linear work: the remapped plan's linear phase is shorter.
     assert on.breakdown["linear_s"] < off.breakdown["linear_s"]
+
+
+def test_sequential_passes_time_each_document_on_the_ranks_holding_it() -> None:
+    """Megatron's dynamic CP runs each document as its own pass; with the highest ranks idle
+    (two 2-token documents on rings of 4 hold tokens on one rank each), every pass's compute
+    still lands on the rank that holds the document's tokens."""
+    from megatron_zeppelin.planner.simulator import attention_seconds
+
+    plans = build_baseline("megatron-dynamic-cp", [2, 2], topology=TOPO, capacity=64)
+    (plan,) = plans
+    holders = sorted({span.rank for seq in plan.sequences for span in seq.attention})
+    assert plan.meta["execution"] == "sequential" and max(holders) < TOPO.world_size - 1
+    compute, _ = attention_seconds(plan, COST, {}, sequential=True)
+    assert sorted(r for r in range(TOPO.world_size) if compute[r] > 0) == holders

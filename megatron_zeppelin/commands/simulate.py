@@ -15,10 +15,12 @@ and the simulator times them with the same cost model. Speedups are ratios of me
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 from megatron_zeppelin.commands.plan import (
@@ -69,6 +71,20 @@ def build_plans(
     )
 
 
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block. A plan of 10^4 documents on 10^3 GPUs
+    is millions of small objects without cycles; the collector's full passes over them took a
+    third of the CPU of a comparison at 1024 GPUs and reclaimed nothing (docs/BENCHMARKS.md)."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def compare_batches(
     batches: Sequence[list[int]],
     *,
@@ -91,16 +107,19 @@ def compare_batches(
         for name in builders:
             start = time.perf_counter()
             try:
-                plans = build_plans(
-                    name,
-                    lengths,
-                    topology=topology,
-                    cost_model=cost_model,
-                    capacity=capacity,
-                    options=options,
-                )
-                # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
-                results[name].append(simulate_rounds(plans, cost_model, remap=remap))
+                with collector_paused():
+                    plans = build_plans(
+                        name,
+                        lengths,
+                        topology=topology,
+                        cost_model=cost_model,
+                        capacity=capacity,
+                        options=options,
+                    )
+                    # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
+                    results[name].append(simulate_rounds(plans, cost_model, remap=remap))
+                    # Freed while the collector is off: it would otherwise walk them all once.
+                    del plans
             except ValueError as exc:
                 results[name].append(str(exc))
             if on_result is not None:

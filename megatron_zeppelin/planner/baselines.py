@@ -19,13 +19,14 @@ Assumptions, one per baseline:
 * ``hybrid-dp``: documents longer than ``threshold`` (default: the capacity) are split zigzag over
   a fixed CP group (``cp_size`` consecutive ranks, the least loaded group by attention cost); every
   shorter document stays whole on the GPU holding the fewest tokens (data parallel).
-* ``megatron-dynamic-cp``: Megatron-LM's hybrid/dynamic CP scheduler. ``BalancedCPScheduler`` from
-  megatron-core is called as is (``get_groups_and_subsamples``): each document gets a power-of-two
-  CP group holding at most ``capacity`` tokens per rank, documents are grouped into scheduling
-  groups separated by barriers, and inside a group every document is its own forward/backward pass
-  (so its plans carry ``meta["execution"] = "sequential"``). Where megatron-core is missing, a
-  re-derivation is used: the same power-of-two sizes, one document per rank group, groups filled
-  longest first onto the least loaded aligned rank block (``meta["scheduler"]`` says which ran).
+* ``megatron-dynamic-cp``: Megatron-LM's hybrid/dynamic CP scheduler, megatron-core's
+  ``BalancedCPScheduler.get_groups_and_subsamples``: each document gets a power-of-two CP group
+  holding at most ``capacity`` tokens per rank, documents are grouped into scheduling groups
+  separated by barriers, and inside a group every document is its own forward/backward pass (so
+  its plans carry ``meta["execution"] = "sequential"``). Its decisions are made by
+  ``megatron_schedule.py`` (the same output as megatron-core's, tested, in a fraction of the
+  time); ``scheduler="megatron-core"`` calls megatron-core's own (``meta["scheduler"]`` says
+  which ran).
 * ``flexsp``: FlexSP-style heterogeneous sequence-parallel groups, greedy instead of a MILP. Each
   document needs a power-of-two group holding it; longest first, a document opens a new aligned
   group of its size while free ranks remain and the least loaded existing group of that size
@@ -43,12 +44,12 @@ routes: cross-node traffic leaves through each sender's own NIC.
 from __future__ import annotations
 
 import heapq
-import warnings
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.megatron_schedule import balanced_cp_schedule, megatron_core_schedule
 from megatron_zeppelin.planner.plan import (
     AttentionComm,
     Plan,
@@ -435,35 +436,25 @@ def flexsp(
 
 
 # --- Megatron-LM dynamic (hybrid) CP -----------------------------------------------------------
-class _GroupOfSize:
-    """What ``BalancedCPScheduler`` reads of its DPxCP process group: only ``size()``."""
-
-    def __init__(self, size: int) -> None:
-        self._size = size
-
-    def size(self) -> int:
-        return self._size
+MEGATRON_SCHEDULERS = ("reimplemented", "megatron-core")
+"""Who decides Megatron's schedule: ``megatron_schedule.py`` or megatron-core itself."""
 
 
-def megatron_groups_from_core(
-    lengths: list[int], world: int, capacity: int
-) -> list[list[tuple[int, tuple[int, ...]]]] | None:
-    """Scheduling groups from megatron-core's ``BalancedCPScheduler``: per group, the documents
-    as ``(seq_id, ranks)``. ``None`` when megatron-core is not importable."""
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # megatron-core warns about missing TE/apex
-            # Deferred: keeps megatron-core out of this module's import.
-            from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
-    except ImportError:
-        return None
-    scheduler = BalancedCPScheduler(capacity, _GroupOfSize(world))
-    _, sample_id_groups = scheduler.get_groups_and_subsamples(
-        [(i, n) for i, n in enumerate(lengths)],
-        None,  # the config argument is unused
-    )
+def megatron_groups(
+    lengths: list[int], world: int, capacity: int, scheduler: str = "reimplemented"
+) -> list[list[tuple[int, tuple[int, ...]]]]:
+    """Megatron's scheduling groups: per group, its documents as ``(seq_id, ranks)`` by id."""
+    if scheduler == "reimplemented":
+        return [
+            sorted((seq_id, group.ranks) for group in groups for seq_id, _ in group.docs)
+            for groups in balanced_cp_schedule(lengths, world, capacity)
+        ]
+    if scheduler != "megatron-core":
+        raise ValueError(
+            f"unknown scheduler {scheduler!r}; choose one of {', '.join(MEGATRON_SCHEDULERS)}"
+        )
     groups = []
-    for per_rank in sample_id_groups:
+    for per_rank in megatron_core_schedule(lengths, world, capacity):
         ranks_of: dict[int, list[int]] = {}
         for rank, ids in enumerate(per_rank):
             for seq_id in ids:
@@ -472,42 +463,16 @@ def megatron_groups_from_core(
     return groups
 
 
-def megatron_groups_fallback(
-    lengths: list[int], world: int, capacity: int
-) -> list[list[tuple[int, tuple[int, ...]]]]:
-    """Re-derivation used without megatron-core: power-of-two groups (``ceil(L/capacity)``
-    rounded up), longest first onto the least loaded aligned block of ranks, one scheduling
-    group per batch; load is ``L^2 / size`` as in megatron-core's estimator."""
-    load = [0.0] * world
-    docs = []
-    for seq_id in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
-        n = lengths[seq_id]
-        size = min(_pow2_at_least(n / capacity), world)
-        blocks = range(0, world - size + 1, size)
-        start = min(blocks, key=lambda b: (max(load[b : b + size]), b))
-        ranks = tuple(range(start, start + size))
-        for r in ranks:
-            load[r] += n * n / size
-        docs.append((seq_id, ranks))
-    return [sorted(docs)]
-
-
 def megatron_dynamic_cp(
-    lengths: Sequence[int], *, topology: Topology, capacity: int, use_core: bool = True
+    lengths: Sequence[int],
+    *,
+    topology: Topology,
+    capacity: int,
+    scheduler: str = "reimplemented",
 ) -> list[Plan]:
     """Megatron-LM's hybrid/dynamic CP schedule, one plan per scheduling group."""
     lengths = _check_inputs(lengths, topology, capacity)
-    world = topology.world_size
-    for n in lengths:
-        if _pow2_at_least(n / capacity) > world:
-            raise ValueError(
-                f"a document of {n} tokens needs a power-of-two CP group larger than the "
-                f"{world} GPUs at {capacity} tokens per GPU: raise --capacity"
-            )
-    groups = megatron_groups_from_core(lengths, world, capacity) if use_core else None
-    scheduler = "megatron-core BalancedCPScheduler"
-    if groups is None:
-        groups, scheduler = megatron_groups_fallback(lengths, world, capacity), "fallback"
+    groups = megatron_groups(lengths, topology.world_size, capacity, scheduler)
     seen = sorted(i for group in groups for i, _ in group)
     assert seen == list(range(len(lengths))), "the scheduler dropped or repeated a document"
     plans = []

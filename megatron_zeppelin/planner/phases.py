@@ -180,8 +180,7 @@ def phase_seconds(
     if merge_ring_phases:
         phase = np.minimum(phase, 1)
     num_phases = blocks.num_phases
-    key = blocks.pass_id[keep] * (int(blocks.rank.max(initial=0)) + 1) + blocks.rank[keep]
-    key = key * num_phases + phase
+    key = call_key(blocks.pass_id[keep], blocks.rank[keep], phase, world_size, num_phases)
     calls, inverse = np.unique(key, return_inverse=True)
     num_q, pairs = blocks.num_q[keep], blocks.pairs[keep]
     call_tokens = np.bincount(inverse, weights=num_q, minlength=len(calls))
