@@ -5,13 +5,18 @@ Tier: pure.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.spread import spread_evenly, wide_choices, zigzag_pieces
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -80,3 +85,59 @@ def test_too_large_a_batch_is_still_refused() -> None:
     topo = Topology(num_nodes=2, gpus_per_node=1, nics_per_node=1)
     with pytest.raises(ValueError, match="more than the cluster capacity"):
         _plan([300, 300, 200], topo, 399)
+
+
+@given(
+    length=st.integers(1, 5000),
+    takes=st.lists(st.integers(0, 400), min_size=1, max_size=8),
+)
+@settings(max_examples=60, deadline=None)
+def test_zigzag_pieces_partition_the_document_with_each_ranks_share(length, takes) -> None:
+    takes = [t for t in takes if t] or [1]
+    takes[-1] += max(0, length - sum(takes))
+    length = sum(takes)
+    pieces = list(enumerate(takes))
+    spans = zigzag_pieces(length, pieces)
+    covered = sorted((s.start, s.end) for s in spans)
+    assert covered[0][0] == 0 and covered[-1][1] == length
+    assert all(a[1] == b[0] for a, b in zip(covered, covered[1:]))
+    for rank, take in pieces:
+        assert sum(s.num_tokens for s in spans if s.rank == rank) == take
+
+
+def test_zigzag_pieces_even_out_causal_work() -> None:
+    """Equal shares of one document do about the same causal work on every rank; contiguous
+    pieces would give the last rank 2k-1 times the first's."""
+    spans = zigzag_pieces(8000, [(rank, 1000) for rank in range(8)])
+    work = [
+        sum(s.end * (s.end + 1) - s.start * (s.start + 1) for s in spans if s.rank == r)
+        for r in range(8)
+    ]
+    assert max(work) / min(work) < 1.01
+
+
+def test_a_full_cluster_is_filled_evenly_and_the_fastest_spread_kept() -> None:
+    """A batch of exactly capacity x GPUs leaves placement no gaps: the last resort fills every
+    GPU to the same count, and of the spreads it tries keeps the one the simulator times
+    fastest."""
+    topo = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=1)
+    capacity = 8192
+    lengths = sample_lengths("wikipedia", num_tokens=capacity * 8, seed=2)
+    lengths[-1] += capacity * 8 - sum(lengths)
+    plan = _plan(lengths, topo, capacity)
+    _check(plan, lengths, capacity)
+    assert "filled evenly" in plan.meta["fallback"]
+    assert {plan.num_attention_tokens(rank) for rank in range(8)} == {capacity}
+    cost = CostModel.default(get_model("llama-7b"), topo)
+    array = np.asarray(lengths, dtype=np.int64)
+    seconds = {}
+    for wide in wide_choices(array, 8):
+        candidate = spread_evenly(array, Loads(topo, capacity, cost, 1), wide)
+        candidate.build(array, True)
+        candidate.simulate(("attention",))
+        seconds[wide] = candidate.seconds
+    assert len(seconds) > 1
+    assert seconds[plan.meta["spread_wide"]] == min(seconds.values())
+    chosen = simulate(plan, cost)
+    assert chosen.step_time_s == pytest.approx(plan.meta["predicted_step_s"], rel=1e-9)
+    assert chosen.efficiency > 0.8

@@ -43,7 +43,7 @@ Tight capacity. A local document that finds no GPU with room becomes a ring (cou
 documents do not fit is placed again with local documents on the GPU with the most room, then
 with every ring over all its GPUs, handing what still does not fit to other nodes. If placement
 still runs out of room, the batch is planned again splitting only what capacity forces, and as
-a last resort its documents are laid end to end over every GPU (``search.spread_evenly``;
+a last resort every GPU is filled to the same token count (``spread.py``;
 ``meta["fallback"]`` says which). Every batch that fits the cluster is planned; a ``ValueError``
 means it does not (a document or the batch over ``capacity x GPUs``).
 
@@ -60,6 +60,7 @@ import gc
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from itertools import product
 
 import numpy as np
 
@@ -73,7 +74,8 @@ from megatron_zeppelin.planner.linear_layout import (
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import CapacityError
 from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.search import Candidate, search, spread_evenly
+from megatron_zeppelin.planner.search import Candidate, search
+from megatron_zeppelin.planner.spread import spread_evenly, wide_choices
 from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, chunk_thresholds
 from megatron_zeppelin.topology.model import Topology
@@ -235,16 +237,26 @@ def _spread_plan(
     options: PlannerOptions,
     thresholds: tuple[int, int],
 ) -> Plan:
-    """The last resort (``search.spread_evenly``): always fits a batch that fits the cluster."""
-    loads = Loads(topology, capacity, cost_model, topology.nics_per_node if options.routing else 1)
-    best = spread_evenly(array, loads, ("attention",))
-    best.build(array, options.routing)
-    best.simulate(("attention",))
+    """The last resort (``spread.py``): always fits a batch that fits the cluster. Tries a few
+    counts of longest documents over every GPU, the others in both orders, and keeps the fastest
+    by the simulator."""
+    nics = topology.nics_per_node if options.routing else 1
+    best = None
+    for wide, deal in product(wide_choices(array, topology.world_size), (True, False)):
+        loads = Loads(topology, capacity, cost_model, nics)
+        candidate = spread_evenly(array, loads, wide, deal)
+        candidate.build(array, options.routing)
+        candidate.simulate(("attention",))
+        if best is None or candidate.seconds < best.seconds:
+            best, best_wide = candidate, wide
+    assert best is not None
     meta = {
         "thresholds": list(thresholds),
         "capacity_promotions": 0,
         "candidates": [],
-        "fallback": "capacity: documents laid end to end over every GPU",
+        "fallback": "capacity: every GPU filled evenly"
+        + (f", the {best_wide} longest documents over every GPU" if best_wide else ""),
+        "spread_wide": best_wide,
     }
     return _assemble(best, cost_model, meta)
 

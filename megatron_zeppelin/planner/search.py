@@ -64,7 +64,7 @@ from megatron_zeppelin.planner.schemes import choose_schemes
 from megatron_zeppelin.planner.simulator import attention_seconds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
 
-__all__ = ["Candidate", "search", "spread_evenly"]
+__all__ = ["Candidate", "search"]
 
 _EVEN_ENOUGH = 1.01
 """A placement predicted within this factor of its GPUs' mean work needs no more rings."""
@@ -392,33 +392,3 @@ def _place(
         loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
     )
     return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
-
-
-def spread_evenly(array: np.ndarray, loads: Loads, layouts: tuple[str, ...]) -> Candidate:
-    """The last resort under tight capacity, feasible whenever the batch fits the cluster: the
-    documents, longest first, laid end to end over the ranks in order, ``ceil(tokens / world)``
-    per rank; a document that does not end on its rank continues on the next ones, a ring of
-    contiguous pieces (the ring engine takes any spans)."""
-    topology = loads.topology
-    world = topology.world_size
-    per_rank = -(-int(array.sum()) // world)
-    assert per_rank <= loads.capacity, "plan_batch checks the batch fits the cluster"
-    rank, room = 0, per_rank
-    placements: list[Placement | None] = [None] * len(array)
-    sequences: list[SequencePlan | None] = [None] * len(array)
-    for doc in np.lexsort((np.arange(len(array)), -array)).tolist():
-        length, pos, spans = int(array[doc]), 0, []
-        while pos < length:
-            take = min(length - pos, room)
-            spans.append(Span(rank, pos, pos + take))
-            loads.tokens[rank] += take
-            pos, room = pos + take, room - take
-            if room == 0 and rank + 1 < world:
-                rank, room = rank + 1, per_rank
-        ring = tuple(dict.fromkeys(span.rank for span in spans))
-        tier = Tier.of_ring(ring, topology.gpus_per_node)
-        placements[doc] = Placement(tier, ring)
-        sequences[doc] = SequencePlan(doc, length, tier, ring, tuple(spans))
-    candidate = Candidate(placements, loads, 0, 0, {})  # type: ignore[arg-type]
-    candidate.sequences = tuple(sequences)  # type: ignore[arg-type]
-    return candidate
