@@ -9,6 +9,7 @@ validation.
     python scripts/bench_planner.py                 # full grid
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
     python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
+    python scripts/bench_planner.py --quick --distributions wikipedia   # one distribution
     python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
 
@@ -84,7 +85,9 @@ def measure(
     }
 
 
-def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list[dict]:
+def by_documents(
+    counts: list[int], distributions: list[str], seeds: int, options: PlannerOptions
+) -> list[dict]:
     """1024 GPUs, batches of about ``count`` documents (module docstring)."""
     rows = []
     print(
@@ -93,7 +96,7 @@ def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for count in sorted(counts):
-        for distribution in DISTRIBUTIONS:
+        for distribution in distributions:
             tokens = int(count * distribution_mean(distribution))
             row = measure(1024, tokens, distribution, seeds, options)
             rows.append(row)
@@ -113,10 +116,17 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=7, help="batches per cell (default 7)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
     parser.add_argument("--no-2d", action="store_true", help="every ring flat (PlannerOptions)")
+    parser.add_argument(
+        "--distributions",
+        nargs="+",
+        choices=sorted(DISTRIBUTIONS),
+        default=list(DISTRIBUTIONS),
+        help="length distributions to measure (default: all)",
+    )
     args = parser.parse_args()
     options = PlannerOptions(two_d=not args.no_2d)
     if args.docs:
-        rows = by_documents(args.docs, args.seeds, options)
+        rows = by_documents(args.docs, args.distributions, args.seeds, options)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -129,7 +139,7 @@ def main() -> None:
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for num_gpus, num_tokens in grid:
-        for distribution in DISTRIBUTIONS:
+        for distribution in args.distributions:
             row = measure(num_gpus, num_tokens, distribution, args.seeds, options)
             rows.append(row)
             print(

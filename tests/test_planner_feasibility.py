@@ -6,6 +6,7 @@ Tier: pure.
 from __future__ import annotations
 
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,7 +70,7 @@ def _tight(draw):
     return kept or [1], topo, capacity
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(_tight())
 def test_any_batch_within_the_cluster_plans(batch) -> None:
     lengths, topo, capacity = batch
