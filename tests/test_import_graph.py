@@ -1,9 +1,16 @@
-"""Pure tier: no two modules of the package import each other, directly or round a circle.
+"""Pure tier: no two modules of the package import each other, directly or round a circle,
+and every import inside a function says why it is not at the top of its module.
 
 Every import counts, at module level, inside functions and under ``TYPE_CHECKING``: a circle
 hidden in a function or a type-only import still means two modules that cannot be read, changed
 or tested apart (interfaces live beside their users instead: ``comm/protocol.py``,
-``attention/kernel_api.py``)."""
+``attention/kernel_api.py``).
+
+Imports sit at the top of their module, where they show what it depends on. One that must wait
+for its function (an optional package probed, matplotlib only for a chart, megatron-core kept
+out of a command that does not need torch, ``megatron.training`` that exists only beside
+Megatron-LM) carries a ``# lazy:`` comment saying why, on its line or on the comment lines right
+above it (above its run of imports)."""
 
 from __future__ import annotations
 
@@ -80,3 +87,64 @@ def test_no_module_imports_round_a_circle() -> None:
     graph = module_graph()
     assert "megatron_zeppelin.attention.kernels" in graph
     assert cycles(graph) == []
+
+
+LAZY = "# lazy:"
+
+
+def unexplained_lazy_imports(source: str) -> list[int]:
+    """Lines of the imports inside functions of ``source`` that carry no ``# lazy:`` reason."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    import_lines: set[int] = set()
+    nested: list[ast.stmt] = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            import_lines.update(range(node.lineno, node.end_lineno + 1))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            nested += [n for n in ast.walk(node) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    unexplained = []
+    for node in nested:
+        if any(LAZY in lines[n - 1] for n in range(node.lineno, node.end_lineno + 1)):
+            continue
+        # Up through the run of imports and comments this import is in, to a reason.
+        above, explained = node.lineno - 1, False
+        while above >= 1 and not explained:
+            line = lines[above - 1].lstrip()
+            if line.startswith("#"):
+                explained = line.startswith(LAZY)
+            elif above not in import_lines:
+                break
+            above -= 1
+        if not explained:
+            unexplained.append(node.lineno)
+    return sorted(set(unexplained))
+
+
+def test_the_lazy_import_check_sees_an_import_without_a_reason() -> None:
+    source = (
+        "import os\n"
+        "\n"
+        "def f():\n"
+        "    # lazy: matplotlib is optional.\n"
+        "    import matplotlib\n"
+        "    import matplotlib.pyplot\n"
+        "    x = 1\n"
+        "    import json\n"
+        "    from megatron_zeppelin import fileio  # lazy: a reason on the line\n"
+        "    # a comment that gives no reason\n"
+        "    from megatron_zeppelin.planner import plan\n"
+    )
+    assert unexplained_lazy_imports(source) == [8, 11]
+
+
+def test_imports_inside_functions_say_why_they_wait() -> None:
+    found = {
+        str(path.relative_to(PACKAGE.parent)): lines
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := unexplained_lazy_imports(path.read_text()))
+    }
+    assert not found, (
+        "imports inside functions without a '# lazy:' reason (move them to the top of the "
+        f"module, or say why they must wait): {found}"
+    )

@@ -453,7 +453,7 @@ def megatron_groups_from_core(
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns about missing TE/apex
-            # Deferred: keeps megatron-core out of this module's import.
+            # lazy: the planner never imports torch; only this baseline asks megatron-core.
             from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except ImportError:
         return None
