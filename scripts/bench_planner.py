@@ -31,6 +31,7 @@ import time
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import (
     DISTRIBUTIONS,
+    MAX_BATCH_TOKENS,
     distribution_mean,
     sample_lengths,
 )
@@ -98,6 +99,13 @@ def by_documents(
     for count in sorted(counts):
         for distribution in distributions:
             tokens = int(count * distribution_mean(distribution))
+            if tokens > MAX_BATCH_TOKENS:  # ``sample_lengths`` refuses it
+                print(
+                    f"| 1024 | {count} | {distribution} | {tokens} | over the sampler's "
+                    f"{MAX_BATCH_TOKENS} tokens per batch: skipped | | | |",
+                    flush=True,
+                )
+                continue
             row = measure(1024, tokens, distribution, seeds, options)
             rows.append(row)
             print(

@@ -93,16 +93,15 @@ def _fill(
     surplus[:] = left
 
 
-def _targets(counts: list[int], groups: list[list[int]]) -> list[int]:
-    """Even tokens per rank inside every group; the remainder goes to the biggest holders."""
-    target = [0] * len(counts)
-    for ranks in groups:
-        base, extra = divmod(sum(counts[r] for r in ranks), len(ranks))
-        for r in ranks:
-            target[r] = base
-        for r in sorted(ranks, key=lambda r: (-counts[r], r))[:extra]:
-            target[r] += 1
-    return target
+def _targets(counts: Sequence[int], group_size: int) -> list[int]:
+    """Even tokens per rank inside every group of ``group_size`` consecutive ranks; the
+    remainder goes to the biggest holders (ties: the lower rank)."""
+    held = np.asarray(counts, dtype=np.int64).reshape(-1, group_size)
+    base, extra = np.divmod(held.sum(axis=1), group_size)
+    order = np.argsort(-held, axis=1, kind="stable")  # biggest first, lower rank on ties
+    place = np.empty_like(order)
+    np.put_along_axis(place, order, np.arange(group_size)[None, :], axis=1)
+    return (base[:, None] + (place < extra[:, None])).reshape(-1).tolist()
 
 
 def balanced_layout(
@@ -115,7 +114,7 @@ def balanced_layout(
     world, num_nodes = topology.world_size, topology.num_nodes
     counts = [sum(end - start for _, start, end in pieces) for pieces in by_rank]
     nodes = [list(topology.ranks_of_node(n)) for n in range(num_nodes)]
-    target = _targets(counts, nodes if scope == "node" else [list(range(world))])
+    target = _targets(counts, topology.gpus_per_node if scope == "node" else world)
 
     kept: list[list[Piece]] = [[] for _ in range(world)]
     need = [0] * world
@@ -149,33 +148,49 @@ def balanced_layout(
 
 def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Moves:
     """The moves ``balanced_layout`` makes, from token counts alone: surplus is handed out in
-    holder order to needy ranks in rank order, same node first, exactly as ``_fill`` does."""
+    holder order to needy ranks in rank order, same node first, exactly as ``_fill`` does
+    (``_match`` on every node's streams at once, then on what is left over)."""
+    k = topology.gpus_per_node
+    diff = np.asarray(counts, dtype=np.int64) - np.asarray(target, dtype=np.int64)
+    surplus, need = np.maximum(diff, 0), np.maximum(-diff, 0)
+    # Node n's two streams start at one offset, past the end of node n-1's longer one.
+    longer = np.maximum(surplus.reshape(-1, k).sum(axis=1), need.reshape(-1, k).sum(axis=1))
+    first = _match(surplus, need, np.repeat(np.cumsum(longer) - longer, k))
+    # Every node has surplus or need left, not both: what is left goes across nodes, in order.
+    surplus -= np.bincount(first[0], weights=first[2], minlength=len(diff)).astype(np.int64)
+    need -= np.bincount(first[1], weights=first[2], minlength=len(diff)).astype(np.int64)
+    second = _match(surplus, need, np.zeros(len(diff), dtype=np.int64))
     moves: Moves = {}
-    leftover: list[list[int]] = []
-    needy_left: list[list[int]] = []
-    for node in range(topology.num_nodes):
-        ranks = topology.ranks_of_node(node)
-        surplus = [[r, counts[r] - target[r]] for r in ranks if counts[r] > target[r]]
-        needy = [[r, target[r] - counts[r]] for r in ranks if counts[r] < target[r]]
-        _match(surplus, needy, moves)
-        leftover += [item for item in surplus if item[1] > 0]
-        needy_left += [item for item in needy if item[1] > 0]
-    _match(leftover, needy_left, moves)
+    for src, dst, tokens in (first, second):
+        moves.update(zip(zip(src.tolist(), dst.tolist()), tokens.tolist()))
     return moves
 
 
-def _match(surplus: list[list[int]], needy: list[list[int]], moves: Moves) -> None:
-    """Two pointers over ``[rank, tokens]`` lists; amounts left are kept in place."""
-    pos = 0
-    for item in surplus:
-        while item[1] > 0 and pos < len(needy):
-            take = min(item[1], needy[pos][1])
-            key = (item[0], needy[pos][0])
-            moves[key] = moves.get(key, 0) + take
-            item[1] -= take
-            needy[pos][1] -= take
-            if needy[pos][1] == 0:
-                pos += 1
+def _match(
+    give: np.ndarray, take: np.ndarray, offset: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Two pointers over the ranks in order, as arrays: every group of ranks with one
+    ``offset`` lays its ``give`` tokens end to end from that offset, and its ``take`` tokens
+    likewise; a giver's tokens go to the takers they overlap. Returns (giver, taker, tokens)
+    of every pair that moves tokens."""
+
+    def stretches(amount: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        before = np.cumsum(amount) - amount
+        group = np.flatnonzero(np.r_[True, offset[1:] != offset[:-1]])
+        start = offset + before - np.repeat(before[group], np.diff(np.r_[group, len(offset)]))
+        ranks = np.flatnonzero(amount > 0)
+        return ranks, start[ranks], start[ranks] + amount[ranks]
+
+    giver, a, b = stretches(give)
+    taker, c, d = stretches(take)
+    lo = np.unique(np.concatenate([a, b, c, d]))[:-1]  # where a (giver, taker) piece may start
+    i = np.searchsorted(a, lo, side="right") - 1
+    j = np.searchsorted(c, lo, side="right") - 1
+    ok = (i >= 0) & (j >= 0)
+    i, j, lo = i[ok], j[ok], lo[ok]
+    ok = (lo < b[i]) & (lo < d[j])
+    i, j, lo = i[ok], j[ok], lo[ok]
+    return giver[i], taker[j], np.minimum(b[i], d[j]) - lo
 
 
 def moved_tokens(moves: Moves, topology: Topology) -> dict[str, int]:
@@ -199,13 +214,12 @@ def price_linear_layouts(
     if unknown or not candidates:
         raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
     world = topology.world_size
-    node_groups = [list(topology.ranks_of_node(n)) for n in range(topology.num_nodes)]
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
         if name == "attention":
             tokens, moves = list(counts), {}
         else:
-            tokens = _targets(list(counts), node_groups if name == "node" else [list(range(world))])
+            tokens = _targets(counts, topology.gpus_per_node if name == "node" else world)
             moves = _count_moves(list(counts), tokens, topology)
         linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
         remap_s = remap_seconds(moves, topology, cost_model)

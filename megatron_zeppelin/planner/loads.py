@@ -80,8 +80,12 @@ class Loads:
         *,
         balance_linear: bool = True,
         two_d: bool = False,
+        shares: dict | None = None,
     ) -> None:
         self.topology = topology
+        self._shares: dict[tuple, RankShare] = {} if shares is None else shares
+        """``rank_share`` by its arguments; placements of one batch with the same ``two_d``
+        may share it (the planner asks for the same few lengths and ring sizes many times)."""
         self.two_d = SchemePrices(cost_model, topology) if two_d else None
         """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
         the 2-D scheme (``schemes.py``)."""
@@ -134,6 +138,13 @@ class Loads:
         NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
         GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
         wait for the slowest part."""
+        key = (length, ring_size, link, num_links)
+        share = self._shares.get(key)
+        if share is None:
+            share = self._shares[key] = self._rank_share(length, ring_size, link, num_links)
+        return share
+
+    def _rank_share(self, length: int, ring_size: int, link: Link, num_links: int) -> RankShare:
         g = ring_size
         compute = self.ring_seconds(length, g)
         if g == 1:
@@ -207,17 +218,18 @@ class Loads:
         ``"nic"`` when the ring spans nodes. Transfers the ring cannot hide keep its ranks busy
         as surely as compute does."""
         share = self.rank_share(length, len(ring), link, self.num_links)
-        k = self.topology.gpus_per_node
+        k, compute, weight = self.topology.gpus_per_node, share.compute_s, self.linear_weight
+        cost, attention, exposed_s, tokens = self.cost, self.attention, self.exposed, self.tokens
         for i, (rank, n) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
             node = rank // k
             crosses = link == "nic" and (
                 ring[i - 1] // k != node or ring[(i + 1) % len(ring)] // k != node
             )
             exposed = share.exposed_at(crosses)
-            self.cost[rank] += share.compute_s + exposed + self.linear_weight * n
-            self.attention[rank] += share.compute_s
-            self.exposed[rank] += exposed
-            self.tokens[rank] += n
+            cost[rank] += compute + exposed + weight * n
+            attention[rank] += compute
+            exposed_s[rank] += exposed
+            tokens[rank] += n
 
     def add_local(self, rank: int, length: int, seconds: float | None = None) -> None:
         """Add a whole document; ``seconds``: its ``ring_seconds(length, 1)`` when known (the

@@ -124,9 +124,12 @@ class PlannerOptions:
 def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> np.ndarray:
     if len(lengths) == 0:
         raise ValueError("the batch is empty: give at least one document length")
-    for i, length in enumerate(lengths):
-        if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
-            raise ValueError(f"document {i} has length {length!r}; lengths must be integers >= 1")
+    if not _plain_lengths(lengths):
+        for i, length in enumerate(lengths):
+            if not isinstance(length, (int, np.integer)) or isinstance(length, bool) or length < 1:
+                raise ValueError(
+                    f"document {i} has length {length!r}; lengths must be integers >= 1"
+                )
     if not isinstance(capacity, (int, np.integer)) or capacity < 1:
         raise ValueError(f"capacity must be a positive number of tokens per GPU, got {capacity!r}")
     cluster = capacity * topology.world_size
@@ -145,6 +148,21 @@ def _check_inputs(lengths: Sequence[int], topology: Topology, capacity: int) -> 
             f"({topology.world_size} GPUs x {capacity}); use smaller micro-batches"
         )
     return array
+
+
+def _plain_lengths(lengths: Sequence[int]) -> bool:
+    """Whether ``lengths`` are integers >= 1 (no bools), told at array speed where it can be:
+    an integer array, or a list of plain ints. ``False`` means: check them one by one."""
+    if isinstance(lengths, np.ndarray):
+        array = lengths
+    elif type(lengths) in (list, tuple) and set(map(type, lengths)) == {int}:
+        try:
+            array = np.asarray(lengths, dtype=np.int64)
+        except OverflowError:
+            return False
+    else:
+        return False
+    return array.ndim == 1 and array.dtype.kind in "iu" and bool((array >= 1).all())
 
 
 @contextmanager
@@ -239,6 +257,7 @@ def _plan(
     chunks = chunk_thresholds(thresholds, topology, options.routing)
     rules = TierRules(options.allow_split, options.thresholds == "auto", thresholds, chunks)
     num_links = topology.nics_per_node if options.routing else 1
+    shares: dict[bool, dict] = {False: {}, True: {}}  # rank shares, with and without 2-D
     best, tried = search(
         array,
         lambda balance_linear, two_d: Loads(
@@ -248,6 +267,7 @@ def _plan(
             num_links,
             balance_linear=balance_linear,
             two_d=two_d and options.two_d,
+            shares=shares[two_d and options.two_d],
         ),
         rules,
         _layout_candidates(options),

@@ -8,6 +8,7 @@ predicted work to ``Loads``.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass, replace
 
@@ -131,10 +132,27 @@ class _Nodes:
             return None
         return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
 
-    def add(self, node: int, work: float, tokens: int) -> None:
-        self.load[node] += work
+    def take_top(self, needed: int, work: float, tokens: int) -> int | None:
+        """``pick`` and ``add`` in the usual case, the heap's top current and with room for
+        ``needed`` tokens: add to it and return it; else ``None``, nothing changed."""
+        heap, load = self.heap, self.load
+        value, node = heap[0]
+        if value != load[node] or self.room - self.tokens[node] < needed:
+            return None
+        load[node] += work
         self.tokens[node] += tokens
-        heapq.heappush(self.heap, (self.load[node], node))
+        heapq.heapreplace(heap, (load[node], node))
+        return node
+
+    def add(self, node: int, work: float, tokens: int) -> None:
+        heap, load = self.heap, self.load
+        top = heap[0][1] == node and heap[0][0] == load[node]  # ``pick``'s usual answer
+        load[node] += work
+        self.tokens[node] += tokens
+        if top:  # its entry is stale now: replace it (one sift instead of a push and a pop)
+            heapq.heapreplace(heap, (load[node], node))
+        else:
+            heapq.heappush(heap, (load[node], node))
 
 
 def _nodes_by_lpt(
@@ -174,14 +192,16 @@ def _nodes_by_lpt(
     for doc, length, needed, work in zip(
         rest[order].tolist(), lengths[rest][order].tolist(), needs, key[order].tolist()
     ):
-        node = state.pick(needed + reserve)
-        if node is None:
-            node = state.pick(needed)
+        node = state.take_top(needed + reserve, work, length)
+        if node is None:  # the heap's top is stale or full: ``pick`` looks further
+            node = state.pick(needed + reserve)
+            node = state.pick(needed) if node is None else node
+            if node is not None:
+                state.add(node, work, length)
         if node is not None:
             by_node[node].append(doc)
             assigned_key[node] += work
             assigned_tokens[node] += length
-            state.add(node, work, length)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
@@ -244,6 +264,9 @@ def place_within_nodes(
     topo = loads.topology
     k = topo.gpus_per_node
     spread = np.full(len(lengths), k, dtype=np.int64)
+    # Every document's place in the batch, longest first (an array: a million documents).
+    order = np.empty(len(lengths), dtype=np.int64)
+    order[np.lexsort((np.arange(len(lengths)), -lengths))] = np.arange(len(lengths))
     promotions = 0
     overflow: list[int] = []
     for node in range(topo.num_nodes):
@@ -254,7 +277,7 @@ def place_within_nodes(
             try:
                 promotions += _place_node(
                     docs,
-                    {d for d in docs if choice.split[d]},
+                    set(np.asarray(docs, dtype=np.int64)[choice.split[docs]].tolist()),
                     ranks,
                     lengths,
                     choice,
@@ -265,6 +288,7 @@ def place_within_nodes(
                     pack=choice.pack,
                     by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
+                    order=order,
                 )
                 break
             except CapacityError:
@@ -290,13 +314,15 @@ def _place_node(
     pack: bool = True,
     by_room: bool = False,
     overflow: list[int] | None = None,
+    order: np.ndarray | None = None,
 ) -> int:
     """One node: rings first (longest first), then local documents by LPT. With ``pack``, each
     ring is the smallest that ends within the node's mean load where one does (the other GPUs
     stay free for whole documents); otherwise the one that ends soonest (wide rings, which
     spread the tokens too: better where the node is short of token room). Returns how many
     local documents had to become rings for lack of room. With ``overflow``, documents that
-    find no room are appended to it instead of failing."""
+    find no room are appended to it instead of failing. ``order``: every document's place in
+    the batch longest first (ties: lower index), when the caller has it."""
     target: float | None = None
     if pack:
         target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, choice.work, loads)
@@ -312,25 +338,28 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc in _longest_first((d for d in docs if d in rings), lengths):
+    for doc in _in_order([d for d in docs if d in rings], lengths, order):
         placements[doc] = ring(doc, int(lengths[doc]))
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
     tokens_of, capacity = loads.tokens, loads.capacity
-    whole = _longest_first((d for d in docs if d not in rings), lengths)
-    local = {r: Placement(Tier.LOCAL, (r,)) for r in ranks}  # one record per GPU, shared
+    whole = _in_order([d for d in docs if d not in rings], lengths, order)
+    local = {r: _local(r) for r in ranks}
     # Seconds of each document whole on one GPU, computed for the batch at once.
     for doc, length, seconds in zip(
         whole, lengths[whole].tolist(), choice.attention[whole].tolist()
     ):
-        found = pop_with_room(heap, tokens_of, capacity, length)
+        top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
+        found = top if capacity - tokens_of[top[1]] >= length else None
+        found = found or pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]
             loads.add_local(rank, length, seconds)
             placements[doc] = local[rank]
-            heapq.heappush(heap, (key_of[rank], rank))
+            update = heapq.heapreplace if found is top else heapq.heappush
+            update(heap, (key_of[rank], rank))
             continue
         # No GPU has room for it whole: a ring of the GPUs with room.
         placements[doc] = ring(doc, length)
@@ -340,13 +369,24 @@ def _place_node(
     return promotions
 
 
+def _in_order(docs: list[int], lengths: np.ndarray, order: np.ndarray | None) -> list[int]:
+    """``docs`` longest first (ties: lower index), by ``order`` where given."""
+    return _longest_first(docs, lengths) if order is None else sorted(docs, key=order.__getitem__)
+
+
 def _node_work(docs: list[int], lengths: np.ndarray, work: np.ndarray, loads: Loads) -> float:
     """What the documents add to a node's ``cost``: their work, less their linear seconds when
     only attention is balanced."""
-    total = float(sum(work[d] for d in docs))
+    total = float(sum(work[docs].tolist()))
     if not loads.balance_linear:
-        total -= loads.token_weight * float(sum(lengths[d] for d in docs))
+        total -= loads.token_weight * float(sum(lengths[docs].tolist()))
     return total
+
+
+@functools.cache
+def _local(rank: int) -> Placement:
+    """A whole document on ``rank``: one record per GPU, shared."""
+    return Placement(Tier.LOCAL, (rank,))
 
 
 # --- rings ---------------------------------------------------------------------------------------
@@ -438,7 +478,8 @@ def place_intra(
     start = min_ring(length, loads.capacity, start=min(smallest, k))
     if start is None or start > k:
         raise capacity_error(doc, length, f"on node {node}")
-    by_load = sorted(ranks, key=lambda r: (loads.load(r), r))
+    cost = loads.cost
+    by_load = sorted(ranks, key=lambda r: (cost[r], r))
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
     for g in sizes:
@@ -447,7 +488,8 @@ def place_intra(
         chosen = _least_loaded_with_room(by_load, length, g, loads)
         if chosen is None:
             continue
-        finish = max(loads.load(r) for r in chosen) + loads.ring_key(length, g, "nvlink")
+        # ``chosen`` keeps ``by_load``'s order: its last member is its busiest.
+        finish = cost[chosen[-1]] + loads.ring_key(length, g, "nvlink")
         if target is not None and finish <= target:
             best = (finish, g, chosen)
             break
@@ -464,5 +506,7 @@ def _least_loaded_with_room(
     by_load: list[int], length: int, ring_size: int, loads: Loads
 ) -> list[int] | None:
     per_rank = max(zigzag_loads(length, ring_size))
-    chosen = [r for r in by_load if loads.room(r) >= per_rank][:ring_size]
+    most = loads.capacity - per_rank  # tokens a member may hold already
+    tokens = loads.tokens
+    chosen = [r for r in by_load if tokens[r] <= most][:ring_size]
     return chosen if len(chosen) == ring_size else None

@@ -21,6 +21,7 @@ baseline) produces this one type so one simulator and one engine serve them all.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from enum import Enum
@@ -163,16 +164,14 @@ def zigzag_bounds(length: int, ring_size: int) -> list[tuple[int, int]]:
     return [(cuts[j], cuts[j + 1]) for j in range(num_chunks)]
 
 
-def zigzag_loads(length: int, ring_size: int) -> list[int]:
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same few many times
+def zigzag_loads(length: int, ring_size: int) -> tuple[int, ...]:
     """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
     if ring_size == 1:
-        return [length]
-    bounds = zigzag_bounds(length, ring_size)
-    last = 2 * ring_size - 1
-    return [
-        bounds[i][1] - bounds[i][0] + bounds[last - i][1] - bounds[last - i][0]
-        for i in range(ring_size)
-    ]
+        return (length,)
+    n = 2 * ring_size  # position i holds chunks [cuts[i], cuts[i+1]) and [cuts[n-1-i], cuts[n-i])
+    cuts = [round(j * length / n) for j in range(n + 1)]
+    return tuple(cuts[i + 1] - cuts[i] + cuts[n - i] - cuts[n - 1 - i] for i in range(ring_size))
 
 
 def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:

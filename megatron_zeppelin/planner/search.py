@@ -39,8 +39,6 @@ from functools import partial
 import numpy as np
 
 from megatron_zeppelin.planner.linear_layout import (
-    attention_ranges_by_rank,
-    build_linear_layout,
     fastest,
     price_linear_layouts,
 )
@@ -99,6 +97,8 @@ class Candidate:
     """Attention seconds per rank (compute plus exposed transfers)."""
     timed: bool = True
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
+    settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
+    """``settled``'s answers so far."""
 
     @property
     def balance_linear(self) -> bool:
@@ -131,6 +131,13 @@ class Candidate:
         return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * mean
 
     def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
+        """``_settled`` once per factor: the search asks again for every variant it tries
+        (``array`` is the batch, the same for every call)."""
+        if factor not in self.settled_by_factor:
+            self.settled_by_factor[factor] = self._settled(array, factor)
+        return self.settled_by_factor[factor]
+
+    def _settled(self, array: np.ndarray, factor: float) -> bool:
         """No other placement is worth trying: this one is ``even_enough(factor)``, or one
         document's share of the busiest GPU already exceeds the mean load (its ring, not the
         packing of the others, sets the step)."""
@@ -155,8 +162,8 @@ class Candidate:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
         if not self.sequences:
             sequences = []
-            for doc, placement in enumerate(self.placements):
-                length, ring = int(array[doc]), placement.ring
+            for doc, (placement, length) in enumerate(zip(self.placements, array.tolist())):
+                ring = placement.ring
                 spans = (
                     (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
                 )
@@ -173,9 +180,7 @@ class Candidate:
         """The simulator's layer time per layout (after ``build``): its attention timeline on
         the attention layout (which is all it reads of a plan), priced under every layout."""
         topology, cost = self.loads.topology, self.loads.cost_model
-        by_rank = attention_ranges_by_rank(self.sequences, topology.world_size)
-        linear, _ = build_linear_layout(by_rank, topology, "attention")
-        plan = Plan(topology, self.sequences, linear, routes=self.routes)
+        plan = _AttentionView(topology, self.sequences, ((),) * topology.world_size, self.routes)
         compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan))
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
@@ -198,6 +203,17 @@ class Candidate:
         if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
+
+
+class _AttentionView(Plan):
+    """A candidate's attention layout and routes as a ``Plan`` for the simulator's attention
+    timeline, which reads nothing else: no linear layout, and no validation (the plan that is
+    kept is built and validated whole by ``partition``; the others are dropped)."""
+
+    __hash__ = object.__hash__  # a view is built once: hashing its every span is wasted
+
+    def validate(self) -> None:
+        pass
 
 
 def search(

@@ -39,10 +39,22 @@ def all_to_all_seconds(
     (per direction) drains its bytes in parallel; the slowest drain plus one latency."""
     if not moves:
         return 0.0
+    pairs = np.asarray(list(moves), dtype=np.int64).reshape(-1, 2)
+    tokens = np.fromiter(moves.values(), dtype=np.float64, count=len(moves))
+    return _all_to_all(pairs[:, 0], pairs[:, 1], tokens, topology, cost_model, bytes_per_token)
+
+
+def _all_to_all(
+    src: np.ndarray,
+    dst: np.ndarray,
+    tokens: np.ndarray,
+    topology: Topology,
+    cost_model: CostModel,
+    bytes_per_token: float,
+) -> float:
+    """``all_to_all_seconds`` of the moves ``src[i] -> dst[i]`` of ``tokens[i]`` (not empty)."""
     world, k, m = topology.world_size, topology.gpus_per_node, topology.nics_per_node
-    pairs = np.fromiter((x for edge in moves for x in edge), dtype=np.int64, count=2 * len(moves))
-    src, dst = pairs[0::2], pairs[1::2]
-    num_bytes = np.fromiter(moves.values(), dtype=np.float64, count=len(moves)) * bytes_per_token
+    num_bytes = tokens * bytes_per_token
     nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
     same = src // k == dst // k
     # Ports: GPU out / in (NVLink), NIC out / in per (node, NIC).
@@ -65,11 +77,14 @@ def remap_seconds(moves: Moves, topology: Topology, cost_model: CostModel) -> fl
     """The remapping of one layer, forward and backward: Q/K/V (then dQ/dK/dV) travel from the
     linear holder to the attention holder, the output (then its gradient) back; four
     all-to-alls. ``moves`` is keyed ``(attention holder, linear holder)``."""
+    if not moves:
+        return 0.0
     m = cost_model.model
     q_bytes = (m.hidden_bytes_per_token() - m.kv_bytes_per_token()) // 2
-    to_attention = {(b, a): n for (a, b), n in moves.items()}
-    one_way = all_to_all_seconds(
-        to_attention, topology, cost_model, q_bytes + m.kv_bytes_per_token()
-    )
-    other_way = all_to_all_seconds(moves, topology, cost_model, q_bytes)
+    pairs = np.asarray(list(moves), dtype=np.int64).reshape(-1, 2)
+    attention, linear = pairs[:, 0], pairs[:, 1]
+    tokens = np.fromiter(moves.values(), dtype=np.float64, count=len(moves))
+    kv = m.kv_bytes_per_token()
+    one_way = _all_to_all(linear, attention, tokens, topology, cost_model, q_bytes + kv)
+    other_way = _all_to_all(attention, linear, tokens, topology, cost_model, q_bytes)
     return 2.0 * (one_way + other_way)

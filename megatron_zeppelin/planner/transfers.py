@@ -162,10 +162,9 @@ def transfer_times(
     k = topology.gpus_per_node
     src, dst = messages.src, messages.dst
     same = src // k == dst // k
-    routed = np.asarray(
-        [not s and (a, b) in routes for s, a, b in zip(same.tolist(), src.tolist(), dst.tolist())],
-        dtype=bool,
-    )
+    width = topology.world_size
+    routed_edges = np.fromiter((a * width + b for a, b in routes), np.int64, len(routes))
+    routed = ~same & np.isin(src * width + dst, routed_edges)
     hops = _joined(
         _direct_hops(messages, ~routed, topology, cost),
         _routed_hops(messages, routed, routes, topology, cost),
