@@ -33,6 +33,8 @@ import shutil
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import torch
+
 from megatron_zeppelin.fileio import atomic_write, atomic_write_text
 
 __all__ = [
@@ -110,9 +112,6 @@ def rank_file_name(rank: int) -> str:
 
 def serialize(state: Any) -> bytes:
     """``torch.save`` of ``state`` into bytes (so the checksum is of exactly what is written)."""
-    # Deferred: keeps torch out of this module's import.
-    import torch
-
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
@@ -232,8 +231,6 @@ def _check_file(path: str, entry: FileEntry, step: int) -> bytes:
 
 def load_rank_state(directory: str, rank: int) -> Any:
     """Rank ``rank``'s state from the checkpoint in ``directory``, verified against the manifest."""
-    import torch
-
     manifest = read_manifest(directory)
     name = rank_file_name(rank)
     entry = next((e for e in manifest.files if e.name == name), None)
@@ -263,8 +260,6 @@ def write_state_file(path: str, state: Any, *, step: int) -> FileEntry:
 def read_state_file(path: str, *, step: int | None = None) -> Any:
     """The state ``write_state_file`` saved at ``path``, after checking it against its manifest
     (and, given ``step``, that it is of that step). Raises ``ValueError`` naming the file."""
-    import torch
-
     manifest_path = path + ".manifest.json"
     if not os.path.exists(manifest_path):
         raise ValueError(

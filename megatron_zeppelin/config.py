@@ -19,6 +19,8 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
+from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
+
 THRESHOLD_WORDS = ("auto", "off")
 NEVER_SPLIT = 1 << 40
 """The threshold of a tier that is ``off``: no document reaches it, so the tier splits only what
@@ -176,9 +178,6 @@ class ZeppelinConfig:
         is worth an NVLink one): an automatic or ``off`` intra threshold comes down to an
         explicit inter one, an automatic inter threshold goes up to an explicit intra one.
         """
-        # Deferred: keeps numpy, yaml out of this module's import.
-        from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
-
         two_d = self.two_d if two_d is None else two_d
         intra, inter = self.threshold("intra"), self.threshold("inter")
         common = dict(

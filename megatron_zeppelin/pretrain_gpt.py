@@ -34,6 +34,13 @@ import sys
 import warnings
 from collections.abc import Callable
 
+import megatron.core.datasets as datasets
+from megatron.core.datasets import utils
+from megatron.core.enums import ModelType
+
+from megatron_zeppelin.megatron import hooks
+from megatron_zeppelin.megatron.args import validate_megatron_args
+
 # What upstream pretrain_gpt.py passes: the tokenizer used when --tokenizer-type is not given.
 ARGS_DEFAULTS = {"tokenizer_type": "GPT2BPETokenizer"}
 PARSES_ARGS = "pretrain parses the arguments"  # core_v0.16.1
@@ -71,14 +78,11 @@ def use_shipped_dataset_helpers() -> bool:
     Megatron exits. When the Makefile is absent and the compiled helper imports, start-up uses
     the shipped helper instead of compiling; a source checkout (Makefile present) compiles as
     upstream does. Returns whether the shipped helper is used."""
-    # Deferred: keeps megatron-core, numpy, psutil, torch, yaml out of this module's import.
-    import megatron.core.datasets as datasets
-    from megatron.core.datasets import utils
-
     if os.path.exists(os.path.join(os.path.dirname(datasets.__file__), "Makefile")):
         return False
     try:
-        from megatron.core.datasets import helpers_cpp  # noqa: F401 (the compiled helper)
+        # lazy: probed: the compiled helper may be missing.
+        from megatron.core.datasets import helpers_cpp  # noqa: F401
     except ImportError:
         return False  # neither a Makefile nor a built helper: Megatron's own error explains
     utils.compile_helpers = lambda: None
@@ -92,6 +96,7 @@ def require_checkpoint_packages(args) -> None:
     if not getattr(args, "save", None):
         return
     try:
+        # lazy: probed: the 0.19 wheel does not install psutil.
         import psutil  # noqa: F401
     except ImportError:
         raise SystemExit(
@@ -104,15 +109,13 @@ def check_plugin_args(args) -> None:
     """The plugin's start-up checks on Megatron's parsed and validated arguments, before
     Megatron initializes (``hooks.setup`` runs them again once the process groups exist);
     raises ``ValueError`` saying which flag to change."""
-    from megatron_zeppelin.megatron import hooks
-    from megatron_zeppelin.megatron.args import validate_megatron_args
-
     hooks._refuse_unsupported(args)
     validate_megatron_args(args, world_size=args.world_size)
 
 
-def _pretrain_with_container(training, hooks, model_type) -> None:
+def _pretrain_with_container(training, model_type) -> None:
     """megatron-core 0.19: parse and validate here, then hand ``pretrain()`` the container."""
+    # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training.argument_utils import pretrain_cfg_container_from_args
     from megatron.training.arguments import parse_and_validate_args
 
@@ -141,9 +144,6 @@ def _pretrain_with_container(training, hooks, model_type) -> None:
 
 def main() -> int:
     training = _require_megatron_training()
-    from megatron.core.enums import ModelType
-
-    from megatron_zeppelin.megatron import hooks
 
     if "--zeppelin" not in sys.argv[1:]:
         raise SystemExit("megatron_zeppelin.pretrain_gpt runs Zeppelin: add --zeppelin")
@@ -163,7 +163,7 @@ def main() -> int:
             args_defaults=ARGS_DEFAULTS,
         )
     else:
-        _pretrain_with_container(training, hooks, ModelType.encoder_or_decoder)
+        _pretrain_with_container(training, ModelType.encoder_or_decoder)
     return 0
 
 

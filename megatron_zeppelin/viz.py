@@ -1,23 +1,27 @@
 """Charts for plans and comparisons (matplotlib, an optional extra: ``pip install .[viz]``).
 
-matplotlib is imported inside each function, with the non-interactive Agg backend, so importing
-this module costs nothing and a machine without a display can still write PNG files.
+matplotlib is imported only when a chart is drawn, with the non-interactive Agg backend, so
+importing this module does not need it and a machine without a display can still write PNG files.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
 
+from megatron_zeppelin.planner.schedule import ring_schedule
+from megatron_zeppelin.planner.simulator import remap_matrix, two_d_forward_messages
+
 
 def _pyplot():
     try:
-        # Deferred: keeps matplotlib, numpy, yaml out of this module's import.
+        # lazy: matplotlib is optional (the viz extra), needed only for --plot.
         import matplotlib
     except ImportError:
         raise ValueError(
             "charts need matplotlib: pip install 'megatron-zeppelin[viz]' or drop --plot"
         ) from None
     matplotlib.use("Agg")
+    # lazy: pyplot only after the backend is chosen.
     import matplotlib.pyplot as plt
 
     return plt
@@ -26,9 +30,6 @@ def _pyplot():
 def rank_bytes(plan, cost_model) -> dict[str, list[int]]:
     """Bytes each rank sends per layer (forward), by link class: ring K/V (2-D documents' head
     all-to-alls included) and remapping."""
-    from megatron_zeppelin.planner.schedule import ring_schedule
-    from megatron_zeppelin.planner.simulator import remap_matrix, two_d_forward_messages
-
     topo = plan.topology
     sent: dict[str, list[int]] = defaultdict(lambda: [0] * plan.world_size)
     kv = cost_model.model.kv_bytes_per_token()

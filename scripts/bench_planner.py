@@ -10,6 +10,7 @@ validation.
     python scripts/bench_planner.py --quick         # 1024 GPUs x 4M tokens only
     python scripts/bench_planner.py --quick --no-2d # the same with every ring flat
     python scripts/bench_planner.py --quick --no-pool # without the pool placement
+    python scripts/bench_planner.py --quick --distributions wikipedia   # one distribution
     python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
 
@@ -86,7 +87,9 @@ def measure(
     }
 
 
-def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list[dict]:
+def by_documents(
+    counts: list[int], distributions: list[str], seeds: int, options: PlannerOptions
+) -> list[dict]:
     """1024 GPUs, batches of about ``count`` documents (module docstring)."""
     rows = []
     print(
@@ -95,7 +98,7 @@ def by_documents(counts: list[int], seeds: int, options: PlannerOptions) -> list
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|")
     for count in sorted(counts):
-        for distribution in DISTRIBUTIONS:
+        for distribution in distributions:
             tokens = int(count * distribution_mean(distribution))
             if tokens > MAX_BATCH_TOKENS:  # ``sample_lengths`` refuses it
                 print(
@@ -125,10 +128,17 @@ def main() -> None:
     parser.add_argument(
         "--no-pool", action="store_true", help="the staged placement only (PlannerOptions)"
     )
+    parser.add_argument(
+        "--distributions",
+        nargs="+",
+        choices=sorted(DISTRIBUTIONS),
+        default=list(DISTRIBUTIONS),
+        help="length distributions to measure (default: all)",
+    )
     args = parser.parse_args()
     options = PlannerOptions(two_d=not args.no_2d, pool=not args.no_pool)
     if args.docs:
-        rows = by_documents(args.docs, args.seeds, options)
+        rows = by_documents(args.docs, args.distributions, args.seeds, options)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(rows, f, indent=1)
@@ -141,7 +151,7 @@ def main() -> None:
     )
     print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
     for num_gpus, num_tokens in grid:
-        for distribution in DISTRIBUTIONS:
+        for distribution in args.distributions:
             row = measure(num_gpus, num_tokens, distribution, args.seeds, options)
             rows.append(row)
             print(

@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh || exit 1
 . .venv/bin/activate
 ruff check megatron_zeppelin tests scripts || exit 1
-python -m pytest -q -m "not host" --durations=15 "$@"
+python -m pytest -q -m "not host" --hypothesis-profile=full --durations=15 "$@"
 status=$?
 if [ "$status" -eq 5 ]; then
   echo "no tests were collected: failing" >&2

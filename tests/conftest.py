@@ -15,7 +15,19 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 import torch.distributed as dist
+from examples import FULL
+from hypothesis import settings
+
+# Tests run small tensors on a few shared cores: one intra-op thread each. With more, OpenMP's
+# workers spin-wait on a core another process holds and a 0.1 ms kernel takes 50 ms (the worker
+# processes of the dist tests set the same, as the CPU job does).
+torch.set_num_threads(1)
+
+# ``--hypothesis-profile full`` (scripts/test.sh): each property draws its full count of
+# examples (``examples.py``); the edit loop draws fewer.
+settings.register_profile(FULL, settings.get_profile("default"))
 
 
 @pytest.fixture

@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 
 import pytest
+from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -53,14 +54,14 @@ def _check_common(name: str, plans, lengths: list[int]) -> None:
             assert plan.capacity == CAPACITY  # Plan checks both layouts on construction
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lengths=batches, name=st.sampled_from(BASELINES))
 def test_baselines_make_valid_plans(lengths: list[int], name: str) -> None:
     plans = build_baseline(name, lengths, topology=TOPO, capacity=CAPACITY, cost_model=COST)
     _check_common(name, plans, lengths)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(lengths=batches)
 def test_te_ring_cp_splits_every_document_over_its_whole_group(lengths: list[int]) -> None:
     plans = build_baseline("te-ring-cp", lengths, topology=TOPO, capacity=CAPACITY)
@@ -79,7 +80,7 @@ def test_te_ring_cp_splits_every_document_over_its_whole_group(lengths: list[int
     assert all(p.attention_comm == AttentionComm.ALLGATHER for p in allgather)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(lengths=batches)
 def test_hybrid_dp_keeps_short_documents_whole(lengths: list[int]) -> None:
     plans = build_baseline("hybrid-dp", lengths, topology=TOPO, capacity=CAPACITY)
@@ -91,7 +92,7 @@ def test_hybrid_dp_keeps_short_documents_whole(lengths: list[int]) -> None:
                 assert len(seq.ring) == plan.meta["cp_size"] >= 2
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(lengths=batches)
 def test_flexsp_groups_are_disjoint_power_of_two_blocks(lengths: list[int]) -> None:
     for plan in build_baseline("flexsp", lengths, topology=TOPO, capacity=CAPACITY):
@@ -117,7 +118,7 @@ def test_megatron_baseline_calls_megatron_core() -> None:
             assert len(seq.ring) >= seq.length / CAPACITY
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(lengths=batches)
 def test_megatron_reimplemented_scheduler_makes_valid_plans(lengths: list[int]) -> None:
     plans = megatron_dynamic_cp(lengths, topology=TOPO, capacity=CAPACITY)

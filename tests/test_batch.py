@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -70,7 +71,7 @@ def micro_batches(draw):
     return doc_lengths, slices, plan
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(case=micro_batches(), seed=st.integers(0, 100))
 def test_labels_stay_inside_documents_and_positions_are_per_document(case, seed):
     doc_lengths, slices, plan = case
@@ -98,7 +99,7 @@ def test_labels_stay_inside_documents_and_positions_are_per_document(case, seed)
             assert (labels[is_last] == doc[piece.start + pos[is_last]]).all()
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(case=micro_batches(), seed=st.integers(0, 100))
 def test_ranks_together_rebuild_the_single_device_batch(case, seed):
     doc_lengths, slices, plan = case
@@ -123,7 +124,7 @@ def test_ranks_together_rebuild_the_single_device_batch(case, seed):
     assert reference.num_loss_tokens == sum(s.num_tokens - 1 for s in slices)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(case=micro_batches(), seed=st.integers(0, 100))
 def test_a_rank_reads_only_its_ranges_and_one_label_token(case, seed):
     doc_lengths, slices, plan = case
@@ -186,7 +187,7 @@ def test_a_plan_for_another_micro_batch_is_refused():
     assert empty.num_tokens == 0 and empty.labels_t.dtype == torch.int64
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(case=micro_batches(), seed=st.integers(0, 100), multiple=st.integers(1, 4))
 def test_padding_makes_a_non_empty_multiple_and_never_reaches_the_loss(case, seed, multiple):
     doc_lengths, slices, plan = case

@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -54,7 +55,7 @@ def _calibration(**changes) -> Calibration:
     return Calibration(**fields)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     st.floats(1e13, 1e15),
     st.floats(10.0, 4000.0),
@@ -68,7 +69,7 @@ def test_fit_efficiency_recovers_curve(peak, half, overhead):
         assert fit.time(flops, n) == pytest.approx(seconds, rel=1e-6)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.floats(1e9, 1e12), st.floats(0.0, 1e-4))
 def test_fit_link_recovers_line(bandwidth, latency):
     truth = LinkCost(bandwidth, latency)

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.protocol import ZeppelinCommError
 from megatron_zeppelin.comm.watch import (
     NO_STORE_ANSWER,
+    STORE_ANSWER_S,
     Beat,
     CommStallError,
     CommWatch,
@@ -26,12 +27,38 @@ from megatron_zeppelin.comm.watch import (
 pytestmark = pytest.mark.pure
 
 
+BEAT_S = 0.05
+SETTLE_S = 6 * BEAT_S  # a diagnosis sees several beats of every live rank
+ANSWER_S = 0.2  # how long a stuck store is waited for
+
+
 def _watches(world: int, **kwargs) -> list[CommWatch]:
     store = dist.HashStore()
     return [
-        CommWatch(rank=r, world_size=world, timeout_s=1.0, store=store, beat_s=0.05, **kwargs)
+        CommWatch(
+            rank=r,
+            world_size=world,
+            timeout_s=1.0,
+            store=store,
+            beat_s=BEAT_S,
+            settle_s=SETTLE_S,
+            **kwargs,
+        )
         for r in range(world)
     ]
+
+
+def _stuck_watch(store, world_size: int) -> CommWatch:
+    """A watch over a store that never answers, waiting for it ``ANSWER_S`` at most."""
+    return CommWatch(
+        rank=0,
+        world_size=world_size,
+        timeout_s=1.0,
+        store=store,
+        beat_s=BEAT_S,
+        settle_s=SETTLE_S,
+        store_answer_s=ANSWER_S,
+    )
 
 
 def _publish_once(watch: CommWatch, **position) -> None:
@@ -85,8 +112,7 @@ def test_a_store_that_does_not_answer_is_said_so_without_hanging():
         def set(self, key, value):
             time.sleep(3600)
 
-    watch = CommWatch(rank=0, world_size=2, timeout_s=1.0, store=StuckStore(), beat_s=0.05)
-    watch.board.answer_s = 0.2
+    watch = _stuck_watch(StuckStore(), world_size=2)
     error = watch.explain(None)
     assert NO_STORE_ANSWER in str(error)
 
@@ -156,8 +182,7 @@ def test_the_heartbeat_never_blocks_the_caller_on_a_stuck_store():
         def set(self, key, value):
             time.sleep(3600)
 
-    watch = CommWatch(rank=0, world_size=1, timeout_s=1.0, store=StuckStore(), beat_s=0.05)
-    watch.start()
+    watch = _stuck_watch(StuckStore(), world_size=1).start()
     done = threading.Event()
 
     def training():
@@ -183,7 +208,7 @@ def test_the_helper_thread_is_the_only_writer_and_the_board_ends_at_the_last_pos
             super().set(key, value)
 
     store = RecordingStore()
-    watch = CommWatch(rank=0, world_size=1, timeout_s=1.0, store=store, beat_s=0.05).start()
+    watch = CommWatch(rank=0, world_size=1, timeout_s=1.0, store=store, beat_s=BEAT_S).start()
     for step in range(20):
         watch.at(step=step)
         watch.run("loss all-reduce", lambda async_op: _Done(), layer=3, phase="backward")
@@ -204,10 +229,7 @@ def test_a_collective_that_times_out_on_a_stuck_store_still_raises_in_bounded_ti
         def check(self, keys):
             time.sleep(3600)
 
-    watch = CommWatch(rank=0, world_size=2, timeout_s=1.0, store=StuckStore(), beat_s=0.05)
-    watch.board.answer_s = 0.2
-    watch.settle_s = 0.1
-    watch.start()
+    watch = _stuck_watch(StuckStore(), world_size=2).start()
     raised: list[BaseException] = []
 
     def training():
@@ -241,8 +263,9 @@ def test_a_store_whose_host_is_gone_is_no_answer_not_a_partial_board():
             return super().check(keys)
 
     store = GoneStore()
-    watch = CommWatch(rank=1, world_size=3, timeout_s=1.0, store=store, beat_s=0.05)
-    watch.settle_s = 0.1
+    watch = CommWatch(
+        rank=1, world_size=3, timeout_s=1.0, store=store, beat_s=BEAT_S, settle_s=SETTLE_S
+    )
     store.set("zeppelin/progress/0", Beat(1, "running", Position(op=3)).to_json())
     errors: list[BaseException] = []
     previous = threading.excepthook
@@ -253,3 +276,21 @@ def test_a_store_whose_host_is_gone_is_no_answer_not_a_partial_board():
     finally:
         threading.excepthook = previous
     assert NO_STORE_ANSWER in text and errors == []
+
+
+def test_a_diagnosis_waits_several_beats_and_at_least_a_second_unless_told():
+    for beat_s in (0.05, 0.2, 2.0):
+        watch = CommWatch(
+            rank=0, world_size=2, timeout_s=30.0, store=dist.HashStore(), beat_s=beat_s
+        )
+        assert watch.settle_s >= max(3 * beat_s, 1.0)
+        assert watch.board.answer_s == STORE_ANSWER_S
+    told = CommWatch(
+        rank=0,
+        world_size=2,
+        timeout_s=30.0,
+        store=dist.HashStore(),
+        settle_s=0.3,
+        store_answer_s=0.1,
+    )
+    assert told.settle_s == 0.3 and told.board.answer_s == 0.1

@@ -10,6 +10,7 @@ import json
 import os
 
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,7 +77,7 @@ def test_block_picks_the_diagonal_curve_only_when_masked():
     )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 4096), st.integers(0, 10**7)), max_size=6))
 def test_call_time_pays_the_overhead_once(blocks):
     cost = CostModel.default(MODEL, TOPOLOGY).with_figures("cal", attention=FULL)
@@ -98,7 +99,7 @@ def test_falling_rate_peaks_between_half_and_fall():
         Efficiency(1e10, 128.0, fall_tokens=0.0)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(st.floats(1e9, 1e13), st.floats(0.0, 2000.0), st.floats(1e3, 1e5), st.floats(0.0, 1e-3))
 def test_fit_recovers_a_falling_curve(peak, half, fall, overhead):
     truth = Efficiency(peak, half, overhead, fall)

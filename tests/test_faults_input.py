@@ -217,7 +217,8 @@ def test_a_failed_run_of_verify_or_check_is_one_line_naming_the_log(command, mon
             2,
         )
 
-    monkeypatch.setattr(harness, "run_distributed", stalled)
+    runner = {"verify": "commands.verify", "check": "megatron.check"}[command]
+    monkeypatch.setattr(f"megatron_zeppelin.{runner}.run_distributed", stalled)
     assert main([command]) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(

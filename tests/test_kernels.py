@@ -8,6 +8,7 @@ pairs of unequal sizes, rows that see no key at all, and whole tiles that skip e
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from megatron_zeppelin.attention.kernels import (
     get_kernel,
     register_kernel,
 )
-from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors
+from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors, kernels_errors
 from megatron_zeppelin.testing.reference import pair_attention, random_qkv, reference_attention
 from megatron_zeppelin.testing.tolerances import assert_close, tolerance
 
@@ -99,10 +100,9 @@ def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
     for c in chunks:
         assert c.size <= 32  # no score matrix larger than one tile per pair
         for w in range(c.q_start.shape[0]):
-            for i in range(int(c.q_len[w])):
-                for j in range(int(c.k_len[w])):
-                    if j - i <= int(c.diag[w]):
-                        seen[int(c.q_start[w]) + i, int(c.k_start[w]) + j] += 1
+            q0, k0, lq, lk = (int(x[w]) for x in (c.q_start, c.k_start, c.q_len, c.k_len))
+            i, j = torch.arange(lq).unsqueeze(1), torch.arange(lk).unsqueeze(0)
+            seen[q0 : q0 + lq, k0 : k0 + lk] += (j - i <= int(c.diag[w])).long()
     want = torch.zeros_like(seen)
     q0 = k0 = 0
     for lq, lk in zip(lengths_q, lengths_k):
@@ -186,15 +186,16 @@ def test_batch_rejects_bad_lengths() -> None:
 @pytest.mark.pure
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_kernel_check_passes_the_tiled_kernel_and_catches_a_wrong_one(block: str) -> None:
-    case = BLOCKS[block].with_head_dim(16)
-    errors = kernel_errors(TorchKernel(block_size=64), case, device="cpu", dtype=torch.float64)
-    assert max(errors.values()) < 1e-10, errors
-
     class OffByOneScale(TorchKernel):
         def forward(self, q, k, v, batch, *, softmax_scale):  # noqa: ANN001, ANN202
             return super().forward(q, k, v, batch, softmax_scale=softmax_scale * 1.01)
 
-    wrong = kernel_errors(OffByOneScale(), case, device="cpu", dtype=torch.float64)
+    # Fewer heads than on a GPU (float64 on a CPU), still two query heads per K/V head.
+    case = replace(BLOCKS[block], num_heads=4, num_kv_heads=2, head_dim=16)
+    errors, wrong = kernels_errors(
+        [TorchKernel(block_size=64), OffByOneScale()], case, device="cpu", dtype=torch.float64
+    )
+    assert max(errors.values()) < 1e-10, errors
     assert wrong["out"] > 1e-4 and wrong["lse"] > 1e-4, wrong
 
 

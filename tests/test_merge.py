@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -31,7 +32,7 @@ def _inputs(seed: int, t: int = 5, num_keys: int = 12, n: int = 3, d: int = 4):
     )
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(seed=st.integers(0, 10_000), pieces=st.lists(st.integers(0, 3), min_size=12, max_size=12))
 def test_merging_pieces_in_any_grouping_equals_dense(seed: int, pieces: list[int]) -> None:
     q, k, v = _inputs(seed)

@@ -167,6 +167,31 @@ def test_remap_layouts_are_worked_out_once_without_hashing_the_plan(monkeypatch)
 
 
 @pytest.mark.pure
+def test_the_remap_functions_find_a_plans_layouts_without_hashing_it(monkeypatch) -> None:
+    """``comm.remap.linear_to_attention`` / ``attention_to_linear`` (the engine check's path)
+    look a plan's layouts up by identity: a repeated call neither rescans nor hashes the plan."""
+    from megatron_zeppelin.comm import remap
+
+    topology = Topology(num_nodes=1, gpus_per_node=2, nics_per_node=2)
+    doc = SequencePlan(0, 10, Tier.LOCAL, (0,), (Span(0, 0, 10),))
+    plan = Plan(topology, (doc,), ((TokenRange(0, 0, 5),), (TokenRange(0, 5, 10),)))
+    scans = _count_calls(monkeypatch, Plan, "linear_ranges")
+    hashes = _count_calls(monkeypatch, Plan, "__hash__")
+    first = remap._layouts(plan, 0)
+    scans_once = scans[0]
+    for _ in range(8):  # one call per layer and direction
+        assert remap._layouts(plan, 0) is first
+    assert scans[0] == scans_once and hashes[0] == 0
+    there, back = first
+    assert there.num_src_rows == 5 and there.num_dst_rows == 10 and back.num_dst_rows == 5
+    # Another rank, or an equal plan that is another object, is worked out anew.
+    assert remap._layouts(plan, 1)[0].num_src_rows == 5
+    twin = Plan(topology, (doc,), ((TokenRange(0, 0, 5),), (TokenRange(0, 5, 10),)))
+    again = remap._layouts(twin, 0)
+    assert again is not first and again[0].num_dst_rows == there.num_dst_rows
+
+
+@pytest.mark.pure
 def test_the_cpu_job_does_not_import_the_megatron_hooks() -> None:
     """The CPU job and the hooks share ``report.py`` for what they print, not each other."""
     import ast

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -74,7 +75,7 @@ def _tight(draw):
     return kept or [1], topo, capacity
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=examples(80), deadline=None)
 @given(_tight())
 def test_any_batch_within_the_cluster_plans(batch) -> None:
     lengths, topo, capacity = batch
@@ -91,7 +92,7 @@ def test_too_large_a_batch_is_still_refused() -> None:
     length=st.integers(1, 5000),
     takes=st.lists(st.integers(0, 400), min_size=1, max_size=8),
 )
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 def test_zigzag_pieces_partition_the_document_with_each_ranks_share(length, takes) -> None:
     takes = [t for t in takes if t] or [1]
     takes[-1] += max(0, length - sum(takes))

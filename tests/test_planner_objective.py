@@ -10,6 +10,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -34,7 +35,9 @@ from megatron_zeppelin.topology.presets import get_topology
 pytestmark = pytest.mark.pure
 
 MODEL = get_model("llama-7b")
-SLOW = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(
+    max_examples=examples(25), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 def _close(a, b) -> bool:
@@ -119,7 +122,7 @@ def test_any_spans_are_timed_like_zigzag_ones() -> None:
     assert got[0][3] > got[0][0]  # the last piece sees the most keys
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 24), min_size=1, max_size=3),
     weights=st.lists(st.integers(0, 3), min_size=4, max_size=4).filter(lambda w: sum(w) > 0),
@@ -210,7 +213,7 @@ def test_planner_keeps_the_candidate_the_simulator_times_fastest(preset, nodes, 
             assert plan.meta["predicted_step_s"] == pytest.approx(step, rel=0.05)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     weights=st.lists(st.integers(0, 9), min_size=1, max_size=8).filter(lambda w: sum(w) > 0),
     tokens=st.lists(st.integers(0, 200_000), min_size=1, max_size=6),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 import pytest
+from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -30,7 +31,9 @@ from megatron_zeppelin.topology.presets import PRESETS, get_topology
 
 pytestmark = pytest.mark.pure
 
-SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=examples(60), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 
 @st.composite

@@ -6,6 +6,7 @@ Tier: pure.
 from __future__ import annotations
 
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +29,7 @@ def test_tier_of_ring() -> None:
     assert Tier.of_ring([0, 8, 1], 8) == Tier.INTER
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(length=st.integers(1, 10_000), ring_size=st.integers(1, 64))
 def test_zigzag_loads_are_the_chunks_of_each_position(length: int, ring_size: int) -> None:
     loads = zigzag_loads(length, ring_size)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_comm_exchange import hand_plan
@@ -72,7 +73,7 @@ def two_layouts(draw) -> tuple[Layout, Layout]:
 
 
 @pytest.mark.pure
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(two_layouts())
 def test_simulated_remap_lands_every_token_where_the_target_layout_says(layouts):
     src, dst = layouts

@@ -15,6 +15,7 @@ from collections import defaultdict
 import numpy as np
 import pytest
 import torch
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -267,7 +268,7 @@ def _span_layout(draw):  # noqa: ANN202
     return mine, theirs
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(layout=_span_layout())
 def test_block_pairs_cover_each_visible_entry_once(layout) -> None:  # noqa: ANN001
     mine, theirs = layout
@@ -337,7 +338,7 @@ def test_a_failing_rank_fails_the_run_quickly() -> None:
         run_ranks(rank_fn, plan.world_size, timeout_s=30)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     runs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=1, max_size=4),
     num_rows=st.integers(0, 60),
@@ -351,7 +352,7 @@ def test_compact_rows_names_the_same_rows(runs, num_rows) -> None:  # noqa: ANN0
     assert isinstance(rows, torch.Tensor) != consecutive
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     runs=st.lists(st.tuples(st.integers(0, 40), st.integers(0, 6)), min_size=0, max_size=4),
     num_rows=st.integers(0, 60),

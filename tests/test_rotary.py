@@ -11,6 +11,7 @@ import warnings
 
 import pytest
 import torch
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,7 +40,7 @@ def test_matches_megatron_rope_on_one_document(base: float, percent: float) -> N
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     p=st.integers(0, 4000),
     q=st.integers(0, 4000),

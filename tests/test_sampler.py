@@ -10,6 +10,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -57,7 +58,7 @@ def _epochs(sampler: DocumentSampler, num_epochs: int, max_steps: int = 5000):
         assert len(steps) < max_steps
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lengths=lengths_strategy, data=st.data())
 def test_every_document_once_per_epoch_whole_or_as_its_pieces(lengths, data):
     cfg = _config(lengths, data)
@@ -88,7 +89,7 @@ def test_every_document_once_per_epoch_whole_or_as_its_pieces(lengths, data):
                 assert len(pieces) == -(-length // max_length)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(lengths=lengths_strategy, data=st.data())
 def test_budgets_and_capacities_are_respected(lengths, data):
     cfg = _config(lengths, data)
@@ -104,7 +105,7 @@ def test_budgets_and_capacities_are_respected(lengths, data):
                 assert sum(step.lengths(i)) <= cfg["micro_batch_capacity"]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     lengths=st.lists(st.integers(1, 20000), min_size=1, max_size=40),
     num_bins=st.integers(1, 6),
@@ -148,7 +149,7 @@ def test_balance_by_cost_beats_balance_by_count_on_a_long_tail():
     assert sum(a <= b + 1e-9 for a, b in zip(by_cost, by_count)) >= 18
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lengths=lengths_strategy, data=st.data(), stop=st.integers(0, 12))
 def test_resume_from_state_equals_an_uninterrupted_run(lengths, data, stop):
     cfg = _config(lengths, data)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -27,7 +28,9 @@ TOPO = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
 CAPACITY = 4096
 MODEL = get_model("llama-7b")
 COST = CostModel.default(MODEL, TOPO)
-SLOW = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(
+    max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 
 batches = st.lists(st.integers(1, 3 * CAPACITY), min_size=1, max_size=30)
 
@@ -61,7 +64,7 @@ def test_lower_bound_never_above_simulated_time(lengths, name) -> None:
         assert total == pytest.approx(result.step_time_s, rel=1e-9)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(lengths=st.lists(st.integers(1, 20000), min_size=1, max_size=20))
 def test_one_gpu_equals_the_sum_of_costs(lengths) -> None:
     one = Topology(num_nodes=1, gpus_per_node=1, nics_per_node=1)
@@ -100,7 +103,7 @@ def _cross_node_plan(topo: Topology, lengths: list[int], routed: bool) -> Plan:
     return dataclasses.replace(plan, routes=routes)
 
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=examples(30), deadline=None)
 @given(lengths=st.lists(st.integers(16384, 131072), min_size=1, max_size=4))
 def test_routing_never_slower_for_nic_bound_plans(lengths) -> None:
     topo = Topology(num_nodes=2, gpus_per_node=8, nics_per_node=8, nic_gbit=100.0)

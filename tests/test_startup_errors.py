@@ -10,6 +10,7 @@ micro-batches without documents.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 
@@ -201,12 +202,17 @@ def test_check_reports_rank_zeros_error_else_the_first(tmp_path):
     ],
 )
 def test_spawning_commands_check_flags_first(argv, needle, capsys, monkeypatch, tmp_path):
+    from megatron_zeppelin.cli import load_command
     from megatron_zeppelin.testing import dist as harness
 
     def refuse(*args, **kwargs):
         raise AssertionError("processes were started despite bad input")
 
-    monkeypatch.setattr(harness, "run_distributed", refuse)
+    # The harness and every module that imported its launcher by name.
+    load_command(argv[0])
+    for module in list(sys.modules.values()):
+        if getattr(module, "run_distributed", None) is harness.run_distributed:
+            monkeypatch.setattr(module, "run_distributed", refuse)
     monkeypatch.chdir(tmp_path)
     assert main(argv) == 2
     assert needle in _one_error_line(capsys, argv[0])

@@ -7,6 +7,7 @@ import dataclasses
 import json
 
 import pytest
+from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -113,7 +114,7 @@ def test_malformed_two_d_documents_are_refused() -> None:
         plan_of([SequencePlan(0, 5, Tier.LOCAL, (3,), (Span(3, 0, 5),), Scheme.TWO_D)])
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     length=st.integers(1, 400),
     nodes=st.lists(st.integers(0, 2), min_size=1, max_size=3, unique=True),

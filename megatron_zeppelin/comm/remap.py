@@ -18,7 +18,8 @@ backward's all-to-all is reported as the same layer's backward.
 
 from __future__ import annotations
 
-import functools
+import threading
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -98,11 +99,22 @@ class _RemapFunction(torch.autograd.Function):
         return grad, None, None, None, None
 
 
-@functools.lru_cache(maxsize=8)
+_RECENT_LAYOUTS: deque[tuple[Plan, int, tuple[RemapLayout, RemapLayout]]] = deque(maxlen=8)
+_RECENT_LOCK = threading.Lock()
+
+
 def _layouts(plan: Plan, rank: int) -> tuple[RemapLayout, RemapLayout]:
     """Both directions for ``rank``, computed once per plan: every layer of a micro-batch
-    remaps with the same plan, so only the first call pays for the index arithmetic."""
-    return linear_to_attention_layout(plan, rank), attention_to_linear_layout(plan, rank)
+    remaps with the same plan, so only the first call pays for the index arithmetic. Plans
+    are found by identity, not by hash: hashing a plan walks all of its documents."""
+    with _RECENT_LOCK:
+        for known, known_rank, layouts in _RECENT_LAYOUTS:
+            if known is plan and known_rank == rank:
+                return layouts
+    layouts = linear_to_attention_layout(plan, rank), attention_to_linear_layout(plan, rank)
+    with _RECENT_LOCK:
+        _RECENT_LAYOUTS.append((plan, rank, layouts))
+    return layouts
 
 
 def _check_group(plan: Plan, rank: int, group: dist.ProcessGroup | None) -> None:

@@ -148,10 +148,10 @@ def is_comm_failure(exc: BaseException) -> bool:
 class ProgressBoard:
     """Every rank's ``Beat`` in a c10d store (TCPStore, FileStore, ...), one key per rank."""
 
-    def __init__(self, store: dist.Store, world_size: int):
+    def __init__(self, store: dist.Store, world_size: int, answer_s: float = STORE_ANSWER_S):
         self.store = store
         self.world_size = world_size
-        self.answer_s = STORE_ANSWER_S
+        self.answer_s = answer_s
         """How long a read waits for the store (its host may be the process that stalled)."""
         self._lock = threading.Lock()
 
@@ -188,6 +188,8 @@ class CommWatch:
     ``store`` ``None``: no board (errors then name no rank). ``start`` begins the heartbeat
     (every ``beat_s``, and at once when the position changes) and ``close`` ends it; without a
     heartbeat nothing is published and the diagnosis names only ranks that said they failed.
+    A diagnosis reads the board twice, ``settle_s`` apart; each read, and the last publication
+    at ``close``, waits for the store at most ``store_answer_s``.
     """
 
     def __init__(
@@ -199,6 +201,8 @@ class CommWatch:
         store: dist.Store | None = None,
         backend: str = "gloo",
         beat_s: float | None = None,
+        settle_s: float | None = None,
+        store_answer_s: float = STORE_ANSWER_S,
     ):
         if not timeout_s > 0:
             raise ValueError(f"the communication timeout must be positive, got {timeout_s}")
@@ -207,9 +211,10 @@ class CommWatch:
         self.timeout_s = float(timeout_s)
         self.backend = backend
         self.beat_s = beat_s if beat_s is not None else min(max(timeout_s / 10, 0.2), 2.0)
-        self.settle_s = max(3 * self.beat_s, 1.0)
-        """How long a diagnosis watches the heartbeats before calling a rank stopped."""
-        self.board = ProgressBoard(store, world_size) if store is not None else None
+        self.settle_s = settle_s if settle_s is not None else max(3 * self.beat_s, 1.0)
+        """How long a diagnosis watches the heartbeats before calling a rank stopped (several
+        beats, and at least a second by default so a busy host's late beat is not a stop)."""
+        self.board = ProgressBoard(store, world_size, store_answer_s) if store is not None else None
         self.position = Position()
         self._beat = 0
         self._state = "running"
@@ -253,13 +258,13 @@ class CommWatch:
 
     def close(self, state: str = "done", note: str = "") -> None:
         """Leave a last entry (``done``, or ``failed`` with a one-line note) and stop the
-        heartbeat; waits for the store at most ``STORE_ANSWER_S``."""
+        heartbeat; waits for the store at most the board's ``answer_s``."""
         with self._lock:
             self._state, self._note = state, note
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(STORE_ANSWER_S)
+        if self._thread is not None and self.board is not None:
+            self._thread.join(self.board.answer_s)
 
     def _beat_loop(self) -> None:
         while True:

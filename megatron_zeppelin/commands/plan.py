@@ -18,7 +18,17 @@ import math
 import sys
 from typing import Any
 
+from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.megatron.args import zeppelin_node
+from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import read_lengths_file, sample_lengths
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.planner.plan import Tier
+from megatron_zeppelin.planner.simulator import simulate, tier_figures
+from megatron_zeppelin.topology.presets import topology_from_args
 from megatron_zeppelin.viz import plot_plan_load
 
 DEFAULT_MODEL = "llama-7b"
@@ -112,11 +122,7 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
     if (args.lengths is None) == (args.dist is None):
         raise ValueError("give the batch with exactly one of --lengths FILE or --dist NAME")
     if args.lengths is not None:
-        # Deferred: keeps numpy, yaml (the planner) out of `zeppelin plan --help`.
-        from megatron_zeppelin.planner.distributions import read_lengths_file
-
         return [read_lengths_file(args.lengths)] * num_batches
-    from megatron_zeppelin.planner.distributions import sample_lengths
 
     return [
         sample_lengths(
@@ -129,8 +135,6 @@ def read_batches(args: argparse.Namespace, num_batches: int = 1) -> list[list[in
 def read_topology(args: argparse.Namespace):
     """The ``Topology`` of the Zeppelin ranks the cluster flags describe (with ``--tp``: the
     node shaped for tensor parallelism, as ``megatron.args.zeppelin_node`` does in training)."""
-    from megatron_zeppelin.topology.presets import topology_from_args
-
     for flag, value in (("--nic-gbit", args.nic_gbit), ("--nvlink-gbps", args.nvlink_gbps)):
         if value is not None and not (value > 0 and math.isfinite(value)):
             raise ValueError(f"{flag} must be a positive finite bandwidth, got {value}")
@@ -151,7 +155,6 @@ def read_topology(args: argparse.Namespace):
     tp = _tensor_parallel(args)
     if tp == 1:
         return physical
-    from megatron_zeppelin.megatron.args import zeppelin_node
 
     # With tensor parallelism a node holds GPUs / TP Zeppelin ranks, as in a training run.
     return zeppelin_node(physical, tp)
@@ -167,14 +170,9 @@ def _tensor_parallel(args: argparse.Namespace) -> int:
 
 def read_cost_model(args: argparse.Namespace, topology):
     """Default cost model of ``--model`` on ``topology``, with ``--cost-model``'s figures."""
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.models import get_model
-
     model = get_model(args.model, tensor_parallel=_tensor_parallel(args))
     cost = CostModel.default(model, topology)
     if args.cost_model:
-        from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-
         cost = apply_calibration(cost, load_calibration(args.cost_model), source=args.cost_model)
     return cost
 
@@ -193,9 +191,6 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
     """``PlannerOptions`` from the planner flags, by the same rules as ``--zeppelin-*`` in a
     training run (``ZeppelinConfig.planner_options``): a threshold left out or ``auto`` comes
     from the cost model, ``off`` never splits over that tier unless capacity forces it."""
-    # The config's own imports (dataclasses, inspect) would slow `zeppelin plan --help`.
-    from megatron_zeppelin.config import ZeppelinConfig
-
     thresholds = {}
     for flag in ("intra", "inter"):
         value = getattr(args, f"{flag}_threshold", None)
@@ -234,8 +229,6 @@ def _tokens(text: str, flag: str) -> int:
 
 def zeppelin_plan(lengths: list[int], *, topology, cost_model, capacity: int, options=None):
     """Zeppelin's plan of one batch."""
-    from megatron_zeppelin.planner.partition import plan_batch
-
     return plan_batch(
         lengths, topology=topology, cost_model=cost_model, capacity=capacity, options=options
     )
@@ -258,8 +251,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def summary_lines(plan, result, cost_model) -> list[str]:
     """A short human summary of one plan and its simulation."""
-    from megatron_zeppelin.planner.plan import Tier
-
     world = plan.world_size
     lines = [
         f"{plan.name}: {len(plan.sequences)} documents, {plan.num_tokens} tokens on "
@@ -301,8 +292,6 @@ def summary_lines(plan, result, cost_model) -> list[str]:
 
 def tier_lines(plan, cost_model) -> list[str]:
     """Each kind of split document alone on its busiest rank (``simulator.tier_figures``)."""
-    from megatron_zeppelin.planner.simulator import tier_figures
-
     figures = tier_figures(plan, cost_model, routing=bool(plan.routes))
     if not figures:
         return []
@@ -324,8 +313,6 @@ def _imbalance(values: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner.simulator import simulate
-
     topology = read_topology(args)
     cost = read_cost_model(args, topology)
     (lengths,) = read_batches(args, 1)

@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from types import SimpleNamespace
 
+from tqdm import tqdm
+
 from megatron_zeppelin.commands.plan import (
     add_input_arguments,
     add_planner_arguments,
@@ -36,6 +38,9 @@ from megatron_zeppelin.commands.plan import (
     zeppelin_plan,
 )
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.planner.baselines import BASELINES, build_baseline
+from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.simulator import simulate_rounds
 from megatron_zeppelin.viz import plot_comparison
 
 ZEPPELIN = "zeppelin"
@@ -44,9 +49,6 @@ MEGATRON = "megatron-dynamic-cp"
 
 
 def builder_names() -> tuple[str, ...]:
-    # Deferred: keeps numpy, tqdm, yaml out of this module's import.
-    from megatron_zeppelin.planner.baselines import BASELINES
-
     return (ZEPPELIN, *BASELINES)
 
 
@@ -64,7 +66,6 @@ def build_plans(
                 options=options,
             )
         ]
-    from megatron_zeppelin.planner.baselines import build_baseline
 
     return build_baseline(
         name, lengths, topology=topology, capacity=capacity, cost_model=cost_model
@@ -99,8 +100,6 @@ def compare_batches(
     """Per builder, one ``SimResult`` per batch, or the ``ValueError`` text where it could not
     plan the batch (a baseline's capacity rule, say). ``on_result(batch, builder, seconds,
     outcome)`` is called after each builder has planned and simulated a batch."""
-    from megatron_zeppelin.planner.simulator import simulate_rounds
-
     builders = tuple(builders or builder_names())
     results: dict[str, list] = {name: [] for name in builders}
     for index, lengths in enumerate(batches):
@@ -193,8 +192,6 @@ def format_table(rows: list[dict]) -> str:
 
 
 def _progress(total: int, quiet: bool):
-    from tqdm import tqdm
-
     return tqdm(
         total=total,
         file=sys.stderr,
@@ -323,9 +320,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.planner.plan import Plan
-    from megatron_zeppelin.planner.simulator import simulate_rounds
-
     routing = {"auto": None, "on": True, "off": False}[args.routing]
     remap = not args.no_remap
     if args.steps < 1:

@@ -106,10 +106,11 @@ def format_report(report: dict) -> list[str]:
 
 def plot_report(report: dict, path: str) -> None:
     """Predicted against measured seconds per rank and batch (total and attention)."""
-    # Deferred: keeps matplotlib out of this module's import.
+    # lazy: matplotlib is optional (the viz extra), needed only for --plot.
     import matplotlib
 
     matplotlib.use("Agg")
+    # lazy: pyplot only after the backend is chosen.
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))

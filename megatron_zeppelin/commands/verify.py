@@ -51,6 +51,10 @@ import sys
 import time
 from typing import Any
 
+import torch
+
+from megatron_zeppelin.comm.posting import check_posting_order
+from megatron_zeppelin.commands.profile import check_kernel, check_positive
 from megatron_zeppelin.commands.verify_run import (
     Case,
     EngineSpec,
@@ -61,6 +65,16 @@ from megatron_zeppelin.commands.verify_run import (
 )
 from megatron_zeppelin.devices import require_gpus
 from megatron_zeppelin.fileio import atomic_write_text, format_bytes
+from megatron_zeppelin.planner.baselines import build_baseline
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import read_lengths_file, sample_lengths
+from megatron_zeppelin.planner.heads import head_groups
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.schemes import every_two_d
+from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed, whole_run_timeout
+from megatron_zeppelin.testing.tolerances import relative_error, tolerance
+from megatron_zeppelin.topology.model import Topology
 
 __all__ = ["Case", "EngineSpec", "build_cases", "compare", "main", "verify", "worker"]
 
@@ -71,9 +85,6 @@ DEVICES = ("cpu", "cuda")
 # --- parent: plans, reference, report ----------------------------------------------------------
 def _gathered(results: list[list[dict]], index: int, name: str, like):  # noqa: ANN001, ANN202
     """Case ``index``'s ``name`` of every rank, in packed-row order, in float64."""
-    # Deferred: keeps numpy, torch, yaml out of this module's import.
-    import torch
-
     got = torch.zeros(like.shape, dtype=torch.float64)
     for per_rank in results:
         got[per_rank[index]["rows"]] = per_rank[index][name].to(torch.float64)
@@ -97,11 +108,6 @@ def _timing(results: list[list[dict]], index: int) -> dict[str, Any] | None:
 def compare(cases: list[Case], results: list[list[dict]], spec: EngineSpec) -> list[dict]:
     """Per case: errors against the float64 reference and against one GPU in the same dtype,
     measured vs predicted bytes, the posting-order check and the step timings."""
-    import torch
-
-    from megatron_zeppelin.comm.posting import check_posting_order
-    from megatron_zeppelin.testing.tolerances import relative_error, tolerance
-
     report = []
     for index, case in enumerate(cases):
         plan, case_spec = case.plan, case.spec(spec)
@@ -156,11 +162,6 @@ def build_cases(
     documents on the 2-D scheme (``heads``: the run's ``(query heads, K/V heads)``; none when
     they do not split over a node's GPUs); every round of the TE-style ring baseline."""
 
-    from megatron_zeppelin.planner.baselines import build_baseline
-    from megatron_zeppelin.planner.heads import head_groups
-    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-    from megatron_zeppelin.planner.schemes import every_two_d
-
     flat = dataclasses.replace(options or PlannerOptions(), two_d=False)
     plan = plan_batch(
         lengths, topology=topology, cost_model=cost_model, capacity=capacity, options=flat
@@ -183,8 +184,6 @@ def build_cases(
 
 def verify(cases: list[Case], spec: EngineSpec) -> list[dict]:
     """Run ``cases`` on one gloo process per rank and compare them (see the module docstring)."""
-    from megatron_zeppelin.testing.dist import run_distributed, whole_run_timeout
-
     world = cases[0].plan.world_size
     if any(c.plan.world_size != world for c in cases):
         raise ValueError("every case must plan for the same number of ranks")
@@ -282,12 +281,6 @@ DEFAULT_THRESHOLDS = "64,512"
 
 def _inputs(args: argparse.Namespace):
     """Lengths, topology, cost model, capacity and planner options from the flags."""
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.distributions import read_lengths_file, sample_lengths
-    from megatron_zeppelin.planner.models import get_model
-    from megatron_zeppelin.planner.partition import PlannerOptions
-    from megatron_zeppelin.topology.model import Topology
-
     if args.lengths is not None and args.dist is not None:
         raise ValueError("give the batch with one of --lengths FILE or --dist NAME, not both")
     if args.lengths is not None:
@@ -379,9 +372,6 @@ def format_report(report: list[dict]) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from megatron_zeppelin.commands.profile import check_kernel, check_positive
-    from megatron_zeppelin.testing.dist import DistributedRunError
-
     # Everything the workers would trip over is refused here, before a process starts.
     check_kernel(args.kernel, emulated=args.device == "cpu")
     check_positive(
@@ -464,8 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="zeppelin verify", description=__doc__.split("\n")[0])
     add_arguments(parser)
     args = parser.parse_args(argv)
-    # Run through the imported module, not ``__main__``: the worker processes unpickle the
-    # worker function and the cases by their module's name.
+    # lazy: run through the imported module, not ``__main__``: the worker processes unpickle
+    # the worker function and the cases by their module's name.
     from megatron_zeppelin.commands import verify as this_module
 
     try:

@@ -17,6 +17,25 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
+from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.attention.step_timing import RingTimer, cuda_events, host_events
+from megatron_zeppelin.comm import DistExchanger, LinkCounters, PostingLog, ZeppelinGroups
+from megatron_zeppelin.comm.counters import comparable
+from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
+from megatron_zeppelin.planner.heads import AttentionShape
+from megatron_zeppelin.planner.plan import Plan, SequencePlan, Tier, TokenRange, zigzag_spans
+from megatron_zeppelin.planner.schedule import engine_link_bytes
+from megatron_zeppelin.testing.reference import (
+    attention_rows,
+    linear_rows,
+    random_qkv,
+    reference_attention,
+)
+from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
+from megatron_zeppelin.topology.model import Topology
+
 __all__ = [
     "Case",
     "EngineSpec",
@@ -63,15 +82,6 @@ class Case:
 def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, Any]:
     """Run one case on this rank; return its results in packed-row order plus its byte counts,
     its posting log and (``spec.step_timing``) its per-tier timings."""
-    # Deferred: keeps numpy, torch, yaml out of this module's import.
-    import torch
-
-    from megatron_zeppelin.attention.engine import ZeppelinAttention
-    from megatron_zeppelin.attention.step_timing import RingTimer, cuda_events, host_events
-    from megatron_zeppelin.comm import DistExchanger, LinkCounters, PostingLog
-    from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
-    from megatron_zeppelin.testing.reference import attention_rows, linear_rows, random_qkv
-
     spec = case.spec(spec)
     plan, dtype, device = case.plan, getattr(torch, spec.dtype), _device(spec)
     q_tnd, k_tnd, v_tnd = (
@@ -133,7 +143,6 @@ def run_case(rank: int, case: Case, spec: EngineSpec, groups: Any) -> dict[str, 
 
 
 def _device(spec: EngineSpec):  # noqa: ANN202
-    import torch
 
     if spec.device == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
@@ -142,8 +151,6 @@ def _device(spec: EngineSpec):  # noqa: ANN202
 
 def _dout(num_tokens: int, spec: EngineSpec):
     """The upstream gradient of the output (float64, packed rows), the same on every rank."""
-    import torch
-
     gen = torch.Generator().manual_seed(spec.seed + 7919)
     shape = (num_tokens, spec.num_heads, spec.head_dim)
     return torch.randn(shape, generator=gen, dtype=torch.float64)
@@ -151,10 +158,6 @@ def _dout(num_tokens: int, spec: EngineSpec):
 
 def _bad_input_messages(engine, qkv, plan, rank: int, exchanger) -> dict[str, str | None]:
     """The engine's error for each kind of bad input (``None`` when it accepted it)."""
-    import torch
-
-    from megatron_zeppelin.attention.engine import ZeppelinAttention
-
     q, k, v = (x.detach() for x in qkv)
     wrong_world = _plan_on(plan, plan.topology.with_nodes(plan.topology.num_nodes + 1))
     attempts = {
@@ -176,8 +179,6 @@ def _bad_input_messages(engine, qkv, plan, rank: int, exchanger) -> dict[str, st
 
 def _plan_on(plan, topology):
     """``plan``'s documents placed the same way on a larger cluster (its extra ranks idle)."""
-    from megatron_zeppelin.planner.plan import Plan
-
     linear = list(plan.linear) + [()] * (topology.world_size - plan.world_size)
     return Plan(topology=topology, sequences=plan.sequences, linear=linear, name=plan.name)
 
@@ -185,10 +186,6 @@ def _plan_on(plan, topology):
 def worker(rank: int, world_size: int, cases: list[Case], spec: EngineSpec) -> list[dict]:
     """Entry point of each process (``testing.dist.run_distributed``). With ``--device cuda``
     the Zeppelin groups are NCCL groups on this process's GPU (the harness's group stays gloo)."""
-    import torch
-
-    from megatron_zeppelin.comm import ZeppelinGroups
-
     backend = None
     if spec.device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -210,18 +207,11 @@ def predicted_bytes(plan, spec: EngineSpec, *, routing: bool) -> dict[str, int]:
     (``schedule.engine_link_bytes``): K and V around the flat rings in the forward, again in
     the backward, and dK, dV behind them; for 2-D documents the head all-to-alls and the rings
     across nodes too (gradients in float32 for half-precision inputs, as the engine sends)."""
-    from megatron_zeppelin.comm.counters import comparable
-    from megatron_zeppelin.planner.schedule import engine_link_bytes
-
     return comparable(engine_link_bytes(plan, _shape(spec), routing=routing))
 
 
 def _shape(spec: EngineSpec):  # noqa: ANN202
     """The ``heads.AttentionShape`` of a verification run."""
-    import torch
-
-    from megatron_zeppelin.planner.heads import AttentionShape
-
     dtype = getattr(torch, spec.dtype)
     grad_dtype = torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
     return AttentionShape(
@@ -233,10 +223,6 @@ def _shape(spec: EngineSpec):  # noqa: ANN202
 def reference(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
     """The float64 dense reference of a batch (documents in packed order) on the inputs the
     workers drew, rounded to ``spec.dtype`` as theirs were: output and input gradients."""
-    import torch
-
-    from megatron_zeppelin.testing.reference import random_qkv, reference_attention
-
     dtype = getattr(torch, spec.dtype)
     num_tokens = sum(lengths)
     qkv = random_qkv(
@@ -257,14 +243,6 @@ def reference(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
 def single_gpu(lengths: tuple[int, ...], spec: EngineSpec) -> dict[str, Any]:
     """The batch on one GPU in ``spec.dtype``: every document local on one rank, the same
     kernel, inputs and upstream gradient as the workers (packed order, on the CPU)."""
-    import torch
-
-    from megatron_zeppelin.attention.engine import ZeppelinAttention
-    from megatron_zeppelin.planner.plan import Plan, SequencePlan, Tier, TokenRange, zigzag_spans
-    from megatron_zeppelin.testing.reference import attention_rows, random_qkv
-    from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
-    from megatron_zeppelin.topology.model import Topology
-
     dtype, device = getattr(torch, spec.dtype), _device(spec)
     sequences = tuple(
         SequencePlan(i, n, Tier.LOCAL, (0,), zigzag_spans(n, (0,))) for i, n in enumerate(lengths)

@@ -34,12 +34,15 @@ quiet_unless_verbose()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from megatron.core import parallel_state  # noqa: E402
 from megatron.core.packed_seq_params import PackedSeqParams  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 from megatron.core.transformer.spec_utils import ModuleSpec  # noqa: E402
 
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
 from megatron_zeppelin.megatron.args import resolve_topology  # noqa: E402
+from megatron_zeppelin.megatron.batch import build_reference_batch  # noqa: E402
+from megatron_zeppelin.megatron.data import DocumentDataset  # noqa: E402
 from megatron_zeppelin.megatron.loss import (  # noqa: E402
     finish_gradients,
     global_mean_loss,
@@ -54,7 +57,16 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     init_megatron_parallel,
     plan_summary,
 )
+from megatron_zeppelin.megatron.sampler import DocumentSlice  # noqa: E402
+from megatron_zeppelin.megatron.spec import zeppelin_layer_spec  # noqa: E402
 from megatron_zeppelin.megatron.step import StepRuntime, forward_batch, run_micro_batch  # noqa: E402
+from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset  # noqa: E402
+from megatron_zeppelin.testing.dist import (  # noqa: E402
+    DistributedRunError,
+    run_distributed,
+    whole_run_timeout,
+)
+from megatron_zeppelin.testing.reference import reference_attention  # noqa: E402
 
 # Documents that land in every tier on 2 x 2 ranks with the thresholds below. The longest is
 # over one node's capacity (2 x 1024), so it crosses nodes whatever the threshold policy.
@@ -122,9 +134,6 @@ class ReferenceCoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ):
-        # Imported when called: keeps heavy imports out, and tests stand in for these.
-        from megatron_zeppelin.testing.reference import reference_attention
-
         params = packed_seq_params
         s, _, n, d = query.shape
         q_snd = apply_rotary(query[:, 0], params.positions, base=self.rotary_base)
@@ -136,8 +145,6 @@ class ReferenceCoreAttention(MegatronModule):
 
 
 def reference_spec(dims: ModelDims) -> ModuleSpec:
-    from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
-
     spec = zeppelin_layer_spec("local", rotary_base=dims.rotary_base)
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=ReferenceCoreAttention, params={"rotary_base": dims.rotary_base}
@@ -229,9 +236,6 @@ def check_runs(options: CheckOptions) -> list[tuple[str, int, bool]]:
 
 
 def _check_rank(rank: int, options: CheckOptions, prefix: str) -> dict:
-    from megatron_zeppelin.megatron.data import DocumentDataset
-    from megatron_zeppelin.megatron.sampler import DocumentSlice
-
     dataset = DocumentDataset(prefix)
     slices = [DocumentSlice(i, 0, n) for i, n in enumerate(options.lengths)]
     reference = _reference(options, slices, dataset)
@@ -245,8 +249,6 @@ def _check_rank(rank: int, options: CheckOptions, prefix: str) -> dict:
 
 def _reference(options: CheckOptions, slices, dataset) -> dict[str, Any]:
     """The single-process reference, computed on every rank (no communication)."""
-    from megatron_zeppelin.megatron.batch import build_reference_batch
-
     dims = options.dims
     init_megatron_parallel(1)
     model = build_gpt(dims, seed=options.seed, layer_spec=reference_spec(dims))
@@ -268,8 +270,6 @@ def _zeppelin_run(
 ) -> dict[str, Any]:
     """One forward and backward with Zeppelin through the training step, compared with the
     reference: the very weights, sliced as TP cuts them."""
-    from megatron.core import parallel_state
-
     dims = options.dims
     ctx = init_megatron_parallel(tp)
     config = zeppelin_config(options, tp)
@@ -322,13 +322,6 @@ def _zeppelin_run(
 
 def run_check(options: CheckOptions | None = None) -> dict[str, Any]:
     """Run the check (spawns ``world_size`` gloo processes); returns the figures and ``passed``."""
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-    from megatron_zeppelin.testing.dist import (
-        DistributedRunError,
-        run_distributed,
-        whole_run_timeout,
-    )
-
     options = options or CheckOptions()
     check_options(options)
     with tempfile.TemporaryDirectory(prefix="zeppelin-check-") as tmp:

@@ -52,7 +52,7 @@ def indexed_dataset_module() -> ModuleType:
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # Deferred: keeps megatron-core out of this module's import.
+        # lazy: keeps megatron-core and torch out of `zeppelin make-dataset`.
         from megatron.core.datasets import indexed_dataset
     return indexed_dataset
 

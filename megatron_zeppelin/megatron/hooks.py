@@ -50,7 +50,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.spec_utils import import_module
 
+from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.megatron.args import (
     extra_args_provider,
@@ -58,9 +62,14 @@ from megatron_zeppelin.megatron.args import (
     resolve_topology,
     validate_megatron_args,
 )
+from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
 from megatron_zeppelin.megatron.data import DocumentDataset
 from megatron_zeppelin.megatron.feed import MicroBatchFeed
 from megatron_zeppelin.megatron.loss import megatron_loss_func
+from megatron_zeppelin.megatron.norms import (
+    needs_sequence_parallel_norms,
+    sequence_parallel_spec,
+)
 from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines
 from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler, save_sampler_state
 from megatron_zeppelin.megatron.runtime import (
@@ -70,6 +79,8 @@ from megatron_zeppelin.megatron.runtime import (
     plan_summary,
 )
 from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
+from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
+from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.planner.models import model_from_config
 
 __all__ = [
@@ -137,7 +148,7 @@ def planner_model(args: argparse.Namespace):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
     ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size)."""
-    # Deferred: keeps megatron-core out of this module's import.
+    # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
@@ -146,10 +157,6 @@ def planner_model(args: argparse.Namespace):
 
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
-    from megatron.core import parallel_state
-
-    from megatron_zeppelin.megatron.step import StepRuntime
-
     _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
     _check_kernel(config.kernel, args)
@@ -205,8 +212,6 @@ def _activations(args: argparse.Namespace) -> tuple[str, torch.dtype]:
 def _check_kernel(requested: str, args: argparse.Namespace) -> None:
     """A kernel named with --zeppelin-kernel that cannot run here stops every rank at start-up
     with the reason and what to use instead ('auto' always runs)."""
-    from megatron_zeppelin.attention.kernels import choose_kernel
-
     device, dtype = _activations(args)
     try:
         choose_kernel(requested, device=device, dtype=dtype)
@@ -229,15 +234,6 @@ def _layer_spec(args: argparse.Namespace):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
     with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
     is refused, since the plan's layouts would then reach a module that cannot read them."""
-    from megatron.core.transformer.spec_utils import import_module
-
-    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-    from megatron_zeppelin.megatron.norms import (
-        needs_sequence_parallel_norms,
-        sequence_parallel_spec,
-    )
-    from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
-
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
     if named:
@@ -283,7 +279,7 @@ def model_provider(
     ``config`` is Megatron's ``TransformerConfig`` when the caller built one (else it is built
     from ``args``); ``pg_collection`` and ``vp_stage`` go to ``GPTModel`` unchanged.
     """
-    from megatron.core.models.gpt import GPTModel
+    # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training import get_args
     from megatron.training.arguments import core_transformer_config_from_args
 
@@ -343,6 +339,7 @@ def train_valid_test_datasets_provider(
     deterministic in its seed and the document lengths, so every rank lands on the same
     documents either way.
     """
+    # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training import get_args
 
     args = get_args()
@@ -379,8 +376,6 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
     accepted for the call's shape; Zeppelin refuses pipeline parallelism.
     """
-    from megatron_zeppelin.megatron.step import run_micro_batch
-
     if data_iterator is not None:
         next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
     item = _STATE.feed.next()

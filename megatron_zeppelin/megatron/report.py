@@ -15,6 +15,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.topology.model import Topology
@@ -33,9 +34,6 @@ class KernelChoice:
 def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
     """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
     ``dtype`` on ``device``, and why (the kernel registry's own ``choose_kernel``)."""
-    # Deferred: keeps torch out of this module's import.
-    from megatron_zeppelin.attention.kernels import choose_kernel
-
     name, why = choose_kernel(requested, device=device, dtype=dtype)  # start-up checked it
     if requested != "auto":
         return KernelChoice(name, "requested with --zeppelin-kernel")

@@ -20,13 +20,22 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel.random import initialize_rng_tracker
+from megatron.core.transformer import TransformerConfig
 
 from megatron_zeppelin.comm.counters import LinkCounters
 from megatron_zeppelin.comm.exchange import DistExchanger
 from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
+from megatron_zeppelin.megatron.norms import (
+    needs_sequence_parallel_norms,
+    sequence_parallel_spec,
+)
 from megatron_zeppelin.megatron.precision import DTYPES
+from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
 from megatron_zeppelin.planner.models import ModelSpec, model_from_config
@@ -51,9 +60,6 @@ class ModelDims:
 
     def transformer_config(self, *, tensor_parallel: int = 1, sequence_parallel: bool = False):
         """Megatron's ``TransformerConfig`` of this model (initialized on the CPU)."""
-        # Deferred: keeps megatron-core out of this module's import.
-        from megatron.core.transformer import TransformerConfig
-
         return TransformerConfig(
             num_layers=self.num_layers,
             hidden_size=self.hidden_size,
@@ -95,8 +101,6 @@ class ParallelContext:
 
 def init_megatron_parallel(tensor_parallel: int) -> ParallelContext:
     """Initialize Megatron's parallel state on the running (gloo) world; CP = PP = 1."""
-    from megatron.core import parallel_state
-
     world = dist.get_world_size()
     if world % tensor_parallel:
         raise ValueError(f"tensor parallel {tensor_parallel} does not divide {world} processes")
@@ -124,14 +128,6 @@ def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None, sequence_parallel:
     weight and keeps this TP rank's slice: the same seed gives the same model whatever the TP size.
     ``layer_spec`` replaces the Zeppelin local spec (the check's reference model uses that).
     """
-    from megatron.core.models.gpt import GPTModel
-
-    from megatron_zeppelin.megatron.norms import (
-        needs_sequence_parallel_norms,
-        sequence_parallel_spec,
-    )
-    from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
-
     config = dims.transformer_config(
         tensor_parallel=_tp_size(), sequence_parallel=sequence_parallel
     )
@@ -165,15 +161,12 @@ def emulate_cuda_device_on_cpu() -> None:
     never goes through it."""
     if torch.cuda.is_available():
         return
-    from megatron.core.tensor_parallel.random import initialize_rng_tracker
 
     torch.cuda.current_device = lambda: torch.device("cpu")
     initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
 
 
 def _tp_size() -> int:
-    from megatron.core import parallel_state
-
     return parallel_state.get_tensor_model_parallel_world_size()
 
 

@@ -20,6 +20,7 @@ import copy
 import warnings
 from typing import Any
 
+from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
@@ -30,7 +31,7 @@ SPEC_KINDS = ("local", "te")
 def has_transformer_engine() -> bool:
     """Whether TransformerEngine's PyTorch modules import here."""
     try:
-        # Probed, not imported at the top: TransformerEngine is optional.
+        # lazy: probed, not imported at the top: TransformerEngine is optional.
         import transformer_engine.pytorch  # noqa: F401
     except Exception:  # noqa: BLE001 - any import failure (missing CUDA too) means no TE
         return False
@@ -38,9 +39,6 @@ def has_transformer_engine() -> bool:
 
 
 def _megatron_spec(kind: str, **kwargs: Any) -> ModuleSpec:
-    # Deferred: the GPT layer specs pull in most of megatron-core.
-    from megatron.core.models.gpt import gpt_layer_specs
-
     if kind == "local":
         return gpt_layer_specs.get_gpt_layer_local_spec(**kwargs)
     if not has_transformer_engine():

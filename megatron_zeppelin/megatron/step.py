@@ -34,6 +34,7 @@ from megatron_zeppelin.megatron.batch import (
 )
 from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
 from megatron_zeppelin.megatron.sampler import DocumentSlice
+from megatron_zeppelin.planner import partition
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.topology.model import Topology
@@ -107,12 +108,9 @@ def plan_micro_batch(
     options: Any = None,
 ) -> Plan:
     """The micro-batch's plan; every rank computes the same one from the same lengths."""
-    # Imported when called: keeps heavy imports out, and tests stand in for these.
-    from megatron_zeppelin.planner.partition import plan_batch
-
     # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
     capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
-    return plan_batch(
+    return partition.plan_batch(  # through the module: tests stand in for the planner
         list(lengths),
         topology=topology,
         cost_model=cost_model,

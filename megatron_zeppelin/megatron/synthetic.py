@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.megatron.data import checksum_path, indexed_dataset_module, write_checksum
+from megatron_zeppelin.planner.distributions import sample_lengths
 
 TOKEN_PATTERNS = ("patterned", "random")
 _MAX_STRIDE = 4
@@ -58,15 +59,6 @@ def draw_lengths(
     distribution: str, *, num_tokens: int, seed: int, max_length: int | None = None
 ) -> list[int]:
     """Document lengths from an embedded distribution, summing to about ``num_tokens``."""
-    try:
-        # Imported lazily: the distributions live in the planner, which this module should not
-        # load unless lengths are actually drawn.
-        from megatron_zeppelin.planner.distributions import sample_lengths
-    except ImportError as exc:  # pragma: no cover - only while the planner is incomplete
-        raise ValueError(
-            "drawing lengths needs megatron_zeppelin.planner.distributions; pass explicit "
-            f"lengths instead ({exc})"
-        ) from exc
     return [
         int(n)
         for n in sample_lengths(

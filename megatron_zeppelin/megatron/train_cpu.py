@@ -39,6 +39,7 @@ quiet_unless_verbose()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from tqdm import tqdm  # noqa: E402
 
 from megatron_zeppelin.comm.watch import CommWatch  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
@@ -196,9 +197,6 @@ def build_sampler(
 def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[str, Any]:
     """Run the job on an initialized gloo world; returns the run's figures (every rank).
     ``watch`` bounds its collectives (default: one without a progress board)."""
-    # Deferred: keeps tqdm out of this module's import.
-    from tqdm import tqdm
-
     config = ZeppelinConfig.from_args(args)
     device, dtype = job_device(args.device), DTYPES[args.dtype]
     if watch is None:

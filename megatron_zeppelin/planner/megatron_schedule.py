@@ -278,7 +278,7 @@ def megatron_core_schedule(lengths: list[int], world: int, capacity: int) -> lis
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # megatron-core warns about missing TE/apex
-            # Deferred: megatron-core imports torch and takes seconds to load.
+            # lazy: megatron-core imports torch and takes seconds to load; only this check asks it.
             from megatron.core.pipeline_parallel.hybrid_cp_schedule import BalancedCPScheduler
     except ImportError:
         raise ValueError(

@@ -53,7 +53,9 @@ from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
 from megatron_zeppelin.profile import links as link_profile
 from megatron_zeppelin.profile.timing import TimingOptions, dtype_name, resolve_dtype
+from megatron_zeppelin.testing.dist import run_distributed
 from megatron_zeppelin.topology.model import Topology
+from megatron_zeppelin.topology.probe import detect_topology
 
 Progress = Callable[[str], None]
 """Called with a short message before every measurement stage (and may raise to abort)."""
@@ -340,15 +342,10 @@ def profile(
             raise ValueError("emulated nodes run gloo processes on the CPU: pass device='cpu'")
         nodes, gpus = settings.emulate
         say(f"starting {nodes * gpus} gloo processes ({nodes} nodes x {gpus} GPUs)")
-        # Imported when called: keeps heavy imports out, and tests stand in for these.
-        from megatron_zeppelin.testing.dist import run_distributed
-
         results = run_distributed(
             _emulated_rank, nodes * gpus, timeout_s=settings.timeout_s, args=(settings,)
         )
     elif dist.is_initialized():
-        from megatron_zeppelin.topology.probe import detect_topology
-
         topology = detect_topology()
         mine = measure_rank(settings, topology=topology, progress=progress)
         results = [None] * dist.get_world_size()

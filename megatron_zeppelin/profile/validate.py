@@ -40,14 +40,24 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
+from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.schedule import ring_schedule
+from megatron_zeppelin.planner.simulator import attention_phases, step_transfer_times
 from megatron_zeppelin.profile.linear import LayerGemms
+from megatron_zeppelin.profile.runner import device_name
 from megatron_zeppelin.profile.timing import resolve_dtype, synchronize
+from megatron_zeppelin.testing.dist import run_distributed
+from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -97,9 +107,6 @@ def validation_topology(settings: ValidationSettings) -> Topology:
 
 def calibrated_cost_model(settings: ValidationSettings, topology: Topology) -> CostModel:
     """Datasheet defaults, then the calibration (refused if measured elsewhere)."""
-    # Imported when called: keeps heavy imports out, and tests stand in for these.
-    from megatron_zeppelin.profile.runner import device_name
-
     cost = CostModel.default(get_model(settings.model), topology)
     if settings.calibration is None:
         return cost
@@ -114,9 +121,6 @@ def calibrated_cost_model(settings: ValidationSettings, topology: Topology) -> C
 
 def make_plans(settings: ValidationSettings, topology: Topology, cost: CostModel) -> list[Plan]:
     """The planner's plan for each batch."""
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-
     capacity = settings.capacity or -(-settings.tokens * 5 // (4 * topology.world_size))
     # Flat rings only: ``predict`` prices ring steps one layout at a time, not the 2-D scheme.
     options = PlannerOptions(
@@ -155,8 +159,6 @@ def measure_plan(
     settings: ValidationSettings,  # noqa: ANN001
 ) -> dict[str, float]:
     """Seconds of one layer's linear modules and attention on ``rank`` (module docstring)."""
-    from megatron_zeppelin.attention.engine import ZeppelinAttention
-
     device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
     model = get_model(settings.model)
     num_tokens = plan.num_attention_tokens(rank)
@@ -189,10 +191,6 @@ def measure_plan(
 
 def _rank_worker(rank: int, world_size: int, plans: list[Plan], settings: ValidationSettings):  # noqa: ANN202
     """Entry point of each gloo process (``testing.dist.run_distributed``)."""
-    import torch.distributed as dist
-
-    from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
-
     torch.set_num_threads(settings.threads)
     groups = ZeppelinGroups.create(plans[0].topology, timeout_s=settings.timeout_s)
     exchangers = [
@@ -219,8 +217,6 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
     """``[rank][batch]`` measurements: gloo processes, or this process on one GPU."""
     world = plans[0].world_size
     if world == 1:
-        from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
-
         torch.set_num_threads(settings.threads)
         hub = ThreadHub(1)
         passes = [
@@ -231,7 +227,6 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
             for _ in range(settings.rounds)
         ]
         return [median_over_passes(passes)]
-    from megatron_zeppelin.testing.dist import run_distributed
 
     return run_distributed(
         _rank_worker, world, timeout_s=settings.timeout_s, args=(plans, settings)
@@ -242,10 +237,6 @@ def measure(plans: list[Plan], settings: ValidationSettings) -> list[list[dict[s
 def predict(plan: Plan, cost: CostModel, *, routing: bool) -> tuple[list[dict[str, float]], float]:
     """Per rank ``linear_s`` and ``attention_s`` of one layer, and the layer's step time
     (module docstring: the simulator's ring timeline, phases priced by mask kind)."""
-    from megatron_zeppelin.planner.costmodel import FWD_SHARE
-    from megatron_zeppelin.planner.schedule import ring_schedule
-    from megatron_zeppelin.planner.simulator import attention_phases, step_transfer_times
-
     kv = cost.model.kv_bytes_per_token()
     steps = ring_schedule(plan)
     fwd = [step_transfer_times(plan, cost, step, kv, routing) for step in steps]

@@ -9,12 +9,14 @@ case packs several pairs, one-row pairs included, with grouped-query K/V.
 ``kernel_errors`` draws inputs in the kernel's dtype on the device, computes the reference in
 float64 on the same (rounded) inputs, and returns the relative error (``tolerances.py``) of the
 output, the log-sum-exp and the three gradients. The GPU tests assert them within the dtype's
-tolerance; ``scripts/bench_kernels.py`` prints them.
+tolerance; ``scripts/bench_kernels.py`` prints them. ``kernels_errors`` checks several kernels
+against one reference (the CPU test checks a kernel known to be wrong beside the right one).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +25,7 @@ from megatron_zeppelin.attention.kernel_api import AttentionKernel, VarlenBatch
 from megatron_zeppelin.testing.reference import pair_attention
 from megatron_zeppelin.testing.tolerances import relative_error
 
-__all__ = ["BLOCKS", "KernelCase", "kernel_errors"]
+__all__ = ["BLOCKS", "KernelCase", "kernel_errors", "kernels_errors"]
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,19 @@ def kernel_errors(
     """Relative errors of ``kernel`` against float64 on ``case``: keys ``out``, ``lse``,
     ``dq``, ``dk``, ``dv``. A NaN anywhere in a result (a row left unwritten in an
     uninitialised buffer, say) makes its error NaN, which fails every comparison."""
+    return kernels_errors([kernel], case, device=device, dtype=dtype, seed=seed)[0]
+
+
+def kernels_errors(
+    kernels: Sequence[AttentionKernel],
+    case: KernelCase,
+    *,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> list[dict[str, float]]:
+    """``kernel_errors`` of each of ``kernels`` on the same inputs, against one float64
+    reference (on a CPU the reference costs more than the kernels)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     nq, nkv, d = case.num_heads, case.num_kv_heads, case.head_dim
 
@@ -79,15 +94,12 @@ def kernel_errors(
     dout = draw(q.shape[0], nq)
     scale = 1.0 / math.sqrt(d)
     batch = VarlenBatch(case.lengths_q, case.lengths_k, causal=case.causal)
-    out, lse = kernel.forward(q, k, v, batch, softmax_scale=scale)
-    dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, batch, softmax_scale=scale)
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref, ref_lse = pair_attention(
         *leaves, case.lengths_q, case.lengths_k, causal=case.causal, scale=scale
     )
     ref.backward(dout.double())
-    got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
     want = {
         "out": ref,
         "lse": ref_lse,
@@ -95,7 +107,13 @@ def kernel_errors(
         "dk": leaves[1].grad,
         "dv": leaves[2].grad,
     }
-    return {name: _error(got[name], want[name]) for name in got}
+    errors = []
+    for kernel in kernels:
+        out, lse = kernel.forward(q, k, v, batch, softmax_scale=scale)
+        dq, dk, dv = kernel.backward(dout, q, k, v, out, lse, batch, softmax_scale=scale)
+        got = {"out": out, "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+        errors.append({name: _error(got[name], want[name]) for name in got})
+    return errors
 
 
 def _error(actual: torch.Tensor, expected: torch.Tensor) -> float:
