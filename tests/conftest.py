@@ -12,6 +12,7 @@ that skips as a whole (a module-level ``importorskip``) is refused for the same 
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -28,6 +29,19 @@ torch.set_num_threads(1)
 # ``--hypothesis-profile full`` (scripts/test.sh): each property draws its full count of
 # examples (``examples.py``); the edit loop draws fewer.
 settings.register_profile(FULL, settings.get_profile("default"))
+
+
+@pytest.fixture(autouse=True)
+def _root_log_handlers_restored():
+    """Handlers a test leaves on the root logger are removed after it. pytest's log capture is
+    off (``-p no:logging``), so Megatron's ``logging.basicConfig`` in one test would otherwise
+    bind the root logger to that test's captured stderr, closed once the test ends."""
+    before = list(logging.root.handlers)
+    yield
+    for handler in logging.root.handlers[:]:
+        if handler not in before:
+            logging.root.removeHandler(handler)
+            handler.close()
 
 
 @pytest.fixture
