@@ -16,7 +16,7 @@ from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.pool import POOL_ORDERS, place_pool
+from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
 from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
@@ -97,3 +97,28 @@ def test_pool_placement_keeps_capacity_and_places_every_document(first) -> None:
     for placement in placements:
         assert len(set(placement.ring)) == len(placement.ring)
         assert placement.tier == Tier.of_ring(placement.ring, topology.gpus_per_node)
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill"),
+    [
+        ("mixture", 32, 0.95),
+        ("uniform-long", 16, 0.5),
+        ("power-law", 16, 0.5),
+        ("lognormal", 32, 0.5),
+    ],
+)
+def test_least_ring_load_bounds_every_pool_placement(name: str, gpus: int, fill: float) -> None:
+    """The search skips the pool where ``least_ring_load`` says it cannot end far enough below
+    the staged plan; that is sound only if no order of the pool ends below the bound."""
+    lengths, topology, cost = _batch(name, gpus, fill, seed=1)
+    array = np.asarray(lengths)
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    fresh = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    bound = least_ring_load(array, assign_tiers(array, fresh, rules), fresh)
+    assert bound > 0
+    for first in POOL_ORDERS:
+        loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+        place_pool(array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first)
+        assert max(loads.cost) >= bound * (1 - 1e-9), first

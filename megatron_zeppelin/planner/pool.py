@@ -38,7 +38,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["POOL_ORDERS", "PoolGoal", "place_pool"]
+__all__ = ["POOL_ORDERS", "PoolGoal", "place_pool", "pool_target"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
@@ -98,6 +98,17 @@ def place_pool(
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
     return placements, promotions  # type: ignore[return-value]
+
+
+def pool_target(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
+    """The load ``place_pool`` aims every GPU at (its rings sized against it): where a placement
+    already ends no higher, the pool has nothing to win."""
+    balanced = choice.attention + loads.linear_weight * array
+    share = float(balanced.sum()) / loads.topology.world_size
+    whole_load = balanced + loads.linear_weight * np.maximum(0, _floor_tokens(array, loads) - array)
+    rings = (choice.split | choice.inter | (whole_load > share)) & (array >= 2)
+    ring_docs = np.flatnonzero(rings).tolist()
+    return _target(array, balanced, ring_docs, loads)
 
 
 def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads) -> float:
@@ -347,3 +358,23 @@ def _place_whole(
         tokens[rank] = loads.tokens[rank]
         keys[rank] = loads.cost[rank] + loads.linear_weight * max(0, floor - loads.tokens[rank])
         heapq.heappush(heap, (float(keys[rank]), rank))
+
+
+def least_ring_load(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
+    """The least per-member load the longest ring document can have at any size and place
+    ``place_pool`` tries: a bound under any pool placement's busiest GPU."""
+    target = pool_target(array, choice, loads)
+    balanced = choice.attention + loads.linear_weight * array
+    share = float(balanced.sum()) / loads.topology.world_size
+    rings = (choice.split | choice.inter | (balanced > share)) & (array >= 2)
+    if not rings.any():
+        return 0.0
+    doc = int(np.flatnonzero(rings)[np.argmax(array[rings])])
+    length = int(array[doc])
+    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+    goal = PoolGoal(target, _floor_tokens(array, loads), 0)
+    return min(
+        key
+        for size in _sizes(length, work, target, loads)
+        for key, _ in _options(length, size, loads, goal)
+    )

@@ -57,7 +57,7 @@ from megatron_zeppelin.planner.placement import (
     place_within_nodes,
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
-from megatron_zeppelin.planner.pool import POOL_ORDERS, place_pool
+from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
@@ -81,6 +81,13 @@ _SHORTLIST = 1.05
 """Placements predicted within this factor of the best are timed by the simulator..."""
 _MAX_TIMED = 2
 """... the best predicted few of them."""
+_POOL_GAIN = 1.03
+"""The pool placement is tried only where it could end more than this factor below the best
+placement so far: its busiest GPU is at least the longest ring document's least per-member
+load (``pool.least_ring_load``), and where that is this close the staged placement's packing
+leaves nothing worth its planning time."""
+_POOL_STOP = 1.15
+"""The pool's orders stop at one predicted this far above the best placement so far."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -287,6 +294,10 @@ def _pool_candidates(
     order that runs out of room is left out."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
         return []
+    staged = min(min(c.predicted.values()) for c in found)
+    loads = new_loads(True, True)
+    if least_ring_load(array, assign_tiers(array, loads, rules), loads) * _POOL_GAIN >= staged:
+        return []  # the longest ring alone keeps any pool placement within reach of this one
     out = []
     for first in POOL_ORDERS:
         loads = new_loads(True, True)
@@ -300,6 +311,8 @@ def _pool_candidates(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
         )
         out.append(Candidate(placements, loads, promotions, 0, predicted, pooled=True))
+        if min(predicted.values()) > _POOL_STOP * staged:
+            break  # the orders pack alike: one this far behind says the others will be too
     return _distinct(out)
 
 
