@@ -70,6 +70,11 @@ class ZeppelinConfig:
     """Let documents that span nodes use the 2-D scheme (heads spread over a node by an
     all-to-all, then rings across nodes per head group) where the planner predicts it faster
     than one flat ring; off: flat rings only."""
+    pool: bool = True
+    """Let the planner also try placing the batch over all GPUs as one pool (rings sized to the
+    mean load, across nodes over part of a node's GPUs too) where its staged placement leaves GPUs
+    uneven, keeping whichever the simulator times faster; off: staged placement only, planning
+    faster (the pool adds up to a few times the planning time at 10^4+ documents)."""
     calibration: str | None = field(default=None, metadata={"aliases": ("cost-model",)})
     """Cost-model file of measured kernel and link figures (from 'zeppelin profile');
     default: datasheet figures."""
@@ -167,6 +172,7 @@ class ZeppelinConfig:
         allow_split: bool = True,
         linear_layout: str = "auto",
         two_d: bool | None = None,
+        pool: bool | None = None,
     ) -> Any:
         """``planner.partition.PlannerOptions`` of these settings: the one path from flags to
         the planner (the Megatron hooks, the CPU job, the check and ``zeppelin plan`` use it).
@@ -179,9 +185,14 @@ class ZeppelinConfig:
         explicit inter one, an automatic inter threshold goes up to an explicit intra one.
         """
         two_d = self.two_d if two_d is None else two_d
+        pool = self.pool if pool is None else pool
         intra, inter = self.threshold("intra"), self.threshold("inter")
         common = dict(
-            routing=self.routing, remap=self.remap, linear_layout=linear_layout, two_d=two_d
+            routing=self.routing,
+            remap=self.remap,
+            linear_layout=linear_layout,
+            two_d=two_d,
+            pool=pool,
         )
         if intra == "off" and inter == "off":
             return PlannerOptions(allow_split=False, **common)

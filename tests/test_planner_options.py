@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+from dataclasses import replace
 
 import pytest
 
@@ -87,3 +88,17 @@ def test_the_two_d_switch_reaches_the_planner_from_the_training_flag() -> None:
     assert on.planner_options(COST).two_d and not off.planner_options(COST).two_d
     # The plan command's --no-2d wins over the config it builds.
     assert not on.planner_options(COST, two_d=False).two_d
+
+
+def test_the_pool_switch_reaches_the_planner_from_the_training_flag_and_the_cli() -> None:
+    parser = argparse.ArgumentParser()
+    ZeppelinConfig.add_arguments(parser)
+    on = ZeppelinConfig.from_args(parser.parse_args(["--zeppelin"]))
+    off = ZeppelinConfig.from_args(parser.parse_args(["--zeppelin", "--zeppelin-no-pool"]))
+    assert on.planner_options(COST).pool and not off.planner_options(COST).pool
+    # Every threshold path keeps it.
+    assert not replace(off, intra_threshold="off", inter_threshold="off").planner_options(COST).pool
+    assert not replace(off, inter_threshold="1000").planner_options(COST).pool
+    assert not on.planner_options(COST, pool=False).pool
+    assert plan_command.planner_options(_cli("auto", "auto"), COST).pool
+    assert not plan_command.planner_options(_cli("auto", "auto", no_pool=True), COST).pool

@@ -107,6 +107,12 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: the cost model may split its heads inside each node and ring across nodes)",
     )
     group.add_argument(
+        "--no-pool",
+        action="store_true",
+        help="place the batch in stages only (default: also as one pool of GPUs where the "
+        "stages leave GPUs uneven, the faster kept; planning takes longer)",
+    )
+    group.add_argument(
         "--linear-layout",
         choices=("auto", "attention", "node", "even"),
         default="auto",
@@ -214,6 +220,7 @@ def planner_options(args: argparse.Namespace, cost_model) -> Any:
         allow_split=not getattr(args, "no_split", False),
         linear_layout=getattr(args, "linear_layout", "auto"),
         two_d=not getattr(args, "no_2d", False),
+        pool=not getattr(args, "no_pool", False),
     )
 
 
