@@ -15,12 +15,10 @@ and the simulator times them with the same cost model. Speedups are ratios of me
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from types import SimpleNamespace
 
 from tqdm import tqdm
@@ -39,6 +37,7 @@ from megatron_zeppelin.commands.plan import (
 )
 from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.planner.baselines import BASELINES, build_baseline
+from megatron_zeppelin.planner.partition import collector_paused
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.planner.simulator import simulate_rounds
 from megatron_zeppelin.viz import plot_comparison
@@ -70,20 +69,6 @@ def build_plans(
     return build_baseline(
         name, lengths, topology=topology, capacity=capacity, cost_model=cost_model
     )
-
-
-@contextmanager
-def collector_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for the block. A plan of 10^4 documents on 10^3 GPUs
-    is millions of small objects without cycles; the collector's full passes over them took a
-    third of the CPU of a comparison at 1024 GPUs and reclaimed nothing (docs/BENCHMARKS.md)."""
-    was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            gc.enable()
 
 
 def compare_batches(

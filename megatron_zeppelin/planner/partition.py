@@ -80,7 +80,7 @@ from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, chunk_thresholds
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["CapacityError", "PlannerOptions", "plan_batch", "tier_thresholds"]
+__all__ = ["CapacityError", "PlannerOptions", "collector_paused", "plan_batch", "tier_thresholds"]
 
 
 @dataclass(frozen=True)
@@ -172,9 +172,11 @@ def _plain_lengths(lengths: Sequence[int]) -> bool:
 
 
 @contextmanager
-def _collector_paused() -> Iterator[None]:
-    """A plan is thousands of small acyclic objects: the cyclic collector's passes over them
-    while they are built cost more than the planning itself, and find nothing to free."""
+def collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block. A plan is thousands of small
+    acyclic objects (millions at 10^4 documents on 10^3 GPUs): the collector's passes over them
+    while they are built and simulated cost more than the planning itself and find nothing to
+    free (``zeppelin compare`` uses it per builder too; docs/BENCHMARKS.md)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -205,7 +207,7 @@ def plan_batch(
             f"{options.linear_layout!r}"
         )
     thresholds = options.resolved_thresholds(cost_model)
-    with _collector_paused():
+    with collector_paused():
         try:
             return _plan(array, topology, cost_model, capacity, options, thresholds)
         except CapacityError:
