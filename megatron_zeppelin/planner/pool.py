@@ -38,7 +38,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["POOL_ORDERS", "PoolGoal", "place_pool", "pool_target"]
+__all__ = ["POOL_ORDERS", "PoolGoal", "least_ring_load", "place_pool"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
@@ -74,17 +74,11 @@ def place_pool(
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
     GPUs are free to hold them (ring pieces then fill what they leave). Raises
     ``CapacityError`` where a document finds no room."""
-    world = loads.topology.world_size
-    balanced = choice.attention + loads.linear_weight * array
-    share = float(balanced.sum()) / world
-    floor = _floor_tokens(array, loads)
-    # A document whole on a GPU that must also hold ``floor`` tokens: its work and theirs.
-    whole_load = balanced + loads.linear_weight * np.maximum(0, floor - array)
-    rings = choice.split | choice.inter | (whole_load > share)
-    rings &= array >= 2
+    balanced, share, rings = _split(array, choice, loads)
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    goal = PoolGoal(_target(array, balanced, ring_docs, loads), floor, nic_chunk)
+    target = _target(array, balanced, ring_docs, loads)
+    goal = PoolGoal(target, _floor_tokens(array, loads), nic_chunk)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
@@ -100,15 +94,18 @@ def place_pool(
     return placements, promotions  # type: ignore[return-value]
 
 
-def pool_target(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
-    """The load ``place_pool`` aims every GPU at (its rings sized against it): where a placement
-    already ends no higher, the pool has nothing to win."""
+def _split(
+    array: np.ndarray, choice: TierChoice, loads: Loads
+) -> tuple[np.ndarray, float, np.ndarray]:
+    """Each document's work (attention and linear seconds), a GPU's share of the batch's, and
+    which documents ``place_pool`` rings: those the tiers split, and those whose work, with the
+    linear seconds of the tokens their GPU must hold besides (``_floor_tokens``), exceeds a
+    GPU's share."""
     balanced = choice.attention + loads.linear_weight * array
     share = float(balanced.sum()) / loads.topology.world_size
     whole_load = balanced + loads.linear_weight * np.maximum(0, _floor_tokens(array, loads) - array)
     rings = (choice.split | choice.inter | (whole_load > share)) & (array >= 2)
-    ring_docs = np.flatnonzero(rings).tolist()
-    return _target(array, balanced, ring_docs, loads)
+    return balanced, share, rings
 
 
 def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads) -> float:
@@ -361,16 +358,14 @@ def _place_whole(
 
 
 def least_ring_load(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
-    """The least per-member load the longest ring document can have at any size and place
-    ``place_pool`` tries: a bound under any pool placement's busiest GPU."""
-    target = pool_target(array, choice, loads)
-    balanced = choice.attention + loads.linear_weight * array
-    share = float(balanced.sum()) / loads.topology.world_size
-    rings = (choice.split | choice.inter | (balanced > share)) & (array >= 2)
+    """The least per-member load the longest document ``place_pool`` rings can have at any size
+    and place it tries: a bound under any pool placement's busiest GPU."""
+    balanced, _, rings = _split(array, choice, loads)
     if not rings.any():
         return 0.0
-    doc = int(np.flatnonzero(rings)[np.argmax(array[rings])])
-    length = int(array[doc])
+    ring_docs = np.flatnonzero(rings)
+    length = int(array[ring_docs[np.argmax(array[ring_docs])]])
+    target = _target(array, balanced, ring_docs.tolist(), loads)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     goal = PoolGoal(target, _floor_tokens(array, loads), 0)
     return min(
