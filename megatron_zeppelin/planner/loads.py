@@ -31,6 +31,8 @@ def min_ring(length: int, capacity: int, *, start: int = 1, multiple: int = 1) -
     fit ``capacity`` per rank; ``None`` when even one token per rank would not fit."""
     g = max(start, math.ceil(length / capacity))
     g = multiple * math.ceil(g / multiple)
+    if length + 2 * g <= capacity * g and g <= length + multiple:
+        return g  # a zigzag position holds two chunks of at most ``L/2g + 1`` tokens each
     while g <= length + multiple:
         if max(zigzag_loads(length, g)) <= capacity:
             return g
@@ -54,6 +56,14 @@ class RankShare:
         if crosses_nodes or self.inner_exposed_s is None:
             return self.exposed_s
         return self.inner_exposed_s
+
+
+def _exposed(ring_size: int, step_s: float, forward_s: float, backward_s: float) -> float:
+    """Transfer seconds a ring rank's ``ring_size - 1`` steps do not hide: a forward step's
+    transfer (``forward_s``) while the block's forward runs, a backward step's (``backward_s``)
+    while its backward runs; ``step_s``: one step's compute, forward and backward."""
+    forward = max(0.0, forward_s - FWD_SHARE * step_s)
+    return (ring_size - 1) * (forward + max(0.0, backward_s - (1 - FWD_SHARE) * step_s))
 
 
 class Loads:
@@ -103,6 +113,7 @@ class Loads:
         self.exposed = [0.0] * world
         self.tokens = [0] * world
         self._overhead_s = cost_model.attention.overhead_s
+        self._kv_bytes = cost_model.kv_bytes(1)
         flops = cost_model.model.attn_flops_per_pair()
         # (seconds per pair at full rate, half_tokens, fall_tokens) of both curves; scalar maths
         # here because the planner calls this once per document and ring size.
@@ -138,7 +149,8 @@ class Loads:
         NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
         GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
         wait for the slowest part."""
-        key = (length, ring_size, link, num_links)
+        # Over NVLink the NICs play no part: one entry serves every ``num_links``.
+        key = (length, ring_size, link, num_links if link == "nic" else 1)
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = self._rank_share(length, ring_size, link, num_links)
@@ -150,16 +162,13 @@ class Loads:
         if g == 1:
             return RankShare(compute, 0.0)
         step = compute / g
-        kv = self.cost_model.kv_bytes(1) * length / g
+        kv = self._kv_bytes * length / g
         nvlink, nic = self.cost_model.nvlink, self.cost_model.nic
-        relayed = 1 + 1 / num_links if link == "nic" and num_links > 1 else 1.0
-
-        def inner(num_bytes: float) -> float:
-            return nvlink.time(relayed * num_bytes)
+        if link == "nvlink":  # the planner's most frequent question: plain arithmetic
+            return RankShare(compute, _exposed(g, step, nvlink.time(kv), nvlink.time(2 * kv)))
+        relayed = 1 + 1 / num_links if num_links > 1 else 1.0
 
         def edge(num_bytes: float) -> float:
-            if link == "nvlink":
-                return nvlink.time(num_bytes)
             if num_links == 1:  # direct: the sender's NIC
                 return max(nvlink.time(num_bytes), nic.time(num_bytes))
             drain = max(
@@ -168,16 +177,12 @@ class Loads:
             )
             return drain + 2 * nvlink.latency_s + nic.latency_s
 
-        def exposed(transfer) -> float:
-            forward = max(0.0, transfer(kv) - FWD_SHARE * step)
-            return (g - 1) * (forward + max(0.0, transfer(2 * kv) - (1 - FWD_SHARE) * step))
-
-        k = self.topology.gpus_per_node
-        flat = RankShare(compute, exposed(edge), exposed(inner) if link == "nic" else None)
-        if link == "nic" and self.two_d is not None and g % k == 0:
+        inner = _exposed(g, step, nvlink.time(relayed * kv), nvlink.time(relayed * (2 * kv)))
+        flat = RankShare(compute, _exposed(g, step, edge(kv), edge(2 * kv)), inner)
+        if self.two_d is not None and g % self.topology.gpus_per_node == 0:
             # The second scheme for a ring over whole nodes: its price is compute and unhidden
             # transfers (head all-to-alls included) together.
-            two_d = self.two_d.two_d(length, g // k)
+            two_d = self.two_d.two_d(length, g // self.topology.gpus_per_node)
             if two_d is not None and two_d < compute + flat.exposed_s:
                 return RankShare(two_d, 0.0)
         return flat
@@ -220,6 +225,14 @@ class Loads:
         share = self.rank_share(length, len(ring), link, self.num_links)
         k, compute, weight = self.topology.gpus_per_node, share.compute_s, self.linear_weight
         cost, attention, exposed_s, tokens = self.cost, self.attention, self.exposed, self.tokens
+        if link == "nvlink":  # no edge crosses nodes: every member alike
+            exposed = share.exposed_s
+            for rank, n in zip(ring, zigzag_loads(length, len(ring))):
+                cost[rank] += compute + exposed + weight * n
+                attention[rank] += compute
+                exposed_s[rank] += exposed
+                tokens[rank] += n
+            return
         for i, (rank, n) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
             node = rank // k
             crosses = link == "nic" and (

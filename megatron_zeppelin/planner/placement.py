@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import heapq
+import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -132,18 +133,6 @@ class _Nodes:
             return None
         return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
 
-    def take_top(self, needed: int, work: float, tokens: int) -> int | None:
-        """``pick`` and ``add`` in the usual case, the heap's top current and with room for
-        ``needed`` tokens: add to it and return it; else ``None``, nothing changed."""
-        heap, load = self.heap, self.load
-        value, node = heap[0]
-        if value != load[node] or self.room - self.tokens[node] < needed:
-            return None
-        load[node] += work
-        self.tokens[node] += tokens
-        heapq.heapreplace(heap, (load[node], node))
-        return node
-
     def add(self, node: int, work: float, tokens: int) -> None:
         heap, load = self.heap, self.load
         top = heap[0][1] == node and heap[0][0] == load[node]  # ``pick``'s usual answer
@@ -166,7 +155,10 @@ def _nodes_by_lpt(
     topo = loads.topology
     k, num_nodes = topo.gpus_per_node, topo.num_nodes
     by_node: list[list[int]] = [[] for _ in range(num_nodes)]
-    assigned_key, assigned_tokens = [0.0] * num_nodes, [0] * num_nodes
+    key = _placed_work(lengths, rest, choice, loads)
+    order = np.lexsort((rest, -key))
+    docs, sizes, works = rest[order].tolist(), lengths[rest][order].tolist(), key[order].tolist()
+    work_of, sizes_of = dict(zip(docs, works)), dict(zip(docs, sizes))
 
     def nodes() -> _Nodes:
         """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
@@ -176,39 +168,43 @@ def _nodes_by_lpt(
             ranks = topo.ranks_of_node(n)
             held = sum(loads.tokens[r] for r in ranks)
             busy = sum(loads.attention[r] + loads.exposed[r] for r in ranks)
-            load.append(busy + loads.token_weight * held + assigned_key[n])
-            tokens.append(held + assigned_tokens[n])
+            given = by_node[n]  # summed in the order given, as ``_Nodes`` adds them
+            load.append(busy + loads.token_weight * held + sum(map(work_of.__getitem__, given)))
+            tokens.append(held + sum(map(sizes_of.__getitem__, given)))
         return _Nodes(load, tokens, loads.capacity * k)
 
     state = nodes()
-    key = _placed_work(lengths, rest, choice, loads)
     # Filling a node to the last token leaves its GPUs no room to pack documents whole: nodes
     # keep a small reserve while any other node has room, and give it up only when none has.
     reserve = min(state.room // 32, 4 * int(lengths.max()))
     promotions = 0
-    order = np.lexsort((rest, -key))
     # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
     needs = (lengths[rest] + np.where(choice.split[rest], 2 * k, 0))[order].tolist()
-    for doc, length, needed, work in zip(
-        rest[order].tolist(), lengths[rest][order].tolist(), needs, key[order].tolist()
-    ):
-        node = state.take_top(needed + reserve, work, length)
-        if node is None:  # the heap's top is stale or full: ``pick`` looks further
-            node = state.pick(needed + reserve)
-            node = state.pick(needed) if node is None else node
-            if node is not None:
-                state.add(node, work, length)
-        if node is not None:
+    heap, load, held, room = state.heap, state.load, state.tokens, state.room
+    for doc, length, needed, work in zip(docs, sizes, needs, works):
+        # ``_Nodes.take_top``, inline: the heap's top is current and has room (the usual case).
+        value, node = heap[0]
+        if value == load[node] and room - held[node] >= needed + reserve:
+            load[node] += work
+            held[node] += length
+            heapq.heapreplace(heap, (load[node], node))
             by_node[node].append(doc)
-            assigned_key[node] += work
-            assigned_tokens[node] += length
+            continue
+        # The heap's top is stale or full: ``pick`` looks further.
+        picked = state.pick(needed + reserve)
+        picked = state.pick(needed) if picked is None else picked
+        if picked is not None:
+            state.add(picked, work, length)
+            by_node[picked].append(doc)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
             raise capacity_error(doc, length, "on the node")
-        placements[doc] = place_inter(doc, length, 2, num_inter, loads, assigned_tokens)
+        given = [sum(map(sizes_of.__getitem__, docs_of)) for docs_of in by_node]
+        placements[doc] = place_inter(doc, length, 2, num_inter, loads, given)
         promotions += 1
         state = nodes()
+        heap, load, held = state.heap, state.load, state.tokens
     return by_node, promotions
 
 
@@ -264,31 +260,26 @@ def place_within_nodes(
     topo = loads.topology
     k = topo.gpus_per_node
     spread = np.full(len(lengths), k, dtype=np.int64)
-    # Every document's place in the batch, longest first (an array: a million documents).
-    order = np.empty(len(lengths), dtype=np.int64)
-    order[np.lexsort((np.arange(len(lengths)), -lengths))] = np.arange(len(lengths))
+    batch = _NodeBatch(lengths, choice, by_node, loads)
     promotions = 0
     overflow: list[int] = []
-    for node in range(topo.num_nodes):
+    for node, docs in enumerate(batch.docs):
         ranks = list(topo.ranks_of_node(node))
-        docs = by_node[node]
         saved = loads.snapshot(ranks)
         for attempt in _ATTEMPTS:
             try:
                 promotions += _place_node(
                     docs,
-                    set(np.asarray(docs, dtype=np.int64)[choice.split[docs]].tolist()),
                     ranks,
-                    lengths,
                     choice,
                     k if attempt.spread else 2,
                     spread if attempt.spread else choice.largest_ring,
                     loads,
                     placements,
-                    pack=choice.pack,
+                    target=batch.target(node, ranks) if choice.pack else None,
                     by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
-                    order=order,
+                    local=batch.local,
                 )
                 break
             except CapacityError:
@@ -300,33 +291,74 @@ def place_within_nodes(
     return promotions
 
 
+@dataclass(frozen=True)
+class _NodeDocs:
+    """One node's documents as stage 3 places them, longest first (ties: lower index)."""
+
+    rings: list[tuple[int, int]]
+    """``(document, length)`` of the in-node rings."""
+    whole: list[tuple[int, int, float]]
+    """``(document, length, attention seconds on one GPU)`` of the others."""
+
+
+class _NodeBatch:
+    """Every node's documents sorted for ``_place_node`` at once (a few numpy calls for the
+    batch, not a sort per node), and what ``_place_node`` reads of them."""
+
+    def __init__(
+        self, lengths: np.ndarray, choice: TierChoice, by_node: list[list[int]], loads: Loads
+    ) -> None:
+        self.by_node, self.choice, self.loads = by_node, choice, loads
+        docs = np.fromiter(itertools.chain.from_iterable(by_node), dtype=np.int64)
+        node = np.repeat(np.arange(len(by_node)), [len(d) for d in by_node])
+        # Node, then rings before whole documents, then longest first, then lower index.
+        sort = np.lexsort((docs, -lengths[docs], ~choice.split[docs], node))
+        docs, node = docs[sort], node[sort]
+        ring = choice.split[docs]
+        cuts = np.searchsorted(node * 2 + ~ring, np.arange(2 * len(by_node) + 1)).tolist()
+        doc_list, length_list = docs.tolist(), lengths[docs].tolist()
+        pairs = list(zip(doc_list, length_list))
+        triples = list(zip(doc_list, length_list, choice.attention[docs].tolist()))
+        self.docs = [
+            _NodeDocs(
+                pairs[cuts[2 * n] : cuts[2 * n + 1]], triples[cuts[2 * n + 1] : cuts[2 * n + 2]]
+            )
+            for n in range(len(by_node))
+        ]
+        self.local = [_local(r) for r in range(loads.topology.world_size)]
+        self._work = choice.work.tolist()
+        self._lengths = lengths
+
+    def target(self, node: int, ranks: list[int]) -> float:
+        """The mean load of the node's GPUs once its documents are placed (``pack``)."""
+        docs, loads = self.by_node[node], self.loads
+        total = float(sum(map(self._work.__getitem__, docs)))
+        if not loads.balance_linear:  # only attention is balanced: less the linear seconds
+            total -= loads.token_weight * float(sum(self._lengths[docs].tolist()))
+        return (sum(loads.cost[r] for r in ranks) + total) / len(ranks)
+
+
 def _place_node(
-    docs: list[int],
-    rings: set[int],
+    docs: _NodeDocs,
     ranks: list[int],
-    lengths: np.ndarray,
     choice: TierChoice,
     smallest: int,
     largest: np.ndarray,
     loads: Loads,
     placements: list[Placement | None],
     *,
-    pack: bool = True,
+    target: float | None = None,
     by_room: bool = False,
     overflow: list[int] | None = None,
-    order: np.ndarray | None = None,
+    local: list[Placement],
 ) -> int:
-    """One node: rings first (longest first), then local documents by LPT. With ``pack``, each
-    ring is the smallest that ends within the node's mean load where one does (the other GPUs
-    stay free for whole documents); otherwise the one that ends soonest (wide rings, which
-    spread the tokens too: better where the node is short of token room). Returns how many
-    local documents had to become rings for lack of room. With ``overflow``, documents that
-    find no room are appended to it instead of failing. ``order``: every document's place in
-    the batch longest first (ties: lower index), when the caller has it."""
-    target: float | None = None
-    if pack:
-        target = sum(loads.cost[r] for r in ranks) + _node_work(docs, lengths, choice.work, loads)
-        target /= len(ranks)
+    """One node: rings first (longest first), then local documents by LPT. With a ``target``
+    (``pack``: the node's mean load), each ring is the smallest that ends within it where one
+    does (the other GPUs stay free for whole documents); otherwise the one that ends soonest
+    (wide rings, which spread the tokens too: better where the node is short of token room).
+    Returns how many local documents had to become rings for lack of room. With ``overflow``,
+    documents that find no room are appended to it instead of failing. ``local``: the
+    placement of a whole document on each rank."""
 
     def ring(doc: int, length: int) -> Placement | None:
         try:
@@ -338,25 +370,24 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc in _in_order([d for d in docs if d in rings], lengths, order):
-        placements[doc] = ring(doc, int(lengths[doc]))
+    for doc, length in docs.rings:
+        placements[doc] = ring(doc, length)
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
     heap: Heap = [(key_of[r], r) for r in ranks]
     heapq.heapify(heap)
-    tokens_of, capacity = loads.tokens, loads.capacity
-    whole = _in_order([d for d in docs if d not in rings], lengths, order)
-    local = {r: _local(r) for r in ranks}
-    # Seconds of each document whole on one GPU, computed for the batch at once.
-    for doc, length, seconds in zip(
-        whole, lengths[whole].tolist(), choice.attention[whole].tolist()
-    ):
+    cost, attention, tokens_of = loads.cost, loads.attention, loads.tokens
+    capacity, weight = loads.capacity, loads.linear_weight
+    for doc, length, seconds in docs.whole:
         top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
         found = top if capacity - tokens_of[top[1]] >= length else None
         found = found or pop_with_room(heap, tokens_of, capacity, length)
         if found is not None:
             rank = found[1]
-            loads.add_local(rank, length, seconds)
+            # ``Loads.add_local``, inline: the planner's innermost loop.
+            cost[rank] += seconds + weight * length
+            attention[rank] += seconds
+            tokens_of[rank] += length
             placements[doc] = local[rank]
             update = heapq.heapreplace if found is top else heapq.heappush
             update(heap, (key_of[rank], rank))
@@ -367,20 +398,6 @@ def _place_node(
         heap = [(key_of[r], r) for r in ranks]
         heapq.heapify(heap)
     return promotions
-
-
-def _in_order(docs: list[int], lengths: np.ndarray, order: np.ndarray | None) -> list[int]:
-    """``docs`` longest first (ties: lower index), by ``order`` where given."""
-    return _longest_first(docs, lengths) if order is None else sorted(docs, key=order.__getitem__)
-
-
-def _node_work(docs: list[int], lengths: np.ndarray, work: np.ndarray, loads: Loads) -> float:
-    """What the documents add to a node's ``cost``: their work, less their linear seconds when
-    only attention is balanced."""
-    total = float(sum(work[docs].tolist()))
-    if not loads.balance_linear:
-        total -= loads.token_weight * float(sum(lengths[docs].tolist()))
-    return total
 
 
 @functools.cache
@@ -478,15 +495,17 @@ def place_intra(
     start = min_ring(length, loads.capacity, start=min(smallest, k))
     if start is None or start > k:
         raise capacity_error(doc, length, f"on node {node}")
-    cost = loads.cost
-    by_load = sorted(ranks, key=lambda r: (cost[r], r))
+    cost, tokens, capacity = loads.cost, loads.tokens, loads.capacity
+    by_load = sorted(sorted(ranks), key=cost.__getitem__)  # ties: the lower rank
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
     for g in sizes:
         if best is not None and (g < start or g > max(largest, start)):
             break
-        chosen = _least_loaded_with_room(by_load, length, g, loads)
-        if chosen is None:
+        # The ``g`` least loaded that have room for a member's share.
+        most = capacity - max(zigzag_loads(length, g))  # tokens a member may hold already
+        chosen = [r for r in by_load if tokens[r] <= most][:g]
+        if len(chosen) < g:
             continue
         # ``chosen`` keeps ``by_load``'s order: its last member is its busiest.
         finish = cost[chosen[-1]] + loads.ring_key(length, g, "nvlink")
@@ -500,13 +519,3 @@ def place_intra(
     ring = tuple(sorted(best[2]))
     loads.add_ring(ring, length)
     return Placement(Tier.LOCAL if len(ring) == 1 else Tier.INTRA, ring)
-
-
-def _least_loaded_with_room(
-    by_load: list[int], length: int, ring_size: int, loads: Loads
-) -> list[int] | None:
-    per_rank = max(zigzag_loads(length, ring_size))
-    most = loads.capacity - per_rank  # tokens a member may hold already
-    tokens = loads.tokens
-    chosen = [r for r in by_load if tokens[r] <= most][:ring_size]
-    return chosen if len(chosen) == ring_size else None
