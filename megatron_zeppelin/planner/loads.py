@@ -233,12 +233,14 @@ class Loads:
                 exposed_s[rank] += exposed
                 tokens[rank] += n
             return
-        for i, (rank, n) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
-            node = rank // k
-            crosses = link == "nic" and (
-                ring[i - 1] // k != node or ring[(i + 1) % len(ring)] // k != node
-            )
-            exposed = share.exposed_at(crosses)
+        # A member whose ring edges both stay inside its node waits less (``exposed_at``).
+        edge, inner = share.exposed_at(True), share.exposed_at(False)
+        nodes = [rank // k for rank in ring]
+        after = [*nodes[1:], nodes[0]]
+        for rank, n, before, node, then in zip(
+            ring, zigzag_loads(length, len(ring)), [nodes[-1], *nodes], nodes, after
+        ):
+            exposed = edge if before != node or then != node else inner
             cost[rank] += compute + exposed + weight * n
             attention[rank] += compute
             exposed_s[rank] += exposed

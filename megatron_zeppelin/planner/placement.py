@@ -165,9 +165,9 @@ def _nodes_by_lpt(
         attention and linear work alike."""
         load, tokens = [], []
         for n in range(num_nodes):
-            ranks = topo.ranks_of_node(n)
-            held = sum(loads.tokens[r] for r in ranks)
-            busy = sum(loads.attention[r] + loads.exposed[r] for r in ranks)
+            ranks = slice(n * k, (n + 1) * k)  # ``topo.ranks_of_node(n)``
+            held = sum(loads.tokens[ranks])
+            busy = sum(a + e for a, e in zip(loads.attention[ranks], loads.exposed[ranks]))
             given = by_node[n]  # summed in the order given, as ``_Nodes`` adds them
             load.append(busy + loads.token_weight * held + sum(map(work_of.__getitem__, given)))
             tokens.append(held + sum(map(sizes_of.__getitem__, given)))
@@ -461,11 +461,8 @@ def place_inter(
             continue
         first = int(np.flatnonzero(ok)[np.argmin(windows[ok])])
         offset = order % k
-        ring = tuple(
-            topo.rank_of(node, (offset + t) % k)
-            for node in range(first, first + num)
-            for t in range(k)
-        )
+        turn = [(offset + t) % k for t in range(k)]  # ``topo.rank_of(node, turn[t])``
+        ring = tuple(node * k + local for node in range(first, first + num) for local in turn)
         loads.add_ring(ring, length, "nic")
         return Placement(Tier.INTER, ring)
     raise capacity_error(doc, length, "on any window of consecutive nodes")

@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from functools import partial
+from functools import cached_property, partial
 
 import numpy as np
 
@@ -138,13 +138,17 @@ class Candidate:
     def layout(self) -> str:
         return fastest(self.simulated)
 
+    @cached_property
+    def mean_seconds(self) -> float:
+        """The GPUs' mean predicted attention plus linear seconds (the placement is final)."""
+        attention = np.add(self.loads.attention, self.loads.exposed)
+        linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
+        return float((attention + linear).mean())
+
     def even_enough(self, factor: float = 0.0) -> bool:
         """Predicted within ``factor`` (default ``_EVEN_ENOUGH``) of the GPUs' mean attention
         plus linear seconds."""
-        attention = np.add(self.loads.attention, self.loads.exposed)
-        linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
-        mean = float((attention + linear).mean())
-        return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * mean
+        return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * self.mean_seconds
 
     def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
         """``_settled`` once per factor: the search asks again for every variant it tries
@@ -203,10 +207,16 @@ class Candidate:
             self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
         )
 
-    def keep_estimate(self) -> None:
-        """Take ``Loads``' prediction as the layer time (nothing left to compare it with)."""
+    def keep_estimate(self, layouts: tuple[str, ...]) -> None:
+        """Take ``Loads``' prediction as the layer time (nothing left to compare it with),
+        under every layout (``_predict`` leaves out those that cannot win)."""
         self.attention_s = np.add(self.loads.attention, self.loads.exposed)
         self.simulated = dict(self.predicted)
+        if len(self.simulated) < len(layouts):
+            loads = self.loads
+            self.simulated = price_linear_layouts(
+                loads.tokens, self.attention_s.tolist(), loads.topology, loads.cost_model, layouts
+            )
         self.timed = False
 
     def summary(self) -> dict:
@@ -249,6 +259,7 @@ def search(
     budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
     modes = (True, False) if set(layouts) - {"attention"} else (True,)
     variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
+    tiers: dict[tuple[bool, bool], TierChoice] = {}  # stage 1, the same for both packings
     for balance_linear, pack, two_d in [*variants, (True, True, False)]:
         if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
             break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
@@ -259,7 +270,10 @@ def search(
         if budget[0] < len(array):
             break
         loads = partial(new_loads, balance_linear, two_d)
-        base = replace(assign_tiers(array, loads(), rules), pack=pack)
+        family = (balance_linear, two_d)
+        if family not in tiers:
+            tiers[family] = assign_tiers(array, loads(), rules)
+        base = replace(tiers[family], pack=pack)
         found += _candidates(array, base, loads, layouts, budget, first=not found)
     found = _distinct(found)
     best_prediction = min(min(c.predicted.values()) for c in found)
@@ -277,7 +291,7 @@ def search(
         if len(shortlist) > 1:
             candidate.simulate(layouts)
         else:
-            candidate.keep_estimate()
+            candidate.keep_estimate(layouts)
     best = min(shortlist, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
 
@@ -400,8 +414,37 @@ def _place(
     placements: list[Placement | None] = [None] * len(array)
     by_node, promotions = place_across_nodes(array, choice, loads, placements)
     promotions += place_within_nodes(array, choice, by_node, loads, placements)
-    attention_s = np.add(loads.attention, loads.exposed).tolist()
-    predicted = price_linear_layouts(
-        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
-    )
+    predicted = _predict(loads, layouts)
     return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
+
+
+_NO_WIN = 1.0 + 1e-12
+"""A bound this far above the attention layout's time rules a layout out, rounding aside."""
+
+
+def _predict(loads: Loads, layouts: tuple[str, ...]) -> dict[str, float]:
+    """``price_linear_layouts`` of the placement, less the layouts that moving tokens cannot
+    make faster than the attention layout: a layout that moves tokens takes at least
+    ``max(linear) + max(attention)`` (its remapping besides), and its busiest GPU holds at
+    least its target's ``ceil(tokens / GPUs)`` of its node or of the world. The best time,
+    and the layout that has it, stay what the full pricing gives."""
+    topology, cost = loads.topology, loads.cost_model
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    if "attention" not in layouts or len(layouts) == 1:
+        return price_linear_layouts(loads.tokens, attention_s, topology, cost, layouts)
+    predicted = price_linear_layouts(loads.tokens, attention_s, topology, cost, ("attention",))
+    k, world = topology.gpus_per_node, topology.world_size
+    node_tokens = np.asarray(loads.tokens, dtype=np.int64).reshape(-1, k).sum(axis=1)
+    most = {"node": -(-int(node_tokens.max()) // k), "even": -(-int(node_tokens.sum()) // world)}
+    bounds = cost.linear_times(np.asarray([most[name] for name in layouts if name in most]))
+    busiest = max(attention_s)
+    moving = [
+        name
+        for name, linear_s in zip((n for n in layouts if n in most), bounds.tolist())
+        if linear_s + busiest <= _NO_WIN * predicted["attention"]
+    ]
+    if moving:
+        predicted = price_linear_layouts(
+            loads.tokens, attention_s, topology, cost, ("attention", *moving)
+        )
+    return predicted
