@@ -48,7 +48,7 @@ from megatron_zeppelin.planner.linear_layout import (
     fastest,
     price_linear_layouts,
 )
-from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.loads import Loads, LoadsSnapshot
 from megatron_zeppelin.planner.placement import (
     CapacityError,
     Placement,
@@ -174,9 +174,15 @@ class Candidate:
 
     def rings_on(self, rank: int) -> Iterator[tuple[int, Placement]]:
         """The split documents with a share on ``rank``."""
-        for doc, placement in enumerate(self.placements):
-            if placement.tier != Tier.LOCAL and rank in placement.ring:
+        for doc in self.split_docs:
+            placement = self.placements[doc]
+            if rank in placement.ring:
                 yield doc, placement
+
+    @cached_property
+    def split_docs(self) -> list[int]:
+        """The documents placed over more than one GPU (the placement is final)."""
+        return [doc for doc, p in enumerate(self.placements) if p.tier != Tier.LOCAL]
 
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
@@ -259,7 +265,10 @@ def search(
     budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
     modes = (True, False) if set(layouts) - {"attention"} else (True,)
     variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
-    tiers: dict[tuple[bool, bool], TierChoice] = {}  # stage 1, the same for both packings
+    # Per balance mode and scheme: stage 1 and each stage 2 (by its rings), the same for both
+    # packings (``pack`` sizes the rings inside nodes, in stage 3).
+    tiers: dict[tuple[bool, bool], TierChoice] = {}
+    across: dict[tuple[bool, bool], dict[tuple[int, ...], _Across]] = {}
     for balance_linear, pack, two_d in [*variants, (True, True, False)]:
         if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
             break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
@@ -274,7 +283,8 @@ def search(
         if family not in tiers:
             tiers[family] = assign_tiers(array, loads(), rules)
         base = replace(tiers[family], pack=pack)
-        found += _candidates(array, base, loads, layouts, budget, first=not found)
+        stage_2 = across.setdefault(family, {})
+        found += _candidates(array, base, loads, layouts, budget, stage_2, first=not found)
     found = _distinct(found)
     best_prediction = min(min(c.predicted.values()) for c in found)
     shortlist = sorted(
@@ -352,6 +362,7 @@ def _candidates(
     new_loads: Callable[[], Loads],
     layouts: tuple[str, ...],
     budget: list[int],
+    across: dict[tuple[int, ...], _Across],
     *,
     first: bool,
 ) -> Iterator[Candidate]:
@@ -359,7 +370,8 @@ def _candidates(
     busiest GPU's longest local document, and every longer local document with it (a longer
     document never lands in a lower tier than a shorter one). Only the very first placement may
     fail on capacity (``plan_batch`` then splits less); later ones that run out of room are
-    skipped."""
+    skipped. ``across``: stage 2 of every placement made so far with the same stage 1, by its
+    extra rings."""
     extra = np.flatnonzero(base.splittable)
     extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
     # Rings aimed at the busiest GPU: more of them than GPUs no longer are.
@@ -371,7 +383,8 @@ def _candidates(
         budget[0] -= len(array)
         try:
             rings = extra[:count].tolist()
-            candidate = _place(array, base.with_rings(rings), new_loads(), layouts, count)
+            choice = base.with_rings(rings)
+            candidate = _place(array, choice, new_loads(), layouts, count, across, tuple(rings))
         except CapacityError:
             if first and count == 0:
                 raise
@@ -400,19 +413,44 @@ def _busiest_local(
     document that may still become a ring to be one; ``None`` when it holds none."""
     loads = candidate.loads
     busiest = int(np.argmax(loads.cost))
-    on_busiest = [d for d in extra[count:].tolist() if candidate.placements[d].ring == (busiest,)]
-    if not on_busiest:
+    placements, alone = candidate.placements, (busiest,)
+    # ``extra`` is longest first: the first one found is the longest.
+    doc = next((d for d in extra[count:].tolist() if placements[d].ring == alone), None)
+    if doc is None:
         return None
-    longest = max(int(array[d]) for d in on_busiest)
-    return max(count + 1, int(np.searchsorted(-array[extra], -longest, side="right")))
+    return max(count + 1, int(np.searchsorted(-array[extra], -int(array[doc]), side="right")))
+
+
+@dataclass(frozen=True)
+class _Across:
+    """Stage 2 of a placement, to place stage 3 again from (``pack`` plays no part in it)."""
+
+    by_node: list[list[int]]
+    placements: list[Placement | None]
+    promotions: int
+    loads: LoadsSnapshot
 
 
 def _place(
-    array: np.ndarray, choice: TierChoice, loads: Loads, layouts: tuple[str, ...], extra: int
+    array: np.ndarray,
+    choice: TierChoice,
+    loads: Loads,
+    layouts: tuple[str, ...],
+    extra: int,
+    across: dict[tuple[int, ...], _Across],
+    rings: tuple[int, ...],
 ) -> Candidate:
-    """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout."""
-    placements: list[Placement | None] = [None] * len(array)
-    by_node, promotions = place_across_nodes(array, choice, loads, placements)
+    """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout. Stage 2
+    comes from ``across`` where a placement with the same ``rings`` made it already."""
+    done = across.get(rings)
+    if done is None:
+        placements: list[Placement | None] = [None] * len(array)
+        by_node, promotions = place_across_nodes(array, choice, loads, placements)
+        everyone = range(loads.topology.world_size)
+        across[rings] = _Across(by_node, list(placements), promotions, loads.snapshot(everyone))
+    else:
+        by_node, placements, promotions = done.by_node, list(done.placements), done.promotions
+        loads.restore(done.loads)
     promotions += place_within_nodes(array, choice, by_node, loads, placements)
     predicted = _predict(loads, layouts)
     return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
