@@ -378,6 +378,7 @@ def _place_node(
     heapq.heapify(heap)
     cost, attention, tokens_of = loads.cost, loads.attention, loads.tokens
     capacity, weight = loads.capacity, loads.linear_weight
+    heapreplace, heappush = heapq.heapreplace, heapq.heappush
     for doc, length, seconds in docs.whole:
         top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
         found = top if capacity - tokens_of[top[1]] >= length else None
@@ -389,8 +390,7 @@ def _place_node(
             attention[rank] += seconds
             tokens_of[rank] += length
             placements[doc] = local[rank]
-            update = heapq.heapreplace if found is top else heapq.heappush
-            update(heap, (key_of[rank], rank))
+            (heapreplace if found is top else heappush)(heap, (key_of[rank], rank))
             continue
         # No GPU has room for it whole: a ring of the GPUs with room.
         placements[doc] = ring(doc, length)
@@ -488,11 +488,12 @@ def place_intra(
     tried (a full GPU cannot join any ring).
     """
     k = len(ranks)
-    node = loads.topology.node_of(ranks[0])
-    start = min_ring(length, loads.capacity, start=min(smallest, k))
-    if start is None or start > k:
-        raise capacity_error(doc, length, f"on node {node}")
     cost, tokens, capacity = loads.cost, loads.tokens, loads.capacity
+    start = min(smallest, k)
+    if not (length + 2 * start <= capacity * start and start <= length + 1):  # else it fits
+        start = min_ring(length, capacity, start=start)
+    if start is None or start > k:
+        raise capacity_error(doc, length, f"on node {loads.topology.node_of(ranks[0])}")
     by_load = sorted(sorted(ranks), key=cost.__getitem__)  # ties: the lower rank
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
@@ -512,7 +513,7 @@ def place_intra(
         if best is None or finish < best[0]:
             best = (finish, g, chosen)
     if best is None:
-        raise capacity_error(doc, length, f"on node {node}")
+        raise capacity_error(doc, length, f"on node {loads.topology.node_of(ranks[0])}")
     ring = tuple(sorted(best[2]))
     loads.add_ring(ring, length)
     return Placement(Tier.LOCAL if len(ring) == 1 else Tier.INTRA, ring)
