@@ -1,0 +1,218 @@
+"""The staged placement's shortcuts give what the plain computation gives: ring sizes that fit,
+ring shares over NVLink, cross-node members' exposure, the linear layouts left unpriced, a
+node's documents in placement order, and stage 2 placed once for both packings.
+
+Tier: pure.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from examples import examples
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.linear_layout import LAYOUTS, fastest, price_linear_layouts
+from megatron_zeppelin.planner.loads import Loads, min_ring
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions
+from megatron_zeppelin.planner.placement import _NodeBatch
+from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.search import _place, _predict
+from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.topology.presets import get_topology
+
+pytestmark = pytest.mark.pure
+
+
+def _plain_min_ring(length: int, capacity: int, start: int, multiple: int) -> int | None:
+    """The definition: the smallest multiple of ``multiple``, at least ``start`` and at most
+    ``length + multiple``, whose zigzag positions all fit ``capacity``."""
+    g = multiple * math.ceil(max(start, 1) / multiple)
+    while g <= length + multiple:
+        if max(zigzag_loads(length, g)) <= capacity:
+            return g
+        g += multiple
+    return None
+
+
+@settings(max_examples=examples(300), deadline=None)
+@given(
+    length=st.integers(1, 200_000),
+    per_rank=st.floats(0.2, 3.0),
+    start=st.integers(1, 64),
+    multiple=st.sampled_from([1, 2, 4, 8]),
+)
+def test_min_ring_is_the_smallest_ring_that_fits(
+    length: int, per_rank: float, start: int, multiple: int
+) -> None:
+    """Capacities from a fifth of the document to three times it, over rings of 1-64 (a
+    tighter capacity only makes the plain search long)."""
+    capacity = max(1, round(per_rank * length / start))
+    got = min_ring(length, capacity, start=start, multiple=multiple)
+    assert got == _plain_min_ring(length, capacity, start, multiple)
+
+
+def _model() -> tuple:
+    topology = get_topology("zeppelin-C", num_nodes=4)
+    return topology, CostModel.default(get_model("llama-7b"), topology)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(length=st.integers(2, 300_000), ring_size=st.integers(2, 8), links=st.integers(1, 8))
+def test_nvlink_ring_share_is_the_zigzag_formula_whatever_the_nics(
+    length: int, ring_size: int, links: int
+) -> None:
+    topology, cost = _model()
+    loads = Loads(topology, 1 << 20, cost, num_links=4)
+    share = loads.rank_share(length, ring_size, "nvlink", links)
+    assert share is loads.rank_share(length, ring_size, "nvlink", 1)  # one entry for any NICs
+    compute = loads.ring_seconds(length, ring_size)
+    step = compute / ring_size
+    kv = cost.kv_bytes(length) / ring_size
+    forward = max(0.0, cost.nvlink.time(kv) - FWD_SHARE * step)
+    backward = max(0.0, cost.nvlink.time(2 * kv) - (1 - FWD_SHARE) * step)
+    assert share.compute_s == pytest.approx(compute, rel=1e-12)
+    assert share.exposed_s == pytest.approx((ring_size - 1) * (forward + backward), rel=1e-12)
+
+
+@pytest.mark.parametrize("offset", [0, 3])
+def test_cross_node_members_wait_as_their_edges_say(offset: int) -> None:
+    """Members with a ring neighbour on another node wait ``exposed_s``, the others
+    ``inner_exposed_s``; every member gets its zigzag tokens and the ring's compute."""
+    topology, cost = _model()
+    k = topology.gpus_per_node
+    loads = Loads(topology, 1 << 20, cost, num_links=topology.nics_per_node)
+    ring = tuple(node * k + (offset + t) % k for node in (1, 2, 3) for t in range(k))
+    length = 6_000  # short chunks: the transfers show
+    loads.add_ring(ring, length, "nic")
+    share = loads.rank_share(length, len(ring), "nic", loads.num_links)
+    assert share.inner_exposed_s is not None and share.inner_exposed_s < share.exposed_s
+    for i, (rank, tokens) in enumerate(zip(ring, zigzag_loads(length, len(ring)))):
+        node = rank // k
+        crosses = ring[i - 1] // k != node or ring[(i + 1) % len(ring)] // k != node
+        assert loads.exposed[rank] == share.exposed_at(crosses)
+        assert loads.attention[rank] == share.compute_s
+        assert loads.tokens[rank] == tokens
+    assert sum(loads.exposed[r] == share.exposed_s for r in ring) == 6  # two per node boundary
+    assert all(loads.tokens[r] == 0 for r in topology.ranks_of_node(0))
+
+
+@settings(max_examples=examples(120), deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    spread=st.sampled_from([0.0, 0.02, 0.05, 0.3, 1.0]),
+    heavy=st.floats(0.05, 0.6),
+    balance_linear=st.booleans(),
+)
+def test_unpriced_layouts_cannot_win(
+    seed: int, spread: float, heavy: float, balance_linear: bool
+) -> None:
+    """``_predict`` prices every layout it keeps as ``price_linear_layouts`` does, and the
+    fastest layout and its time are the full pricing's. Every GPU holds about the same tokens
+    (within ``spread``), some (``heavy``) as one document: attention uneven, tokens nearly
+    even, where moving tokens may or may not pay."""
+    topology, cost = _model()
+    loads = Loads(topology, 1 << 20, cost, balance_linear=balance_linear)
+    rng = np.random.default_rng(seed)
+    for rank in range(topology.world_size):
+        total = int(8192 * (1 + spread * rng.uniform(-1, 1)))
+        for _ in range(1 if rng.random() < heavy else 8):
+            loads.add_local(rank, total if rng.random() < heavy else total // 8)
+    full = price_linear_layouts(
+        loads.tokens,
+        np.add(loads.attention, loads.exposed).tolist(),
+        topology,
+        cost,
+        LAYOUTS,
+    )
+    kept = _predict(loads, LAYOUTS)
+    assert "attention" in kept
+    assert all(kept[name] == full[name] for name in kept)
+    assert min(kept.values()) == min(full.values())
+    assert fastest(kept) == fastest(full)
+
+
+def test_unpriced_layouts_are_left_out_where_tokens_are_even() -> None:
+    """The GPUs with the most attention (one long document) hold a little fewer tokens than
+    the others (short documents): evening the tokens cannot pay, and ``_predict`` prices the
+    attention layout alone."""
+    topology, cost = _model()
+    loads = Loads(topology, 1 << 20, cost)
+    for rank in range(topology.world_size):
+        if rank % 2:
+            loads.add_local(rank, 8000)
+        else:
+            for _ in range(8):
+                loads.add_local(rank, 1050)
+    assert list(_predict(loads, LAYOUTS)) == ["attention"]
+
+
+def test_node_documents_come_rings_first_then_longest_first() -> None:
+    """``_NodeBatch`` orders each node's documents as ``_place_node`` places them: its rings,
+    then its whole documents, each longest first (ties: the lower index)."""
+    topology, cost = _model()
+    lengths = np.asarray(sample_lengths("wlbllm", num_tokens=600_000, seed=3), dtype=np.int64)
+    lengths[:6] = lengths[6]  # ties
+    loads = Loads(topology, 1 << 20, cost)
+    rules = _rules(topology, cost)
+    choice = assign_tiers(lengths, loads, rules)
+    rng = np.random.default_rng(0)
+    docs = np.flatnonzero(~choice.inter).tolist()
+    by_node = [[] for _ in range(topology.num_nodes)]
+    for doc in rng.permutation(docs).tolist():
+        by_node[int(rng.integers(topology.num_nodes))].append(doc)
+    batch = _NodeBatch(lengths, choice, by_node, loads)
+    for node, given_docs in enumerate(by_node):
+
+        def order(doc: int) -> tuple[int, int]:
+            return (-int(lengths[doc]), doc)
+
+        rings = sorted((d for d in given_docs if choice.split[d]), key=order)
+        whole = sorted((d for d in given_docs if not choice.split[d]), key=order)
+        assert [d for d, _ in batch.docs[node].rings] == rings
+        assert [d for d, _, _ in batch.docs[node].whole] == whole
+        assert [n for _, n, _ in batch.docs[node].whole] == lengths[whole].tolist()
+        assert [s for _, _, s in batch.docs[node].whole] == choice.attention[whole].tolist()
+    assert any(batch.docs[n].rings for n in range(topology.num_nodes))
+
+
+def _rules(topology, cost) -> TierRules:
+    options = PlannerOptions()
+    thresholds = options.resolved_thresholds(cost)
+    chunks = chunk_thresholds(thresholds, topology, options.routing)
+    return TierRules(True, True, thresholds, chunks)
+
+
+@pytest.mark.parametrize("distribution", ["wlbllm", "prolong"])
+def test_stage_two_placed_once_serves_both_packings(distribution: str) -> None:
+    """A placement whose stage 2 comes from another packing's is the placement made from
+    scratch: the same rings, the same loads."""
+    from dataclasses import replace
+
+    topology, cost = _model()
+    lengths = np.asarray(sample_lengths(distribution, num_tokens=700_000, seed=1))
+    capacity = 65_536
+    rules = _rules(topology, cost)
+
+    def new_loads() -> Loads:
+        return Loads(topology, capacity, cost, topology.nics_per_node, two_d=True)
+
+    base = assign_tiers(lengths, new_loads(), rules)
+    rings = tuple(np.flatnonzero(base.splittable)[:3].tolist())
+    choice = base.with_rings(list(rings))
+    across: dict = {}
+    packed = _place(lengths, choice, new_loads(), LAYOUTS, len(rings), across, rings)
+    assert rings in across
+    unpacked = replace(choice, pack=False)
+    reused = _place(lengths, unpacked, new_loads(), LAYOUTS, len(rings), across, rings)
+    fresh = _place(lengths, unpacked, new_loads(), LAYOUTS, len(rings), {}, rings)
+    assert reused.placements == fresh.placements
+    assert reused.loads.cost == fresh.loads.cost and reused.loads.tokens == fresh.loads.tokens
+    assert reused.predicted == fresh.predicted
+    assert len(packed.placements) == len(fresh.placements)
