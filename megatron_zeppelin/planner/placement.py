@@ -24,6 +24,7 @@ __all__ = [
     "TierChoice",
     "place_across_nodes",
     "place_anywhere",
+    "place_inter_documents",
     "place_within_nodes",
 ]
 
@@ -97,18 +98,33 @@ def _longest_first(docs, lengths: np.ndarray) -> list[int]:
 
 # --- stage 2: across nodes -----------------------------------------------------------------------
 def place_across_nodes(
-    lengths: np.ndarray, choice: TierChoice, loads: Loads, placements: list[Placement | None]
+    lengths: np.ndarray,
+    choice: TierChoice,
+    loads: Loads,
+    placements: list[Placement | None],
+    *,
+    inter_placed: bool = False,
 ) -> tuple[list[list[int]], int]:
-    """Inter-node documents (longest first) get rings over consecutive nodes; every other
-    document a node, by LPT on work counting the shares inter-node rings left on each node.
-    Returns the documents of every node and how many had to become inter-node rings for lack of
-    room on any single node."""
+    """Inter-node documents (longest first) get rings over consecutive nodes
+    (``place_inter_documents``, unless ``inter_placed``: done already); every other document a
+    node, by LPT on work counting the shares inter-node rings left on each node. Returns the
+    documents of every node and how many had to become inter-node rings for lack of room on
+    any single node."""
+    if not inter_placed:
+        place_inter_documents(lengths, choice, loads, placements)
+    rest = np.flatnonzero(~choice.inter)
+    return _nodes_by_lpt(lengths, rest, choice, loads, placements, int(choice.inter.sum()))
+
+
+def place_inter_documents(
+    lengths: np.ndarray, choice: TierChoice, loads: Loads, placements: list[Placement | None]
+) -> None:
+    """Stage 2's first part: the inter-node documents' rings, longest first. It reads only
+    ``choice.inter`` and ``choice.wanted_nodes``, not which documents ring inside nodes."""
     inter_docs = _longest_first(np.flatnonzero(choice.inter).tolist(), lengths)
     for order, doc in enumerate(inter_docs):
         wanted = choice.wanted_nodes[doc]
         placements[doc] = place_inter(doc, int(lengths[doc]), wanted, order, loads)
-    rest = np.flatnonzero(~choice.inter)
-    return _nodes_by_lpt(lengths, rest, choice, loads, placements, len(inter_docs))
 
 
 class _Nodes:

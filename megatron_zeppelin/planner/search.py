@@ -54,6 +54,7 @@ from megatron_zeppelin.planner.placement import (
     Placement,
     TierChoice,
     place_across_nodes,
+    place_inter_documents,
     place_within_nodes,
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
@@ -268,7 +269,7 @@ def search(
     # Per balance mode and scheme: stage 1 and each stage 2 (by its rings), the same for both
     # packings (``pack`` sizes the rings inside nodes, in stage 3).
     tiers: dict[tuple[bool, bool], TierChoice] = {}
-    across: dict[tuple[bool, bool], dict[tuple[int, ...], _Across]] = {}
+    across: dict[tuple[bool, bool], dict[tuple[int, ...] | None, _Across]] = {}
     for balance_linear, pack, two_d in [*variants, (True, True, False)]:
         if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
             break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
@@ -362,7 +363,7 @@ def _candidates(
     new_loads: Callable[[], Loads],
     layouts: tuple[str, ...],
     budget: list[int],
-    across: dict[tuple[int, ...], _Across],
+    across: dict[tuple[int, ...] | None, _Across],
     *,
     first: bool,
 ) -> Iterator[Candidate]:
@@ -371,7 +372,7 @@ def _candidates(
     document never lands in a lower tier than a shorter one). Only the very first placement may
     fail on capacity (``plan_batch`` then splits less); later ones that run out of room are
     skipped. ``across``: stage 2 of every placement made so far with the same stage 1, by its
-    extra rings."""
+    extra rings (``_place``)."""
     extra = np.flatnonzero(base.splittable)
     extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
     # Rings aimed at the busiest GPU: more of them than GPUs no longer are.
@@ -423,7 +424,8 @@ def _busiest_local(
 
 @dataclass(frozen=True)
 class _Across:
-    """Stage 2 of a placement, to place stage 3 again from (``pack`` plays no part in it)."""
+    """Stage 2 of a placement, to place stage 3 again from (``pack`` plays no part in it), or
+    its inter-node rings alone (``by_node`` empty)."""
 
     by_node: list[list[int]]
     placements: list[Placement | None]
@@ -437,16 +439,27 @@ def _place(
     loads: Loads,
     layouts: tuple[str, ...],
     extra: int,
-    across: dict[tuple[int, ...], _Across],
+    across: dict[tuple[int, ...] | None, _Across],
     rings: tuple[int, ...],
 ) -> Candidate:
     """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout. Stage 2
-    comes from ``across`` where a placement with the same ``rings`` made it already."""
-    done = across.get(rings)
+    comes from ``across`` where a placement with the same ``rings`` made it already, and its
+    inter-node rings where any placement of the same stage 1 did."""
+    done, everyone = across.get(rings), range(loads.topology.world_size)
     if done is None:
-        placements: list[Placement | None] = [None] * len(array)
-        by_node, promotions = place_across_nodes(array, choice, loads, placements)
-        everyone = range(loads.topology.world_size)
+        # The inter-node rings come first and alike whatever the rings inside nodes: placed
+        # once per stage 1 (``None`` in ``across``).
+        inter = across.get(None)
+        if inter is None:
+            placements: list[Placement | None] = [None] * len(array)
+            place_inter_documents(array, choice, loads, placements)
+            across[None] = _Across([], list(placements), 0, loads.snapshot(everyone))
+        else:
+            placements = list(inter.placements)
+            loads.restore(inter.loads)
+        by_node, promotions = place_across_nodes(
+            array, choice, loads, placements, inter_placed=True
+        )
         across[rings] = _Across(by_node, list(placements), promotions, loads.snapshot(everyone))
     else:
         by_node, placements, promotions = done.by_node, list(done.placements), done.promotions
