@@ -22,7 +22,7 @@ from megatron_zeppelin.planner.loads import Loads, min_ring
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions
 from megatron_zeppelin.planner.placement import _NodeBatch
-from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.search import _place, _predict
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.topology.presets import get_topology
@@ -121,7 +121,7 @@ def test_unpriced_layouts_cannot_win(
     loads = Loads(topology, 1 << 20, cost, balance_linear=balance_linear)
     rng = np.random.default_rng(seed)
     for rank in range(topology.world_size):
-        total = int(8192 * (1 + spread * rng.uniform(-1, 1)))
+        total = max(64, int(8192 * (1 + spread * rng.uniform(-1, 1))))
         for _ in range(1 if rng.random() < heavy else 8):
             loads.add_local(rank, total if rng.random() < heavy else total // 8)
     full = price_linear_layouts(
@@ -191,13 +191,15 @@ def _rules(topology, cost) -> TierRules:
 
 @pytest.mark.parametrize("distribution", ["wlbllm", "prolong"])
 def test_stage_two_placed_once_serves_both_packings(distribution: str) -> None:
-    """A placement whose stage 2 comes from another packing's is the placement made from
-    scratch: the same rings, the same loads."""
+    """A placement whose stage 2 comes from another packing's, or whose inter-node rings come
+    from a placement with other rings inside nodes, is the placement made from scratch: the
+    same rings, the same loads."""
     from dataclasses import replace
 
     topology, cost = _model()
-    lengths = np.asarray(sample_lengths(distribution, num_tokens=700_000, seed=1))
     capacity = 65_536
+    # One document longer than a node holds: an inter-node ring whatever stage 1 says.
+    lengths = np.asarray([*sample_lengths(distribution, num_tokens=700_000, seed=1), 600_000])
     rules = _rules(topology, cost)
 
     def new_loads() -> Loads:
@@ -216,3 +218,10 @@ def test_stage_two_placed_once_serves_both_packings(distribution: str) -> None:
     assert reused.loads.cost == fresh.loads.cost and reused.loads.tokens == fresh.loads.tokens
     assert reused.predicted == fresh.predicted
     assert len(packed.placements) == len(fresh.placements)
+    # More rings inside nodes: the inter-node rings come from ``across``, the rest is new.
+    more = tuple(np.flatnonzero(base.splittable)[:9].tolist())
+    assert any(p.tier == Tier.INTER for p in fresh.placements)
+    assert more not in across
+    shared = _place(lengths, base.with_rings(list(more)), new_loads(), LAYOUTS, 9, across, more)
+    alone = _place(lengths, base.with_rings(list(more)), new_loads(), LAYOUTS, 9, {}, more)
+    assert shared.placements == alone.placements and shared.loads.cost == alone.loads.cost
