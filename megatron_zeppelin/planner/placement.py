@@ -279,7 +279,8 @@ def place_within_nodes(
     batch = _NodeBatch(lengths, choice, by_node, loads)
     promotions = 0
     overflow: list[int] = []
-    for node, docs in enumerate(batch.docs):
+    for node in range(topo.num_nodes):
+        docs = batch.docs(node)
         ranks = list(topo.ranks_of_node(node))
         saved = loads.snapshot(ranks)
         for attempt in _ATTEMPTS:
@@ -329,21 +330,26 @@ class _NodeBatch:
         node = np.repeat(np.arange(len(by_node)), [len(d) for d in by_node])
         # Node, then rings before whole documents, then longest first, then lower index.
         sort = np.lexsort((docs, -lengths[docs], ~choice.split[docs], node))
-        docs, node = docs[sort], node[sort]
-        ring = choice.split[docs]
-        cuts = np.searchsorted(node * 2 + ~ring, np.arange(2 * len(by_node) + 1)).tolist()
-        doc_list, length_list = docs.tolist(), lengths[docs].tolist()
-        pairs = list(zip(doc_list, length_list))
-        triples = list(zip(doc_list, length_list, choice.attention[docs].tolist()))
-        self.docs = [
-            _NodeDocs(
-                pairs[cuts[2 * n] : cuts[2 * n + 1]], triples[cuts[2 * n + 1] : cuts[2 * n + 2]]
-            )
-            for n in range(len(by_node))
-        ]
+        self._docs, node = docs[sort], node[sort]
+        self._lengths_of_docs = lengths[self._docs]
+        self._cuts = np.searchsorted(
+            node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
+        ).tolist()
         self.local = [_local(r) for r in range(loads.topology.world_size)]
         self._work = choice.work.tolist()
         self._lengths = lengths
+
+    def docs(self, node: int) -> _NodeDocs:
+        """Node ``node``'s documents (lists made per node: a million documents at once would
+        hold them all in memory)."""
+        ring, whole, end = self._cuts[2 * node : 2 * node + 3]
+        docs, lengths = self._docs[ring:end].tolist(), self._lengths_of_docs[ring:end].tolist()
+        seconds = self.choice.attention[self._docs[whole:end]].tolist()
+        split = whole - ring
+        return _NodeDocs(
+            list(zip(docs[:split], lengths[:split])),
+            list(zip(docs[split:], lengths[split:], seconds)),
+        )
 
     def target(self, node: int, ranks: list[int]) -> float:
         """The mean load of the node's GPUs once its documents are placed (``pack``)."""

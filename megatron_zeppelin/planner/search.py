@@ -385,7 +385,9 @@ def _candidates(
         try:
             rings = extra[:count].tolist()
             choice = base.with_rings(rings)
-            candidate = _place(array, choice, new_loads(), layouts, count, across, tuple(rings))
+            # The last try's stage 2 serves no other: kept aside, not in ``across``.
+            kept = across if budget[0] >= len(array) else dict(across)
+            candidate = _place(array, choice, new_loads(), layouts, count, kept, tuple(rings))
         except CapacityError:
             if first and count == 0:
                 raise
