@@ -18,7 +18,10 @@ GPUs' mean (few documents per GPU cannot be packed evenly whole), the busiest GP
 document becomes an in-node ring too, with every longer local document, while that helps. Every
 placement is priced under every allowed linear layout (``linear_layout.price_linear_layouts``, so
 mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
-pays).
+pays), less those a bound shows cannot beat the attention layout (``_predict``).
+
+Placements of one batch share what does not change between them: stage 1 per balance mode and
+scheme, the inter-node rings per stage 1, and stage 2 for both packings of the same rings.
 
 Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
 candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
