@@ -174,7 +174,14 @@ def _nodes_by_lpt(
     key = _placed_work(lengths, rest, choice, loads)
     order = np.lexsort((rest, -key))
     docs, sizes, works = rest[order].tolist(), lengths[rest][order].tolist(), key[order].tolist()
-    work_of, sizes_of = dict(zip(docs, works)), dict(zip(docs, sizes))
+    work_of = np.zeros(len(lengths))
+    work_of[rest] = key
+
+    def given(n: int) -> tuple[float, int]:
+        """The work and tokens of the documents given to node ``n`` so far, the work summed in
+        the order given (as ``_Nodes`` adds it)."""
+        docs_of = by_node[n]
+        return sum(work_of[docs_of].tolist()), int(lengths[docs_of].sum())
 
     def nodes() -> _Nodes:
         """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
@@ -184,9 +191,9 @@ def _nodes_by_lpt(
             ranks = slice(n * k, (n + 1) * k)  # ``topo.ranks_of_node(n)``
             held = sum(loads.tokens[ranks])
             busy = sum(a + e for a, e in zip(loads.attention[ranks], loads.exposed[ranks]))
-            given = by_node[n]  # summed in the order given, as ``_Nodes`` adds them
-            load.append(busy + loads.token_weight * held + sum(map(work_of.__getitem__, given)))
-            tokens.append(held + sum(map(sizes_of.__getitem__, given)))
+            work, tokens_given = given(n) if by_node[n] else (0.0, 0)
+            load.append(busy + loads.token_weight * held + work)
+            tokens.append(held + tokens_given)
         return _Nodes(load, tokens, loads.capacity * k)
 
     state = nodes()
@@ -216,8 +223,8 @@ def _nodes_by_lpt(
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
             raise capacity_error(doc, length, "on the node")
-        given = [sum(map(sizes_of.__getitem__, docs_of)) for docs_of in by_node]
-        placements[doc] = place_inter(doc, length, 2, num_inter, loads, given)
+        reserved = [given(n)[1] for n in range(num_nodes)]
+        placements[doc] = place_inter(doc, length, 2, num_inter, loads, reserved)
         promotions += 1
         state = nodes()
         heap, load, held = state.heap, state.load, state.tokens
