@@ -175,11 +175,11 @@ def test_node_documents_come_rings_first_then_longest_first() -> None:
 
         rings = sorted((d for d in given_docs if choice.split[d]), key=order)
         whole = sorted((d for d in given_docs if not choice.split[d]), key=order)
-        assert [d for d, _ in batch.docs(node).rings] == rings
-        assert [d for d, _, _ in batch.docs(node).whole] == whole
-        assert [n for _, n, _ in batch.docs(node).whole] == lengths[whole].tolist()
-        assert [s for _, _, s in batch.docs(node).whole] == choice.attention[whole].tolist()
-    assert any(batch.docs(n).rings for n in range(topology.num_nodes))
+        docs = batch.docs(node)
+        assert docs.ring_docs == rings and docs.ring_lengths == lengths[rings].tolist()
+        assert docs.whole_docs == whole and docs.whole_lengths == lengths[whole].tolist()
+        assert docs.whole_seconds == choice.attention[whole].tolist()
+    assert any(batch.docs(n).ring_docs for n in range(topology.num_nodes))
 
 
 def _rules(topology, cost) -> TierRules:

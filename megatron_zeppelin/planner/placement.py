@@ -317,12 +317,14 @@ def place_within_nodes(
 
 @dataclass(frozen=True)
 class _NodeDocs:
-    """One node's documents as stage 3 places them, longest first (ties: lower index)."""
+    """One node's documents as stage 3 places them, longest first (ties: lower index): its
+    in-node rings, then the others with their attention seconds on one GPU."""
 
-    rings: list[tuple[int, int]]
-    """``(document, length)`` of the in-node rings."""
-    whole: list[tuple[int, int, float]]
-    """``(document, length, attention seconds on one GPU)`` of the others."""
+    ring_docs: list[int]
+    ring_lengths: list[int]
+    whole_docs: list[int]
+    whole_lengths: list[int]
+    whole_seconds: list[float]
 
 
 class _NodeBatch:
@@ -343,25 +345,25 @@ class _NodeBatch:
             node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
         ).tolist()
         self.local = [_local(r) for r in range(loads.topology.world_size)]
-        self._work = choice.work.tolist()
         self._lengths = lengths
 
     def docs(self, node: int) -> _NodeDocs:
         """Node ``node``'s documents (lists made per node: a million documents at once would
         hold them all in memory)."""
         ring, whole, end = self._cuts[2 * node : 2 * node + 3]
-        docs, lengths = self._docs[ring:end].tolist(), self._lengths_of_docs[ring:end].tolist()
-        seconds = self.choice.attention[self._docs[whole:end]].tolist()
-        split = whole - ring
+        docs, lengths = self._docs, self._lengths_of_docs
         return _NodeDocs(
-            list(zip(docs[:split], lengths[:split])),
-            list(zip(docs[split:], lengths[split:], seconds)),
+            docs[ring:whole].tolist(),
+            lengths[ring:whole].tolist(),
+            docs[whole:end].tolist(),
+            lengths[whole:end].tolist(),
+            self.choice.attention[docs[whole:end]].tolist(),
         )
 
     def target(self, node: int, ranks: list[int]) -> float:
         """The mean load of the node's GPUs once its documents are placed (``pack``)."""
         docs, loads = self.by_node[node], self.loads
-        total = float(sum(map(self._work.__getitem__, docs)))
+        total = float(sum(self.choice.work[docs].tolist()))
         if not loads.balance_linear:  # only attention is balanced: less the linear seconds
             total -= loads.token_weight * float(sum(self._lengths[docs].tolist()))
         return (sum(loads.cost[r] for r in ranks) + total) / len(ranks)
@@ -399,7 +401,7 @@ def _place_node(
             return None
 
     promotions = 0
-    for doc, length in docs.rings:
+    for doc, length in zip(docs.ring_docs, docs.ring_lengths):
         placements[doc] = ring(doc, length)
     # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
     key_of = loads.tokens if by_room else loads.cost
@@ -408,7 +410,7 @@ def _place_node(
     cost, attention, tokens_of = loads.cost, loads.attention, loads.tokens
     capacity, weight = loads.capacity, loads.linear_weight
     heapreplace, heappush = heapq.heapreplace, heapq.heappush
-    for doc, length, seconds in docs.whole:
+    for doc, length, seconds in zip(docs.whole_docs, docs.whole_lengths, docs.whole_seconds):
         top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
         found = top if capacity - tokens_of[top[1]] >= length else None
         found = found or pop_with_room(heap, tokens_of, capacity, length)
