@@ -55,15 +55,22 @@ def attention_ranges_by_rank(
     return by_rank
 
 
-def _merged(pieces: list[Piece]) -> tuple[TokenRange, ...]:
-    pieces.sort()
-    out: list[list[int]] = []
-    for seq, start, end in pieces:
-        if out and out[-1][0] == seq and out[-1][2] == start:
-            out[-1][2] = end
-        else:
-            out.append([seq, start, end])
-    return tuple(TokenRange(seq, start, end) for seq, start, end in out)
+def _merged(by_rank: list[list[Piece]]) -> Layout:
+    """Every rank's pieces sorted by (document, start, end), touching ranges of one document
+    merged (rare: most pieces are a document's whole share of the rank)."""
+    layout = []
+    for pieces in by_rank:
+        pieces.sort()
+        out: list[TokenRange] = []
+        last_seq = last_end = -1
+        for seq, start, end in pieces:
+            if seq == last_seq and start == last_end:
+                out[-1] = TokenRange(seq, out[-1].start, end)
+            else:
+                out.append(TokenRange(seq, start, end))
+            last_seq, last_end = seq, end
+        layout.append(tuple(out))
+    return tuple(layout)
 
 
 def _fill(
@@ -143,7 +150,7 @@ def balanced_layout(
     needy = [r for needy_ranks in needy_of_node for r in needy_ranks]
     _fill(leftover, needy, need, kept, moves)
     assert not leftover and not needy and not any(need), "linear layout lost tokens"
-    return tuple(_merged(pieces) for pieces in kept), moves
+    return _merged(kept), moves
 
 
 def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Moves:
@@ -255,5 +262,5 @@ def build_linear_layout(
 ) -> tuple[Layout, Moves]:
     """The ranges (and moves) of layout ``name``."""
     if name == "attention":
-        return tuple(_merged(list(p)) for p in by_rank), {}
+        return _merged([list(p) for p in by_rank]), {}
     return balanced_layout(by_rank, topology, scope=name)

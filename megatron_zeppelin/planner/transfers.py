@@ -20,13 +20,19 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.phases import is_zigzag
+from megatron_zeppelin.planner.phases import ZigzagRings, split_by_layout, unique_inverse
 from megatron_zeppelin.planner.plan import Route, SequencePlan
 from megatron_zeppelin.planner.schedule import Message
 from megatron_zeppelin.planner.stepwise import route_hops
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["RingMessages", "ring_messages", "split_by_weights_array", "transfer_times"]
+__all__ = [
+    "RingMessages",
+    "ring_messages",
+    "ring_messages_of",
+    "split_by_weights_array",
+    "transfer_times",
+]
 
 
 @dataclass(frozen=True)
@@ -102,34 +108,36 @@ def _block_sizes(seq: SequencePlan) -> list[int]:
     return [held.get(rank, 0) for rank in seq.ring]
 
 
-def _sizes(docs: list[tuple[int, SequencePlan]], g: int) -> np.ndarray:
-    """Tokens of every (document, ring position) block."""
-    if all(is_zigzag(seq) for _, seq in docs):  # two spans per position, in ring order
-        bounds = np.asarray(
-            [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
-        ).reshape(len(docs), g, 2, 2)
-        return (bounds[..., 1] - bounds[..., 0]).sum(axis=2)
-    return np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
-
-
 def ring_messages(
     sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
 ) -> RingMessages:
     """Every ring message of ``sequences`` (one pass unless ``pass_ids`` says otherwise)."""
+    _, zigzag, other = split_by_layout(sequences, pass_ids)
+    return ring_messages_of(zigzag, other)
+
+
+def ring_messages_of(
+    zigzag: list[ZigzagRings],
+    other: list[tuple[int, SequencePlan]] = (),  # type: ignore[assignment]
+) -> RingMessages:
+    """``ring_messages`` of ``phases.split_by_layout``'s rings: the zigzag ones as arrays, the
+    others as ``(pass, document)``."""
     by_size: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
-    for i, seq in enumerate(sequences):
-        if len(seq.ring) > 1:
-            by_size[len(seq.ring)].append((0 if pass_ids is None else pass_ids[i], seq))
-    num_steps = max(by_size, default=1) - 1
+    for pass_id, seq in other:
+        by_size[len(seq.ring)].append((pass_id, seq))
+    groups = [(z.ring, z.block_tokens, z.pass_id) for z in zigzag]
+    for docs in by_size.values():
+        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)
+        sizes = np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
+        groups.append((rings, sizes, np.asarray([p for p, _ in docs], dtype=np.int64)))
+    num_steps = max((rings.shape[1] for rings, _, _ in groups), default=1) - 1
     columns: list[list[np.ndarray]] = [[], [], [], []]
-    for g, docs in by_size.items():
-        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)  # (doc, position)
-        sizes = _sizes(docs, g)
-        passes = np.asarray([p for p, _ in docs], dtype=np.int64)
+    for rings, sizes, passes in groups:  # (doc, position), (doc, position), (doc,)
+        g = rings.shape[1]
         step = np.arange(g - 1)[:, None]
         position = np.arange(g)[None, :]
         origin = (position - step) % g  # (step, position)
-        shape = (len(docs), g - 1, g)
+        shape = (len(rings), g - 1, g)
         columns[0].append(np.broadcast_to((passes * num_steps)[:, None, None] + step, shape))
         columns[1].append(np.broadcast_to(rings[:, None, :], shape))
         columns[2].append(np.broadcast_to(np.roll(rings, -1, axis=1)[:, None, :], shape))
@@ -171,11 +179,10 @@ def transfer_times(
     )
     # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
-    keys, inverse = np.unique(
+    keys, inverse = unique_inverse(
         np.concatenate(
             [hops.group * num_ports + hops.out_port, hops.group * num_ports + hops.in_port]
         ),
-        return_inverse=True,
     )
     load = np.bincount(inverse, weights=np.tile(hops.tokens * hops.scale, 2))
     out_load, in_load = load[inverse[: len(hops.group)]], load[inverse[len(hops.group) :]]
@@ -200,7 +207,7 @@ def _per_rank(hops: _Hops, finish: list[np.ndarray], world: int):
     """The latest finish per (group, rank) over the messages a rank sends or receives."""
     group = np.tile(hops.message_group, 2)
     rank = np.concatenate([hops.message_src, hops.message_dst])
-    unique, inverse = np.unique(group * world + rank, return_inverse=True)
+    unique, inverse = unique_inverse(group * world + rank)
     out = []
     for values in finish:
         latest = np.zeros(len(unique))
