@@ -179,7 +179,7 @@ def head_plan(plan: Plan) -> HeadPlan | None:
     """The column rings of ``plan``'s 2-D documents (``None`` when it has none)."""
     topo = plan.topology
     sequences, document = [], []
-    for seq in (s for s in plan.sequences if s.is_two_d):
+    for seq in plan.two_d_sequences:
         nodes = [topo.node_of(row[0]) for row in node_grid(seq.ring, topo)]
         for j in range(topo.gpus_per_node):  # column j: local GPU j of every node, one rail
             column = tuple(topo.rank_of(node, j) for node in nodes)
@@ -214,7 +214,7 @@ def column_layout(
     local: list[tuple[int, int, int]] = []
     zigzag: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     other: list[tuple[int, SequencePlan]] = []
-    for seq in (s for s in plan.sequences if s.is_two_d):
+    for seq in plan.two_d_sequences:
         nodes = [topo.node_of(row[0]) for row in node_grid(seq.ring, topo)]
         n = len(nodes)
         columns = [tuple(topo.rank_of(node, j) for node in nodes) for j in range(k)]
@@ -246,7 +246,7 @@ def node_members(plan: Plan) -> list[tuple[int, tuple[int, ...], dict[int, int]]
     """Per 2-D document and node: the document's id, the node's ranks and every rank's tokens
     of the document (the all-to-all's participants; ``schedule.exchange_messages``)."""
     out = []
-    for seq in (s for s in plan.sequences if s.is_two_d):
+    for seq in plan.two_d_sequences:
         tokens: dict[int, int] = defaultdict(int)
         for span in seq.attention:
             tokens[span.rank] += span.num_tokens

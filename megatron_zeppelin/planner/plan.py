@@ -21,6 +21,7 @@ baseline) produces this one type so one simulator and one engine serve them all.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -295,7 +296,14 @@ class Plan:
     @property
     def has_two_d(self) -> bool:
         """Whether any document runs the 2-D scheme."""
-        return any(s.scheme != Scheme.RING for s in self.sequences)
+        return bool(self.two_d_sequences)
+
+    @functools.cached_property
+    def two_d_sequences(self) -> tuple[SequencePlan, ...]:
+        """The documents that run the 2-D scheme (found once: the simulator and the engine ask
+        for them several times per plan)."""
+        two_d = Scheme.TWO_D
+        return tuple(s for s in self.sequences if s.scheme == two_d)
 
     @classmethod
     def from_json(cls, text_or_path: str) -> Plan:

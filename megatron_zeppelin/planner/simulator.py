@@ -308,7 +308,7 @@ def attention_seconds(
     every document is its own pass (no overlap between documents)."""
     world, topology = plan.world_size, plan.topology
     allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
-    flat = [s for s in plan.sequences if not s.is_two_d]
+    flat = [s for s in plan.sequences if not s.is_two_d] if plan.has_two_d else plan.sequences
     local, zigzag, other = split_by_layout(flat, list(range(len(flat))) if sequential else None)
     num_phases = max((len(s.ring) for s in flat), default=1)
     blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
