@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.models import ModelSpec
-from megatron_zeppelin.planner.phases import ZigzagRings
+from megatron_zeppelin.planner.phases import Local, ZigzagRings
 from megatron_zeppelin.planner.plan import (
     Plan,
     SequencePlan,
@@ -204,14 +204,15 @@ def head_plan(plan: Plan) -> HeadPlan | None:
 
 def column_layout(
     plan: Plan,
-) -> tuple[list[tuple[int, int, int]], list[ZigzagRings], list[tuple[int, SequencePlan]]]:
+) -> tuple[Local, list[ZigzagRings], list[tuple[int, SequencePlan]]]:
     """``phases.split_by_layout`` of ``head_plan(plan).plan.sequences`` without building them:
     the simulator's arrays read nothing else of the column rings. Column ``j`` of a document
     over ``n`` nodes holds zigzag chunks ``i`` and ``2n-1-i`` at position ``i``, like every other
     column: one row of bounds serves all ``G``."""
     topo = plan.topology
     k = topo.gpus_per_node
-    local: list[tuple[int, int, int]] = []
+    local: list[int] = []  # the rank of every column of one node
+    local_lengths: list[int] = []
     zigzag: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
     other: list[tuple[int, SequencePlan]] = []
     for seq in plan.two_d_sequences:
@@ -220,7 +221,8 @@ def column_layout(
         columns = [tuple(topo.rank_of(node, j) for node in nodes) for j in range(k)]
         bounds = zigzag_bounds(seq.length, n)
         if n == 1:
-            local += [(0, column[0], seq.length) for column in columns]
+            local += [column[0] for column in columns]
+            local_lengths += [seq.length] * k
         elif all(end > start for start, end in bounds):
             chunks, rings = zigzag[n]
             chunks.append([(bounds[i], bounds[2 * n - 1 - i]) for i in range(n)])
@@ -239,7 +241,9 @@ def column_layout(
         )
         for n, (chunks, rings) in zigzag.items()
     ]
-    return local, groups, other
+    ranks = np.asarray(local, dtype=np.int64)
+    lengths = np.asarray(local_lengths, dtype=np.int64)
+    return (np.zeros(len(ranks), dtype=np.int64), ranks, lengths), groups, other
 
 
 def node_members(plan: Plan) -> list[tuple[int, tuple[int, ...], dict[int, int]]]:

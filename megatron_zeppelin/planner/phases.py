@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -131,22 +133,30 @@ class ZigzagRings:
         return cls(bounds, rings, np.asarray([p for p, _ in docs], dtype=np.int64))
 
 
+Local = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Documents whole on one rank: ``(pass, rank, length)`` arrays."""
+_RING, _LENGTH = attrgetter("ring"), attrgetter("length")
+
+
 def split_by_layout(
     sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
-) -> tuple[list[tuple[int, int, int]], list[ZigzagRings], list[tuple[int, SequencePlan]]]:
-    """``sequences`` as their local documents ``(pass, rank, length)``, their zigzag rings per
-    ring size (in order of first appearance) and the documents of any other layout."""
-    if pass_ids is None:
-        pass_ids = [0] * len(sequences)
-    local: list[tuple[int, int, int]] = []
+) -> tuple[Local, list[ZigzagRings], list[tuple[int, SequencePlan]]]:
+    """``sequences`` as their local documents, their zigzag rings per ring size (in order of
+    first appearance) and the documents of any other layout ``(pass, document)``. Most
+    documents are local: they are read with C-level maps, the rings one by one."""
+    rings = list(map(_RING, sequences))
+    sizes = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))
+    lengths = np.fromiter(map(_LENGTH, sequences), dtype=np.int64, count=len(rings))
+    passes = np.zeros(len(rings), dtype=np.int64) if pass_ids is None else np.asarray(pass_ids)
+    is_local = sizes == 1  # every query sees every earlier key on the same rank
+    ranks = np.fromiter(map(itemgetter(0), compress(rings, is_local.tolist())), dtype=np.int64)
+    local = (passes[is_local].astype(np.int64), ranks, lengths[is_local])
     zigzag: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
     other: list[tuple[int, SequencePlan]] = []
-    for pass_id, seq in zip(pass_ids, sequences):
-        ring = seq.ring
-        if len(ring) == 1:  # every query sees every earlier key on the same rank
-            local.append((pass_id, ring[0], seq.length))
-        elif is_zigzag(seq):
-            zigzag[len(ring)].append((pass_id, seq))
+    for i in np.flatnonzero(~is_local).tolist():
+        seq, pass_id = sequences[i], int(passes[i])
+        if is_zigzag(seq):
+            zigzag[len(seq.ring)].append((pass_id, seq))
         else:
             other.append((pass_id, seq))
     return local, [ZigzagRings.of(docs) for docs in zigzag.values()], other
@@ -158,7 +168,7 @@ def attention_blocks(
     """Every block of ``sequences`` (module docstring); ``pass_ids[i]`` is the pass of
     ``sequences[i]`` (default: one pass for all)."""
     local, zigzag, other = split_by_layout(sequences, pass_ids)
-    num_phases = max((len(s.ring) for s in sequences), default=1)
+    num_phases = max(map(len, map(_RING, sequences)), default=1)
     return zigzag_blocks(zigzag, num_phases, local=local, other=other)
 
 
@@ -166,7 +176,7 @@ def zigzag_blocks(
     zigzag: list[ZigzagRings],
     num_phases: int,
     *,
-    local: list[tuple[int, int, int]] = (),  # type: ignore[assignment]
+    local: Local | None = None,
     other: list[tuple[int, SequencePlan]] = (),  # type: ignore[assignment]
 ) -> Blocks:
     """The blocks of ``split_by_layout``'s three kinds: local documents first, then the zigzag
@@ -174,8 +184,8 @@ def zigzag_blocks(
     rows = _Rows()
     for pass_id, seq in other:
         _add_any(rows, pass_id, seq)
-    if local:
-        pass_id, rank, length = np.asarray(local, dtype=np.int64).T
+    if local is not None and len(local[0]):
+        pass_id, rank, length = local
         rows.add(pass_id, rank, 0, length, length * (length + 1) // 2)
     for group in zigzag:
         _add_zigzag(rows, group)

@@ -50,6 +50,7 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import numpy as np
 
@@ -310,7 +311,7 @@ def attention_seconds(
     allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
     flat = [s for s in plan.sequences if not s.is_two_d] if plan.has_two_d else plan.sequences
     local, zigzag, other = split_by_layout(flat, list(range(len(flat))) if sequential else None)
-    num_phases = max((len(s.ring) for s in flat), default=1)
+    num_phases = max(map(len, map(attrgetter("ring"), flat)), default=1)
     blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
     calls = _Calls(*phase_seconds(blocks, cost, world, merge_ring_phases=allgather))
     messages = ring_messages_of(zigzag, other)
