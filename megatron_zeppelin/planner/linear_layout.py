@@ -55,6 +55,27 @@ def attention_ranges_by_rank(
     return by_rank
 
 
+def attention_layout(sequences: Sequence[SequencePlan], world_size: int) -> Layout:
+    """``build_linear_layout(attention_ranges_by_rank(sequences), ..., "attention")`` in one
+    pass over the spans, merging as it goes, where every rank meets its pieces in (document,
+    start) order without overlaps (as builders list them); otherwise by sorting."""
+    layout: list[list[TokenRange]] = [[] for _ in range(world_size)]
+    for seq in sequences:
+        seq_id = seq.id
+        for span in seq.attention:
+            start, end = span.start, span.end
+            ranges = layout[span.rank]
+            if ranges:
+                last = ranges[-1]
+                if last.seq == seq_id and start == last.end:
+                    ranges[-1] = TokenRange(seq_id, last.start, end)
+                    continue
+                if last.seq > seq_id or (last.seq == seq_id and start < last.end):
+                    return _merged(attention_ranges_by_rank(sequences, world_size))
+            ranges.append(TokenRange(seq_id, start, end))
+    return tuple(map(tuple, layout))
+
+
 def _merged(by_rank: list[list[Piece]]) -> Layout:
     """Every rank's pieces sorted by (document, start, end), touching ranges of one document
     merged (rare: most pieces are a document's whole share of the rank)."""

@@ -69,6 +69,7 @@ import numpy as np
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.linear_layout import (
     LAYOUTS,
+    attention_layout,
     attention_ranges_by_rank,
     build_linear_layout,
     moved_tokens,
@@ -314,9 +315,12 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     loads = best.loads
     topology = loads.topology
     tokens = np.asarray(loads.tokens, dtype=np.float64)
-    by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
     layout = best.layout
-    linear, moves = build_linear_layout(by_rank, topology, layout)
+    if layout == "attention":  # nothing moves
+        linear, moves = attention_layout(best.sequences, topology.world_size), {}
+    else:
+        by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
+        linear, moves = build_linear_layout(by_rank, topology, layout)
     tiers = Counter(map(attrgetter("tier"), best.placements))
     counts = {t.value: tiers[t] for t in Tier}
     meta = {

@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from megatron_zeppelin.fileio import atomic_write_text
 from megatron_zeppelin.planner.plan_parts import (
     AttentionComm,
@@ -398,23 +400,59 @@ def _check_linear(
     linear: tuple[tuple[TokenRange, ...], ...], lengths: dict[int, int], ids: list[int]
 ) -> list[int]:
     """The linear ranges partition every document. Returns the linear tokens per rank."""
-    pieces: list[tuple[int, int, int]] = []
+    seqs: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
     linear_tokens = [0] * len(linear)
     for rank, ranges in enumerate(linear):
         num = 0
         for r in ranges:
-            length = lengths.get(r.seq)
+            seq, start, end = r.seq, r.start, r.end
+            length = lengths.get(seq)
             if length is None:
-                raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
-            if not 0 <= r.start < r.end <= length:
+                raise ValueError(f"linear layout of rank {rank} names unknown sequence {seq}")
+            if not 0 <= start < end <= length:
                 raise ValueError(
-                    f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
-                    f"{r.seq} is empty or outside [0, {length})"
+                    f"linear layout of rank {rank}: range [{start}, {end}) of sequence "
+                    f"{seq} is empty or outside [0, {length})"
                 )
-            pieces.append((r.seq, r.start, r.end))
-            num += r.end - r.start
+            seqs.append(seq)
+            starts.append(start)
+            ends.append(end)
+            num += end - start
         linear_tokens[rank] = num
-    pieces.sort()
+    if not _partition(seqs, starts, ends, lengths):
+        _name_the_gap(sorted(zip(seqs, starts, ends)), lengths, ids)
+    return linear_tokens
+
+
+def _partition(
+    seqs: list[int], starts: list[int], ends: list[int], lengths: dict[int, int]
+) -> bool:
+    """Whether the ranges (each inside its document) partition every document of ``lengths``,
+    told with arrays: sorted by (document, start, end), each document's ranges run from 0 to
+    its length. ``False`` also when the values are not plain integers (``_name_the_gap`` then
+    walks them)."""
+    seq, start, end = (np.array(values) for values in (seqs, starts, ends))
+    if any(a.dtype.kind != "i" for a in (seq, start, end)) or not len(seq):
+        return False
+    order = np.lexsort((end, start, seq))
+    seq, start, end = seq[order], start[order], end[order]
+    first = np.ones(len(seq), dtype=bool)
+    first[1:] = seq[1:] != seq[:-1]
+    last = np.r_[first[1:], True]
+    length = np.array(list(map(lengths.__getitem__, seq[last].tolist())))
+    return (
+        bool((start == np.where(first, 0, np.r_[0, end[:-1]])).all())
+        and bool((end[last] == length).all())
+        and int(first.sum()) == len(lengths)
+    )
+
+
+def _name_the_gap(
+    pieces: list[tuple[int, int, int]], lengths: dict[int, int], ids: list[int]
+) -> None:
+    """Raise naming the first document the sorted ``pieces`` do not partition."""
     current, pos, num_seen = None, 0, 0
     for seq_id, start, end in pieces:
         if seq_id != current:
@@ -430,7 +468,6 @@ def _check_linear(
         named = {piece[0] for piece in pieces}
         missing = next(i for i in ids if i not in named)
         raise ValueError(f"linear layout covers [0, 0) of sequence {missing}")
-    return linear_tokens
 
 
 def _check_routes(routes: tuple[Route, ...], topology: Topology) -> None:

@@ -180,10 +180,9 @@ def transfer_times(
     width = topology.world_size
     routed_edges = np.fromiter((a * width + b for a, b in routes), np.int64, len(routes))
     routed = ~same & np.isin(src * width + dst, routed_edges)
-    hops = _joined(
-        _direct_hops(messages, ~routed, topology, cost),
-        _routed_hops(messages, routed, routes, topology, cost),
-    )
+    hops = _direct_hops(messages, ~routed, topology, cost)
+    if routed.any():
+        hops = _joined(hops, _routed_hops(messages, routed, routes, topology, cost))
     # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
     keys, inverse = unique_inverse(
