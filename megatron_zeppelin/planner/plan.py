@@ -43,6 +43,7 @@ from megatron_zeppelin.planner.plan_parts import (
     split_by_weights,
     zigzag_bounds,
     zigzag_loads,
+    zigzag_sequences,
     zigzag_spans,
 )
 from megatron_zeppelin.topology.model import Topology
@@ -64,6 +65,7 @@ __all__ = [  # the parts are re-exported: a plan's readers import them from here
     "split_by_weights",
     "zigzag_bounds",
     "zigzag_loads",
+    "zigzag_sequences",
     "zigzag_spans",
 ]
 

@@ -9,6 +9,8 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from enum import Enum
+from itertools import repeat
+from operator import itemgetter
 
 from megatron_zeppelin.topology.model import Topology
 
@@ -26,6 +28,7 @@ __all__ = [
     "split_by_weights",
     "zigzag_bounds",
     "zigzag_loads",
+    "zigzag_sequences",
     "zigzag_spans",
 ]
 
@@ -226,6 +229,20 @@ def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
         if end > start:
             spans.append(Span(rank, start, end))
     return tuple(spans)
+
+
+def zigzag_sequences(
+    lengths: list[int], rings: list[tuple[int, ...]], tiers: list[Tier]
+) -> tuple[SequencePlan, ...]:
+    """Documents ``0, 1, ...`` of ``lengths`` on ``rings``: whole on a ring of one rank, else
+    zigzagged over it (``zigzag_spans``). Most documents are whole: they are built with C-level
+    maps, the rings one by one."""
+    firsts = list(map(itemgetter(0), rings))
+    attention: list[tuple[Span, ...]] = list(zip(map(Span, firsts, repeat(0), lengths)))
+    for i, ring in enumerate(rings):
+        if len(ring) > 1:
+            attention[i] = zigzag_spans(lengths[i], ring)
+    return tuple(map(SequencePlan, range(len(lengths)), lengths, tiers, rings, attention))
 
 
 def node_chunks(length: int, num_nodes: int, position: int) -> list[tuple[int, int]]:

@@ -56,7 +56,7 @@ from megatron_zeppelin.planner.placement import (
     place_across_nodes,
     place_within_nodes,
 )
-from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
+from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
@@ -177,14 +177,9 @@ class Candidate:
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
         if not self.sequences:
-            sequences = []
-            for doc, (placement, length) in enumerate(zip(self.placements, array.tolist())):
-                ring = placement.ring
-                spans = (
-                    (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
-                )
-                sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
-            self.sequences = tuple(sequences)
+            rings = [p.ring for p in self.placements]
+            tiers = [p.tier for p in self.placements]
+            self.sequences = zigzag_sequences(array.tolist(), rings, tiers)
         topology = self.loads.topology
         if self.loads.two_d is not None:  # before routing and the linear layout read the rings
             self.sequences = choose_schemes(
