@@ -32,7 +32,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import SequencePlan, TokenRange
-from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
+from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds_of
 from megatron_zeppelin.topology.model import Topology
 
 Piece = tuple[int, int, int]
@@ -175,9 +175,18 @@ def balanced_layout(
 
 
 def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Moves:
-    """The moves ``balanced_layout`` makes, from token counts alone: surplus is handed out in
-    holder order to needy ranks in rank order, same node first, exactly as ``_fill`` does
-    (``_match`` on every node's streams at once, then on what is left over)."""
+    """The moves ``balanced_layout`` makes, from token counts alone (``_move_arrays``)."""
+    src, dst, tokens = _move_arrays(counts, target, topology)
+    return dict(zip(zip(src.tolist(), dst.tolist()), tokens.tolist()))
+
+
+def _move_arrays(
+    counts: list[int], target: list[int], topology: Topology
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The moves ``balanced_layout`` makes, from token counts alone, as (holder, receiver,
+    tokens) arrays, every pair once: surplus is handed out in holder order to needy ranks in
+    rank order, same node first, exactly as ``_fill`` does (``_match`` on every node's streams
+    at once, then on what is left over, which pairs ranks of different nodes only)."""
     k = topology.gpus_per_node
     diff = np.asarray(counts, dtype=np.int64) - np.asarray(target, dtype=np.int64)
     surplus, need = np.maximum(diff, 0), np.maximum(-diff, 0)
@@ -188,10 +197,8 @@ def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Mo
     surplus -= np.bincount(first[0], weights=first[2], minlength=len(diff)).astype(np.int64)
     need -= np.bincount(first[1], weights=first[2], minlength=len(diff)).astype(np.int64)
     second = _match(surplus, need, np.zeros(len(diff), dtype=np.int64))
-    moves: Moves = {}
-    for src, dst, tokens in (first, second):
-        moves.update(zip(zip(src.tolist(), dst.tolist()), tokens.tolist()))
-    return moves
+    src, dst, tokens = (np.concatenate(pair) for pair in zip(first, second))
+    return src, dst, tokens
 
 
 def _match(
@@ -245,12 +252,12 @@ def price_linear_layouts(
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
         if name == "attention":
-            tokens, moves = list(counts), {}
+            tokens, remap_s = list(counts), 0.0
         else:
             tokens = _targets(counts, topology.gpus_per_node if name == "node" else world)
-            moves = _count_moves(list(counts), tokens, topology)
+            src, dst, moved = _move_arrays(list(counts), tokens, topology)
+            remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
         linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
-        remap_s = remap_seconds(moves, topology, cost_model)
         predicted[name] = layer_seconds(linear_s, attention_s, remap_s)
     return predicted
 
