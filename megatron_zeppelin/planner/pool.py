@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,15 +38,19 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["POOL_ORDERS", "PoolGoal", "least_ring_load", "place_pool"]
+__all__ = ["POOL_ORDERS", "PoolGoal", "least_ring_load", "place_pool", "pool_goal", "replace_ring"]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
-POOL_ORDERS: tuple[float | None, ...] = (None, math.inf, 0.15)
-"""The orders ``search`` tries (``place_pool``'s ``first``): rings first; whole documents of more
-than half a GPU's room first; those and the ones worth more than 0.15 of a GPU's share first
-(the slack rings leave on their members is too small for them). Which packs a batch best is not
-predicted well enough by ``Loads``: the simulator decides."""
+POOL_ORDERS: tuple[tuple[float | None, float], ...] = ((None, 1.0), (math.inf, 1.0), (0.15, 1.0))
+"""The ``(first, scale)`` that ``search`` tries (``place_pool``'s arguments): rings first; whole
+documents of more than half a GPU's room first; those and the ones worth more than 0.15 of a
+GPU's share first (the slack rings leave on their members is too small for them). Which packs a
+batch best is not predicted well enough by ``Loads``: the simulator decides."""
+POOL_RETRIES: tuple[tuple[float | None, float], ...] = ((None, 0.9), (0.15, 0.9))
+"""Tried after ``POOL_ORDERS`` where none of them packs evenly: rings sized to 0.9 of the
+target, so their members keep room for the whole documents that capacity or a late long one
+forces on them (a nearly full batch, or few documents per GPU)."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -65,7 +69,12 @@ class PoolGoal:
 
 
 def place_pool(
-    array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, first: float | None
+    array: np.ndarray,
+    choice: TierChoice,
+    loads: Loads,
+    nic_chunk: int,
+    first: float | None,
+    scale: float = 1.0,
 ) -> tuple[list[Placement], int]:
     """Every document's placement (module docstring), its work added to ``loads``, and how many
     documents meant to stay whole became rings for lack of room on any GPU; a document
@@ -77,7 +86,7 @@ def place_pool(
     balanced, share, rings = _split(array, choice, loads)
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    target = _target(array, balanced, ring_docs, loads)
+    target = scale * _target(array, balanced, ring_docs, loads)
     goal = PoolGoal(target, _floor_tokens(array, loads), nic_chunk)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
@@ -179,13 +188,24 @@ def _projected(loads: Loads, floor: int) -> np.ndarray:
     return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
 
 
-def _place_ring(doc: int, length: int, loads: Loads, goal: PoolGoal) -> Placement:
+def _place_ring(
+    doc: int,
+    length: int,
+    loads: Loads,
+    goal: PoolGoal,
+    *,
+    fallback: bool = True,
+    barred: np.ndarray | None = None,
+) -> Placement | None:
     """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
-    the size and GPUs that end soonest. Across nodes only with pieces of at least
-    ``goal.nic_chunk`` tokens, or where capacity leaves no other way."""
+    the size and GPUs that end soonest (``None`` without ``fallback``). Across nodes only with
+    pieces of at least ``goal.nic_chunk`` tokens, or where capacity leaves no other way. GPUs
+    ``barred`` are not used."""
     k = loads.topology.gpus_per_node
     tokens, cost = np.asarray(loads.tokens), np.asarray(loads.cost)
     room = loads.capacity - tokens
+    if barred is not None:
+        room = np.where(barred, -1, room)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in _sizes(length, work, goal.target, loads):
@@ -196,16 +216,18 @@ def _place_ring(doc: int, length: int, loads: Loads, goal: PoolGoal) -> Placemen
             ring = _members(ends, room, size, key, per_rank, goal.target * _TOLERANCE, k, where)
             if ring is not None:
                 return _add(ring, length, loads, where == "whole")
-    fallback: tuple[float, tuple[int, ...], bool] | None = None
+    if not fallback:
+        return None
+    soonest: tuple[float, tuple[int, ...], bool] | None = None
     for size, per_rank, ends, key, where in tries:
         ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
         if ring is not None:
             end = float(ends[list(ring)].max()) + key
-            if fallback is None or end < fallback[0]:
-                fallback = (end, ring, where == "whole")
-    if fallback is None:
+            if soonest is None or end < soonest[0]:
+                soonest = (end, ring, where == "whole")
+    if soonest is None:
         raise capacity_error(doc, length, "on any GPUs of the pool")
-    return _add(fallback[1], length, loads, fallback[2])
+    return _add(soonest[1], length, loads, soonest[2])
 
 
 def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
@@ -319,6 +341,54 @@ def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Place
     return Placement(Tier.INTER, ring)
 
 
+def pool_goal(array: np.ndarray, loads: Loads, nic_chunk: int) -> PoolGoal:
+    """What ``replace_ring`` keeps of ``place_pool``'s goal (its target is set per call)."""
+    return PoolGoal(0.0, _floor_tokens(array, loads), nic_chunk)
+
+
+def replace_ring(
+    doc: int,
+    length: int,
+    placement: Placement,
+    loads: Loads,
+    goal: PoolGoal,
+    below: float,
+    barred: np.ndarray,
+) -> Placement | None:
+    """``doc``'s ring taken off its GPUs and placed again, not on ``barred`` GPUs
+    (``_place_ring``: the smallest ring whose every member then ends below ``below``), or
+    ``None`` with ``loads`` as they were where no ring does."""
+    saved = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
+    _remove(placement, length, loads)
+    goal = replace(goal, target=below / _TOLERANCE)
+    new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
+    if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
+        loads.cost, loads.attention, loads.exposed, loads.tokens = saved
+        return None
+    return new
+
+
+def _remove(placement: Placement, length: int, loads: Loads) -> None:
+    """Take off ``loads`` what ``_add`` put there for ``placement``: its members' loads are
+    measured by adding the ring again onto them emptied (the same prices, from the same
+    ``Loads``), and subtracted."""
+    ring = placement.ring
+    k = loads.topology.gpus_per_node
+    nodes = {r // k for r in ring}
+    whole = placement.tier == Tier.INTER and len(ring) == k * len(nodes)
+    snapshot = loads.snapshot(ring)
+    for r in ring:
+        loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r] = 0.0, 0.0, 0.0, 0
+    _add(ring, length, loads, whole and loads.two_d is not None)
+    added = loads.snapshot(ring)[1]
+    loads.restore(snapshot)
+    for r, (cost, attention, exposed, tokens) in zip(ring, added):
+        loads.cost[r] -= cost
+        loads.attention[r] -= attention
+        loads.exposed[r] -= exposed
+        loads.tokens[r] -= tokens
+
+
 def _place_whole(
     docs: np.ndarray,
     array: np.ndarray,
@@ -344,7 +414,7 @@ def _place_whole(
         if loads.capacity - tokens[rank] < length:
             fits = loads.capacity - tokens >= length
             if not fits.any():
-                placements[doc] = _place_ring(doc, length, loads, goal)
+                placements[doc] = _place_ring(doc, length, loads, goal)  # type: ignore[assignment]
                 keys, tokens = _projected(loads, floor), np.asarray(loads.tokens)
                 heap = [(float(keys[r]), r) for r in range(world)]
                 heapq.heapify(heap)
@@ -368,8 +438,6 @@ def least_ring_load(array: np.ndarray, choice: TierChoice, loads: Loads) -> floa
     target = _target(array, balanced, ring_docs.tolist(), loads)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     goal = PoolGoal(target, _floor_tokens(array, loads), 0)
-    return min(
-        key
-        for size in _sizes(length, work, target, loads)
-        for key, _ in _options(length, size, loads, goal)
-    )
+    scales = {scale for _, scale in (*POOL_ORDERS, *POOL_RETRIES)}
+    sizes = {size for scale in scales for size in _sizes(length, work, scale * target, loads)}
+    return min(key for size in sizes for key, _ in _options(length, size, loads, goal))

@@ -57,7 +57,14 @@ from megatron_zeppelin.planner.placement import (
     place_within_nodes,
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
-from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
+from megatron_zeppelin.planner.pool import (
+    POOL_ORDERS,
+    POOL_RETRIES,
+    least_ring_load,
+    place_pool,
+    pool_goal,
+)
+from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
@@ -88,6 +95,9 @@ load (``pool.least_ring_load``), and where that is this close the staged placeme
 leaves nothing worth its planning time."""
 _POOL_STOP = 1.15
 """The pool's orders stop at one predicted this far above the best placement so far."""
+_POOL_EVEN = 1.04
+"""The pool's retries (``pool.POOL_RETRIES``) are placed only where no pool placement so far
+is predicted within this factor of its GPUs' mean."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -298,14 +308,16 @@ def _pool_candidates(
     loads = new_loads(True, True)
     if least_ring_load(array, assign_tiers(array, loads, rules), loads) * _POOL_GAIN >= staged:
         return []  # the longest ring alone keeps any pool placement within reach of this one
-    out = []
-    for first in POOL_ORDERS:
+    out: list[Candidate] = []
+    for first, scale in _pool_orders(out):
         loads = new_loads(True, True)
         choice = assign_tiers(array, loads, rules)
         try:
-            placements, promotions = place_pool(array, choice, loads, rules.chunks[1], first)
+            placements, promotions = place_pool(array, choice, loads, rules.chunks[1], first, scale)
         except CapacityError:
             continue
+        goal = pool_goal(array, loads, rules.chunks[1])
+        refine(array, placements, loads, choice.attention, _refine_rounds(loads), goal)
         attention_s = np.add(loads.attention, loads.exposed).tolist()
         predicted = price_linear_layouts(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
@@ -314,6 +326,18 @@ def _pool_candidates(
         if min(predicted.values()) > _POOL_STOP * staged:
             break  # the orders pack alike: one this far behind says the others will be too
     return _distinct(out)
+
+
+def _pool_orders(out: list[Candidate]) -> Iterator[tuple[float | None, float]]:
+    """``POOL_ORDERS``, then ``POOL_RETRIES`` where no pool placement so far is predicted within
+    ``_POOL_EVEN`` of its GPUs' mean (``out``: the placements so far, appended by the caller)."""
+    yield from POOL_ORDERS
+    if out and not any(c.even_enough(_POOL_EVEN) for c in out):
+        yield from POOL_RETRIES
+
+
+def _refine_rounds(loads: Loads) -> int:
+    return loads.topology.world_size
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
