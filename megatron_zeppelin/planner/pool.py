@@ -23,6 +23,7 @@ and keeps a pool placement only where the simulator times it faster than the sta
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, replace
@@ -38,7 +39,17 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["POOL_ORDERS", "PoolGoal", "least_ring_load", "place_pool", "pool_goal", "replace_ring"]
+__all__ = [
+    "POOL_ORDERS",
+    "POOL_RETRIES",
+    "PoolBatch",
+    "PoolGoal",
+    "least_ring_load",
+    "place_pool",
+    "pool_batch",
+    "pool_goal",
+    "replace_ring",
+]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
@@ -68,6 +79,33 @@ class PoolGoal:
     (``tiers.chunk_thresholds``): smaller pieces cross nodes only where capacity needs it."""
 
 
+@dataclass(frozen=True)
+class PoolBatch:
+    """What every order of ``place_pool`` reads of a batch alike (``pool_batch``), computed
+    once per batch."""
+
+    balanced: np.ndarray
+    """Each document's work: attention and linear seconds."""
+    share: float
+    """A GPU's share of the batch's work."""
+    rings: np.ndarray
+    """Which documents are placed as rings."""
+    ring_docs: list[int]
+    """Those, longest first."""
+    target: float
+    """``_target``: the load every GPU should end at."""
+
+
+def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads) -> PoolBatch:
+    """``_split`` and ``_target`` of the batch (they depend on neither the order nor the
+    placement)."""
+    balanced, share, rings = _split(array, choice, loads)
+    ring_docs = np.flatnonzero(rings)
+    ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
+    target = _target(array, balanced, ring_docs, loads)
+    return PoolBatch(balanced, share, rings, ring_docs, target)
+
+
 def place_pool(
     array: np.ndarray,
     choice: TierChoice,
@@ -75,19 +113,19 @@ def place_pool(
     nic_chunk: int,
     first: float | None,
     scale: float = 1.0,
+    batch: PoolBatch | None = None,
 ) -> tuple[list[Placement], int]:
     """Every document's placement (module docstring), its work added to ``loads``, and how many
     documents meant to stay whole became rings for lack of room on any GPU; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
     (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
-    GPUs are free to hold them (ring pieces then fill what they leave). Raises
-    ``CapacityError`` where a document finds no room."""
-    balanced, share, rings = _split(array, choice, loads)
-    ring_docs = np.flatnonzero(rings)
-    ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    target = scale * _target(array, balanced, ring_docs, loads)
-    goal = PoolGoal(target, _floor_tokens(array, loads), nic_chunk)
+    GPUs are free to hold them (ring pieces then fill what they leave). Rings are sized to
+    ``scale`` times the target. ``batch``: ``pool_batch`` of the same batch, when known.
+    Raises ``CapacityError`` where a document finds no room."""
+    batch = batch or pool_batch(array, choice, loads)
+    balanced, share, rings = batch.balanced, batch.share, batch.rings
+    goal = PoolGoal(scale * batch.target, _floor_tokens(array, loads), nic_chunk)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
@@ -96,7 +134,7 @@ def place_pool(
         big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
         count = int(np.count_nonzero(big))
     _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
-    for doc in ring_docs:
+    for doc in batch.ring_docs:
         placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
@@ -209,8 +247,11 @@ def _place_ring(
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in _sizes(length, work, goal.target, loads):
-        per_rank = max(zigzag_loads(length, size))
-        ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
+        per_rank = _most_tokens(length, size)
+        if goal.floor:
+            ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
+        else:
+            ends = cost  # no GPU needs tokens besides what it is given
         for key, where in _options(length, size, loads, goal):
             tries.append((size, per_rank, ends, key, where))
             ring = _members(ends, room, size, key, per_rank, goal.target * _TOLERANCE, k, where)
@@ -228,6 +269,13 @@ def _place_ring(
     if soonest is None:
         raise capacity_error(doc, length, "on any GPUs of the pool")
     return _add(soonest[1], length, loads, soonest[2])
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_tokens(length: int, size: int) -> int:
+    """The most tokens a member of a zigzag ring of ``size`` holds (the planner asks for the
+    same few lengths and sizes many times)."""
+    return max(zigzag_loads(length, size))
 
 
 def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
@@ -427,17 +475,18 @@ def _place_whole(
         heapq.heappush(heap, (float(keys[rank]), rank))
 
 
-def least_ring_load(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
+def least_ring_load(
+    array: np.ndarray, choice: TierChoice, loads: Loads, batch: PoolBatch | None = None
+) -> float:
     """The least per-member load the longest document ``place_pool`` rings can have at any size
-    and place it tries: a bound under any pool placement's busiest GPU."""
-    balanced, _, rings = _split(array, choice, loads)
-    if not rings.any():
+    and place it tries (in every order and scale of ``POOL_ORDERS`` and ``POOL_RETRIES``): a
+    bound under any pool placement's busiest GPU."""
+    batch = batch or pool_batch(array, choice, loads)
+    if not batch.ring_docs:
         return 0.0
-    ring_docs = np.flatnonzero(rings)
-    length = int(array[ring_docs[np.argmax(array[ring_docs])]])
-    target = _target(array, balanced, ring_docs.tolist(), loads)
+    length = int(array[batch.ring_docs[0]])
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    goal = PoolGoal(target, _floor_tokens(array, loads), 0)
+    goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0)
     scales = {scale for _, scale in (*POOL_ORDERS, *POOL_RETRIES)}
-    sizes = {size for scale in scales for size in _sizes(length, work, scale * target, loads)}
+    sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads)}
     return min(key for size in sizes for key, _ in _options(length, size, loads, goal))

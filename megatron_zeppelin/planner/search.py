@@ -62,6 +62,7 @@ from megatron_zeppelin.planner.pool import (
     POOL_RETRIES,
     least_ring_load,
     place_pool,
+    pool_batch,
     pool_goal,
 )
 from megatron_zeppelin.planner.refine import refine
@@ -306,14 +307,17 @@ def _pool_candidates(
         return []
     staged = min(min(c.predicted.values()) for c in found)
     loads = new_loads(True, True)
-    if least_ring_load(array, assign_tiers(array, loads, rules), loads) * _POOL_GAIN >= staged:
+    choice = assign_tiers(array, loads, rules)  # the same for every order: it only reads loads
+    batch = pool_batch(array, choice, loads)
+    if least_ring_load(array, choice, loads, batch) * _POOL_GAIN >= staged:
         return []  # the longest ring alone keeps any pool placement within reach of this one
     out: list[Candidate] = []
     for first, scale in _pool_orders(out):
         loads = new_loads(True, True)
-        choice = assign_tiers(array, loads, rules)
         try:
-            placements, promotions = place_pool(array, choice, loads, rules.chunks[1], first, scale)
+            placements, promotions = place_pool(
+                array, choice, loads, rules.chunks[1], first, scale, batch
+            )
         except CapacityError:
             continue
         goal = pool_goal(array, loads, rules.chunks[1])
