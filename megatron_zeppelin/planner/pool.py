@@ -58,10 +58,15 @@ POOL_ORDERS: tuple[tuple[float | None, float], ...] = ((None, 1.0), (math.inf, 1
 documents of more than half a GPU's room first; those and the ones worth more than 0.15 of a
 GPU's share first (the slack rings leave on their members is too small for them). Which packs a
 batch best is not predicted well enough by ``Loads``: the simulator decides."""
-POOL_RETRIES: tuple[tuple[float | None, float], ...] = ((None, 0.9), (0.15, 0.9))
-"""Tried after ``POOL_ORDERS`` where none of them packs evenly: rings sized to 0.9 of the
-target, so their members keep room for the whole documents that capacity or a late long one
-forces on them (a nearly full batch, or few documents per GPU)."""
+POOL_RETRIES: tuple[tuple[float | None, float], ...] = (
+    (None, 0.9),
+    (0.15, 0.9),
+    (None, 0.8),
+    (0.15, 0.8),
+)
+"""Tried after ``POOL_ORDERS`` where none of them packs evenly: rings sized to 0.9 and 0.8 of
+the target, so their members keep room for the whole documents that capacity or a late long
+one forces on them (a nearly full batch, or few documents per GPU)."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 

@@ -99,6 +99,9 @@ _POOL_STOP = 1.15
 _POOL_EVEN = 1.04
 """The pool's retries (``pool.POOL_RETRIES``) are placed only where no pool placement so far
 is predicted within this factor of its GPUs' mean."""
+_POOL_PACKED = 1.3
+"""... and only where one is within this factor: further above, one ring's share sets the
+busiest GPU, which resizing the others does not change."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -334,10 +337,12 @@ def _pool_candidates(
 
 def _pool_orders(out: list[Candidate]) -> Iterator[tuple[float | None, float]]:
     """``POOL_ORDERS``, then ``POOL_RETRIES`` where no pool placement so far is predicted within
-    ``_POOL_EVEN`` of its GPUs' mean (``out``: the placements so far, appended by the caller)."""
+    ``_POOL_EVEN`` of its GPUs' mean but one is within ``_POOL_PACKED`` (``out``: the
+    placements so far, appended by the caller)."""
     yield from POOL_ORDERS
     if out and not any(c.even_enough(_POOL_EVEN) for c in out):
-        yield from POOL_RETRIES
+        if any(c.even_enough(_POOL_PACKED) for c in out):
+            yield from POOL_RETRIES
 
 
 def _refine_rounds(loads: Loads) -> int:
