@@ -139,8 +139,11 @@ def place_pool(
         big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
         count = int(np.count_nonzero(big))
     _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
+    arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
     for doc in batch.ring_docs:
-        placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
+        placement = _place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
+        placements[doc] = placement
+        arrays.update(placement.ring, loads)  # type: ignore[union-attr]
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
     return placements, promotions  # type: ignore[return-value]
@@ -239,13 +242,16 @@ def _place_ring(
     *,
     fallback: bool = True,
     barred: np.ndarray | None = None,
+    arrays: _Arrays | None = None,
 ) -> Placement | None:
     """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
     the size and GPUs that end soonest (``None`` without ``fallback``). Across nodes only with
     pieces of at least ``goal.nic_chunk`` tokens, or where capacity leaves no other way. GPUs
-    ``barred`` are not used."""
+    ``barred`` are not used. ``arrays``: ``loads``' cost and tokens as arrays, when kept."""
     k = loads.topology.gpus_per_node
-    tokens, cost = np.asarray(loads.tokens), np.asarray(loads.cost)
+    if arrays is None:
+        arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
+    tokens, cost = arrays.tokens, arrays.cost
     room = loads.capacity - tokens
     if barred is not None:
         room = np.where(barred, -1, room)
@@ -276,11 +282,31 @@ def _place_ring(
     return _add(soonest[1], length, loads, soonest[2])
 
 
+@dataclass
+class _Arrays:
+    """``Loads``' cost and tokens as arrays, kept in step while rings are placed (converting
+    its lists for every ring costs more than placing it)."""
+
+    cost: np.ndarray
+    tokens: np.ndarray
+
+    def update(self, ranks: tuple[int, ...], loads: Loads) -> None:
+        index = list(ranks)
+        self.cost[index] = [loads.cost[r] for r in index]
+        self.tokens[index] = [loads.tokens[r] for r in index]
+
+
 @functools.lru_cache(maxsize=4096)
 def _most_tokens(length: int, size: int) -> int:
-    """The most tokens a member of a zigzag ring of ``size`` holds (the planner asks for the
-    same few lengths and sizes many times)."""
-    return max(zigzag_loads(length, size))
+    """``max(zigzag_loads(length, size))``, for large rings in array arithmetic (the same cuts:
+    ``round`` and ``np.rint`` both round halves to even, and both divide exactly)."""
+    if size <= 16:
+        return max(zigzag_loads(length, size))
+    n = 2 * size
+    cuts = np.rint(np.arange(n + 1, dtype=np.int64) * length / n).astype(np.int64)
+    front = cuts[1 : size + 1] - cuts[:size]
+    back = cuts[n : n - size : -1] - cuts[n - 1 : n - 1 - size : -1]
+    return int((front + back).max())
 
 
 def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
