@@ -358,6 +358,8 @@ def _members(
     ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"`` GPUs
     of two nodes or more."""
     ok = (room >= per_rank) & (cost + key <= limit)
+    if np.count_nonzero(ok) < size:
+        return None  # the common answer, without looking node by node
     by_node = ok.reshape(-1, k)
     node_cost = cost.reshape(-1, k)
     if where == "whole":

@@ -153,18 +153,24 @@ def _best_change(
     if best_peak < top * (1 - _MIN_GAIN):
         i = int(np.argmin(peaks))
         best = (int(dest[i]), int(docs[i]), None)
-    # Swaps: for a shorter document of one of the least loaded GPUs.
+    # Swaps: for a shorter document of one of the least loaded GPUs holding any, all at once.
     holders = np.where(has_local, cost, np.inf)
-    light = np.argpartition(holders, min(_LIGHT, len(cost) - 1))[: _LIGHT + 1]
-    for rank in light.tolist():
-        if rank == busiest or not on_rank[rank]:
-            continue
-        theirs = np.asarray(on_rank[rank], dtype=np.int64)
-        delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds
-        grow = lengths[:, None] - array[theirs][None, :]  # tokens the light GPU gains
-        ok = (delta > 0) & (grow <= room[rank]) & (-grow <= room[busiest])
-        peak = np.where(ok, np.maximum(top - delta, cost[rank] + delta), np.inf)
-        i, j = np.unravel_index(int(np.argmin(peak)), peak.shape)
-        if peak[i, j] < min(best_peak, top * (1 - _MIN_GAIN)):
-            best_peak, best = float(peak[i, j]), (rank, int(docs[i]), int(theirs[j]))
+    light = np.argpartition(holders, min(_LIGHT, len(cost) - 1))[: _LIGHT + 1].tolist()
+    light = [rank for rank in light if rank != busiest and on_rank[rank]]
+    if not light:
+        return best
+    counts = [len(on_rank[rank]) for rank in light]
+    theirs = np.fromiter((d for rank in light for d in on_rank[rank]), np.int64, sum(counts))
+    position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
+    owner = np.asarray(light, dtype=np.int64)[position]
+    delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds
+    grow = lengths[:, None] - array[theirs][None, :]  # tokens the light GPU gains
+    ok = (delta > 0) & (grow <= room[owner][None, :]) & (-grow <= room[busiest])
+    peak = np.where(ok, np.maximum(top - delta, cost[owner][None, :] + delta), np.inf)
+    low = float(peak.min())
+    if low < min(best_peak, top * (1 - _MIN_GAIN)):
+        rows, cols = np.nonzero(peak == low)
+        pick = int(np.lexsort((cols, rows, position[cols]))[0])  # ties: the first GPU listed
+        i, j = int(rows[pick]), int(cols[pick])
+        best = (int(owner[j]), int(docs[i]), int(theirs[j]))
     return best
