@@ -174,7 +174,9 @@ def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads
         for doc in ring_docs:
             size, key = _size_for(int(array[doc]), float(balanced[doc]), target, loads)
             total += size * key
-        target = max(target, total / world)
+        if total / world <= target:
+            break  # every later round would size the rings alike
+        target = total / world
     return target
 
 
