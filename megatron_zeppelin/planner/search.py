@@ -92,7 +92,8 @@ _MAX_TIMED = 2
 _POOL_GAIN = 1.03
 """The pool placement is tried only where it could end more than this factor below the best
 placement so far: its busiest GPU is at least the longest ring document's least per-member
-load (``pool.least_ring_load``), and where that is this close the staged placement's packing
+load (``pool.least_ring_load``) and the batch's mean work per GPU (``PoolBatch.share``:
+splitting only adds work), and where either is this close the staged placement's packing
 leaves nothing worth its planning time."""
 _POOL_STOP = 1.15
 """The pool's orders stop at one predicted this far above the best placement so far."""
@@ -312,8 +313,8 @@ def _pool_candidates(
     loads = new_loads(True, True)
     choice = assign_tiers(array, loads, rules)  # the same for every order: it only reads loads
     batch = pool_batch(array, choice, loads)
-    if least_ring_load(array, choice, loads, batch) * _POOL_GAIN >= staged:
-        return []  # the longest ring alone keeps any pool placement within reach of this one
+    if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
+        return []  # the longest ring, or the mean, keeps any pool placement within reach
     out: list[Candidate] = []
     for first, scale in _pool_orders(out):
         loads = new_loads(True, True)
