@@ -17,8 +17,10 @@ once it holds the tokens a nearly full batch forces on every GPU (``_floor_token
    load, over the whole world (a local document talks to nobody, so its node does not matter);
    one no GPU has room for becomes a ring (a capacity promotion).
 
-``POOL_ORDERS`` may put the long whole documents before the rings. ``search`` places every order
-and keeps a pool placement only where the simulator times it faster than the staged ones.
+``POOL_ORDERS`` may put the long whole documents before the rings; ``POOL_RETRIES`` size the rings
+below the target where none of those packs evenly. ``search`` places every order, refines each
+(``refine.py``, which re-places a ring through ``replace_ring``), and keeps a pool placement only
+where the simulator times it faster than the staged ones.
 """
 
 from __future__ import annotations

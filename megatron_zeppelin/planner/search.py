@@ -22,9 +22,11 @@ pays).
 
 Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
 candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
-part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``); those predicted
-within ``_SHORTLIST`` of the best staged one are timed by the simulator beside the staged
-shortlist, so one is kept only where the simulator finds it faster.
+part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``, then of
+``pool.POOL_RETRIES`` where those pack unevenly), each refined by moving whole documents and rings
+off its busiest GPU (``refine.refine``); those predicted within ``_SHORTLIST`` of the best staged
+one are timed by the simulator beside the staged shortlist, so one is kept only where the
+simulator finds it faster.
 
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
