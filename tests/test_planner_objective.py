@@ -163,7 +163,9 @@ def test_step_time_is_the_shared_layer_function() -> None:
     step is ``num_layers`` of it over the simulator's per-rank figures."""
     assert simulator.layer_seconds is steptime.layer_seconds
     assert linear_layout.layer_seconds is steptime.layer_seconds
-    assert simulator.remap_seconds is steptime.remap_seconds is linear_layout.remap_seconds
+    assert simulator.remap_seconds is steptime.remap_seconds
+    # The planner prices moves as arrays, through the function ``remap_seconds`` wraps.
+    assert linear_layout.remap_seconds_of is steptime.remap_seconds_of
     topo = get_topology("zeppelin-A", num_nodes=2)
     cost = CostModel.default(MODEL, topo)
     lengths = sample_lengths("magi_realworld", num_tokens=int(0.7 * 16_384 * 16), seed=4)

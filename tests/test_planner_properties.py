@@ -14,10 +14,12 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from megatron_zeppelin.planner import steptime
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.linear_layout import (
     _count_moves,
+    _move_arrays,
     attention_ranges_by_rank,
     balanced_layout,
 )
@@ -350,4 +352,9 @@ def test_linear_layout_priced_from_counts_matches_built_layout(batch):
         layout, moves = balanced_layout(by_rank, topo, scope=scope)
         tokens = [sum(r.num_tokens for r in ranges) for ranges in layout]
         assert _count_moves(counts, tokens, topo) == moves
+        src, dst, moved = _move_arrays(counts, tokens, topo)  # what the pricing reads
+        assert len(moved) == len(moves) and (moved > 0).all()  # every pair once
+        assert steptime.remap_seconds_of(src, dst, moved, topo, _cost(topo)) == (
+            steptime.remap_seconds(moves, topo, _cost(topo))
+        )
         assert sum(moves.values()) == sum(max(0, c - t) for c, t in zip(counts, tokens))

@@ -16,7 +16,13 @@ from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
+from megatron_zeppelin.planner.pool import (
+    POOL_ORDERS,
+    POOL_RETRIES,
+    least_ring_load,
+    place_pool,
+    pool_batch,
+)
 from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
@@ -80,8 +86,8 @@ def test_few_documents_per_gpu_fill_part_of_a_node(name: str, seed: int, bound: 
     assert busy == set(range(topology.world_size)), "no GPU idle"
 
 
-@pytest.mark.parametrize("first", POOL_ORDERS)
-def test_pool_placement_keeps_capacity_and_places_every_document(first) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("first", "scale"), [*POOL_ORDERS, *POOL_RETRIES])
+def test_pool_placement_keeps_capacity_and_places_every_document(first, scale: float) -> None:  # noqa: ANN001
     """Every document placed once, rings of distinct ranks, no GPU over capacity, and a
     ring's tier matching the nodes it spans."""
     lengths, topology, cost = _batch("mixture", 32, 0.95, seed=1)
@@ -90,7 +96,7 @@ def test_pool_placement_keeps_capacity_and_places_every_document(first) -> None:
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     placements, _ = place_pool(
-        array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first
+        array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first, scale
     )
     assert len(placements) == len(array) and all(p is not None for p in placements)
     assert max(loads.tokens) <= CAPACITY and sum(loads.tokens) == int(array.sum())
@@ -109,16 +115,22 @@ def test_pool_placement_keeps_capacity_and_places_every_document(first) -> None:
     ],
 )
 def test_least_ring_load_bounds_every_pool_placement(name: str, gpus: int, fill: float) -> None:
-    """The search skips the pool where ``least_ring_load`` says it cannot end far enough below
-    the staged plan; that is sound only if no order of the pool ends below the bound."""
+    """The search skips the pool where ``least_ring_load`` or the mean work per GPU says it
+    cannot end far enough below the staged plan; that is sound only if no order of the pool
+    ends below either bound."""
     lengths, topology, cost = _batch(name, gpus, fill, seed=1)
     array = np.asarray(lengths)
     thresholds = tier_thresholds(cost)
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     fresh = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     bound = least_ring_load(array, assign_tiers(array, fresh, rules), fresh)
+    share = pool_batch(array, assign_tiers(array, fresh, rules), fresh).share
     assert bound > 0
-    for first in POOL_ORDERS:
+    for first, scale in (*POOL_ORDERS, *POOL_RETRIES):
         loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
-        place_pool(array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first)
-        assert max(loads.cost) >= bound * (1 - 1e-9), first
+        choice = assign_tiers(array, loads, rules)
+        place_pool(array, choice, loads, rules.chunks[1], first, scale)
+        assert max(loads.cost) >= bound * (1 - 1e-9), (first, scale)
+        # The mean work per GPU bounds it too (splitting only adds work): the search's other
+        # reason to skip the pool.
+        assert max(loads.cost) >= share * (1 - 1e-9), (first, scale)

@@ -39,13 +39,17 @@ import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.planner.phases import Local, ZigzagRings
 from megatron_zeppelin.planner.plan import (
     Plan,
     SequencePlan,
     Tier,
     TokenRange,
     node_grid,
+    zigzag_bounds,
     zigzag_spans,
 )
 
@@ -53,6 +57,7 @@ __all__ = [
     "AttentionShape",
     "HeadGroups",
     "HeadPlan",
+    "column_layout",
     "node_members",
     "head_groups",
     "head_plan",
@@ -174,7 +179,7 @@ def head_plan(plan: Plan) -> HeadPlan | None:
     """The column rings of ``plan``'s 2-D documents (``None`` when it has none)."""
     topo = plan.topology
     sequences, document = [], []
-    for seq in (s for s in plan.sequences if s.is_two_d):
+    for seq in plan.two_d_sequences:
         nodes = [topo.node_of(row[0]) for row in node_grid(seq.ring, topo)]
         for j in range(topo.gpus_per_node):  # column j: local GPU j of every node, one rail
             column = tuple(topo.rank_of(node, j) for node in nodes)
@@ -197,11 +202,55 @@ def head_plan(plan: Plan) -> HeadPlan | None:
     return HeadPlan(heads, tuple(document), topo.gpus_per_node)
 
 
+def column_layout(
+    plan: Plan,
+) -> tuple[Local, list[ZigzagRings], list[tuple[int, SequencePlan]]]:
+    """``phases.split_by_layout`` of ``head_plan(plan).plan.sequences`` without building them:
+    the simulator's arrays read nothing else of the column rings. Column ``j`` of a document
+    over ``n`` nodes holds zigzag chunks ``i`` and ``2n-1-i`` at position ``i``, like every other
+    column: one row of bounds serves all ``G``."""
+    topo = plan.topology
+    k = topo.gpus_per_node
+    local: list[int] = []  # the rank of every column of one node
+    local_lengths: list[int] = []
+    zigzag: dict[int, tuple[list, list]] = defaultdict(lambda: ([], []))
+    other: list[tuple[int, SequencePlan]] = []
+    for seq in plan.two_d_sequences:
+        nodes = [topo.node_of(row[0]) for row in node_grid(seq.ring, topo)]
+        n = len(nodes)
+        columns = [tuple(topo.rank_of(node, j) for node in nodes) for j in range(k)]
+        bounds = zigzag_bounds(seq.length, n)
+        if n == 1:
+            local += [column[0] for column in columns]
+            local_lengths += [seq.length] * k
+        elif all(end > start for start, end in bounds):
+            chunks, rings = zigzag[n]
+            chunks.append([(bounds[i], bounds[2 * n - 1 - i]) for i in range(n)])
+            rings.append(columns)
+        else:  # a document shorter than 2n tokens: empty chunks are left out
+            tier = Tier.INTER
+            other += [
+                (0, SequencePlan(0, seq.length, tier, column, zigzag_spans(seq.length, column)))
+                for column in columns
+            ]
+    groups = [
+        ZigzagRings(
+            np.repeat(np.asarray(chunks, dtype=np.int64), k, axis=0),
+            np.asarray(rings, dtype=np.int64).reshape(-1, n),
+            np.zeros(len(rings) * k, dtype=np.int64),
+        )
+        for n, (chunks, rings) in zigzag.items()
+    ]
+    ranks = np.asarray(local, dtype=np.int64)
+    lengths = np.asarray(local_lengths, dtype=np.int64)
+    return (np.zeros(len(ranks), dtype=np.int64), ranks, lengths), groups, other
+
+
 def node_members(plan: Plan) -> list[tuple[int, tuple[int, ...], dict[int, int]]]:
     """Per 2-D document and node: the document's id, the node's ranks and every rank's tokens
     of the document (the all-to-all's participants; ``schedule.exchange_messages``)."""
     out = []
-    for seq in (s for s in plan.sequences if s.is_two_d):
+    for seq in plan.two_d_sequences:
         tokens: dict[int, int] = defaultdict(int)
         for span in seq.attention:
             tokens[span.rank] += span.num_tokens

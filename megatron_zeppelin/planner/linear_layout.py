@@ -32,7 +32,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import SequencePlan, TokenRange
-from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds
+from megatron_zeppelin.planner.steptime import layer_seconds, remap_seconds_of
 from megatron_zeppelin.topology.model import Topology
 
 Piece = tuple[int, int, int]
@@ -55,15 +55,43 @@ def attention_ranges_by_rank(
     return by_rank
 
 
-def _merged(pieces: list[Piece]) -> tuple[TokenRange, ...]:
-    pieces.sort()
-    out: list[list[int]] = []
-    for seq, start, end in pieces:
-        if out and out[-1][0] == seq and out[-1][2] == start:
-            out[-1][2] = end
-        else:
-            out.append([seq, start, end])
-    return tuple(TokenRange(seq, start, end) for seq, start, end in out)
+def attention_layout(sequences: Sequence[SequencePlan], world_size: int) -> Layout:
+    """``build_linear_layout(attention_ranges_by_rank(sequences), ..., "attention")`` in one
+    pass over the spans, merging as it goes, where every rank meets its pieces in (document,
+    start) order without overlaps (as builders list them); otherwise by sorting."""
+    layout: list[list[TokenRange]] = [[] for _ in range(world_size)]
+    for seq in sequences:
+        seq_id = seq.id
+        for span in seq.attention:
+            start, end = span.start, span.end
+            ranges = layout[span.rank]
+            if ranges:
+                last = ranges[-1]
+                if last.seq == seq_id and start == last.end:
+                    ranges[-1] = TokenRange(seq_id, last.start, end)
+                    continue
+                if last.seq > seq_id or (last.seq == seq_id and start < last.end):
+                    return _merged(attention_ranges_by_rank(sequences, world_size))
+            ranges.append(TokenRange(seq_id, start, end))
+    return tuple(map(tuple, layout))
+
+
+def _merged(by_rank: list[list[Piece]]) -> Layout:
+    """Every rank's pieces sorted by (document, start, end), touching ranges of one document
+    merged (rare: most pieces are a document's whole share of the rank)."""
+    layout = []
+    for pieces in by_rank:
+        pieces.sort()
+        out: list[TokenRange] = []
+        last_seq = last_end = -1
+        for seq, start, end in pieces:
+            if seq == last_seq and start == last_end:
+                out[-1] = TokenRange(seq, out[-1].start, end)
+            else:
+                out.append(TokenRange(seq, start, end))
+            last_seq, last_end = seq, end
+        layout.append(tuple(out))
+    return tuple(layout)
 
 
 def _fill(
@@ -143,13 +171,22 @@ def balanced_layout(
     needy = [r for needy_ranks in needy_of_node for r in needy_ranks]
     _fill(leftover, needy, need, kept, moves)
     assert not leftover and not needy and not any(need), "linear layout lost tokens"
-    return tuple(_merged(pieces) for pieces in kept), moves
+    return _merged(kept), moves
 
 
 def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Moves:
-    """The moves ``balanced_layout`` makes, from token counts alone: surplus is handed out in
-    holder order to needy ranks in rank order, same node first, exactly as ``_fill`` does
-    (``_match`` on every node's streams at once, then on what is left over)."""
+    """The moves ``balanced_layout`` makes, from token counts alone (``_move_arrays``)."""
+    src, dst, tokens = _move_arrays(counts, target, topology)
+    return dict(zip(zip(src.tolist(), dst.tolist()), tokens.tolist()))
+
+
+def _move_arrays(
+    counts: list[int], target: list[int], topology: Topology
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The moves ``balanced_layout`` makes, from token counts alone, as (holder, receiver,
+    tokens) arrays, every pair once: surplus is handed out in holder order to needy ranks in
+    rank order, same node first, exactly as ``_fill`` does (``_match`` on every node's streams
+    at once, then on what is left over, which pairs ranks of different nodes only)."""
     k = topology.gpus_per_node
     diff = np.asarray(counts, dtype=np.int64) - np.asarray(target, dtype=np.int64)
     surplus, need = np.maximum(diff, 0), np.maximum(-diff, 0)
@@ -160,10 +197,8 @@ def _count_moves(counts: list[int], target: list[int], topology: Topology) -> Mo
     surplus -= np.bincount(first[0], weights=first[2], minlength=len(diff)).astype(np.int64)
     need -= np.bincount(first[1], weights=first[2], minlength=len(diff)).astype(np.int64)
     second = _match(surplus, need, np.zeros(len(diff), dtype=np.int64))
-    moves: Moves = {}
-    for src, dst, tokens in (first, second):
-        moves.update(zip(zip(src.tolist(), dst.tolist()), tokens.tolist()))
-    return moves
+    src, dst, tokens = (np.concatenate(pair) for pair in zip(first, second))
+    return src, dst, tokens
 
 
 def _match(
@@ -217,12 +252,12 @@ def price_linear_layouts(
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
         if name == "attention":
-            tokens, moves = list(counts), {}
+            tokens, remap_s = list(counts), 0.0
         else:
             tokens = _targets(counts, topology.gpus_per_node if name == "node" else world)
-            moves = _count_moves(list(counts), tokens, topology)
+            src, dst, moved = _move_arrays(list(counts), tokens, topology)
+            remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
         linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
-        remap_s = remap_seconds(moves, topology, cost_model)
         predicted[name] = layer_seconds(linear_s, attention_s, remap_s)
     return predicted
 
@@ -255,5 +290,5 @@ def build_linear_layout(
 ) -> tuple[Layout, Moves]:
     """The ranges (and moves) of layout ``name``."""
     if name == "attention":
-        return tuple(_merged(list(p)) for p in by_rank), {}
+        return _merged([list(p) for p in by_rank]), {}
     return balanced_layout(by_rank, topology, scope=name)

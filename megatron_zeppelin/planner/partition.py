@@ -57,23 +57,26 @@ same plan.
 from __future__ import annotations
 
 import gc
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from itertools import product
+from operator import attrgetter
 
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.linear_layout import (
     LAYOUTS,
+    attention_layout,
     attention_ranges_by_rank,
     build_linear_layout,
     moved_tokens,
 )
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import CapacityError
-from megatron_zeppelin.planner.plan import Plan, Tier
+from megatron_zeppelin.planner.plan import Plan, Scheme, Tier
 from megatron_zeppelin.planner.search import Candidate, search
 from megatron_zeppelin.planner.spread import spread_evenly, wide_choices
 from megatron_zeppelin.planner.thresholds import tier_thresholds
@@ -312,18 +315,20 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     loads = best.loads
     topology = loads.topology
     tokens = np.asarray(loads.tokens, dtype=np.float64)
-    by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
     layout = best.layout
-    linear, moves = build_linear_layout(by_rank, topology, layout)
-    counts = {t.value: 0 for t in Tier}
-    for placement in best.placements:
-        counts[placement.tier.value] += 1
+    if layout == "attention":  # nothing moves
+        linear, moves = attention_layout(best.sequences, topology.world_size), {}
+    else:
+        by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
+        linear, moves = build_linear_layout(by_rank, topology, layout)
+    tiers = Counter(map(attrgetter("tier"), best.placements))
+    counts = {t.value: tiers[t] for t in Tier}
     meta = {
         **meta,
         "balance": best.balance,
         "placement": "pool" if best.pooled else "staged",
         "tier_counts": counts,
-        "max_ring_size": max(len(p.ring) for p in best.placements),
+        "max_ring_size": max(map(len, map(attrgetter("ring"), best.placements))),
         "attention_imbalance": _imbalance(best.attention_s),
         "load_imbalance": _imbalance(best.attention_s + cost_model.linear_times(tokens)),
         "attention_token_imbalance": _imbalance(tokens),
@@ -333,7 +338,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "timed_by": "simulator" if best.timed else "planner estimate",
         "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(best.routes),
-        "two_d_documents": sum(seq.is_two_d for seq in best.sequences),
+        "two_d_documents": list(map(attrgetter("scheme"), best.sequences)).count(Scheme.TWO_D),
         "cost_sources": dict(cost_model.sources),
     }
     return Plan(

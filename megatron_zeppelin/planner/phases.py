@@ -19,6 +19,8 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import compress
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -27,11 +29,15 @@ from megatron_zeppelin.planner.plan import SequencePlan
 
 __all__ = [
     "Blocks",
+    "ZigzagRings",
     "attention_blocks",
     "call_key",
     "causal_pairs_array",
     "is_zigzag",
     "phase_seconds",
+    "split_by_layout",
+    "unique_inverse",
+    "zigzag_blocks",
 ]
 
 
@@ -95,51 +101,111 @@ class _Rows:
         )
 
 
+@dataclass(frozen=True)
+class ZigzagRings:
+    """Documents of one ring size ``g`` whose spans are the zigzag chunks of their ring
+    (``is_zigzag``), as arrays: what the array timelines read of them."""
+
+    bounds: np.ndarray
+    """``(doc, position, 2, 2)``: start and end of chunks ``i`` and ``2g-1-i`` of position ``i``."""
+    ring: np.ndarray
+    """``(doc, position)``: the ring's ranks."""
+    pass_id: np.ndarray
+    """``(doc,)``."""
+
+    @property
+    def size(self) -> int:
+        return self.ring.shape[1]
+
+    @property
+    def block_tokens(self) -> np.ndarray:
+        """``(doc, position)``: tokens each position holds (its K/V block)."""
+        return (self.bounds[..., 1] - self.bounds[..., 0]).sum(axis=2)
+
+    @classmethod
+    def of(cls, docs: list[tuple[int, SequencePlan]]) -> ZigzagRings:
+        """``(pass, document)`` pairs of one ring size, every one ``is_zigzag``."""
+        g = len(docs[0][1].ring)
+        bounds = np.asarray(
+            [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
+        ).reshape(len(docs), g, 2, 2)
+        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)
+        return cls(bounds, rings, np.asarray([p for p, _ in docs], dtype=np.int64))
+
+
+Local = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""Documents whole on one rank: ``(pass, rank, length)`` arrays."""
+_RING, _LENGTH = attrgetter("ring"), attrgetter("length")
+
+
+def split_by_layout(
+    sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
+) -> tuple[Local, list[ZigzagRings], list[tuple[int, SequencePlan]]]:
+    """``sequences`` as their local documents, their zigzag rings per ring size (in order of
+    first appearance) and the documents of any other layout ``(pass, document)``. Most
+    documents are local: they are read with C-level maps, the rings one by one."""
+    rings = list(map(_RING, sequences))
+    sizes = np.fromiter(map(len, rings), dtype=np.int64, count=len(rings))
+    lengths = np.fromiter(map(_LENGTH, sequences), dtype=np.int64, count=len(rings))
+    passes = np.zeros(len(rings), dtype=np.int64) if pass_ids is None else np.asarray(pass_ids)
+    is_local = sizes == 1  # every query sees every earlier key on the same rank
+    ranks = np.fromiter(map(itemgetter(0), compress(rings, is_local.tolist())), dtype=np.int64)
+    local = (passes[is_local].astype(np.int64), ranks, lengths[is_local])
+    zigzag: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
+    other: list[tuple[int, SequencePlan]] = []
+    for i in np.flatnonzero(~is_local).tolist():
+        seq, pass_id = sequences[i], int(passes[i])
+        if is_zigzag(seq):
+            zigzag[len(seq.ring)].append((pass_id, seq))
+        else:
+            other.append((pass_id, seq))
+    return local, [ZigzagRings.of(docs) for docs in zigzag.values()], other
+
+
 def attention_blocks(
     sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
 ) -> Blocks:
     """Every block of ``sequences`` (module docstring); ``pass_ids[i]`` is the pass of
     ``sequences[i]`` (default: one pass for all)."""
-    if pass_ids is None:
-        pass_ids = [0] * len(sequences)
+    local, zigzag, other = split_by_layout(sequences, pass_ids)
+    num_phases = max(map(len, map(_RING, sequences)), default=1)
+    return zigzag_blocks(zigzag, num_phases, local=local, other=other)
+
+
+def zigzag_blocks(
+    zigzag: list[ZigzagRings],
+    num_phases: int,
+    *,
+    local: Local | None = None,
+    other: list[tuple[int, SequencePlan]] = (),  # type: ignore[assignment]
+) -> Blocks:
+    """The blocks of ``split_by_layout``'s three kinds: local documents first, then the zigzag
+    rings in the order given, then the others (rows in this order, so sums come out alike)."""
     rows = _Rows()
-    local: list[tuple[int, int, int]] = []
-    zigzag: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
-    for pass_id, seq in zip(pass_ids, sequences):
-        if len(seq.ring) == 1:  # every query sees every earlier key on the same rank
-            local.append((pass_id, seq.ring[0], seq.length))
-        elif is_zigzag(seq):
-            zigzag[len(seq.ring)].append((pass_id, seq))
-        else:
-            _add_any(rows, pass_id, seq)
-    if local:
-        pass_id, rank, length = np.asarray(local, dtype=np.int64).T
+    for pass_id, seq in other:
+        _add_any(rows, pass_id, seq)
+    if local is not None and len(local[0]):
+        pass_id, rank, length = local
         rows.add(pass_id, rank, 0, length, length * (length + 1) // 2)
-    for g, docs in zigzag.items():
-        _add_zigzag(rows, g, docs)
-    num_phases = max((len(s.ring) for s in sequences), default=1)
+    for group in zigzag:
+        _add_zigzag(rows, group)
     return rows.blocks(num_phases)
 
 
-def _add_zigzag(rows: _Rows, g: int, docs: list[tuple[int, SequencePlan]]) -> None:
-    """Documents of ring size ``g`` with zigzag spans, all at once: arrays of (doc, position,
-    chunk) span bounds, pairs of every query position against every key position."""
-    bounds = np.asarray(
-        [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
-    ).reshape(len(docs), g, 2, 2)
-    starts, ends = bounds[..., 0], bounds[..., 1]
+def _add_zigzag(rows: _Rows, group: ZigzagRings) -> None:
+    """Documents of one ring size ``g`` with zigzag spans, all at once: pairs of every query
+    position against every key position from the (doc, position, chunk) span bounds."""
+    g, starts, ends = group.size, group.bounds[..., 0], group.bounds[..., 1]
     q_s, q_e = starts[:, :, :, None, None], ends[:, :, :, None, None]
     k_s, k_e = starts[:, None, None, :, :], ends[:, None, None, :, :]
     pairs = causal_pairs_array(q_s, q_e, k_s, k_e).sum(axis=(2, 4))  # (doc, q pos, k pos)
     num_q = (ends - starts).sum(axis=2)  # (doc, position)
-    rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)
-    pass_ids = np.asarray([p for p, _ in docs], dtype=np.int64)
     positions = np.arange(g)
     phase = (positions[:, None] - positions[None, :]) % g  # query i, key j: phase (i - j) mod g
     shape = pairs.shape
     rows.add(
-        np.broadcast_to(pass_ids[:, None, None], shape),
-        np.broadcast_to(rings[:, :, None], shape),
+        np.broadcast_to(group.pass_id[:, None, None], shape),
+        np.broadcast_to(group.ring[:, :, None], shape),
         np.broadcast_to(phase[None], shape),
         np.broadcast_to(num_q[:, :, None], shape),
         pairs,
@@ -181,7 +247,7 @@ def phase_seconds(
         phase = np.minimum(phase, 1)
     num_phases = blocks.num_phases
     key = call_key(blocks.pass_id[keep], blocks.rank[keep], phase, world_size, num_phases)
-    calls, inverse = np.unique(key, return_inverse=True)
+    calls, inverse = unique_inverse(key)
     num_q, pairs = blocks.num_q[keep], blocks.pairs[keep]
     call_tokens = np.bincount(inverse, weights=num_q, minlength=len(calls))
     diagonal = phase == 0
@@ -196,6 +262,19 @@ def phase_seconds(
     overhead = np.where(call_phase == 0, cost.diagonal.overhead_s, cost.attention.overhead_s)
     pass_rank = calls // num_phases
     return pass_rank // world_size, pass_rank % world_size, call_phase, seconds + overhead
+
+
+def unique_inverse(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``np.unique(keys, return_inverse=True)`` of non-negative integer keys, by a table over
+    their range where that is small beside their number (no sort: the timelines index every
+    call and port this way)."""
+    top = int(keys.max()) + 1 if len(keys) else 0
+    if top > 16 * len(keys) + 65536:
+        return np.unique(keys, return_inverse=True)
+    present = np.zeros(top, dtype=bool)
+    present[keys] = True
+    index = np.cumsum(present) - 1
+    return np.flatnonzero(present), index[keys]
 
 
 def call_key(

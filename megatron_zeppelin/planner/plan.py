@@ -24,192 +24,55 @@ from __future__ import annotations
 import functools
 import json
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from megatron_zeppelin.fileio import atomic_write_text
+from megatron_zeppelin.planner.plan_parts import (
+    AttentionComm,
+    Route,
+    RoutePart,
+    Scheme,
+    SequencePlan,
+    Span,
+    Tier,
+    TokenRange,
+    node_chunks,
+    node_grid,
+    split_by_weights,
+    zigzag_bounds,
+    zigzag_loads,
+    zigzag_sequences,
+    zigzag_spans,
+)
 from megatron_zeppelin.topology.model import Topology
+
+__all__ = [  # the parts are re-exported: a plan's readers import them from here
+    "PLAN_FORMAT",
+    "READ_FORMATS",
+    "AttentionComm",
+    "Plan",
+    "Route",
+    "RoutePart",
+    "Scheme",
+    "SequencePlan",
+    "Span",
+    "Tier",
+    "TokenRange",
+    "node_chunks",
+    "node_grid",
+    "split_by_weights",
+    "zigzag_bounds",
+    "zigzag_loads",
+    "zigzag_sequences",
+    "zigzag_spans",
+]
 
 PLAN_FORMAT = "zeppelin-plan/2"
 READ_FORMATS = ("zeppelin-plan/1", PLAN_FORMAT)
 """Formats ``Plan.from_dict`` reads: ``/2`` added ``scheme`` per sequence (``/1`` plans are all
 rings)."""
-
-
-class Tier(str, Enum):
-    """Where a document's attention runs."""
-
-    LOCAL = "local"  # whole document on one GPU, no communication
-    INTRA = "intra"  # ring of GPUs inside one node (NVLink)
-    INTER = "inter"  # ring spanning several nodes (NICs)
-
-    @classmethod
-    def of_ring(cls, ring: tuple[int, ...] | list[int], gpus_per_node: int) -> Tier:
-        """The tier a ring of ranks stands for: one rank, one node, or several nodes."""
-        if len(ring) == 1:
-            return cls.LOCAL
-        node = ring[0] // gpus_per_node
-        same = all(r // gpus_per_node == node for r in ring)
-        return cls.INTRA if same else cls.INTER
-
-
-class AttentionComm(str, Enum):
-    """How K/V reach the query holders of a split document."""
-
-    RING = "ring"  # P2P ring, one K/V block per step (TE ring CP, Zeppelin)
-    ALLGATHER = "allgather"  # all-gather K/V once over the group (LLaMA-3 CP)
-
-
-class Scheme(str, Enum):
-    """How a split document's attention runs (docs/DESIGN.md, "Two-dimensional attention for
-    documents that span nodes")."""
-
-    RING = "ring"  # one ring over every rank of ``ring``
-    TWO_D = "2d"  # heads split inside each node, one ring per head group across the nodes
-
-
-@dataclass(frozen=True)
-class Span:
-    """Query tokens ``[start, end)`` of one document computed on ``rank``."""
-
-    rank: int
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class TokenRange:
-    """Tokens ``[start, end)`` of document ``seq``."""
-
-    seq: int
-    start: int
-    end: int
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-
-@dataclass(frozen=True)
-class SequencePlan:
-    """One document's attention placement."""
-
-    id: int
-    length: int
-    tier: Tier
-    ring: tuple[int, ...]
-    """Ranks of the document's ring in ring order; one rank for a local document."""
-    attention: tuple[Span, ...]
-    """Query ranges per rank; they partition ``[0, length)``. Empty spans are not listed."""
-    scheme: Scheme = Scheme.RING
-    """``TWO_D``: ``ring`` lists whole nodes, node by node in ring order (``node_grid``; the
-    order inside a node does not matter: a rank's head group is its local GPU index);
-    ``attention`` is where the document's tokens arrive with all their heads, each rank's spans
-    inside its node's zigzag chunks (``node_chunks``). The engine moves heads between the
-    node's ranks itself."""
-
-    @property
-    def is_two_d(self) -> bool:
-        return self.scheme == Scheme.TWO_D
-
-    @property
-    def ring_size(self) -> int:
-        return len(self.ring)
-
-    def spans_of(self, rank: int) -> tuple[Span, ...]:
-        return tuple(s for s in self.attention if s.rank == rank)
-
-
-@dataclass(frozen=True)
-class RoutePart:
-    """One part of a routed message: ``src -> src_proxy`` (NVLink, skipped when equal),
-    ``src_proxy -> dst_proxy`` (the proxies' rail, across nodes), ``dst_proxy -> dst`` (NVLink,
-    skipped when equal). ``weight`` is its share; see ``split_by_weights``."""
-
-    src_proxy: int
-    dst_proxy: int
-    weight: int
-
-
-@dataclass(frozen=True)
-class Route:
-    """How every message on the ring edge ``src -> dst`` (different nodes) is split."""
-
-    src: int
-    dst: int
-    parts: tuple[RoutePart, ...]
-
-
-def split_by_weights(num_tokens: int, weights: tuple[int, ...] | list[int]) -> list[int]:
-    """Split ``num_tokens`` into integer parts proportional to ``weights`` (largest remainder,
-    ties to the lower index). Deterministic, so sender, proxies and receiver agree."""
-    total = sum(weights)
-    assert total > 0 and all(w >= 0 for w in weights), weights
-    base = [num_tokens * w // total for w in weights]
-    rest = num_tokens - sum(base)
-    order = sorted(range(len(weights)), key=lambda i: (-(num_tokens * weights[i] % total), i))
-    for i in order[:rest]:
-        base[i] += 1
-    return base
-
-
-def zigzag_bounds(length: int, ring_size: int) -> list[tuple[int, int]]:
-    """The ``2g`` chunk bounds of a causal document cut for a ring of ``g``: ``round(j*L/2g)``."""
-    num_chunks = 2 * ring_size
-    cuts = [round(j * length / num_chunks) for j in range(num_chunks + 1)]
-    return [(cuts[j], cuts[j + 1]) for j in range(num_chunks)]
-
-
-@functools.lru_cache(maxsize=4096)  # the planner asks for the same few many times
-def zigzag_loads(length: int, ring_size: int) -> tuple[int, ...]:
-    """Tokens each ring position holds under zigzag (chunks ``i`` and ``2g-1-i``)."""
-    if ring_size == 1:
-        return (length,)
-    n = 2 * ring_size  # position i holds chunks [cuts[i], cuts[i+1]) and [cuts[n-1-i], cuts[n-i])
-    cuts = [round(j * length / n) for j in range(n + 1)]
-    return tuple(cuts[i + 1] - cuts[i] + cuts[n - i] - cuts[n - 1 - i] for i in range(ring_size))
-
-
-def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
-    """Zigzag attention spans: ring position ``i`` holds chunks ``i`` and ``2g-1-i``.
-    Empty chunks (documents shorter than ``2g``) are left out."""
-    g = len(ring)
-    bounds = zigzag_bounds(length, g)
-    spans = []
-    for i, rank in enumerate(ring):
-        for j in (i, 2 * g - 1 - i):
-            start, end = bounds[j]
-            if end > start:
-                spans.append(Span(rank, start, end))
-    return tuple(spans)
-
-
-def node_chunks(length: int, num_nodes: int, position: int) -> list[tuple[int, int]]:
-    """The token ranges node ``position`` (of ``num_nodes`` in ring order) holds of a 2-D
-    document: zigzag chunks ``position`` and ``2n-1-position`` over the nodes, empty ones left
-    out, in position order."""
-    bounds = zigzag_bounds(length, num_nodes)
-    chosen = (bounds[position], bounds[2 * num_nodes - 1 - position])
-    return [(start, end) for start, end in chosen if end > start]
-
-
-def node_grid(ring: tuple[int, ...], topology: Topology) -> tuple[tuple[int, ...], ...]:
-    """A 2-D document's ring as one row per node (its ranks as listed), nodes in ring order;
-    ``ValueError`` unless the ring lists whole nodes, each node's ranks together."""
-    k = topology.gpus_per_node
-    rows = tuple(tuple(ring[i : i + k]) for i in range(0, len(ring), k))
-    nodes = [topology.node_of(row[0]) for row in rows]
-    whole = all(sorted(row) == list(topology.ranks_of_node(n)) for row, n in zip(rows, nodes))
-    if not whole or len(set(nodes)) != len(nodes):
-        raise ValueError(
-            f"ring {ring} of a 2-D document must list whole nodes: every rank of each of its "
-            f"nodes ({k} per node), node by node"
-        )
-    return rows
 
 
 def _check_two_d(seq: SequencePlan, topology: Topology) -> None:
@@ -437,7 +300,14 @@ class Plan:
     @property
     def has_two_d(self) -> bool:
         """Whether any document runs the 2-D scheme."""
-        return any(s.scheme != Scheme.RING for s in self.sequences)
+        return bool(self.two_d_sequences)
+
+    @functools.cached_property
+    def two_d_sequences(self) -> tuple[SequencePlan, ...]:
+        """The documents that run the 2-D scheme (found once: the simulator and the engine ask
+        for them several times per plan)."""
+        two_d = Scheme.TWO_D
+        return tuple(s for s in self.sequences if s.scheme == two_d)
 
     @classmethod
     def from_json(cls, text_or_path: str) -> Plan:
@@ -532,23 +402,59 @@ def _check_linear(
     linear: tuple[tuple[TokenRange, ...], ...], lengths: dict[int, int], ids: list[int]
 ) -> list[int]:
     """The linear ranges partition every document. Returns the linear tokens per rank."""
-    pieces: list[tuple[int, int, int]] = []
+    seqs: list[int] = []
+    starts: list[int] = []
+    ends: list[int] = []
     linear_tokens = [0] * len(linear)
     for rank, ranges in enumerate(linear):
         num = 0
         for r in ranges:
-            length = lengths.get(r.seq)
+            seq, start, end = r.seq, r.start, r.end
+            length = lengths.get(seq)
             if length is None:
-                raise ValueError(f"linear layout of rank {rank} names unknown sequence {r.seq}")
-            if not 0 <= r.start < r.end <= length:
+                raise ValueError(f"linear layout of rank {rank} names unknown sequence {seq}")
+            if not 0 <= start < end <= length:
                 raise ValueError(
-                    f"linear layout of rank {rank}: range [{r.start}, {r.end}) of sequence "
-                    f"{r.seq} is empty or outside [0, {length})"
+                    f"linear layout of rank {rank}: range [{start}, {end}) of sequence "
+                    f"{seq} is empty or outside [0, {length})"
                 )
-            pieces.append((r.seq, r.start, r.end))
-            num += r.end - r.start
+            seqs.append(seq)
+            starts.append(start)
+            ends.append(end)
+            num += end - start
         linear_tokens[rank] = num
-    pieces.sort()
+    if not _partition(seqs, starts, ends, lengths):
+        _name_the_gap(sorted(zip(seqs, starts, ends)), lengths, ids)
+    return linear_tokens
+
+
+def _partition(
+    seqs: list[int], starts: list[int], ends: list[int], lengths: dict[int, int]
+) -> bool:
+    """Whether the ranges (each inside its document) partition every document of ``lengths``,
+    told with arrays: sorted by (document, start, end), each document's ranges run from 0 to
+    its length. ``False`` also when the values are not plain integers (``_name_the_gap`` then
+    walks them)."""
+    seq, start, end = (np.array(values) for values in (seqs, starts, ends))
+    if any(a.dtype.kind != "i" for a in (seq, start, end)) or not len(seq):
+        return False
+    order = np.lexsort((end, start, seq))
+    seq, start, end = seq[order], start[order], end[order]
+    first = np.ones(len(seq), dtype=bool)
+    first[1:] = seq[1:] != seq[:-1]
+    last = np.r_[first[1:], True]
+    length = np.array(list(map(lengths.__getitem__, seq[last].tolist())))
+    return (
+        bool((start == np.where(first, 0, np.r_[0, end[:-1]])).all())
+        and bool((end[last] == length).all())
+        and int(first.sum()) == len(lengths)
+    )
+
+
+def _name_the_gap(
+    pieces: list[tuple[int, int, int]], lengths: dict[int, int], ids: list[int]
+) -> None:
+    """Raise naming the first document the sorted ``pieces`` do not partition."""
     current, pos, num_seen = None, 0, 0
     for seq_id, start, end in pieces:
         if seq_id != current:
@@ -564,7 +470,6 @@ def _check_linear(
         named = {piece[0] for piece in pieces}
         missing = next(i for i in ids if i not in named)
         raise ValueError(f"linear layout covers [0, 0) of sequence {missing}")
-    return linear_tokens
 
 
 def _check_routes(routes: tuple[Route, ...], topology: Topology) -> None:

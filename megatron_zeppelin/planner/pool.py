@@ -17,15 +17,18 @@ once it holds the tokens a nearly full batch forces on every GPU (``_floor_token
    load, over the whole world (a local document talks to nobody, so its node does not matter);
    one no GPU has room for becomes a ring (a capacity promotion).
 
-``POOL_ORDERS`` may put the long whole documents before the rings. ``search`` places every order
-and keeps a pool placement only where the simulator times it faster than the staged ones.
+``POOL_ORDERS`` may put the long whole documents before the rings; ``POOL_RETRIES`` size the rings
+below the target where none of those packs evenly. ``search`` places every order, refines each
+(``refine.py``, which re-places a ring through ``replace_ring``), and keeps a pool placement only
+where the simulator times it faster than the staged ones.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -38,15 +41,34 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
-__all__ = ["POOL_ORDERS", "PoolGoal", "least_ring_load", "place_pool"]
+__all__ = [
+    "POOL_ORDERS",
+    "POOL_RETRIES",
+    "PoolBatch",
+    "PoolGoal",
+    "least_ring_load",
+    "place_pool",
+    "pool_batch",
+    "pool_goal",
+    "replace_ring",
+]
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
-POOL_ORDERS: tuple[float | None, ...] = (None, math.inf, 0.15)
-"""The orders ``search`` tries (``place_pool``'s ``first``): rings first; whole documents of more
-than half a GPU's room first; those and the ones worth more than 0.15 of a GPU's share first
-(the slack rings leave on their members is too small for them). Which packs a batch best is not
-predicted well enough by ``Loads``: the simulator decides."""
+POOL_ORDERS: tuple[tuple[float | None, float], ...] = ((None, 1.0), (math.inf, 1.0), (0.15, 1.0))
+"""The ``(first, scale)`` that ``search`` tries (``place_pool``'s arguments): rings first; whole
+documents of more than half a GPU's room first; those and the ones worth more than 0.15 of a
+GPU's share first (the slack rings leave on their members is too small for them). Which packs a
+batch best is not predicted well enough by ``Loads``: the simulator decides."""
+POOL_RETRIES: tuple[tuple[float | None, float], ...] = (
+    (None, 0.9),
+    (0.15, 0.9),
+    (None, 0.8),
+    (0.15, 0.8),
+)
+"""Tried after ``POOL_ORDERS`` where none of them packs evenly: rings sized to 0.9 and 0.8 of
+the target, so their members keep room for the whole documents that capacity or a late long
+one forces on them (a nearly full batch, or few documents per GPU)."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -64,21 +86,53 @@ class PoolGoal:
     (``tiers.chunk_thresholds``): smaller pieces cross nodes only where capacity needs it."""
 
 
+@dataclass(frozen=True)
+class PoolBatch:
+    """What every order of ``place_pool`` reads of a batch alike (``pool_batch``), computed
+    once per batch."""
+
+    balanced: np.ndarray
+    """Each document's work: attention and linear seconds."""
+    share: float
+    """A GPU's share of the batch's work."""
+    rings: np.ndarray
+    """Which documents are placed as rings."""
+    ring_docs: list[int]
+    """Those, longest first."""
+    target: float
+    """``_target``: the load every GPU should end at."""
+
+
+def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads) -> PoolBatch:
+    """``_split`` and ``_target`` of the batch (they depend on neither the order nor the
+    placement)."""
+    balanced, share, rings = _split(array, choice, loads)
+    ring_docs = np.flatnonzero(rings)
+    ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
+    target = _target(array, balanced, ring_docs, loads)
+    return PoolBatch(balanced, share, rings, ring_docs, target)
+
+
 def place_pool(
-    array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int, first: float | None
+    array: np.ndarray,
+    choice: TierChoice,
+    loads: Loads,
+    nic_chunk: int,
+    first: float | None,
+    scale: float = 1.0,
+    batch: PoolBatch | None = None,
 ) -> tuple[list[Placement], int]:
     """Every document's placement (module docstring), its work added to ``loads``, and how many
     documents meant to stay whole became rings for lack of room on any GPU; a document
     is a ring where its work, with the linear seconds of the tokens its GPU must hold besides
     (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
-    GPUs are free to hold them (ring pieces then fill what they leave). Raises
-    ``CapacityError`` where a document finds no room."""
-    balanced, share, rings = _split(array, choice, loads)
-    ring_docs = np.flatnonzero(rings)
-    ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    target = _target(array, balanced, ring_docs, loads)
-    goal = PoolGoal(target, _floor_tokens(array, loads), nic_chunk)
+    GPUs are free to hold them (ring pieces then fill what they leave). Rings are sized to
+    ``scale`` times the target. ``batch``: ``pool_batch`` of the same batch, when known.
+    Raises ``CapacityError`` where a document finds no room."""
+    batch = batch or pool_batch(array, choice, loads)
+    balanced, share, rings = batch.balanced, batch.share, batch.rings
+    goal = PoolGoal(scale * batch.target, _floor_tokens(array, loads), nic_chunk)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
@@ -87,8 +141,11 @@ def place_pool(
         big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
         count = int(np.count_nonzero(big))
     _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
-    for doc in ring_docs:
-        placements[doc] = _place_ring(doc, int(array[doc]), loads, goal)
+    arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
+    for doc in batch.ring_docs:
+        placement = _place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
+        placements[doc] = placement
+        arrays.update(placement.ring, loads)  # type: ignore[union-attr]
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
     return placements, promotions  # type: ignore[return-value]
@@ -119,7 +176,9 @@ def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads
         for doc in ring_docs:
             size, key = _size_for(int(array[doc]), float(balanced[doc]), target, loads)
             total += size * key
-        target = max(target, total / world)
+        if total / world <= target:
+            break  # every later round would size the rings alike
+        target = total / world
     return target
 
 
@@ -179,33 +238,98 @@ def _projected(loads: Loads, floor: int) -> np.ndarray:
     return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
 
 
-def _place_ring(doc: int, length: int, loads: Loads, goal: PoolGoal) -> Placement:
+def _place_ring(
+    doc: int,
+    length: int,
+    loads: Loads,
+    goal: PoolGoal,
+    *,
+    fallback: bool = True,
+    barred: np.ndarray | None = None,
+    arrays: _Arrays | None = None,
+) -> Placement | None:
     """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
-    the size and GPUs that end soonest. Across nodes only with pieces of at least
-    ``goal.nic_chunk`` tokens, or where capacity leaves no other way."""
+    the size and GPUs that end soonest (``None`` without ``fallback``). Across nodes only with
+    pieces of at least ``goal.nic_chunk`` tokens, or where capacity leaves no other way. GPUs
+    ``barred`` are not used. ``arrays``: ``loads``' cost and tokens as arrays, when kept."""
     k = loads.topology.gpus_per_node
-    tokens, cost = np.asarray(loads.tokens), np.asarray(loads.cost)
+    if arrays is None:
+        arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
+    tokens, cost = arrays.tokens, arrays.cost
     room = loads.capacity - tokens
+    if barred is not None:
+        room = np.where(barred, -1, room)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in _sizes(length, work, goal.target, loads):
-        per_rank = max(zigzag_loads(length, size))
-        ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
+        per_rank = _most_tokens(length, size)
+        if goal.floor:
+            ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
+        else:
+            ends = cost  # no GPU needs tokens besides what it is given
         for key, where in _options(length, size, loads, goal):
             tries.append((size, per_rank, ends, key, where))
             ring = _members(ends, room, size, key, per_rank, goal.target * _TOLERANCE, k, where)
             if ring is not None:
                 return _add(ring, length, loads, where == "whole")
-    fallback: tuple[float, tuple[int, ...], bool] | None = None
-    for size, per_rank, ends, key, where in tries:
+    if not fallback:
+        return None
+    ring, two_d = _soonest(tries, room, k, doc, length)
+    return _add(ring, length, loads, two_d)
+
+
+def _soonest(
+    tries: list, room: np.ndarray, k: int, doc: int, length: int
+) -> tuple[tuple[int, ...], bool]:
+    """Of ``tries``, the first ring (in their order) whose busiest member ends soonest, and
+    whether it is over whole nodes. Tries are looked at by the least end any ring of theirs can
+    have (their ``size``-th least loaded GPU with room), and no further once that is later
+    than the soonest end found: the same answer as looking at every one, for less."""
+    bounds = []
+    for index, (size, per_rank, ends, key, _) in enumerate(tries):
+        fits = ends[room >= per_rank]
+        if len(fits) >= size:
+            bounds.append((float(np.partition(fits, size - 1)[size - 1]) + key, index))
+    best: tuple[float, int, tuple[int, ...], bool] | None = None
+    for bound, index in sorted(bounds):
+        if best is not None and bound > best[0]:
+            break
+        size, per_rank, ends, key, where = tries[index]
         ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
         if ring is not None:
             end = float(ends[list(ring)].max()) + key
-            if fallback is None or end < fallback[0]:
-                fallback = (end, ring, where == "whole")
-    if fallback is None:
+            if best is None or (end, index) < best[:2]:
+                best = (end, index, ring, where == "whole")
+    if best is None:
         raise capacity_error(doc, length, "on any GPUs of the pool")
-    return _add(fallback[1], length, loads, fallback[2])
+    return best[2], best[3]
+
+
+@dataclass
+class _Arrays:
+    """``Loads``' cost and tokens as arrays, kept in step while rings are placed (converting
+    its lists for every ring costs more than placing it)."""
+
+    cost: np.ndarray
+    tokens: np.ndarray
+
+    def update(self, ranks: tuple[int, ...], loads: Loads) -> None:
+        index = list(ranks)
+        self.cost[index] = [loads.cost[r] for r in index]
+        self.tokens[index] = [loads.tokens[r] for r in index]
+
+
+@functools.lru_cache(maxsize=4096)
+def _most_tokens(length: int, size: int) -> int:
+    """``max(zigzag_loads(length, size))``, for large rings in array arithmetic (the same cuts:
+    ``round`` and ``np.rint`` both round halves to even, and both divide exactly)."""
+    if size <= 16:
+        return max(zigzag_loads(length, size))
+    n = 2 * size
+    cuts = np.rint(np.arange(n + 1, dtype=np.int64) * length / n).astype(np.int64)
+    front = cuts[1 : size + 1] - cuts[:size]
+    back = cuts[n : n - size : -1] - cuts[n - 1 : n - 1 - size : -1]
+    return int((front + back).max())
 
 
 def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
@@ -238,6 +362,8 @@ def _members(
     ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"`` GPUs
     of two nodes or more."""
     ok = (room >= per_rank) & (cost + key <= limit)
+    if np.count_nonzero(ok) < size:
+        return None  # the common answer, without looking node by node
     by_node = ok.reshape(-1, k)
     node_cost = cost.reshape(-1, k)
     if where == "whole":
@@ -319,6 +445,54 @@ def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Place
     return Placement(Tier.INTER, ring)
 
 
+def pool_goal(array: np.ndarray, loads: Loads, nic_chunk: int) -> PoolGoal:
+    """What ``replace_ring`` keeps of ``place_pool``'s goal (its target is set per call)."""
+    return PoolGoal(0.0, _floor_tokens(array, loads), nic_chunk)
+
+
+def replace_ring(
+    doc: int,
+    length: int,
+    placement: Placement,
+    loads: Loads,
+    goal: PoolGoal,
+    below: float,
+    barred: np.ndarray,
+) -> Placement | None:
+    """``doc``'s ring taken off its GPUs and placed again, not on ``barred`` GPUs
+    (``_place_ring``: the smallest ring whose every member then ends below ``below``), or
+    ``None`` with ``loads`` as they were where no ring does."""
+    saved = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
+    _remove(placement, length, loads)
+    goal = replace(goal, target=below / _TOLERANCE)
+    new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
+    if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
+        loads.cost, loads.attention, loads.exposed, loads.tokens = saved
+        return None
+    return new
+
+
+def _remove(placement: Placement, length: int, loads: Loads) -> None:
+    """Take off ``loads`` what ``_add`` put there for ``placement``: its members' loads are
+    measured by adding the ring again onto them emptied (the same prices, from the same
+    ``Loads``), and subtracted."""
+    ring = placement.ring
+    k = loads.topology.gpus_per_node
+    nodes = {r // k for r in ring}
+    whole = placement.tier == Tier.INTER and len(ring) == k * len(nodes)
+    snapshot = loads.snapshot(ring)
+    for r in ring:
+        loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r] = 0.0, 0.0, 0.0, 0
+    _add(ring, length, loads, whole and loads.two_d is not None)
+    added = loads.snapshot(ring)[1]
+    loads.restore(snapshot)
+    for r, (cost, attention, exposed, tokens) in zip(ring, added):
+        loads.cost[r] -= cost
+        loads.attention[r] -= attention
+        loads.exposed[r] -= exposed
+        loads.tokens[r] -= tokens
+
+
 def _place_whole(
     docs: np.ndarray,
     array: np.ndarray,
@@ -344,7 +518,7 @@ def _place_whole(
         if loads.capacity - tokens[rank] < length:
             fits = loads.capacity - tokens >= length
             if not fits.any():
-                placements[doc] = _place_ring(doc, length, loads, goal)
+                placements[doc] = _place_ring(doc, length, loads, goal)  # type: ignore[assignment]
                 keys, tokens = _projected(loads, floor), np.asarray(loads.tokens)
                 heap = [(float(keys[r]), r) for r in range(world)]
                 heapq.heapify(heap)
@@ -357,19 +531,18 @@ def _place_whole(
         heapq.heappush(heap, (float(keys[rank]), rank))
 
 
-def least_ring_load(array: np.ndarray, choice: TierChoice, loads: Loads) -> float:
+def least_ring_load(
+    array: np.ndarray, choice: TierChoice, loads: Loads, batch: PoolBatch | None = None
+) -> float:
     """The least per-member load the longest document ``place_pool`` rings can have at any size
-    and place it tries: a bound under any pool placement's busiest GPU."""
-    balanced, _, rings = _split(array, choice, loads)
-    if not rings.any():
+    and place it tries (in every order and scale of ``POOL_ORDERS`` and ``POOL_RETRIES``): a
+    bound under any pool placement's busiest GPU."""
+    batch = batch or pool_batch(array, choice, loads)
+    if not batch.ring_docs:
         return 0.0
-    ring_docs = np.flatnonzero(rings)
-    length = int(array[ring_docs[np.argmax(array[ring_docs])]])
-    target = _target(array, balanced, ring_docs.tolist(), loads)
+    length = int(array[batch.ring_docs[0]])
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    goal = PoolGoal(target, _floor_tokens(array, loads), 0)
-    return min(
-        key
-        for size in _sizes(length, work, target, loads)
-        for key, _ in _options(length, size, loads, goal)
-    )
+    goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0)
+    scales = {scale for _, scale in (*POOL_ORDERS, *POOL_RETRIES)}
+    sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads)}
+    return min(key for size in sizes for key, _ in _options(length, size, loads, goal))

@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 
-from megatron_zeppelin.planner.plan import Route, RoutePart, SequencePlan, Tier
+from megatron_zeppelin.planner.plan import Route, RoutePart, Scheme, SequencePlan, Tier
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -32,8 +32,9 @@ def cross_node_edges(
 ) -> dict[tuple[int, int], tuple[int, int]]:
     """Cross-node ring edges ``(src, dst)`` -> (tokens sent in step 0, largest ring size)."""
     edges: dict[tuple[int, int], list[int]] = {}
+    inter, flat = Tier.INTER, Scheme.RING
     for seq in sequences:
-        if seq.tier != Tier.INTER or seq.is_two_d:  # 2-D rings are rails: never routed
+        if seq.tier != inter or seq.scheme != flat:  # 2-D rings are rails: never routed
             continue
         block: dict[int, int] = defaultdict(int)
         for span in seq.attention:

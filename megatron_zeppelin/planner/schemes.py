@@ -190,13 +190,14 @@ def choose_schemes(
 ) -> tuple[SequencePlan, ...]:
     """``sequences`` with every inter-node ring the cost model prefers as 2-D turned into one
     (see the module docstring); the others unchanged."""
-    out, prices = [], SchemePrices(cost_model, topology)
-    for seq in sequences:
-        if seq.tier == Tier.INTER and not seq.is_two_d:
+    out, prices = list(sequences), None
+    inter, ring = Tier.INTER, Scheme.RING
+    for i, seq in enumerate(out):
+        if seq.tier == inter and seq.scheme == ring:
+            prices = prices or SchemePrices(cost_model, topology)
             faster = faster_scheme(seq, topology, cost_model, routing=routing, prices=prices)
             if faster == Scheme.TWO_D:
-                seq = _as_two_d(seq, topology)
-        out.append(seq)
+                out[i] = _as_two_d(seq, topology)
     return tuple(out)
 
 

@@ -25,9 +25,11 @@ scheme, the inter-node rings per stage 1, and stage 2 for both packings of the s
 
 Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
 candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
-part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``); those predicted
-within ``_SHORTLIST`` of the best staged one are timed by the simulator beside the staged
-shortlist, so one is kept only where the simulator finds it faster.
+part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``, then of
+``pool.POOL_RETRIES`` where those pack unevenly), each refined by moving whole documents and rings
+off its busiest GPU (``refine.refine``); those predicted within ``_SHORTLIST`` of the best staged
+one are timed by the simulator beside the staged shortlist, so one is kept only where the
+simulator finds it faster.
 
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
@@ -60,8 +62,16 @@ from megatron_zeppelin.planner.placement import (
     place_inter_documents,
     place_within_nodes,
 )
-from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Span, Tier, zigzag_spans
-from megatron_zeppelin.planner.pool import POOL_ORDERS, least_ring_load, place_pool
+from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
+from megatron_zeppelin.planner.pool import (
+    POOL_ORDERS,
+    POOL_RETRIES,
+    least_ring_load,
+    place_pool,
+    pool_batch,
+    pool_goal,
+)
+from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
@@ -88,10 +98,17 @@ _MAX_TIMED = 2
 _POOL_GAIN = 1.03
 """The pool placement is tried only where it could end more than this factor below the best
 placement so far: its busiest GPU is at least the longest ring document's least per-member
-load (``pool.least_ring_load``), and where that is this close the staged placement's packing
+load (``pool.least_ring_load``) and the batch's mean work per GPU (``PoolBatch.share``:
+splitting only adds work), and where either is this close the staged placement's packing
 leaves nothing worth its planning time."""
 _POOL_STOP = 1.15
 """The pool's orders stop at one predicted this far above the best placement so far."""
+_POOL_EVEN = 1.04
+"""The pool's retries (``pool.POOL_RETRIES``) are placed only where no pool placement so far
+is predicted within this factor of its GPUs' mean."""
+_POOL_PACKED = 1.3
+"""... and only where one is within this factor: further above, one ring's share sets the
+busiest GPU, which resizing the others does not change."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -191,14 +208,9 @@ class Candidate:
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The plan's sequences (zigzag over each ring, unless given) and routes."""
         if not self.sequences:
-            sequences = []
-            for doc, (placement, length) in enumerate(zip(self.placements, array.tolist())):
-                ring = placement.ring
-                spans = (
-                    (Span(ring[0], 0, length),) if len(ring) == 1 else zigzag_spans(length, ring)
-                )
-                sequences.append(SequencePlan(doc, length, placement.tier, ring, spans))
-            self.sequences = tuple(sequences)
+            rings = [p.ring for p in self.placements]
+            tiers = [p.tier for p in self.placements]
+            self.sequences = zigzag_sequences(array.tolist(), rings, tiers)
         topology = self.loads.topology
         if self.loads.two_d is not None:  # before routing and the linear layout read the rings
             self.sequences = choose_schemes(
@@ -324,16 +336,21 @@ def _pool_candidates(
         return []
     staged = min(min(c.predicted.values()) for c in found)
     loads = new_loads(True, True)
-    if least_ring_load(array, assign_tiers(array, loads, rules), loads) * _POOL_GAIN >= staged:
-        return []  # the longest ring alone keeps any pool placement within reach of this one
-    out = []
-    for first in POOL_ORDERS:
+    choice = assign_tiers(array, loads, rules)  # the same for every order: it only reads loads
+    batch = pool_batch(array, choice, loads)
+    if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
+        return []  # the longest ring, or the mean, keeps any pool placement within reach
+    out: list[Candidate] = []
+    for first, scale in _pool_orders(out):
         loads = new_loads(True, True)
-        choice = assign_tiers(array, loads, rules)
         try:
-            placements, promotions = place_pool(array, choice, loads, rules.chunks[1], first)
+            placements, promotions = place_pool(
+                array, choice, loads, rules.chunks[1], first, scale, batch
+            )
         except CapacityError:
             continue
+        goal = pool_goal(array, loads, rules.chunks[1])
+        refine(array, placements, loads, choice.attention, _refine_rounds(loads), goal)
         attention_s = np.add(loads.attention, loads.exposed).tolist()
         predicted = price_linear_layouts(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
@@ -342,6 +359,20 @@ def _pool_candidates(
         if min(predicted.values()) > _POOL_STOP * staged:
             break  # the orders pack alike: one this far behind says the others will be too
     return _distinct(out)
+
+
+def _pool_orders(out: list[Candidate]) -> Iterator[tuple[float | None, float]]:
+    """``POOL_ORDERS``, then ``POOL_RETRIES`` where no pool placement so far is predicted within
+    ``_POOL_EVEN`` of its GPUs' mean but one is within ``_POOL_PACKED`` (``out``: the
+    placements so far, appended by the caller)."""
+    yield from POOL_ORDERS
+    if out and not any(c.even_enough(_POOL_EVEN) for c in out):
+        if any(c.even_enough(_POOL_PACKED) for c in out):
+            yield from POOL_RETRIES
+
+
+def _refine_rounds(loads: Loads) -> int:
+    return loads.topology.world_size
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:

@@ -50,12 +50,19 @@ from __future__ import annotations
 from bisect import bisect_right
 from collections import defaultdict
 from dataclasses import dataclass, field, replace
+from operator import attrgetter
 
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel, causal_pairs
-from megatron_zeppelin.planner.heads import AttentionShape, head_plan, node_members
-from megatron_zeppelin.planner.phases import attention_blocks, call_key, phase_seconds
+from megatron_zeppelin.planner.heads import AttentionShape, column_layout, node_members
+from megatron_zeppelin.planner.phases import (
+    call_key,
+    phase_seconds,
+    split_by_layout,
+    unique_inverse,
+    zigzag_blocks,
+)
 from megatron_zeppelin.planner.plan import AttentionComm, Plan, Route, Tier
 from megatron_zeppelin.planner.schedule import (
     Message,
@@ -75,7 +82,12 @@ from megatron_zeppelin.planner.stepwise import (
     two_d_forward_bytes,
     two_d_forward_messages,
 )
-from megatron_zeppelin.planner.transfers import RingMessages, ring_messages, transfer_times
+from megatron_zeppelin.planner.transfers import (
+    RingMessages,
+    ring_messages,
+    ring_messages_of,
+    transfer_times,
+)
 
 __all__ = [
     "RankTime",
@@ -211,9 +223,8 @@ class _Calls:
 
     def plus(self, other: _Calls, world: int, num_phases: int) -> _Calls:
         """Both sets of calls, seconds summed per (pass, rank, phase)."""
-        keys, inverse = np.unique(
-            np.concatenate([self.keys(world, num_phases), other.keys(world, num_phases)]),
-            return_inverse=True,
+        keys, inverse = unique_inverse(
+            np.concatenate([self.keys(world, num_phases), other.keys(world, num_phases)])
         )
         seconds = np.bincount(inverse, weights=np.concatenate([self.seconds, other.seconds]))
         pass_rank, phase = keys // num_phases, keys % num_phases
@@ -223,17 +234,19 @@ class _Calls:
 def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarray, int] | None:
     """A plan's 2-D documents (``stepwise.TwoDLayer`` as arrays): their column rings' calls
     (a head group's share of the pairs), their K/V messages (scaled to the flat rings' bytes
-    per token), every rank's seconds in the four head all-to-alls, and their phases."""
-    heads = head_plan(plan)
-    if heads is None:
+    per token), every rank's seconds in the four head all-to-alls, and their phases. The column
+    rings are ``head_plan``'s, read as arrays (``heads.column_layout``)."""
+    if not plan.has_two_d:
         return None
+    local, zigzag, other = column_layout(plan)
+    num_phases = max([1] + [z.size for z in zigzag] + [len(seq.ring) for _, seq in other])
     shape = AttentionShape.of_model(cost.model)
-    groups = shape.groups(heads.num_groups)
+    groups = shape.groups(plan.topology.gpus_per_node)
     d, value, kv = shape.head_dim, shape.value_bytes, cost.model.kv_bytes_per_token()
-    blocks = attention_blocks(heads.plan.sequences)
+    blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
     blocks = replace(blocks, pairs=blocks.pairs * (groups.num_q / shape.num_heads))
     calls = _Calls(*phase_seconds(blocks, cost, plan.world_size))
-    rings = ring_messages(heads.plan.sequences)
+    rings = ring_messages_of(zigzag, other)
     rings = replace(rings, scale=np.full(len(rings.tokens), 2 * groups.num_kv * d * value / kv))
     # Forward: Q/K/V in, the output back; backward: dO in, dQ/dK/dV back. One group each.
     qkv, out = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
@@ -242,35 +255,39 @@ def _two_d(plan: Plan, cost: CostModel) -> tuple[_Calls, RingMessages, np.ndarra
     )
     _, ranks, (seconds,) = transfer_times(exchanges, plan.topology, cost, {}, (kv,))
     all_to_all = np.bincount(ranks, weights=seconds, minlength=plan.world_size)
-    return calls, rings, all_to_all, blocks.num_phases
+    return calls, rings, all_to_all, num_phases
 
 
 def _head_exchanges(plan: Plan, kinds: list[tuple[bool, float]]) -> RingMessages:
     """``schedule.exchange_messages`` of every ``(to_heads, scale)`` in ``kinds``, one group
     each, as arrays: inside each node of a 2-D document every rank sends every other one its
     own tokens (to the head layout) or the other's (back)."""
-    src, dst, own, theirs = [], [], [], []
-    for _, row, tokens in node_members(plan):
-        ranks = np.asarray(row, dtype=np.int64)
-        held = np.asarray([tokens.get(r, 0) for r in row], dtype=np.int64)
-        a, b = np.nonzero(~np.eye(len(row), dtype=bool))
-        src.append(ranks[a]), dst.append(ranks[b]), own.append(held[a]), theirs.append(held[b])
-    src, dst, own, theirs = (np.concatenate(c) for c in (src, dst, own, theirs))
-    width = plan.world_size
-    merged = []
-    for tokens in (own, theirs):  # a rank's messages to one other rank are one message
-        keys, inverse = np.unique(src * width + dst, return_inverse=True)
-        merged.append((keys, np.bincount(inverse, weights=tokens).astype(np.int64)))
+    members = node_members(plan)
+    k = plan.topology.gpus_per_node
+    rows = np.asarray([row for _, row, _ in members], dtype=np.int64).reshape(-1, k)
+    held = np.asarray(
+        [[tokens.get(r, 0) for r in row] for _, row, tokens in members], dtype=np.int64
+    ).reshape(-1, k)
+    a, b = np.nonzero(~np.eye(k, dtype=bool))  # every ordered pair of a node's ranks
+    src, dst = rows[:, a].reshape(-1), rows[:, b].reshape(-1)
+    # A rank's messages to one other rank (of its node: ``dst % k`` names it) are one message.
+    keys, inverse = unique_inverse(src * k + dst % k)
+    senders = keys // k
+    receivers = (senders // k) * k + keys % k
+    merged = [
+        np.bincount(inverse, weights=held[:, side].reshape(-1)).astype(np.int64)
+        for side in (a, b)  # its own tokens, the other's
+    ]
     columns: list[list[np.ndarray]] = [[], [], [], [], []]
     for group, (to_heads, scale) in enumerate(kinds):
-        keys, tokens = merged[0 if to_heads else 1]
+        tokens = merged[0 if to_heads else 1]
         busy = tokens > 0
         for column, values in zip(
             columns,
             (
                 np.full(busy.sum(), group),
-                keys[busy] // width,
-                keys[busy] % width,
+                senders[busy],
+                receivers[busy],
                 tokens[busy],
                 np.full(busy.sum(), scale),
             ),
@@ -292,11 +309,12 @@ def attention_seconds(
     every document is its own pass (no overlap between documents)."""
     world, topology = plan.world_size, plan.topology
     allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
-    flat = [s for s in plan.sequences if not s.is_two_d]
-    pass_ids = list(range(len(flat))) if sequential else None
-    blocks = attention_blocks(flat, pass_ids)
+    flat = [s for s in plan.sequences if not s.is_two_d] if plan.has_two_d else plan.sequences
+    local, zigzag, other = split_by_layout(flat, list(range(len(flat))) if sequential else None)
+    num_phases = max(map(len, map(attrgetter("ring"), flat)), default=1)
+    blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
     calls = _Calls(*phase_seconds(blocks, cost, world, merge_ring_phases=allgather))
-    messages = ring_messages(flat, pass_ids)
+    messages = ring_messages_of(zigzag, other)
     num_phases, exposed = blocks.num_phases, np.zeros(world)
     two_d = None if sequential or allgather else _two_d(plan, cost)
     if two_d is not None:

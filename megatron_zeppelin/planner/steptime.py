@@ -79,11 +79,25 @@ def remap_seconds(moves: Moves, topology: Topology, cost_model: CostModel) -> fl
     all-to-alls. ``moves`` is keyed ``(attention holder, linear holder)``."""
     if not moves:
         return 0.0
+    pairs = np.asarray(list(moves), dtype=np.int64).reshape(-1, 2)
+    tokens = np.fromiter(moves.values(), dtype=np.float64, count=len(moves))
+    return remap_seconds_of(pairs[:, 0], pairs[:, 1], tokens, topology, cost_model)
+
+
+def remap_seconds_of(
+    attention: np.ndarray,
+    linear: np.ndarray,
+    tokens: np.ndarray,
+    topology: Topology,
+    cost_model: CostModel,
+) -> float:
+    """``remap_seconds`` of the moves ``attention[i] <-> linear[i]`` of ``tokens[i]``, as
+    arrays (the planner prices every candidate layout this way)."""
+    if not len(tokens):
+        return 0.0
     m = cost_model.model
     q_bytes = (m.hidden_bytes_per_token() - m.kv_bytes_per_token()) // 2
-    pairs = np.asarray(list(moves), dtype=np.int64).reshape(-1, 2)
-    attention, linear = pairs[:, 0], pairs[:, 1]
-    tokens = np.fromiter(moves.values(), dtype=np.float64, count=len(moves))
+    tokens = np.asarray(tokens, dtype=np.float64)
     kv = m.kv_bytes_per_token()
     one_way = _all_to_all(linear, attention, tokens, topology, cost_model, q_bytes + kv)
     other_way = _all_to_all(attention, linear, tokens, topology, cost_model, q_bytes)

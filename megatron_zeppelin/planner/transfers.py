@@ -20,13 +20,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.phases import is_zigzag
+from megatron_zeppelin.planner.phases import ZigzagRings, split_by_layout, unique_inverse
 from megatron_zeppelin.planner.plan import Route, SequencePlan
 from megatron_zeppelin.planner.schedule import Message
 from megatron_zeppelin.planner.stepwise import route_hops
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["RingMessages", "ring_messages", "split_by_weights_array", "transfer_times"]
+__all__ = [
+    "RingMessages",
+    "ring_messages",
+    "ring_messages_of",
+    "split_by_weights_array",
+    "split_by_weights_rows",
+    "transfer_times",
+]
 
 
 @dataclass(frozen=True)
@@ -84,14 +91,20 @@ def split_by_weights_array(num_tokens: np.ndarray, weights: Sequence[int]) -> np
     """``plan.split_by_weights`` of each of ``num_tokens`` (one row of parts per entry): the
     route split of every message on one edge at once."""
     w = np.asarray(weights, dtype=np.int64)
-    total = int(w.sum())
+    return split_by_weights_rows(num_tokens, np.broadcast_to(w[None, :], (len(num_tokens), len(w))))
+
+
+def split_by_weights_rows(num_tokens: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``plan.split_by_weights`` of ``num_tokens[i]`` by ``weights[i]`` (a row per entry)."""
+    w = np.asarray(weights, dtype=np.int64)
+    total = w.sum(axis=1, keepdims=True)
     n = np.asarray(num_tokens, dtype=np.int64)[:, None]
     base = n * w // total
     rest = (n[:, 0] - base.sum(axis=1))[:, None]
     # Largest remainder first, ties to the lower index: a stable sort keeps index order.
     order = np.argsort(-(n * w % total), axis=1, kind="stable")
     extra = np.zeros_like(base)
-    np.put_along_axis(extra, order, np.arange(len(w))[None, :] < rest, axis=1)
+    np.put_along_axis(extra, order, np.arange(w.shape[1])[None, :] < rest, axis=1)
     return base + extra
 
 
@@ -102,34 +115,36 @@ def _block_sizes(seq: SequencePlan) -> list[int]:
     return [held.get(rank, 0) for rank in seq.ring]
 
 
-def _sizes(docs: list[tuple[int, SequencePlan]], g: int) -> np.ndarray:
-    """Tokens of every (document, ring position) block."""
-    if all(is_zigzag(seq) for _, seq in docs):  # two spans per position, in ring order
-        bounds = np.asarray(
-            [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
-        ).reshape(len(docs), g, 2, 2)
-        return (bounds[..., 1] - bounds[..., 0]).sum(axis=2)
-    return np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
-
-
 def ring_messages(
     sequences: Sequence[SequencePlan], pass_ids: Sequence[int] | None = None
 ) -> RingMessages:
     """Every ring message of ``sequences`` (one pass unless ``pass_ids`` says otherwise)."""
+    _, zigzag, other = split_by_layout(sequences, pass_ids)
+    return ring_messages_of(zigzag, other)
+
+
+def ring_messages_of(
+    zigzag: list[ZigzagRings],
+    other: list[tuple[int, SequencePlan]] = (),  # type: ignore[assignment]
+) -> RingMessages:
+    """``ring_messages`` of ``phases.split_by_layout``'s rings: the zigzag ones as arrays, the
+    others as ``(pass, document)``."""
     by_size: dict[int, list[tuple[int, SequencePlan]]] = defaultdict(list)
-    for i, seq in enumerate(sequences):
-        if len(seq.ring) > 1:
-            by_size[len(seq.ring)].append((0 if pass_ids is None else pass_ids[i], seq))
-    num_steps = max(by_size, default=1) - 1
+    for pass_id, seq in other:
+        by_size[len(seq.ring)].append((pass_id, seq))
+    groups = [(z.ring, z.block_tokens, z.pass_id) for z in zigzag]
+    for docs in by_size.values():
+        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)
+        sizes = np.asarray([_block_sizes(seq) for _, seq in docs], dtype=np.int64)
+        groups.append((rings, sizes, np.asarray([p for p, _ in docs], dtype=np.int64)))
+    num_steps = max((rings.shape[1] for rings, _, _ in groups), default=1) - 1
     columns: list[list[np.ndarray]] = [[], [], [], []]
-    for g, docs in by_size.items():
-        rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)  # (doc, position)
-        sizes = _sizes(docs, g)
-        passes = np.asarray([p for p, _ in docs], dtype=np.int64)
+    for rings, sizes, passes in groups:  # (doc, position), (doc, position), (doc,)
+        g = rings.shape[1]
         step = np.arange(g - 1)[:, None]
         position = np.arange(g)[None, :]
         origin = (position - step) % g  # (step, position)
-        shape = (len(docs), g - 1, g)
+        shape = (len(rings), g - 1, g)
         columns[0].append(np.broadcast_to((passes * num_steps)[:, None, None] + step, shape))
         columns[1].append(np.broadcast_to(rings[:, None, :], shape))
         columns[2].append(np.broadcast_to(np.roll(rings, -1, axis=1)[:, None, :], shape))
@@ -165,17 +180,15 @@ def transfer_times(
     width = topology.world_size
     routed_edges = np.fromiter((a * width + b for a, b in routes), np.int64, len(routes))
     routed = ~same & np.isin(src * width + dst, routed_edges)
-    hops = _joined(
-        _direct_hops(messages, ~routed, topology, cost),
-        _routed_hops(messages, routed, routes, topology, cost),
-    )
+    hops = _direct_hops(messages, ~routed, topology, cost)
+    if routed.any():
+        hops = _joined(hops, _routed_hops(messages, routed, routes, topology, cost))
     # Tokens (at the first size) per (group, port): every hop loads its out and its in port.
     num_ports = 2 * topology.world_size + 2 * topology.num_nodes * topology.nics_per_node
-    keys, inverse = np.unique(
+    keys, inverse = unique_inverse(
         np.concatenate(
             [hops.group * num_ports + hops.out_port, hops.group * num_ports + hops.in_port]
         ),
-        return_inverse=True,
     )
     load = np.bincount(inverse, weights=np.tile(hops.tokens * hops.scale, 2))
     out_load, in_load = load[inverse[: len(hops.group)]], load[inverse[len(hops.group) :]]
@@ -200,7 +213,7 @@ def _per_rank(hops: _Hops, finish: list[np.ndarray], world: int):
     """The latest finish per (group, rank) over the messages a rank sends or receives."""
     group = np.tile(hops.message_group, 2)
     rank = np.concatenate([hops.message_src, hops.message_dst])
-    unique, inverse = np.unique(group * world + rank, return_inverse=True)
+    unique, inverse = unique_inverse(group * world + rank)
     out = []
     for values in finish:
         latest = np.zeros(len(unique))
@@ -290,61 +303,88 @@ def _routed_hops(
     topology: Topology,
     cost: CostModel,
 ) -> _Hops:
-    """Hops of the routed messages. A route's parts and hops are the same in every step, only
-    the tokens differ: ``route_hops`` is asked once per edge for the hops of each part."""
-    world, m = topology.world_size, topology.nics_per_node
-    k, num_nodes = topology.gpus_per_node, topology.num_nodes
+    """Hops of the routed messages, edge by edge (edges in order, an edge's messages in order,
+    each message's hops in part and path order). A route's parts and hops are the same in every
+    step, only the tokens differ: ``route_hops`` is asked once per edge (``_RouteTable``), and
+    every message's tokens are split by its edge's weights at once."""
     chosen = np.flatnonzero(is_routed)
-    # group, out port, in port, tokens, bandwidth, latency, part, scale
-    columns: list[list] = [[], [], [], [], [], [], [], []]
-    part_message: list[np.ndarray] = []
-    num_parts = 0
+    world = topology.world_size
     edges = messages.src[chosen] * world + messages.dst[chosen]
-    for edge in np.unique(edges).tolist():
-        rows = chosen[edges == edge]  # message indices on this edge
-        src, dst = edge // world, edge % world
-        weights = [p.weight for p in routes[(src, dst)].parts]
-        tokens = split_by_weights_array(messages.tokens[rows], weights)  # (message, part)
-        hops = [
-            (p, hop)
-            for p, path in enumerate(route_hops(topology, routes[(src, dst)]))
-            for hop in path
-        ]
-        part_of_hop = np.asarray([p for p, _ in hops], dtype=np.int64)
-        links = [cost.link(kind) for _, (kind, _, _) in hops]
-        shape = (len(rows), len(hops))
-        part_ids = num_parts + np.arange(tokens.size).reshape(tokens.shape)
-        num_parts += tokens.size
-        part_message.append(np.repeat(np.searchsorted(chosen, rows), tokens.shape[1]))
-        columns[0].append(np.repeat(messages.group[rows], len(hops)))
-        for column, values in (
-            (1, [_port_id(out, world, k, m, num_nodes) for _, (_, out, _) in hops]),
-            (2, [_port_id(into, world, k, m, num_nodes) for _, (_, _, into) in hops]),
-            (4, [link.bytes_per_s for link in links]),
-            (5, [link.latency_s for link in links]),
-        ):
-            columns[column].append(np.broadcast_to(np.asarray(values)[None, :], shape).ravel())
-        columns[3].append(tokens[:, part_of_hop].ravel())
-        columns[6].append(part_ids[:, part_of_hop].ravel())
-        columns[7].append(np.repeat(messages.scaled()[rows], len(hops)))
-    group, out_port, in_port, tokens, bandwidth, latency, part, scale = (
-        np.concatenate(c) if c else np.zeros(0) for c in columns
+    order = np.argsort(edges, kind="stable")  # by edge, each edge's messages in order
+    rows, edges = chosen[order], edges[order]
+    unique, edge_of = np.unique(edges, return_inverse=True)
+    table = _RouteTable.of(
+        [routes[(e // world, e % world)] for e in unique.tolist()], topology, cost
     )
+    # Tokens per (message, part): the route's weights, padded with zero weights that never
+    # receive a token (``split_by_weights``: a remainder token goes to a positive remainder).
+    tokens = split_by_weights_rows(messages.tokens[rows], table.weights[edge_of])
+    num_parts = table.num_parts[edge_of]
+    part_base = np.cumsum(num_parts) - num_parts
+    # One row per (message, hop of its edge's route).
+    num_hops = table.num_hops[edge_of]
+    message = np.repeat(np.arange(len(rows)), num_hops)
+    hop = table.hop_start[edge_of][message] + (
+        np.arange(len(message)) - np.repeat(np.cumsum(num_hops) - num_hops, num_hops)
+    )
+    part_of_hop = table.part[hop]
     return _Hops(
-        group.astype(np.int64),
-        out_port.astype(np.int64),
-        in_port.astype(np.int64),
-        tokens.astype(np.int64),
-        scale.astype(np.float64),
-        bandwidth.astype(np.float64),
-        latency.astype(np.float64),
-        part.astype(np.int64),
-        num_parts,
-        np.concatenate(part_message) if part_message else np.zeros(0, dtype=np.int64),
+        messages.group[rows][message],
+        table.out_port[hop],
+        table.in_port[hop],
+        tokens[message, part_of_hop],
+        messages.scaled()[rows][message],
+        table.bandwidth[hop],
+        table.latency[hop],
+        part_base[message] + part_of_hop,
+        int(num_parts.sum()),
+        np.repeat(np.searchsorted(chosen, rows), num_parts),
         messages.group[chosen],
         messages.src[chosen],
         messages.dst[chosen],
     )
+
+
+@dataclass(frozen=True)
+class _RouteTable:
+    """Routes' parts and hops as arrays: per route its padded weights, parts and first hop;
+    per hop its part, ports and link."""
+
+    weights: np.ndarray
+    num_parts: np.ndarray
+    num_hops: np.ndarray
+    hop_start: np.ndarray
+    part: np.ndarray
+    out_port: np.ndarray
+    in_port: np.ndarray
+    bandwidth: np.ndarray
+    latency: np.ndarray
+
+    @classmethod
+    def of(cls, routes: list[Route], topology: Topology, cost: CostModel) -> _RouteTable:
+        world, m = topology.world_size, topology.nics_per_node
+        k, num_nodes = topology.gpus_per_node, topology.num_nodes
+        widest = max((len(r.parts) for r in routes), default=1)
+        weights = np.zeros((len(routes), widest), dtype=np.int64)
+        num_hops, hops = [], []
+        for i, route in enumerate(routes):
+            weights[i, : len(route.parts)] = [p.weight for p in route.parts]
+            found = [(p, hop) for p, path in enumerate(route_hops(topology, route)) for hop in path]
+            num_hops.append(len(found))
+            hops += found
+        links = {kind: cost.link(kind) for kind in ("nvlink", "nic")}
+        num_hops_array = np.asarray(num_hops, dtype=np.int64)
+        return cls(
+            weights,
+            np.asarray([len(r.parts) for r in routes], dtype=np.int64),
+            num_hops_array,
+            np.cumsum(num_hops_array) - num_hops_array,
+            np.asarray([p for p, _ in hops], dtype=np.int64),
+            np.asarray([_port_id(o, world, k, m, num_nodes) for _, (_, o, _) in hops], np.int64),
+            np.asarray([_port_id(i, world, k, m, num_nodes) for _, (_, _, i) in hops], np.int64),
+            np.asarray([links[kind].bytes_per_s for _, (kind, _, _) in hops], np.float64),
+            np.asarray([links[kind].latency_s for _, (kind, _, _) in hops], np.float64),
+        )
 
 
 def _port_id(port: tuple, world: int, k: int, m: int, num_nodes: int) -> int:

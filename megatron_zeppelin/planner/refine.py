@@ -1,0 +1,176 @@
+"""A cheap pass after a placement: whole documents moved off the busiest GPU while that helps.
+
+A placement packs documents longest first, each onto the GPU then least loaded; what it leaves
+uneven is mostly the last GPUs to receive a ring's share or a long document. Here, while the
+busiest GPU holds local (whole) documents, the one change that lowers the pair's peak most is
+made, among:
+
+- **a move**: one of its local documents to the least loaded GPU with room for it;
+- **a swap**: one of its local documents for a shorter one of a lightly loaded GPU, where both
+  GPUs keep within capacity (a nearly full batch leaves no room to move into, but a shorter
+  document carries less attention per token).
+
+A change is made only where both GPUs end below the busiest GPU's load before it, so the
+busiest load (``Loads.cost``, what the planner balances) never rises and every GPU stays within
+capacity. The pass stops at a busiest GPU no change improves (a ring's share, not the packing,
+sets it), or after ``rounds`` changes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.placement import Placement
+from megatron_zeppelin.planner.plan import Tier
+from megatron_zeppelin.planner.pool import PoolGoal, replace_ring
+
+__all__ = ["refine"]
+
+_LIGHT = 16
+"""The least loaded GPUs holding local documents whose documents a swap may take."""
+_MIN_GAIN = 1e-6
+"""A change must lower the pair's peak by this fraction of the busiest load."""
+
+
+def refine(
+    array: np.ndarray,
+    placements: list[Placement],
+    loads: Loads,
+    attention: np.ndarray,
+    rounds: int,
+    goal: PoolGoal | None = None,
+) -> int:
+    """Moves and swaps of local documents (module docstring), applied to ``placements`` and
+    ``loads``; ``attention``: each document's whole attention seconds
+    (``Loads.ring_seconds(length, 1)``). With ``goal`` (the pool placement's), a busiest GPU
+    no such change helps has its rings placed again (``pool.replace_ring``), longest first,
+    where one then ends below it. Returns how many changes were made."""
+    world = loads.topology.world_size
+    work = attention + loads.linear_weight * array
+    on_rank: list[list[int]] = [[] for _ in range(world)]
+    rings_on: list[list[int]] = [[] for _ in range(world)]
+    for doc, placement in enumerate(placements):
+        for rank in placement.ring:
+            (on_rank if placement.tier == Tier.LOCAL else rings_on)[rank].append(doc)
+    cost = np.asarray(loads.cost, dtype=np.float64)
+    tokens = np.asarray(loads.tokens, dtype=np.int64)
+    has_local = np.fromiter(map(bool, on_rank), bool, world)
+    changes = 0
+    for _ in range(rounds):
+        busiest = int(np.argmax(cost))
+        change = None
+        if on_rank[busiest]:
+            change = _best_change(
+                busiest, on_rank, array, work, cost, tokens, loads.capacity, has_local
+            )
+        if change is not None:
+            _apply(change, busiest, array, attention, placements, loads, on_rank)
+            for rank in (busiest, change[0]):
+                cost[rank], tokens[rank] = loads.cost[rank], loads.tokens[rank]
+                has_local[rank] = bool(on_rank[rank])
+        elif goal is None or not _resize(busiest, array, placements, loads, goal, rings_on):
+            break
+        else:
+            cost = np.asarray(loads.cost, dtype=np.float64)
+            tokens = np.asarray(loads.tokens, dtype=np.int64)
+        changes += 1
+    return changes
+
+
+def _apply(
+    change: tuple[int, int, int | None],
+    busiest: int,
+    array: np.ndarray,
+    attention: np.ndarray,
+    placements: list[Placement],
+    loads: Loads,
+    on_rank: list[list[int]],
+) -> None:
+    dest, give, take = change
+    for doc, src, dst in ((give, busiest, dest), (take, dest, busiest)):
+        if doc is None:
+            continue
+        length, seconds = int(array[doc]), float(attention[doc])
+        loads.add_local(src, -length, -seconds)
+        loads.add_local(dst, length, seconds)
+        on_rank[src].remove(doc)
+        on_rank[dst].append(doc)
+        placements[doc] = Placement(Tier.LOCAL, (dst,))
+
+
+def _resize(
+    busiest: int,
+    array: np.ndarray,
+    placements: list[Placement],
+    loads: Loads,
+    goal: PoolGoal,
+    rings_on: list[list[int]],
+) -> bool:
+    """Whether one of the rings on ``busiest`` (longest first) found a place where every
+    member ends below the busiest load (``pool.replace_ring``)."""
+    below = loads.cost[busiest] * (1 - _MIN_GAIN)
+    for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
+        old = placements[doc]
+        # A GPU in two rings of other members makes each wait on the other's steps (the
+        # simulator's timeline, not ``Loads``, sees that): the ring goes where no other is.
+        barred = np.fromiter((bool(r) for r in rings_on), bool, len(rings_on))
+        barred[list(old.ring)] = [rings_on[r] != [doc] for r in old.ring]
+        new = replace_ring(doc, int(array[doc]), old, loads, goal, below, barred)
+        if new is not None:
+            for rank in old.ring:
+                rings_on[rank].remove(doc)
+            for rank in new.ring:
+                rings_on[rank].append(doc)
+            placements[doc] = new
+            return True
+    return False
+
+
+def _best_change(
+    busiest: int,
+    on_rank: list[list[int]],
+    array: np.ndarray,
+    work: np.ndarray,
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    capacity: int,
+    has_local: np.ndarray,
+) -> tuple[int, int, int | None] | None:
+    """``(destination, document given, document taken back or None)`` of the move or swap
+    that lowers the higher of the two GPUs' loads the most, if any lowers it."""
+    top = float(cost[busiest])
+    docs = np.asarray(on_rank[busiest], dtype=np.int64)
+    lengths, given = array[docs], work[docs]
+    room = capacity - tokens
+    # Moves: each document to the least loaded GPU with room for it.
+    fits = room[None, :] >= lengths[:, None]
+    fits[:, busiest] = False
+    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
+    dest = np.argmin(ends, axis=1)
+    peaks = np.maximum(top - given, ends[np.arange(len(docs)), dest])
+    best_peak, best = float(peaks.min()), None
+    if best_peak < top * (1 - _MIN_GAIN):
+        i = int(np.argmin(peaks))
+        best = (int(dest[i]), int(docs[i]), None)
+    # Swaps: for a shorter document of one of the least loaded GPUs holding any, all at once.
+    holders = np.where(has_local, cost, np.inf)
+    light = np.argpartition(holders, min(_LIGHT, len(cost) - 1))[: _LIGHT + 1].tolist()
+    light = [rank for rank in light if rank != busiest and on_rank[rank]]
+    if not light:
+        return best
+    counts = [len(on_rank[rank]) for rank in light]
+    theirs = np.fromiter((d for rank in light for d in on_rank[rank]), np.int64, sum(counts))
+    position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
+    owner = np.asarray(light, dtype=np.int64)[position]
+    delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds
+    grow = lengths[:, None] - array[theirs][None, :]  # tokens the light GPU gains
+    ok = (delta > 0) & (grow <= room[owner][None, :]) & (-grow <= room[busiest])
+    peak = np.where(ok, np.maximum(top - delta, cost[owner][None, :] + delta), np.inf)
+    low = float(peak.min())
+    if low < min(best_peak, top * (1 - _MIN_GAIN)):
+        rows, cols = np.nonzero(peak == low)
+        pick = int(np.lexsort((cols, rows, position[cols]))[0])  # ties: the first GPU listed
+        i, j = int(rows[pick]), int(cols[pick])
+        best = (int(owner[j]), int(docs[i]), int(theirs[j]))
+    return best

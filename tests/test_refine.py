@@ -1,0 +1,173 @@
+"""Tier: pure. The pass after the pool placement (``planner/refine.py``) and the ring
+re-placement it uses (``pool.replace_ring``).
+
+The pass may only move whole documents (or re-place a ring) where both GPUs it touches end
+below the busiest load, so it can never raise the predicted step nor break capacity.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.placement import Placement
+from megatron_zeppelin.planner.plan import Tier, zigzag_loads
+from megatron_zeppelin.planner.pool import (
+    POOL_ORDERS,
+    POOL_RETRIES,
+    _add,
+    _remove,
+    place_pool,
+    pool_goal,
+    replace_ring,
+)
+from megatron_zeppelin.planner.refine import refine
+from megatron_zeppelin.planner.thresholds import tier_thresholds
+from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.topology.presets import get_topology
+
+pytestmark = pytest.mark.pure
+
+CAPACITY = 32_768
+
+
+def _setup(name: str, gpus: int, fill: float, seed: int):  # noqa: ANN202
+    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    tokens = int(fill * gpus * CAPACITY)
+    array = np.asarray(sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2))
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    return array, topology, cost, rules
+
+
+def _tokens_from(placements: list[Placement], array: np.ndarray, world: int) -> list[int]:
+    """Each GPU's tokens as the placements say (zigzag shares over each ring)."""
+    tokens = [0] * world
+    for placement, length in zip(placements, array.tolist()):
+        for rank, n in zip(placement.ring, zigzag_loads(length, len(placement.ring))):
+            tokens[rank] += n
+    return tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed"),
+    [
+        ("lognormal", 32, 0.95, 0),
+        ("mixture", 32, 0.5, 1),
+        ("power-law", 16, 0.95, 0),
+        ("uniform-long", 32, 0.5, 1),
+        ("long-tail", 32, 0.95, 0),
+    ],
+)
+@pytest.mark.parametrize(("first", "scale"), [*POOL_ORDERS, *POOL_RETRIES])
+def test_refine_never_raises_the_busiest_load_and_keeps_capacity(
+    name: str,
+    gpus: int,
+    fill: float,
+    seed: int,
+    first: float | None,
+    scale: float,
+) -> None:
+    array, topology, cost, rules = _setup(name, gpus, fill, seed)
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    choice = assign_tiers(array, loads, rules)
+    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale)
+    before = max(loads.cost)
+    goal = pool_goal(array, loads, rules.chunks[1])
+    refine(array, placements, loads, choice.attention, topology.world_size, goal)
+    assert max(loads.cost) <= before * (1 + 1e-12)
+    assert max(loads.tokens) <= CAPACITY
+    assert loads.tokens == _tokens_from(placements, array, topology.world_size)
+    assert sum(loads.tokens) == int(array.sum())
+    for placement in placements:
+        assert len(set(placement.ring)) == len(placement.ring)
+        assert placement.tier == Tier.of_ring(placement.ring, topology.gpus_per_node)
+    # The loads still price every document where it now is: a fresh ``Loads`` agrees.
+    fresh = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    for doc, placement in enumerate(placements):
+        if placement.tier == Tier.LOCAL:
+            fresh.add_local(placement.ring[0], int(array[doc]))
+    ringed = [r for p in placements if p.tier != Tier.LOCAL for r in p.ring]
+    for rank in set(range(topology.world_size)) - set(ringed):
+        assert loads.cost[rank] == pytest.approx(fresh.cost[rank], rel=1e-9, abs=1e-12)
+
+
+def test_refine_moves_documents_off_an_overloaded_gpu() -> None:
+    """Every document on one GPU of two: the pass moves documents to the other until the
+    busiest cannot get lower, and the busiest load falls."""
+    topology = get_topology("zeppelin-C", num_nodes=1)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    array = np.asarray([4000, 3000, 3000, 2000, 1000, 500, 500])
+    loads = Loads(topology, CAPACITY, cost)
+    attention = np.asarray([loads.ring_seconds(int(n), 1) for n in array])
+    placements = [Placement(Tier.LOCAL, (0,)) for _ in array]
+    for length, seconds in zip(array.tolist(), attention.tolist()):
+        loads.add_local(0, length, seconds)
+    before = max(loads.cost)
+    changes = refine(array, placements, loads, attention, rounds=100)
+    assert changes > 0
+    assert max(loads.cost) < 0.5 * before
+    assert loads.tokens == _tokens_from(placements, array, topology.world_size)
+
+
+def test_refine_swaps_where_no_gpu_has_room() -> None:
+    """Two nearly full GPUs and no room elsewhere: no move fits, but swapping the busiest GPU's
+    long document for a slightly shorter one of the other GPU lowers the busiest."""
+    topology = get_topology("zeppelin-C", num_nodes=1)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    capacity = 16_000
+    array = np.asarray([12_000, 2_000, 2_000, 11_950, 1_975, 1_975])
+    where = [0, 0, 0, 1, 1, 1]
+    loads = Loads(topology, capacity, cost)
+    attention = np.asarray([loads.ring_seconds(int(n), 1) for n in array])
+    placements = [Placement(Tier.LOCAL, (r,)) for r in where]
+    for rank, length, seconds in zip(where, array.tolist(), attention.tolist()):
+        loads.add_local(rank, length, seconds)
+    # The other six GPUs are full of nothing useful: no room anywhere.
+    for rank in range(2, topology.world_size):
+        loads.tokens[rank] = capacity
+    before = max(loads.cost)
+    assert refine(array, placements, loads, attention, rounds=10) > 0
+    assert max(loads.cost) < before
+    assert placements[0].ring == (1,) and placements[3].ring == (0,)
+    assert max(loads.tokens) <= capacity
+
+
+def test_remove_undoes_add() -> None:
+    """``_remove`` takes off exactly what ``_add`` put on, in a node and across nodes."""
+    topology = get_topology("zeppelin-C", num_nodes=4)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    loads.add_local(3, 5000)
+    before = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
+    for ring, whole in (((0, 1, 2), False), ((6, 7, 8, 9, 10), False), (tuple(range(16)), True)):
+        placement = _add(ring, 60_000, loads, whole)
+        _remove(placement, 60_000, loads)
+        after = (loads.cost, loads.attention, loads.exposed, loads.tokens)
+        for want, got in zip(before, after):
+            assert got == pytest.approx(want, abs=1e-12)
+
+
+def test_replace_ring_keeps_loads_when_it_finds_nothing() -> None:
+    """Asked for a ring ending below a load no ring can reach, ``replace_ring`` gives ``None``
+    and leaves the loads as they were; given room, every new member ends below the bound."""
+    topology = get_topology("zeppelin-C", num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    array = np.asarray([100_000])
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node)
+    old = _add((0, 1, 2, 3), 100_000, loads, False)
+    goal = pool_goal(array, loads, 0)
+    before = (loads.cost[:], loads.tokens[:])
+    barred = np.zeros(topology.world_size, dtype=bool)
+    assert replace_ring(0, 100_000, old, loads, goal, 1e-9, barred) is None
+    assert (loads.cost, loads.tokens) == before
+    below = max(loads.cost) * 0.9
+    new = replace_ring(0, 100_000, old, loads, goal, below, barred)
+    assert new is not None and len(new.ring) > len(old.ring)
+    assert max(loads.cost) < below
+    assert sum(loads.tokens) == 100_000
