@@ -225,3 +225,25 @@ def test_stage_two_placed_once_serves_both_packings(distribution: str) -> None:
     shared = _place(lengths, base.with_rings(list(more)), new_loads(), LAYOUTS, 9, across, more)
     alone = _place(lengths, base.with_rings(list(more)), new_loads(), LAYOUTS, 9, {}, more)
     assert shared.placements == alone.placements and shared.loads.cost == alone.loads.cost
+
+
+def test_cross_node_prices_are_cached_apart_with_and_without_the_2d_scheme() -> None:
+    """A ring over whole nodes is priced as the faster of the flat ring and the 2-D scheme;
+    the pool placement asks for its flat price on the same loads (``pool._price`` switches the
+    scheme off for the question). Whichever is asked first, each answer is the fresh one."""
+    topology = get_topology("zeppelin-C", num_nodes=4)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    length, size = 131072, 16
+
+    def fresh(two_d: bool) -> float:
+        return Loads(topology, 1 << 20, cost, two_d=two_d).ring_key(length, size, "nic")
+
+    flat, best = fresh(False), fresh(True)
+    assert best < flat  # this ring is one the 2-D scheme wins, so the two prices differ
+    for first_flat in (True, False):
+        loads = Loads(topology, 1 << 20, cost, two_d=True)
+        scheme, answers = loads.two_d, {}
+        for two_d in (False, True) if first_flat else (True, False):
+            loads.two_d = scheme if two_d else None
+            answers[two_d] = loads.ring_key(length, size, "nic")
+        assert answers == {False: flat, True: best}

@@ -149,8 +149,13 @@ class Loads:
         NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
         GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
         wait for the slowest part."""
-        # Over NVLink the NICs play no part: one entry serves every ``num_links``.
-        key = (length, ring_size, link, num_links if link == "nic" else 1)
+        # Over NVLink the NICs play no part: one entry serves every ``num_links``. Across
+        # nodes the price depends on whether the 2-D scheme may be chosen, which the pool
+        # placement switches off for rings over part of a node's GPUs (``pool._price``).
+        if link == "nic":
+            key = (length, ring_size, link, num_links, self.two_d is not None)
+        else:
+            key = (length, ring_size, link, 1, False)
         share = self._shares.get(key)
         if share is None:
             share = self._shares[key] = self._rank_share(length, ring_size, link, num_links)
