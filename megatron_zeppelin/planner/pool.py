@@ -502,33 +502,44 @@ def _place_whole(
     goal: PoolGoal,
 ) -> None:
     """Whole documents, longest first, on the GPU with room of the least ``_projected`` load
-    (ties: the lowest rank), over the world: the heap's top when it has room (the common case),
-    else one pass over every GPU (a nearly full cluster would otherwise pop most of the heap
-    for every document). A document no GPU has room for becomes a ring of GPUs that have."""
-    world, floor = loads.topology.world_size, goal.floor
-    keys = _projected(loads, floor)
-    tokens = np.asarray(loads.tokens)
-    heap: Heap = [(float(keys[r]), r) for r in range(world)]
-    heapq.heapify(heap)
-    local = [Placement(Tier.LOCAL, (r,)) for r in range(world)]
+    (ties: the lowest rank), over the world. A GPU without room for the current document is
+    parked until the documents get short enough for it (they only get shorter, and a parked GPU
+    takes nothing), so a nearly full cluster costs a heap operation per document, not a pass
+    over every GPU. A document no GPU has room for becomes a ring of GPUs that have."""
+    floor, capacity = goal.floor, loads.capacity
+    keys = _projected(loads, floor).tolist()
+    heap, parked = _heaps(keys)
+    local = [Placement(Tier.LOCAL, (r,)) for r in range(loads.topology.world_size)]
     for doc, length, seconds in zip(docs.tolist(), array[docs].tolist(), attention[docs].tolist()):
-        while heap[0][0] != keys[heap[0][1]]:
-            heapq.heappop(heap)  # stale
+        while parked and -parked[0][0] >= length:
+            rank = heapq.heappop(parked)[1]
+            heapq.heappush(heap, (keys[rank], rank))
+        while heap:
+            key, rank = heap[0]
+            if key != keys[rank]:
+                heapq.heappop(heap)  # stale
+            elif capacity - loads.tokens[rank] < length:
+                heapq.heappop(heap)
+                heapq.heappush(parked, (loads.tokens[rank] - capacity, rank))
+            else:
+                break
+        if not heap:
+            placements[doc] = _place_ring(doc, length, loads, goal)  # type: ignore[assignment]
+            keys = _projected(loads, floor).tolist()
+            heap, parked = _heaps(keys)
+            continue
         rank = heap[0][1]
-        if loads.capacity - tokens[rank] < length:
-            fits = loads.capacity - tokens >= length
-            if not fits.any():
-                placements[doc] = _place_ring(doc, length, loads, goal)  # type: ignore[assignment]
-                keys, tokens = _projected(loads, floor), np.asarray(loads.tokens)
-                heap = [(float(keys[r]), r) for r in range(world)]
-                heapq.heapify(heap)
-                continue
-            rank = int(np.argmin(np.where(fits, keys, np.inf)))
         loads.add_local(rank, length, seconds)
         placements[doc] = local[rank]
-        tokens[rank] = loads.tokens[rank]
         keys[rank] = loads.cost[rank] + loads.linear_weight * max(0, floor - loads.tokens[rank])
-        heapq.heappush(heap, (float(keys[rank]), rank))
+        heapq.heappush(heap, (keys[rank], rank))
+
+
+def _heaps(keys: list[float]) -> tuple[Heap, Heap]:
+    """Every GPU by its key (``_place_whole``'s heap), none parked yet."""
+    heap: Heap = [(key, r) for r, key in enumerate(keys)]
+    heapq.heapify(heap)
+    return heap, []
 
 
 def least_ring_load(
