@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions
 from megatron_zeppelin.planner.placement import _NodeBatch
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.search import _place, _predict
+from megatron_zeppelin.planner.search import _place
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -103,6 +103,14 @@ def test_cross_node_members_wait_as_their_edges_say(offset: int) -> None:
     assert all(loads.tokens[r] == 0 for r in topology.ranks_of_node(0))
 
 
+def _pruned(loads: Loads) -> dict[str, float]:
+    """The pricing the search gives each placement (``search._place``)."""
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    return price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, LAYOUTS, prune=True
+    )
+
+
 @settings(max_examples=examples(120), deadline=None)
 @given(
     seed=st.integers(0, 10_000),
@@ -113,10 +121,10 @@ def test_cross_node_members_wait_as_their_edges_say(offset: int) -> None:
 def test_unpriced_layouts_cannot_win(
     seed: int, spread: float, heavy: float, balance_linear: bool
 ) -> None:
-    """``_predict`` prices every layout it keeps as ``price_linear_layouts`` does, and the
-    fastest layout and its time are the full pricing's. Every GPU holds about the same tokens
-    (within ``spread``), some (``heavy``) as one document: attention uneven, tokens nearly
-    even, where moving tokens may or may not pay."""
+    """``price_linear_layouts(prune=True)`` prices every layout it keeps as the full pricing
+    does, and the fastest layout and its time are the full pricing's. Every GPU holds about the
+    same tokens (within ``spread``), some (``heavy``) as one document: attention uneven, tokens
+    nearly even, where moving tokens may or may not pay."""
     topology, cost = _model()
     loads = Loads(topology, 1 << 20, cost, balance_linear=balance_linear)
     rng = np.random.default_rng(seed)
@@ -131,7 +139,7 @@ def test_unpriced_layouts_cannot_win(
         cost,
         LAYOUTS,
     )
-    kept = _predict(loads, LAYOUTS)
+    kept = _pruned(loads)
     assert "attention" in kept
     assert all(kept[name] == full[name] for name in kept)
     assert min(kept.values()) == min(full.values())
@@ -140,7 +148,7 @@ def test_unpriced_layouts_cannot_win(
 
 def test_unpriced_layouts_are_left_out_where_tokens_are_even() -> None:
     """The GPUs with the most attention (one long document) hold a little fewer tokens than
-    the others (short documents): evening the tokens cannot pay, and ``_predict`` prices the
+    the others (short documents): evening the tokens cannot pay, and the pruned pricing prices the
     attention layout alone."""
     topology, cost = _model()
     loads = Loads(topology, 1 << 20, cost)
@@ -150,7 +158,7 @@ def test_unpriced_layouts_are_left_out_where_tokens_are_even() -> None:
         else:
             for _ in range(8):
                 loads.add_local(rank, 1050)
-    assert list(_predict(loads, LAYOUTS)) == ["attention"]
+    assert list(_pruned(loads)) == ["attention"]
 
 
 def test_node_documents_come_rings_first_then_longest_first() -> None:
@@ -229,8 +237,8 @@ def test_stage_two_placed_once_serves_both_packings(distribution: str) -> None:
 
 def test_cross_node_prices_are_cached_apart_with_and_without_the_2d_scheme() -> None:
     """A ring over whole nodes is priced as the faster of the flat ring and the 2-D scheme;
-    the pool placement asks for its flat price on the same loads (``pool._price`` switches the
-    scheme off for the question). Whichever is asked first, each answer is the fresh one."""
+    the pool placement asks for its flat price (``flat=True``) on the same loads. Whichever is
+    asked first, each answer is the fresh one."""
     topology = get_topology("zeppelin-C", num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
     length, size = 131072, 16
@@ -241,9 +249,7 @@ def test_cross_node_prices_are_cached_apart_with_and_without_the_2d_scheme() -> 
     flat, best = fresh(False), fresh(True)
     assert best < flat  # this ring is one the 2-D scheme wins, so the two prices differ
     for first_flat in (True, False):
-        loads = Loads(topology, 1 << 20, cost, two_d=True)
-        scheme, answers = loads.two_d, {}
+        loads, answers = Loads(topology, 1 << 20, cost, two_d=True), {}
         for two_d in (False, True) if first_flat else (True, False):
-            loads.two_d = scheme if two_d else None
-            answers[two_d] = loads.ring_key(length, size, "nic")
+            answers[two_d] = loads.ring_key(length, size, "nic", flat=not two_d)
         assert answers == {False: flat, True: best}

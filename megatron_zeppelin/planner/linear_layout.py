@@ -242,24 +242,55 @@ def price_linear_layouts(
     topology: Topology,
     cost_model: CostModel,
     candidates: Sequence[str] = LAYOUTS,
+    *,
+    prune: bool = False,
 ) -> dict[str, float]:
     """Every candidate layout's predicted layer time (``steptime.layer_seconds``), from each
-    rank's attention tokens and attention seconds (compute plus unhidden transfers) alone."""
+    rank's attention tokens and attention seconds (compute plus unhidden transfers) alone.
+    With ``prune`` (and the attention layout among them), a layout that moves tokens is left
+    out where it cannot beat the attention layout: it takes at least ``max(attention)`` plus
+    the linear seconds of its busiest rank's target, ``ceil(tokens / ranks)`` of the fullest
+    group, its remapping besides. The best time, and the layout that has it, stay the same."""
     unknown = [c for c in candidates if c not in LAYOUTS]
     if unknown or not candidates:
         raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
     world = topology.world_size
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
+        group = topology.gpus_per_node if name == "node" else world
         if name == "attention":
             tokens, remap_s = list(counts), 0.0
+        elif (
+            prune
+            and "attention" in predicted
+            and _hopeless(counts, attention_s, group, cost_model, predicted["attention"])
+        ):
+            continue
         else:
-            tokens = _targets(counts, topology.gpus_per_node if name == "node" else world)
+            tokens = _targets(counts, group)
             src, dst, moved = _move_arrays(list(counts), tokens, topology)
             remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
         linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
         predicted[name] = layer_seconds(linear_s, attention_s, remap_s)
     return predicted
+
+
+_NO_WIN = 1.0 + 1e-12
+"""A bound this far above the attention layout's time rules a layout out, rounding aside."""
+
+
+def _hopeless(
+    counts: Sequence[int],
+    attention_s: Sequence[float],
+    group: int,
+    cost_model: CostModel,
+    attention_layout_s: float,
+) -> bool:
+    """Whether a layout evening tokens over groups of ``group`` ranks is bound to take longer
+    than the attention layout's ``attention_layout_s`` (``price_linear_layouts``' ``prune``)."""
+    fullest = int(np.asarray(counts, dtype=np.int64).reshape(-1, group).sum(axis=1).max())
+    linear_s = float(cost_model.linear_times(np.asarray([-(-fullest // group)]))[0])
+    return linear_s + max(attention_s) > _NO_WIN * attention_layout_s
 
 
 def fastest(predicted: dict[str, float]) -> str:

@@ -141,27 +141,29 @@ class Loads:
         rest = self._block_seconds(pairs * (g - 1) / g, chunk, diagonal=False)
         return own + rest + g * self._overhead_s
 
-    def rank_share(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> RankShare:
+    def rank_share(
+        self, length: int, ring_size: int, link: Link, num_links: int = 1, *, flat: bool = False
+    ) -> RankShare:
         """One rank of a zigzag ring of ``ring_size`` over ``link``: ``ring_seconds`` of compute,
         and per ring step the transfer its block's compute does not hide. A forward step moves
         K/V while the block's forward runs, a backward step K/V and dK/dV while its backward
         runs. Across nodes (``link="nic"``) a routed edge (``num_links`` NICs) sends a part per
         NIC: over NVLink to the NIC's GPU, over the NIC, over NVLink again; so every relaying
         GPU's NVLink port carries its own ring message and a part, and the ranks at the edge
-        wait for the slowest part."""
-        # Over NVLink the NICs play no part: one entry serves every ``num_links``. Across
-        # nodes the price depends on whether the 2-D scheme may be chosen, which the pool
-        # placement switches off for rings over part of a node's GPUs (``pool._price``).
-        if link == "nic":
-            key = (length, ring_size, link, num_links, self.two_d is not None)
-        else:
-            key = (length, ring_size, link, 1, False)
+        wait for the slowest part. A ring over whole nodes is priced as the faster of that and
+        the 2-D scheme where the loads allow it, unless ``flat`` (the ring runs flat whatever
+        its size: the pool placement's rings over part of a node's GPUs)."""
+        # Over NVLink the NICs play no part: one entry serves every ``num_links``.
+        two_d = self.two_d if link == "nic" and not flat else None
+        key = (length, ring_size, link, num_links if link == "nic" else 1, two_d is not None)
         share = self._shares.get(key)
         if share is None:
-            share = self._shares[key] = self._rank_share(length, ring_size, link, num_links)
+            share = self._shares[key] = self._rank_share(length, ring_size, link, num_links, two_d)
         return share
 
-    def _rank_share(self, length: int, ring_size: int, link: Link, num_links: int) -> RankShare:
+    def _rank_share(
+        self, length: int, ring_size: int, link: Link, num_links: int, two_d: SchemePrices | None
+    ) -> RankShare:
         g = ring_size
         compute = self.ring_seconds(length, g)
         if g == 1:
@@ -184,12 +186,12 @@ class Loads:
 
         inner = _exposed(g, step, nvlink.time(relayed * kv), nvlink.time(relayed * (2 * kv)))
         flat = RankShare(compute, _exposed(g, step, edge(kv), edge(2 * kv)), inner)
-        if self.two_d is not None and g % self.topology.gpus_per_node == 0:
+        if two_d is not None and g % self.topology.gpus_per_node == 0:
             # The second scheme for a ring over whole nodes: its price is compute and unhidden
             # transfers (head all-to-alls included) together.
-            two_d = self.two_d.two_d(length, g // self.topology.gpus_per_node)
-            if two_d is not None and two_d < compute + flat.exposed_s:
-                return RankShare(two_d, 0.0)
+            scheme = two_d.two_d(length, g // self.topology.gpus_per_node)
+            if scheme is not None and scheme < compute + flat.exposed_s:
+                return RankShare(scheme, 0.0)
         return flat
 
     def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
@@ -198,9 +200,10 @@ class Loads:
         share = self.rank_share(length, ring_size, link, num_links)
         return share.compute_s + share.exposed_s + self.token_weight * length / ring_size
 
-    def ring_key(self, length: int, ring_size: int, link: Link) -> float:
-        """What a ring adds to each member's ``cost`` (zigzag rounding aside)."""
-        share = self.rank_share(length, ring_size, link, self.num_links)
+    def ring_key(self, length: int, ring_size: int, link: Link, *, flat: bool = False) -> float:
+        """What a ring adds to each member's ``cost`` (zigzag rounding aside); ``flat`` as in
+        ``rank_share``."""
+        share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
         return share.compute_s + share.exposed_s + self.linear_weight * length / ring_size
 
     def best_num_nodes(self, length: int, rest_work: float) -> int:
@@ -223,11 +226,13 @@ class Loads:
                 break  # the mean sets the end from here on, and more ranks only raise it
         return best[1]
 
-    def add_ring(self, ring: Sequence[int], length: int, link: Link = "nvlink") -> None:
+    def add_ring(
+        self, ring: Sequence[int], length: int, link: Link = "nvlink", *, flat: bool = False
+    ) -> None:
         """Add a document split zigzag over ``ring`` (whole for a ring of one); ``link``:
-        ``"nic"`` when the ring spans nodes. Transfers the ring cannot hide keep its ranks busy
-        as surely as compute does."""
-        share = self.rank_share(length, len(ring), link, self.num_links)
+        ``"nic"`` when the ring spans nodes; ``flat`` as in ``rank_share``. Transfers the ring
+        cannot hide keep its ranks busy as surely as compute does."""
+        share = self.rank_share(length, len(ring), link, self.num_links, flat=flat)
         k, compute, weight = self.topology.gpus_per_node, share.compute_s, self.linear_weight
         cost, attention, exposed_s, tokens = self.cost, self.attention, self.exposed, self.tokens
         if link == "nvlink":  # no edge crosses nodes: every member alike

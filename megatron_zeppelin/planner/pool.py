@@ -197,16 +197,9 @@ def _price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool =
     """Per-member load of a ring of ``size``: on NVLink inside a node (where it fits one and
     ``in_node``), else across nodes, with the 2-D scheme's price only when asked (it needs whole
     nodes)."""
-    k = loads.topology.gpus_per_node
-    if size <= k and in_node:
+    if size <= loads.topology.gpus_per_node and in_node:
         return loads.ring_key(length, size, "nvlink")
-    saved = loads.two_d
-    if not two_d:
-        loads.two_d = None
-    try:
-        return loads.ring_key(length, size, "nic")
-    finally:
-        loads.two_d = saved
+    return loads.ring_key(length, size, "nic", flat=not two_d)
 
 
 def _size_for(length: int, work: float, target: float, loads: Loads) -> tuple[int, float]:
@@ -435,13 +428,7 @@ def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Place
     if len({r // k for r in ring}) == 1:
         loads.add_ring(ring, length)
         return Placement(Tier.INTRA, ring)
-    saved = loads.two_d
-    if not two_d:
-        loads.two_d = None
-    try:
-        loads.add_ring(ring, length, "nic")
-    finally:
-        loads.two_d = saved
+    loads.add_ring(ring, length, "nic", flat=not two_d)
     return Placement(Tier.INTER, ring)
 
 

@@ -18,7 +18,7 @@ GPUs' mean (few documents per GPU cannot be packed evenly whole), the busiest GP
 document becomes an in-node ring too, with every longer local document, while that helps. Every
 placement is priced under every allowed linear layout (``linear_layout.price_linear_layouts``, so
 mixtures are covered: a linear layout that moves tokens only inside nodes remaps only where it
-pays), less those a bound shows cannot beat the attention layout (``_predict``).
+pays), less those a bound shows cannot beat the attention layout (its ``prune``).
 
 Placements of one batch share what does not change between them: stage 1 per balance mode and
 scheme, the inter-node rings per stage 1, and stage 2 for both packings of the same rings.
@@ -231,7 +231,7 @@ class Candidate:
 
     def keep_estimate(self, layouts: tuple[str, ...]) -> None:
         """Take ``Loads``' prediction as the layer time (nothing left to compare it with),
-        under every layout (``_predict`` leaves out those that cannot win)."""
+        under every layout (``_place`` prices only those that can win)."""
         self.attention_s = np.add(self.loads.attention, self.loads.exposed)
         self.simulated = dict(self.predicted)
         if len(self.simulated) < len(layouts):
@@ -340,6 +340,7 @@ def _pool_candidates(
     batch = pool_batch(array, choice, loads)
     if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
         return []  # the longest ring, or the mean, keeps any pool placement within reach
+    goal = pool_goal(array, loads, rules.chunks[1])  # what refining keeps of any order's goal
     out: list[Candidate] = []
     for first, scale in _pool_orders(out):
         loads = new_loads(True, True)
@@ -349,8 +350,7 @@ def _pool_candidates(
             )
         except CapacityError:
             continue
-        goal = pool_goal(array, loads, rules.chunks[1])
-        refine(array, placements, loads, choice.attention, _refine_rounds(loads), goal)
+        refine(array, placements, loads, choice.attention, loads.topology.world_size, goal)
         attention_s = np.add(loads.attention, loads.exposed).tolist()
         predicted = price_linear_layouts(
             loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
@@ -369,10 +369,6 @@ def _pool_orders(out: list[Candidate]) -> Iterator[tuple[float | None, float]]:
     if out and not any(c.even_enough(_POOL_EVEN) for c in out):
         if any(c.even_enough(_POOL_PACKED) for c in out):
             yield from POOL_RETRIES
-
-
-def _refine_rounds(loads: Loads) -> int:
-    return loads.topology.world_size
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
@@ -501,37 +497,8 @@ def _place(
         by_node, placements, promotions = done.by_node, list(done.placements), done.promotions
         loads.restore(done.loads)
     promotions += place_within_nodes(array, choice, by_node, loads, placements)
-    predicted = _predict(loads, layouts)
-    return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
-
-
-_NO_WIN = 1.0 + 1e-12
-"""A bound this far above the attention layout's time rules a layout out, rounding aside."""
-
-
-def _predict(loads: Loads, layouts: tuple[str, ...]) -> dict[str, float]:
-    """``price_linear_layouts`` of the placement, less the layouts that moving tokens cannot
-    make faster than the attention layout: a layout that moves tokens takes at least
-    ``max(linear) + max(attention)`` (its remapping besides), and its busiest GPU holds at
-    least its target's ``ceil(tokens / GPUs)`` of its node or of the world. The best time,
-    and the layout that has it, stay what the full pricing gives."""
-    topology, cost = loads.topology, loads.cost_model
     attention_s = np.add(loads.attention, loads.exposed).tolist()
-    if "attention" not in layouts or len(layouts) == 1:
-        return price_linear_layouts(loads.tokens, attention_s, topology, cost, layouts)
-    predicted = price_linear_layouts(loads.tokens, attention_s, topology, cost, ("attention",))
-    k, world = topology.gpus_per_node, topology.world_size
-    node_tokens = np.asarray(loads.tokens, dtype=np.int64).reshape(-1, k).sum(axis=1)
-    most = {"node": -(-int(node_tokens.max()) // k), "even": -(-int(node_tokens.sum()) // world)}
-    bounds = cost.linear_times(np.asarray([most[name] for name in layouts if name in most]))
-    busiest = max(attention_s)
-    moving = [
-        name
-        for name, linear_s in zip((n for n in layouts if n in most), bounds.tolist())
-        if linear_s + busiest <= _NO_WIN * predicted["attention"]
-    ]
-    if moving:
-        predicted = price_linear_layouts(
-            loads.tokens, attention_s, topology, cost, ("attention", *moving)
-        )
-    return predicted
+    predicted = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts, prune=True
+    )
+    return Candidate(placements, loads, promotions, extra, predicted)  # type: ignore[arg-type]
