@@ -15,13 +15,16 @@ from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Tier
+from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.pool import (
     POOL_ORDERS,
     POOL_RETRIES,
+    RING_ORDERS,
+    RING_RETRIES,
     least_ring_load,
     place_pool,
     pool_batch,
+    pool_orders,
 )
 from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.planner.thresholds import tier_thresholds
@@ -32,6 +35,8 @@ from megatron_zeppelin.topology.presets import get_topology
 pytestmark = pytest.mark.pure
 
 CAPACITY = 32_768
+ORDERS = list(dict.fromkeys([*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES]))
+"""Every order the search may place the pool in."""
 
 
 def _batch(name: str, gpus: int, fill: float, seed: int) -> tuple[list[int], Topology, CostModel]:
@@ -86,8 +91,12 @@ def test_few_documents_per_gpu_fill_part_of_a_node(name: str, seed: int, bound: 
     assert busy == set(range(topology.world_size)), "no GPU idle"
 
 
-@pytest.mark.parametrize(("first", "scale"), [*POOL_ORDERS, *POOL_RETRIES])
-def test_pool_placement_keeps_capacity_and_places_every_document(first, scale: float) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("first", "scale", "cross"), ORDERS)
+def test_pool_placement_keeps_capacity_and_places_every_document(
+    first,  # noqa: ANN001
+    scale: float,
+    cross: float,
+) -> None:
     """Every document placed once, rings of distinct ranks, no GPU over capacity, and a
     ring's tier matching the nodes it spans."""
     lengths, topology, cost = _batch("mixture", 32, 0.95, seed=1)
@@ -96,7 +105,7 @@ def test_pool_placement_keeps_capacity_and_places_every_document(first, scale: f
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     placements, _ = place_pool(
-        array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first, scale
+        array, assign_tiers(array, loads, rules), loads, rules.chunks[1], first, scale, cross=cross
     )
     assert len(placements) == len(array) and all(p is not None for p in placements)
     assert max(loads.tokens) <= CAPACITY and sum(loads.tokens) == int(array.sum())
@@ -126,11 +135,67 @@ def test_least_ring_load_bounds_every_pool_placement(name: str, gpus: int, fill:
     bound = least_ring_load(array, assign_tiers(array, fresh, rules), fresh)
     share = pool_batch(array, assign_tiers(array, fresh, rules), fresh).share
     assert bound > 0
-    for first, scale in (*POOL_ORDERS, *POOL_RETRIES):
+    for first, scale, cross in ORDERS:
         loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
         choice = assign_tiers(array, loads, rules)
-        place_pool(array, choice, loads, rules.chunks[1], first, scale)
-        assert max(loads.cost) >= bound * (1 - 1e-9), (first, scale)
+        place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
+        assert max(loads.cost) >= bound * (1 - 1e-9), (first, scale, cross)
         # The mean work per GPU bounds it too (splitting only adds work): the search's other
         # reason to skip the pool.
-        assert max(loads.cost) >= share * (1 - 1e-9), (first, scale)
+        assert max(loads.cost) >= share * (1 - 1e-9), (first, scale, cross)
+
+
+def _placed(name: str, gpus: int, fill: float, seed: int, first, scale: float):  # noqa: ANN001, ANN202
+    lengths, topology, cost = _batch(name, gpus, fill, seed)
+    array = np.asarray(lengths)
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    choice = assign_tiers(array, loads, rules)
+    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale)
+    return array, choice, loads, placements
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed"),
+    [("uniform-long", 32, 0.5, 0), ("uniform-long", 64, 0.95, 1), ("mixture", 32, 0.95, 0)],
+)
+def test_pool_orders_skip_orders_that_place_alike(name: str, gpus: int, fill: float, seed: int):
+    """Where no order puts a whole document before the rings, ``pool_orders`` gives the ring
+    scales instead, and every order of ``POOL_ORDERS`` indeed places the batch alike; where
+    one does, the orders are kept and some order places it differently."""
+    array, choice, loads, _ = _placed(name, gpus, fill, seed, None, 1.0)
+    fresh = Loads(loads.topology, CAPACITY, loads.cost_model, loads.num_links, two_d=True)
+    orders, retries = pool_orders(array, fresh, pool_batch(array, choice, fresh))
+    rings = {
+        tuple((p.tier, p.ring) for p in _placed(name, gpus, fill, seed, *order[:2])[3])
+        for order in POOL_ORDERS
+    }
+    if orders == RING_ORDERS:
+        assert retries == RING_RETRIES
+        assert len(rings) == 1
+    else:
+        assert (orders, retries) == (POOL_ORDERS, POOL_RETRIES)
+        assert len(rings) > 1
+
+
+@pytest.mark.parametrize(("first", "scale", "cross"), [*POOL_ORDERS, *POOL_RETRIES])
+def test_ring_members_keep_room_for_other_documents(first, scale: float, cross: float) -> None:  # noqa: ANN001
+    """One long document sets a high target load; four of 50K tokens must split for capacity
+    but carry little work. No ring gives a member more than the GPUs' mean tokens and half the
+    room the mean leaves: on two GPUs each (25K tokens a member) they filled their members far
+    below the target load, and the other GPUs carried the difference."""
+    topology = get_topology("zeppelin-C", num_nodes=4)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    array = np.asarray([300_000] + [50_000] * 4 + [240] * 100)
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    choice = assign_tiers(array, loads, rules)
+    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
+    mean = float(array.sum()) / topology.world_size
+    most = mean + 0.5 * (CAPACITY - mean)
+    rings = [(int(array[d]), p) for d, p in enumerate(placements) if p.tier != Tier.LOCAL]
+    assert len(rings) == 5
+    for length, placement in rings:
+        assert max(zigzag_loads(length, len(placement.ring))) <= most

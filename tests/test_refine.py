@@ -1,5 +1,5 @@
 """Tier: pure. The pass after the pool placement (``planner/refine.py``) and the ring
-re-placement it uses (``pool.replace_ring``).
+re-placement it uses (``members.replace_ring``).
 
 The pass may only move whole documents (or re-place a ring) where both GPUs it touches end
 below the busiest load, so it can never raise the predicted step nor break capacity.
@@ -13,17 +13,18 @@ import pytest
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.members import remove_ring, replace_ring
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.pool import (
     POOL_ORDERS,
     POOL_RETRIES,
+    RING_ORDERS,
+    RING_RETRIES,
     _add,
-    _remove,
     place_pool,
     pool_goal,
-    replace_ring,
 )
 from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.thresholds import tier_thresholds
@@ -33,6 +34,8 @@ from megatron_zeppelin.topology.presets import get_topology
 pytestmark = pytest.mark.pure
 
 CAPACITY = 32_768
+ORDERS = list(dict.fromkeys([*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES]))
+"""Every order the search may place the pool in."""
 
 
 def _setup(name: str, gpus: int, fill: float, seed: int):  # noqa: ANN202
@@ -64,7 +67,7 @@ def _tokens_from(placements: list[Placement], array: np.ndarray, world: int) -> 
         ("long-tail", 32, 0.95, 0),
     ],
 )
-@pytest.mark.parametrize(("first", "scale"), [*POOL_ORDERS, *POOL_RETRIES])
+@pytest.mark.parametrize(("first", "scale", "cross"), ORDERS)
 def test_refine_never_raises_the_busiest_load_and_keeps_capacity(
     name: str,
     gpus: int,
@@ -72,11 +75,12 @@ def test_refine_never_raises_the_busiest_load_and_keeps_capacity(
     seed: int,
     first: float | None,
     scale: float,
+    cross: float,
 ) -> None:
     array, topology, cost, rules = _setup(name, gpus, fill, seed)
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     choice = assign_tiers(array, loads, rules)
-    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale)
+    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
     before = max(loads.cost)
     goal = pool_goal(array, loads, rules.chunks[1])
     refine(array, placements, loads, choice.attention, topology.world_size, goal)
@@ -139,7 +143,7 @@ def test_refine_swaps_where_no_gpu_has_room() -> None:
 
 
 def test_remove_undoes_add() -> None:
-    """``_remove`` takes off exactly what ``_add`` put on, in a node and across nodes."""
+    """``remove_ring`` takes off exactly what ``_add`` put on, in a node and across nodes."""
     topology = get_topology("zeppelin-C", num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
@@ -147,7 +151,7 @@ def test_remove_undoes_add() -> None:
     before = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
     for ring, whole in (((0, 1, 2), False), ((6, 7, 8, 9, 10), False), (tuple(range(16)), True)):
         placement = _add(ring, 60_000, loads, whole)
-        _remove(placement, 60_000, loads)
+        remove_ring(placement, 60_000, loads)
         after = (loads.cost, loads.attention, loads.exposed, loads.tokens)
         for want, got in zip(before, after):
             assert got == pytest.approx(want, abs=1e-12)

@@ -17,10 +17,17 @@ once it holds the tokens a nearly full batch forces on every GPU (``_floor_token
    load, over the whole world (a local document talks to nobody, so its node does not matter);
    one no GPU has room for becomes a ring (a capacity promotion).
 
+No ring gives a member more tokens than the GPUs' mean and half the room it leaves
+(``_member_tokens``), so a document split only for capacity does not fill its members with
+tokens far below the target load.
+
 ``POOL_ORDERS`` may put the long whole documents before the rings; ``POOL_RETRIES`` size the rings
-below the target where none of those packs evenly. ``search`` places every order, refines each
-(``refine.py``, which re-places a ring through ``replace_ring``), and keeps a pool placement only
-where the simulator times it faster than the staged ones.
+below the target where none of those packs evenly. A batch no order puts a whole document of
+before the rings (all long documents) is placed with its rings sized a little above and below
+the target instead (``RING_ORDERS``, ``RING_RETRIES``; ``pool_orders``). ``search`` places
+every order, refines each (``refine.py``, which re-places a ring or moves a member of one through
+``members.py``), and keeps a pool placement only where the simulator times it faster than the
+staged ones.
 """
 
 from __future__ import annotations
@@ -28,7 +35,8 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -44,31 +52,56 @@ from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 __all__ = [
     "POOL_ORDERS",
     "POOL_RETRIES",
+    "RING_ORDERS",
+    "RING_RETRIES",
     "PoolBatch",
     "PoolGoal",
+    "PoolOrder",
     "least_ring_load",
+    "pool_orders",
     "place_pool",
     "pool_batch",
     "pool_goal",
-    "replace_ring",
 ]
+
+
+class PoolOrder(NamedTuple):
+    """How ``place_pool`` places a batch (its arguments of the same names)."""
+
+    first: float | None
+    scale: float = 1.0
+    cross: float = 1.0
+
 
 _TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
-POOL_ORDERS: tuple[tuple[float | None, float], ...] = ((None, 1.0), (math.inf, 1.0), (0.15, 1.0))
-"""The ``(first, scale)`` that ``search`` tries (``place_pool``'s arguments): rings first; whole
+POOL_ORDERS = (PoolOrder(None), PoolOrder(math.inf), PoolOrder(0.15))
+"""The orders ``search`` tries (``place_pool``'s arguments): rings first; whole
 documents of more than half a GPU's room first; those and the ones worth more than 0.15 of a
 GPU's share first (the slack rings leave on their members is too small for them). Which packs a
 batch best is not predicted well enough by ``Loads``: the simulator decides."""
-POOL_RETRIES: tuple[tuple[float | None, float], ...] = (
-    (None, 0.9),
-    (0.15, 0.9),
-    (None, 0.8),
-    (0.15, 0.8),
+POOL_RETRIES = (
+    PoolOrder(None, 0.9),
+    PoolOrder(0.15, 0.9),
+    PoolOrder(None, 0.8),
+    PoolOrder(0.15, 0.8),
+    PoolOrder(0.15, 0.8, cross=2.0),
 )
 """Tried after ``POOL_ORDERS`` where none of them packs evenly: rings sized to 0.9 and 0.8 of
 the target, so their members keep room for the whole documents that capacity or a late long
-one forces on them (a nearly full batch, or few documents per GPU)."""
+one forces on them (a nearly full batch, or few documents per GPU); the last with pieces twice
+as long before a ring crosses nodes (``cross``): ``Loads`` prices each ring alone, and many
+flat rings of short pieces sharing a node's NICs and NVLink ports run slower than it predicts."""
+RING_ORDERS = (PoolOrder(None), PoolOrder(None, 1.05), PoolOrder(None, 0.95))
+"""``POOL_ORDERS`` of a batch no order puts a whole document of before the rings (``pool_orders``:
+they would all place it alike): the rings sized to the target and a little above and below it.
+Integer ring sizes leave each member short of the target by what the last, shortest rings must
+fill; which target leaves the least over is not predicted well by the target itself."""
+RING_RETRIES = (PoolOrder(None, 0.9), PoolOrder(None, 0.85), PoolOrder(None, 0.8))
+"""``POOL_RETRIES`` of such a batch."""
+_MEMBER_ROOM = 0.5
+"""A ring member takes at most the GPUs' mean tokens and this share of the room it leaves
+(``_member_tokens``)."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -84,6 +117,8 @@ class PoolGoal:
     nic_chunk: int
     """Per-rank tokens below which a ring across nodes stops hiding its transfers
     (``tiers.chunk_thresholds``): smaller pieces cross nodes only where capacity needs it."""
+    member_tokens: int
+    """The most tokens a ring member takes (``_member_tokens``)."""
 
 
 @dataclass(frozen=True)
@@ -101,6 +136,23 @@ class PoolBatch:
     """Those, longest first."""
     target: float
     """``_target``: the load every GPU should end at."""
+    member_tokens: int
+    """``_member_tokens``: the most tokens a ring member takes."""
+
+
+def pool_orders(
+    array: np.ndarray, loads: Loads, batch: PoolBatch
+) -> tuple[tuple[PoolOrder, ...], tuple[PoolOrder, ...]]:
+    """The orders of ``place_pool`` to try, and those to retry with:
+    ``POOL_ORDERS`` and ``POOL_RETRIES``, or ``RING_ORDERS`` and ``RING_RETRIES`` where no
+    order's ``first`` puts a whole document before the rings (they would place alike)."""
+    firsts = [o.first for o in (*POOL_ORDERS, *POOL_RETRIES) if o.first is not None]
+    whole = ~batch.rings
+    least = min(firsts) * batch.share
+    early = (array[whole] > loads.capacity // 2) | (batch.balanced[whole] > least)
+    if early.any():
+        return POOL_ORDERS, POOL_RETRIES
+    return RING_ORDERS, RING_RETRIES
 
 
 def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads) -> PoolBatch:
@@ -109,8 +161,9 @@ def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads) -> PoolBatch
     balanced, share, rings = _split(array, choice, loads)
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
-    target = _target(array, balanced, ring_docs, loads)
-    return PoolBatch(balanced, share, rings, ring_docs, target)
+    most = _member_tokens(array, loads)
+    target = _target(array, balanced, ring_docs, loads, most)
+    return PoolBatch(balanced, share, rings, ring_docs, target, most)
 
 
 def place_pool(
@@ -121,6 +174,7 @@ def place_pool(
     first: float | None,
     scale: float = 1.0,
     batch: PoolBatch | None = None,
+    cross: float = 1.0,
 ) -> tuple[list[Placement], int]:
     """Every document's placement (module docstring), its work added to ``loads``, and how many
     documents meant to stay whole became rings for lack of room on any GPU; a document
@@ -128,11 +182,13 @@ def place_pool(
     (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
     GPUs are free to hold them (ring pieces then fill what they leave). Rings are sized to
-    ``scale`` times the target. ``batch``: ``pool_batch`` of the same batch, when known.
+    ``scale`` times the target, and cross nodes only with pieces of ``cross`` times
+    ``nic_chunk`` tokens. ``batch``: ``pool_batch`` of the same batch, when known.
     Raises ``CapacityError`` where a document finds no room."""
     batch = batch or pool_batch(array, choice, loads)
     balanced, share, rings = batch.balanced, batch.share, batch.rings
-    goal = PoolGoal(scale * batch.target, _floor_tokens(array, loads), nic_chunk)
+    floor = _floor_tokens(array, loads)
+    goal = PoolGoal(scale * batch.target, floor, math.ceil(cross * nic_chunk), batch.member_tokens)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
@@ -165,7 +221,9 @@ def _split(
     return balanced, share, rings
 
 
-def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads) -> float:
+def _target(
+    array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads: Loads, most: int
+) -> float:
     """The load every GPU should end at: the batch's work over the GPUs, where each ring
     counts its members' total at the size it would take for the current target."""
     world = loads.topology.world_size
@@ -174,7 +232,7 @@ def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads
     for _ in range(_TARGET_ROUNDS):
         total = whole
         for doc in ring_docs:
-            size, key = _size_for(int(array[doc]), float(balanced[doc]), target, loads)
+            size, key = _size_for(int(array[doc]), float(balanced[doc]), target, loads, most)
             total += size * key
         if total / world <= target:
             break  # every later round would size the rings alike
@@ -182,12 +240,13 @@ def _target(array: np.ndarray, balanced: np.ndarray, ring_docs: list[int], loads
     return target
 
 
-def _sizes(length: int, work: float, target: float, loads: Loads) -> list[int]:
+def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
     """Ring sizes worth pricing: from the document's work over the target up to a few times it,
-    then the smaller ones capacity allows (where GPUs lack room for the larger ones)."""
+    then the smaller ones down to the least whose members take at most ``most`` tokens
+    (``_member_tokens``; where GPUs lack room for the larger ones)."""
     topo = loads.topology
     world = topo.world_size
-    low = max(2, min_ring(length, loads.capacity) or 2)
+    low = max(2, min_ring(length, most) or min_ring(length, loads.capacity) or 2)
     start = min(world, max(low, math.floor(work / target)))
     stop = min(world, 2 * start + 2 * topo.gpus_per_node)
     return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
@@ -202,17 +261,29 @@ def _price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool =
     return loads.ring_key(length, size, "nic", flat=not two_d)
 
 
-def _size_for(length: int, work: float, target: float, loads: Loads) -> tuple[int, float]:
+def _size_for(
+    length: int, work: float, target: float, loads: Loads, most: int
+) -> tuple[int, float]:
     """The smallest ring whose members' load fits the target (2-D priced where the size is
     whole nodes), else the one with the least load per member."""
     best = (math.inf, 2)
-    for size in _sizes(length, work, target, loads):
+    for size in _sizes(length, work, target, loads, most):
         key = _price(length, size, loads, two_d=loads.two_d is not None)
         if key <= target * _TOLERANCE:
             return size, key
         if key < best[0]:
             best = (key, size)
     return best[1], best[0]
+
+
+def _member_tokens(array: np.ndarray, loads: Loads) -> int:
+    """The most tokens a ring member takes: the GPUs' mean and ``_MEMBER_ROOM`` of the room the
+    mean leaves. A ring sized to fill its members' capacity leaves them full of tokens far
+    below the target load (a mid-length document on two GPUs carries less attention per token
+    than a long ring's share), work the other GPUs then carry; at a nearly full batch the limit
+    is the capacity, near enough."""
+    mean = float(array.sum()) / loads.topology.world_size
+    return min(loads.capacity, int(mean + _MEMBER_ROOM * max(0.0, loads.capacity - mean)))
 
 
 def _floor_tokens(array: np.ndarray, loads: Loads) -> int:
@@ -254,7 +325,7 @@ def _place_ring(
         room = np.where(barred, -1, room)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
-    for size in _sizes(length, work, goal.target, loads):
+    for size in _sizes(length, work, goal.target, loads, goal.member_tokens):
         per_rank = _most_tokens(length, size)
         if goal.floor:
             ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
@@ -433,51 +504,9 @@ def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Place
 
 
 def pool_goal(array: np.ndarray, loads: Loads, nic_chunk: int) -> PoolGoal:
-    """What ``replace_ring`` keeps of ``place_pool``'s goal (its target is set per call)."""
-    return PoolGoal(0.0, _floor_tokens(array, loads), nic_chunk)
-
-
-def replace_ring(
-    doc: int,
-    length: int,
-    placement: Placement,
-    loads: Loads,
-    goal: PoolGoal,
-    below: float,
-    barred: np.ndarray,
-) -> Placement | None:
-    """``doc``'s ring taken off its GPUs and placed again, not on ``barred`` GPUs
-    (``_place_ring``: the smallest ring whose every member then ends below ``below``), or
-    ``None`` with ``loads`` as they were where no ring does."""
-    saved = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
-    _remove(placement, length, loads)
-    goal = replace(goal, target=below / _TOLERANCE)
-    new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
-    if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
-        loads.cost, loads.attention, loads.exposed, loads.tokens = saved
-        return None
-    return new
-
-
-def _remove(placement: Placement, length: int, loads: Loads) -> None:
-    """Take off ``loads`` what ``_add`` put there for ``placement``: its members' loads are
-    measured by adding the ring again onto them emptied (the same prices, from the same
-    ``Loads``), and subtracted."""
-    ring = placement.ring
-    k = loads.topology.gpus_per_node
-    nodes = {r // k for r in ring}
-    whole = placement.tier == Tier.INTER and len(ring) == k * len(nodes)
-    snapshot = loads.snapshot(ring)
-    for r in ring:
-        loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r] = 0.0, 0.0, 0.0, 0
-    _add(ring, length, loads, whole and loads.two_d is not None)
-    added = loads.snapshot(ring)[1]
-    loads.restore(snapshot)
-    for r, (cost, attention, exposed, tokens) in zip(ring, added):
-        loads.cost[r] -= cost
-        loads.attention[r] -= attention
-        loads.exposed[r] -= exposed
-        loads.tokens[r] -= tokens
+    """What ``members.replace_ring`` keeps of ``place_pool``'s goal (its target is set per
+    call)."""
+    return PoolGoal(0.0, _floor_tokens(array, loads), nic_chunk, _member_tokens(array, loads))
 
 
 def _place_whole(
@@ -533,14 +562,17 @@ def least_ring_load(
     array: np.ndarray, choice: TierChoice, loads: Loads, batch: PoolBatch | None = None
 ) -> float:
     """The least per-member load the longest document ``place_pool`` rings can have at any size
-    and place it tries (in every order and scale of ``POOL_ORDERS`` and ``POOL_RETRIES``): a
+    and place it tries (in every order and scale of ``POOL_ORDERS``, ``POOL_RETRIES``,
+    ``RING_ORDERS`` and ``RING_RETRIES``): a
     bound under any pool placement's busiest GPU."""
     batch = batch or pool_batch(array, choice, loads)
     if not batch.ring_docs:
         return 0.0
     length = int(array[batch.ring_docs[0]])
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0)
-    scales = {scale for _, scale in (*POOL_ORDERS, *POOL_RETRIES)}
-    sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads)}
+    most = batch.member_tokens
+    goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0, most)
+    orders = (*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES)
+    scales = {order.scale for order in orders}
+    sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads, most)}
     return min(key for size in sizes for key, _ in _options(length, size, loads, goal))

@@ -12,8 +12,14 @@ made, among:
 
 A change is made only where both GPUs end below the busiest GPU's load before it, so the
 busiest load (``Loads.cost``, what the planner balances) never rises and every GPU stays within
-capacity. The pass stops at a busiest GPU no change improves (a ring's share, not the packing,
-sets it), or after ``rounds`` changes.
+capacity. With the pool placement's goal, a busiest GPU no such change helps has, in turn:
+
+- **its rings placed again** (``members.replace_ring``) on GPUs no other ring uses;
+- **its place in one of its rings moved** to the least loaded GPU with room
+  (``members.move_member``): a GPU that two rings share while others are nearly idle.
+
+The pass stops at a busiest GPU nothing improves (a ring's share, not the packing, sets it), or
+after ``rounds`` changes.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.members import move_member, replace_ring
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.pool import PoolGoal, replace_ring
+from megatron_zeppelin.planner.pool import PoolGoal
 
 __all__ = ["refine"]
 
@@ -44,8 +51,9 @@ def refine(
     """Moves and swaps of local documents (module docstring), applied to ``placements`` and
     ``loads``; ``attention``: each document's whole attention seconds
     (``Loads.ring_seconds(length, 1)``). With ``goal`` (the pool placement's), a busiest GPU
-    no such change helps has its rings placed again (``pool.replace_ring``), longest first,
-    where one then ends below it. Returns how many changes were made."""
+    no such change helps has its rings placed again (``members.replace_ring``), or else its place
+    in one of them moved (``members.move_member``), longest first, where every member then ends
+    below it. Returns how many changes were made."""
     world = loads.topology.world_size
     work = attention + loads.linear_weight * array
     on_rank: list[list[int]] = [[] for _ in range(world)]
@@ -69,7 +77,10 @@ def refine(
             for rank in (busiest, change[0]):
                 cost[rank], tokens[rank] = loads.cost[rank], loads.tokens[rank]
                 has_local[rank] = bool(on_rank[rank])
-        elif goal is None or not _resize(busiest, array, placements, loads, goal, rings_on):
+        elif goal is None or not (
+            _resize(busiest, array, placements, loads, goal, rings_on)
+            or _move_member(busiest, array, placements, loads, rings_on)
+        ):
             break
         else:
             cost = np.asarray(loads.cost, dtype=np.float64)
@@ -108,7 +119,7 @@ def _resize(
     rings_on: list[list[int]],
 ) -> bool:
     """Whether one of the rings on ``busiest`` (longest first) found a place where every
-    member ends below the busiest load (``pool.replace_ring``)."""
+    member ends below the busiest load (``members.replace_ring``)."""
     below = loads.cost[busiest] * (1 - _MIN_GAIN)
     for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
         old = placements[doc]
@@ -121,6 +132,30 @@ def _resize(
             for rank in old.ring:
                 rings_on[rank].remove(doc)
             for rank in new.ring:
+                rings_on[rank].append(doc)
+            placements[doc] = new
+            return True
+    return False
+
+
+def _move_member(
+    busiest: int,
+    array: np.ndarray,
+    placements: list[Placement],
+    loads: Loads,
+    rings_on: list[list[int]],
+) -> bool:
+    """Whether one of the rings on ``busiest`` (longest first) let another GPU take
+    ``busiest``'s place in it, every member ending below the busiest load
+    (``pool.move_member``)."""
+    below = loads.cost[busiest] * (1 - _MIN_GAIN)
+    for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
+        old = placements[doc]
+        new = move_member(int(array[doc]), old, loads, busiest, below)
+        if new is not None:
+            for rank in set(old.ring) - set(new.ring):
+                rings_on[rank].remove(doc)
+            for rank in set(new.ring) - set(old.ring):
                 rings_on[rank].append(doc)
             placements[doc] = new
             return True

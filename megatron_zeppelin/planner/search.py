@@ -25,8 +25,8 @@ scheme, the inter-node rings per stage 1, and stage 2 for both packings of the s
 
 Where no placement so far is predicted even enough, the placements over the GPUs as one pool are
 candidates too (``pool.place_pool``: rings sized to the mean load on any GPUs, across nodes over
-part of a node's GPUs where that fits best, in each of ``pool.POOL_ORDERS``, then of
-``pool.POOL_RETRIES`` where those pack unevenly), each refined by moving whole documents and rings
+part of a node's GPUs where that fits best, in each order of ``pool.pool_orders``, then each
+of its retries where those pack unevenly), each refined by moving whole documents and rings
 off its busiest GPU (``refine.refine``); those predicted within ``_SHORTLIST`` of the best staged
 one are timed by the simulator beside the staged shortlist, so one is kept only where the
 simulator finds it faster.
@@ -64,12 +64,12 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.pool import (
-    POOL_ORDERS,
-    POOL_RETRIES,
+    PoolOrder,
     least_ring_load,
     place_pool,
     pool_batch,
     pool_goal,
+    pool_orders,
 )
 from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.routing import build_routes
@@ -342,11 +342,11 @@ def _pool_candidates(
         return []  # the longest ring, or the mean, keeps any pool placement within reach
     goal = pool_goal(array, loads, rules.chunks[1])  # what refining keeps of any order's goal
     out: list[Candidate] = []
-    for first, scale in _pool_orders(out):
+    for first, scale, cross in _pool_orders(out, *pool_orders(array, loads, batch)):
         loads = new_loads(True, True)
         try:
             placements, promotions = place_pool(
-                array, choice, loads, rules.chunks[1], first, scale, batch
+                array, choice, loads, rules.chunks[1], first, scale, batch, cross
             )
         except CapacityError:
             continue
@@ -361,14 +361,16 @@ def _pool_candidates(
     return _distinct(out)
 
 
-def _pool_orders(out: list[Candidate]) -> Iterator[tuple[float | None, float]]:
-    """``POOL_ORDERS``, then ``POOL_RETRIES`` where no pool placement so far is predicted within
-    ``_POOL_EVEN`` of its GPUs' mean but one is within ``_POOL_PACKED`` (``out``: the
-    placements so far, appended by the caller)."""
-    yield from POOL_ORDERS
+def _pool_orders(
+    out: list[Candidate], orders: tuple[PoolOrder, ...], retries: tuple[PoolOrder, ...]
+) -> Iterator[PoolOrder]:
+    """``orders`` (``pool.pool_orders``), then ``retries`` where no pool placement so far is
+    predicted within ``_POOL_EVEN`` of its GPUs' mean but one is within ``_POOL_PACKED``
+    (``out``: the placements so far, appended by the caller)."""
+    yield from orders
     if out and not any(c.even_enough(_POOL_EVEN) for c in out):
         if any(c.even_enough(_POOL_PACKED) for c in out):
-            yield from POOL_RETRIES
+            yield from retries
 
 
 def _distinct(found: list[Candidate]) -> list[Candidate]:
