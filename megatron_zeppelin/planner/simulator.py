@@ -465,10 +465,16 @@ def _bytes(
 
 
 def lower_bound(lengths: list[int], cost: CostModel, world_size: int) -> float:
-    """Seconds of the batch's compute spread perfectly over ``world_size`` GPUs (all layers)."""
+    """Seconds of the batch's compute spread perfectly over ``world_size`` GPUs (all layers).
+
+    The linear modules count as one call over the whole batch, or as each GPU's even share where
+    that is faster: a measured curve that falls for large calls (``Efficiency.fall_tokens``)
+    would price the whole batch in one call above what any GPU runs."""
     overhead = cost.attention.overhead_s
     attention = sum(cost.document_attention_time(n) - overhead for n in lengths) + overhead
-    linear = cost.linear_time(sum(lengths))
+    total = sum(lengths)
+    share = -(-total // world_size)  # some GPU runs at least this many tokens
+    linear = min(cost.linear_time(total), world_size * cost.linear_time(share))
     return cost.model.num_layers * (attention + linear) / world_size
 
 
