@@ -85,6 +85,17 @@ def test_lower_bound_of_an_even_batch_under_a_falling_linear_curve() -> None:
     assert 0.99 < result.efficiency <= 1 + 1e-12
 
 
+def test_lower_bound_of_many_short_documents_under_measured_overheads() -> None:
+    """40 short documents per GPU, one call each: the bound charges no more call overheads than
+    the calls pay, though the measured diagonal curve's overhead exceeds the unmasked one's."""
+    assert MEASURED.diagonal.overhead_s > MEASURED.attention.overhead_s
+    world = TOPO.world_size
+    docs = [place(i, 100, (i % world,), TOPO) for i in range(40 * world)]
+    plan = plan_without_remap(docs, TOPO, name="short", capacity=None)
+    result = simulate(plan, MEASURED)
+    assert 0.95 < result.efficiency <= 1 + 1e-12
+
+
 @settings(max_examples=examples(40), deadline=None)
 @given(lengths=st.lists(st.integers(1, 20000), min_size=1, max_size=20))
 def test_one_gpu_equals_the_sum_of_costs(lengths) -> None:
