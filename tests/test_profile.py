@@ -81,6 +81,7 @@ def test_quick_profile_writes_a_loadable_calibration(calibration_file):
     raw = json.load(open(calibration_file))["profile"]
     assert raw["settings"]["model"] == "tiny" and len(raw["attention"]) == len(TINY_GRID.shapes())
     assert "nvlink, nic, alltoall not measured" in raw["links_note"]
+    assert raw["kernel_used"] == "torch"  # ``auto`` on a CPU: the tiled kernel
     assert "datasheet" in raw["links_note"]
     assert os.stat(calibration_file).st_mode & 0o777 == 0o644  # shareable, not mkstemp's 0600
 

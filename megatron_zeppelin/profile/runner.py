@@ -37,6 +37,7 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import (
     MODEL_DIMS,
@@ -280,6 +281,12 @@ def build_calibration(
         "settings": _settings_dict(settings),
         "model_name": model.name,
         "num_ranks": len(results),
+        # What ``settings.kernel`` ran as here (``"auto"`` resolves per device and dtype).
+        "kernel_used": choose_kernel(
+            settings.kernel,
+            device=resolve_device(settings.device),
+            dtype=resolve_dtype(settings.dtype),
+        )[0],
         "load_average_during": [r.load_average for r in results],
         "attention": [
             {
