@@ -25,6 +25,15 @@ half the batch and at 1M tokens; it reports efficiency, planner time and how man
 span nodes (those are where a ring meets its per-rank K/V floor).
 
     python scripts/compare_sweep.py --stress --steps 2 --json stress.json
+
+``--calibration FILE`` (a ``zeppelin profile`` file) replaces the default cost model's figures
+with the file's measured ones in every configuration, for planning and simulation alike; the
+figures the file does not measure (one GPU: the links) stay the cluster's datasheet figures.
+A file measures one model's kernels, so only the configurations of that model run (the others
+are named on stderr); its compute figures apply whatever GPU the cluster preset names.
+
+    python scripts/compare_sweep.py --steps 3 --fill 0.7 \\
+        --calibration configs/calibration/h100-bf16-llama-7b.json
 """
 
 from __future__ import annotations
@@ -36,10 +45,17 @@ import sys
 import time
 
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
+from megatron_zeppelin.planner.calibration import (
+    MODEL_DIMS,
+    Calibration,
+    apply_calibration,
+    load_calibration,
+)
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
 DISTS = ("wikipedia", "prolong", "wlbllm", "magi_realworld")
@@ -74,11 +90,56 @@ def configurations(quick: bool) -> list[dict]:
     return points
 
 
+Measured = tuple[str, Calibration]
+"""A calibration file's path and contents (``--calibration``)."""
+
+
+def measures_model(calibration: Calibration, model: str) -> bool:
+    """Whether ``calibration`` was measured for ``model``'s layer shapes (or for none)."""
+    if calibration.model is None:
+        return True
+    dims = get_model(model).to_dict()
+    return all(calibration.model.get(key, dims[key]) == dims[key] for key in MODEL_DIMS)
+
+
+def cost_model(model: str, topology: Topology, measured: Measured | None = None) -> CostModel:
+    """The default cost model of ``model`` on ``topology``, with ``measured``'s figures."""
+    cost = CostModel.default(get_model(model), topology)
+    if measured is None:
+        return cost
+    path, calibration = measured
+    return apply_calibration(cost, calibration, source=path)
+
+
+def selected_configurations(quick: bool, measured: Measured | None) -> list[dict]:
+    """``configurations(quick)``, only those of the calibration's model when one is given."""
+    points = configurations(quick)
+    if measured is None:
+        return points
+    path, calibration = measured
+    kept = [p for p in points if measures_model(calibration, p["model"])]
+    left = sorted({p["model"] for p in points} - {p["model"] for p in kept})
+    if left:
+        print(
+            f"{path} measures another model's kernels: {', '.join(left)} skipped",
+            file=sys.stderr,
+        )
+    if not kept:
+        raise ValueError(f"--calibration {path} measures no model of the sweep")
+    return kept
+
+
 def run_point(
-    point: dict, *, steps: int, fill: float, max_length: int, ablation: bool = False
+    point: dict,
+    *,
+    steps: int,
+    fill: float,
+    max_length: int,
+    ablation: bool = False,
+    measured: Measured | None = None,
 ) -> dict:
     topology = get_topology(point["cluster"], num_nodes=point["gpus"] // 8)
-    cost = CostModel.default(get_model(point["model"]), topology)
+    cost = cost_model(point["model"], topology, measured)
     tokens = int(fill * topology.world_size * point["capacity"])
     batches = [
         sample_lengths(point["dist"], num_tokens=tokens, seed=s, max_length=max_length)
@@ -90,6 +151,7 @@ def run_point(
     rows = {r["builder"]: r for r in summarize(results)}
     longest = max(max(b) for b in batches)
     record = {**point, "tokens": tokens, "longest": longest, "rows": rows}
+    record["sources"] = dict(cost.sources)
     if ablation:
         for label, options, remap in (
             ("no_routing", PlannerOptions(routing=False), True),
@@ -242,13 +304,15 @@ STRESS_CAPACITY = 32_768
 STRESS_MAX_LENGTH = 1 << 20
 
 
-def run_stress_point(dist: str, gpus: int, fill: float, *, steps: int) -> dict:
+def run_stress_point(
+    dist: str, gpus: int, fill: float, *, steps: int, measured: Measured | None = None
+) -> dict:
     """Zeppelin alone on one stress shape (module docstring)."""
     from megatron_zeppelin.planner.partition import plan_batch
     from megatron_zeppelin.planner.simulator import simulate
 
     topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
-    cost = CostModel.default(get_model("llama-7b"), topology)
+    cost = cost_model("llama-7b", topology, measured)
     tokens = int(fill * gpus * STRESS_CAPACITY)
     max_length = min(STRESS_MAX_LENGTH, tokens // 2)
     steps_s, bounds, planner_s, docs, spanning, longest = [], [], [], [], [], 0
@@ -302,7 +366,9 @@ def _stress(args: argparse.Namespace) -> int:
     for dist in STRESS_DISTRIBUTIONS:
         for gpus in args.stress_gpus:
             for fill in args.stress_fills:
-                records.append(run_stress_point(dist, gpus, fill, steps=args.steps))
+                records.append(
+                    run_stress_point(dist, gpus, fill, steps=args.steps, measured=args.measured)
+                )
                 print(
                     f"done {dist} {gpus} GPUs fill {fill} after {time.monotonic() - start:.0f} s",
                     file=sys.stderr,
@@ -330,12 +396,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--stress", action="store_true", help="Zeppelin on the stress shapes")
     parser.add_argument("--stress-gpus", type=int, nargs="+", default=[16, 128, 1024])
     parser.add_argument("--stress-fills", type=float, nargs="+", default=[0.5, 0.95])
+    parser.add_argument(
+        "--calibration", metavar="FILE", help="measured figures (zeppelin profile) to plan with"
+    )
     args = parser.parse_args(argv)
+    args.measured = None
+    if args.calibration:
+        try:
+            args.measured = (args.calibration, load_calibration(args.calibration))
+        except ValueError as exc:
+            parser.error(str(exc))
     if args.stress:
+        if args.measured and not measures_model(args.measured[1], "llama-7b"):
+            parser.error(f"--calibration {args.calibration} was not measured for llama-7b")
         return _stress(args)
+    try:
+        points = selected_configurations(args.quick, args.measured)
+    except ValueError as exc:
+        parser.error(str(exc))
     records = []
     start = time.monotonic()
-    for point in configurations(args.quick):
+    for point in points:
         records.append(
             run_point(
                 point,
@@ -343,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
                 fill=args.fill,
                 max_length=args.max_length,
                 ablation=args.ablation,
+                measured=args.measured,
             )
         )
         print(f"done {point} after {time.monotonic() - start:.0f} s", file=sys.stderr)

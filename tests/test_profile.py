@@ -80,6 +80,9 @@ def test_quick_profile_writes_a_loadable_calibration(calibration_file):
         assert seconds > 0 and flops > 0 and num_q in (8, 16, 32)
     raw = json.load(open(calibration_file))["profile"]
     assert raw["settings"]["model"] == "tiny" and len(raw["attention"]) == len(TINY_GRID.shapes())
+    assert "nvlink, nic, alltoall not measured" in raw["links_note"]
+    assert raw["kernel_used"] == "torch"  # ``auto`` on a CPU: the tiled kernel
+    assert "datasheet" in raw["links_note"]
     assert os.stat(calibration_file).st_mode & 0o777 == 0o644  # shareable, not mkstemp's 0600
 
 
@@ -282,6 +285,7 @@ def test_emulated_profile_measures_links_per_rail(tmp_path):
         assert figure.fit.bytes_per_s > 0 and len(figure.points) == 2
     raw = json.load(open(path))["profile"]
     assert raw["num_ranks"] == 4
+    assert raw["links_note"] == "nvlink, nic, alltoall measured over 4 ranks"
     rails = {p["rail"] for p in raw["links"] if p["kind"] == "nic"}
     assert rails == {0, 1}  # local GPU j of node 0 talks to local GPU j of node 1
     assert all(p["src"] // 2 != p["dst"] // 2 for p in raw["links"] if p["kind"] == "nic")

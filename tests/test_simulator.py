@@ -7,6 +7,7 @@ Tier: pure.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 from examples import examples
@@ -15,6 +16,7 @@ from hypothesis import strategies as st
 
 from megatron_zeppelin.planner.baselines import BASELINES, build_baseline, plan_without_remap
 from megatron_zeppelin.planner.baselines import sequence_on as place
+from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel, LinkCost
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.plan import Plan, Route, RoutePart, TokenRange
@@ -28,6 +30,8 @@ TOPO = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=2)
 CAPACITY = 4096
 MODEL = get_model("llama-7b")
 COST = CostModel.default(MODEL, TOPO)
+H100 = Path(__file__).resolve().parents[1] / "configs" / "calibration" / "h100-bf16-llama-7b.json"
+MEASURED = apply_calibration(COST, load_calibration(str(H100)), source=str(H100))
 SLOW = settings(
     max_examples=examples(20), deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -53,15 +57,43 @@ def test_more_bandwidth_never_slows_a_plan(lengths, name, factor) -> None:
 
 
 @SLOW
-@given(lengths=batches, name=st.sampled_from(BASELINES))
-def test_lower_bound_never_above_simulated_time(lengths, name) -> None:
-    plans = build_baseline(name, lengths, topology=TOPO, capacity=CAPACITY, cost_model=COST)
-    result = simulate_rounds(plans, COST)
+@given(lengths=batches, name=st.sampled_from(BASELINES), measured=st.booleans())
+def test_lower_bound_never_above_simulated_time(lengths, name, measured) -> None:
+    """With the default curves and with the shipped H100 calibration's, whose linear curve falls
+    for calls far larger than a GPU's share."""
+    cost = MEASURED if measured else COST
+    plans = build_baseline(name, lengths, topology=TOPO, capacity=CAPACITY, cost_model=cost)
+    result = simulate_rounds(plans, cost)
     assert 0 < result.lower_bound_s <= result.step_time_s * (1 + 1e-12)
     assert 0 < result.efficiency <= 1 + 1e-12
     for rank in result.per_rank:  # the parts of a rank's step add up to the step
         total = rank.compute_s + rank.comm_exposed_s + rank.idle_s
         assert total == pytest.approx(result.step_time_s, rel=1e-9)
+
+
+def test_lower_bound_of_an_even_batch_under_a_falling_linear_curve() -> None:
+    """One 16K-token document per GPU is a perfect spread: its bound is just under its step
+    even where the measured linear curve falls for a call of the whole batch's 128K tokens."""
+    assert MEASURED.linear.fall_tokens is not None
+    plan = plan_without_remap(
+        [place(i, 16384, (i,), TOPO) for i in range(TOPO.world_size)],
+        TOPO,
+        name="even",
+        capacity=None,
+    )
+    result = simulate(plan, MEASURED)
+    assert 0.99 < result.efficiency <= 1 + 1e-12
+
+
+def test_lower_bound_of_many_short_documents_under_measured_overheads() -> None:
+    """40 short documents per GPU, one call each: the bound charges no more call overheads than
+    the calls pay, though the measured diagonal curve's overhead exceeds the unmasked one's."""
+    assert MEASURED.diagonal.overhead_s > MEASURED.attention.overhead_s
+    world = TOPO.world_size
+    docs = [place(i, 100, (i % world,), TOPO) for i in range(40 * world)]
+    plan = plan_without_remap(docs, TOPO, name="short", capacity=None)
+    result = simulate(plan, MEASURED)
+    assert 0.95 < result.efficiency <= 1 + 1e-12
 
 
 @settings(max_examples=examples(40), deadline=None)

@@ -13,7 +13,8 @@ Every placement runs three stages. **Tiers** (``tiers.assign_tiers``):
 * **inter-node** when a document cannot fit one node (capacity), or when its balanced work
   exceeds one node's fair share and the cost model predicts that a ring over ``n >= 2`` whole
   nodes ends the step sooner than a ring on one node (``Loads.best_num_nodes``: the ring's
-  per-rank time against the rest of the batch spread around it; with explicit thresholds: at
+  per-rank time against the rest of the batch spread around it; where the rings together want
+  more nodes than there are, ``tiers.share_nodes`` shares them out; with explicit thresholds: at
   least ``T_inter`` long and more attention than a node's share of the batch's attention);
 * **intra-node** when it cannot fit one GPU, or when it is at least ``T_intra`` long and its
   work exceeds half a GPU's fair share, or (automatic thresholds only) when its work exceeds

@@ -307,7 +307,8 @@ def search(
         (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
-    pooled = _pool_candidates(array, new_loads, rules, layouts, found) if pool else []
+    stage_1 = tiers[(True, True)]  # the pool's too: it balances attention + linear, 2-D allowed
+    pooled = _pool_candidates(array, stage_1, new_loads, rules, layouts, found) if pool else []
     found += pooled
     # Timed beside the staged shortlist where predicted within it (``Loads`` misjudges them
     # by a few percent, not by more).
@@ -324,6 +325,7 @@ def search(
 
 def _pool_candidates(
     array: np.ndarray,
+    choice: TierChoice,
     new_loads: Callable[[bool, bool], Loads],
     rules: TierRules,
     layouts: tuple[str, ...],
@@ -331,12 +333,12 @@ def _pool_candidates(
 ) -> list[Candidate]:
     """The placements over the GPUs as one pool (``pool.place_pool``, in each of its
     ``POOL_ORDERS``), where no candidate so far is even enough and splitting is allowed; an
-    order that runs out of room is left out."""
+    order that runs out of room is left out. ``choice``: stage 1 on loads that balance
+    attention + linear with the 2-D scheme where allowed (the search's, which the pool shares)."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
         return []
     staged = min(min(c.predicted.values()) for c in found)
     loads = new_loads(True, True)
-    choice = assign_tiers(array, loads, rules)  # the same for every order: it only reads loads
     batch = pool_batch(array, choice, loads)
     if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
         return []  # the longest ring, or the mean, keeps any pool placement within reach

@@ -465,10 +465,19 @@ def _bytes(
 
 
 def lower_bound(lengths: list[int], cost: CostModel, world_size: int) -> float:
-    """Seconds of the batch's compute spread perfectly over ``world_size`` GPUs (all layers)."""
-    overhead = cost.attention.overhead_s
-    attention = sum(cost.document_attention_time(n) - overhead for n in lengths) + overhead
-    linear = cost.linear_time(sum(lengths))
+    """Seconds of the batch's compute spread perfectly over ``world_size`` GPUs (all layers).
+
+    The linear modules count as one call over the whole batch, or as each GPU's even share where
+    that is faster: a measured curve that falls for large calls (``Efficiency.fall_tokens``)
+    would price the whole batch in one call above what any GPU runs. Attention pays one call
+    overhead; a document's own is taken off at the larger of the two curves' (measured curves
+    differ), so many documents never add up to more overhead than their calls pay."""
+    overhead = max(cost.attention.overhead_s, cost.diagonal.overhead_s)
+    attention = sum(max(0.0, cost.document_attention_time(n) - overhead) for n in lengths)
+    attention += overhead
+    total = sum(lengths)
+    share = -(-total // world_size)  # some GPU runs at least this many tokens
+    linear = min(cost.linear_time(total), world_size * cost.linear_time(share))
     return cost.model.num_layers * (attention + linear) / world_size
 
 

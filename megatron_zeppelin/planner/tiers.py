@@ -6,6 +6,7 @@ thousands of documents.
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -117,7 +118,9 @@ def _inter_node_choices(
     ``Loads.best_num_nodes`` says a cross-node ring (its exposed NIC transfers included) ends
     the step sooner than a ring on one node; marks them in ``inter`` and returns how many nodes
     each ring spans. Longest first, a ring takes no more nodes than the longer ones have left
-    (rings that share a node add up on its GPUs), unless capacity needs them."""
+    (rings that share a node add up on its GPUs), unless capacity needs them; with automatic
+    thresholds, where the rings would want more nodes than there are, the nodes are shared
+    out among them instead (``share_nodes``)."""
     topology = loads.topology
     k, num_nodes = topology.gpus_per_node, topology.num_nodes
     wanted_nodes: dict[int, int] = {}
@@ -132,6 +135,8 @@ def _inter_node_choices(
         candidates &= attention > attention.sum() / num_nodes
     spread = np.flatnonzero(inter | candidates)
     free = num_nodes
+    fewest: dict[int, int] = {}  # what capacity needs, and what each ring is best at alone
+    most: dict[int, int] = {}
     for doc in spread[np.lexsort((spread, -array[spread]))].tolist():
         length, best = int(array[doc]), 2
         if rules.allow_split and rules.auto:
@@ -144,4 +149,35 @@ def _inter_node_choices(
             inter[doc] = True
             wanted_nodes[doc] = max(2, needed, min(best, free))
             free = max(0, free - wanted_nodes[doc])
+            fewest[doc], most[doc] = max(2, needed), max(2, needed, best)
+    if rules.auto and sum(most.values()) > num_nodes:
+        return share_nodes(array, fewest, most, loads)
     return wanted_nodes
+
+
+def share_nodes(
+    array: np.ndarray, fewest: dict[int, int], most: dict[int, int], loads: Loads
+) -> dict[int, int]:
+    """Nodes for rings across nodes that together want more than there are: each ring starts
+    at ``fewest`` and one node at a time goes to the ring whose members carry the most
+    (``Loads.ring_key``), up to its ``most``, while nodes are left. The busiest ring member
+    ends as light as any sharing makes it, where a ring's members carry less on more nodes
+    (the rule of hand-outs to the largest: no node moved between two rings lowers the larger
+    of their loads). Handing them out longest first instead leaves the last rings two nodes,
+    whose members then carry several times the others' load."""
+    k, num_nodes = loads.topology.gpus_per_node, loads.topology.num_nodes
+    nodes = dict(fewest)
+
+    def carried(doc: int) -> float:
+        return loads.ring_key(int(array[doc]), nodes[doc] * k, "nic")
+
+    heap = [(-carried(doc), doc) for doc in nodes if nodes[doc] < most[doc]]
+    heapq.heapify(heap)
+    left = num_nodes - sum(nodes.values())
+    while left > 0 and heap:
+        _, doc = heapq.heappop(heap)
+        nodes[doc] += 1
+        left -= 1
+        if nodes[doc] < most[doc]:
+            heapq.heappush(heap, (-carried(doc), doc))
+    return nodes

@@ -37,6 +37,7 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
+from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import (
     MODEL_DIMS,
@@ -280,6 +281,12 @@ def build_calibration(
         "settings": _settings_dict(settings),
         "model_name": model.name,
         "num_ranks": len(results),
+        # What ``settings.kernel`` ran as here (``"auto"`` resolves per device and dtype).
+        "kernel_used": choose_kernel(
+            settings.kernel,
+            device=resolve_device(settings.device),
+            dtype=resolve_dtype(settings.dtype),
+        )[0],
         "load_average_during": [r.load_average for r in results],
         "attention": [
             {
@@ -296,8 +303,24 @@ def build_calibration(
             for p in linear
         ],
         "links": [asdict(p) for p in links],
+        "links_note": links_note(link_figures, len(results)),
     }
     return calibration, extra
+
+
+def links_note(link_figures: dict[str, LinkFigure], num_ranks: int) -> str:
+    """What the file says of its links: which were measured, and that the others keep the cost
+    model's datasheet figures (one process has no peer to measure a link to)."""
+    ranks = f"{num_ranks} rank{'s' if num_ranks != 1 else ''}"
+    measured = [name for name in ("nvlink", "nic", "alltoall") if name in link_figures]
+    kept = [name for name in ("nvlink", "nic", "alltoall") if name not in link_figures]
+    parts = [f"{', '.join(measured)} measured over {ranks}"] if measured else []
+    if kept:
+        parts.append(
+            f"{', '.join(kept)} not measured ({ranks}: no peer over that link), so the cost "
+            "model keeps its datasheet figures for them"
+        )
+    return "; ".join(parts)
 
 
 def attention_figures(points: list[kernel_profile.AttentionPoint]) -> dict[str, ComputeFigure]:
