@@ -331,8 +331,8 @@ def _pool_candidates(
     layouts: tuple[str, ...],
     found: list[Candidate],
 ) -> list[Candidate]:
-    """The placements over the GPUs as one pool (``pool.place_pool``, in each of its
-    ``POOL_ORDERS``), where no candidate so far is even enough and splitting is allowed; an
+    """The placements over the GPUs as one pool (``pool.place_pool``, in each order of
+    ``pool.pool_orders``), where no candidate so far is even enough and splitting is allowed; an
     order that runs out of room is left out. ``choice``: stage 1 on loads that balance
     attention + linear with the 2-D scheme where allowed (the search's, which the pool shares)."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
