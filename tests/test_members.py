@@ -83,3 +83,21 @@ def test_move_member_respects_room() -> None:
     before = _state(loads)
     assert move_member(length, ring, loads, 0, loads.cost[0]) is None
     assert _state(loads) == before
+
+
+def test_move_member_keeps_every_member_within_capacity() -> None:
+    """A ring listed node by node gets its members in rank order, so a move can shift the
+    others' places in the zigzag: a 7-token ring over three GPUs holds 2, 2 and 3 tokens by
+    place. Rank 3, full but for its 2 tokens, would take the third place (3 tokens) once rank 0
+    joins the ring before it: the move must not be made (or must leave rank 3 where it was)."""
+    length, capacity = 7, 1_000
+    loads = _loads(2, capacity)
+    assert zigzag_loads(length, 3) == (2, 2, 3)
+    ring = _add((2, 3, 8), length, loads, False)
+    loads.add_local(3, capacity - loads.tokens[3])  # rank 3 full
+    loads.add_local(8, 900)  # rank 8 the busy one
+    for rank in [*range(9, 16), 1, 4, 5, 6, 7]:  # rank 0 the least loaded GPU with room
+        loads.add_local(rank, 500)
+    assert loads.tokens[3] == capacity
+    move_member(length, ring, loads, 8, float("inf"))
+    assert max(loads.tokens) <= capacity

@@ -6,7 +6,8 @@ GPU with room for a member's tokens, of its own node (the ring keeps its links) 
 (``move_member``). A ring that changes is priced again (``remove_ring``, ``pool._add``: one that
 leaves or joins a node changes its links), and the change is kept only where every member ends
 below the busiest load; otherwise ``loads`` are left as they were. Capacity holds: a new member
-has room for the most tokens a member of the ring takes.
+has room for the most tokens a member of the ring takes, and a moved ring is kept only where
+every member (whose place in the zigzag may change with the ring's order) has room.
 
 Trading places between two rings (the busy GPU taking a lightly loaded GPU's smaller share in
 another ring) was measured on the stress batches and left out: it lowered the predicted peak
@@ -40,7 +41,8 @@ def move_member(
 ) -> Placement | None:
     """The ring of ``placement`` with ``rank`` swapped for the least loaded GPU with room for a
     member's tokens, of ``rank``'s node or of any node, whichever ends the ring's busiest member
-    lower, where every member then ends below ``below``; else ``None``, ``loads`` unchanged."""
+    lower, where every member then ends below ``below`` and within capacity; else ``None``,
+    ``loads`` unchanged."""
     saved = _saved(loads)
     k = loads.topology.gpus_per_node
     per_rank = _most_tokens(length, len(placement.ring))
@@ -60,7 +62,10 @@ def move_member(
         snapshot = loads.snapshot(ring)
         new = _add(ring, length, loads, False)
         peak = max(loads.cost[r] for r in ring)
-        if peak < below and (best is None or peak < best[0]):
+        # Listed in rank order, the other members may change places in the zigzag, and with
+        # them their tokens: every member's room is checked, not only the new one's.
+        fits = all(loads.tokens[r] <= loads.capacity for r in ring)
+        if fits and peak < below and (best is None or peak < best[0]):
             best = (peak, new, loads.snapshot(ring))
         loads.restore(snapshot)
     if best is None:
