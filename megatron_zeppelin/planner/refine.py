@@ -147,7 +147,7 @@ def _move_member(
 ) -> bool:
     """Whether one of the rings on ``busiest`` (longest first) let another GPU take
     ``busiest``'s place in it, every member ending below the busiest load
-    (``pool.move_member``)."""
+    (``members.move_member``)."""
     below = loads.cost[busiest] * (1 - _MIN_GAIN)
     for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
         old = placements[doc]
