@@ -46,10 +46,10 @@ import time
 
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
 from megatron_zeppelin.planner.calibration import (
-    MODEL_DIMS,
     Calibration,
     apply_calibration,
     load_calibration,
+    model_differences,
 )
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
@@ -95,11 +95,9 @@ Measured = tuple[str, Calibration]
 
 
 def measures_model(calibration: Calibration, model: str) -> bool:
-    """Whether ``calibration`` was measured for ``model``'s layer shapes (or for none)."""
-    if calibration.model is None:
-        return True
-    dims = get_model(model).to_dict()
-    return all(calibration.model.get(key, dims[key]) == dims[key] for key in MODEL_DIMS)
+    """Whether ``calibration`` was measured for ``model``'s layer shapes (or for none): what
+    ``apply_calibration`` would accept."""
+    return not model_differences(calibration, get_model(model))
 
 
 def cost_model(model: str, topology: Topology, measured: Measured | None = None) -> CostModel:

@@ -17,6 +17,7 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.pool import (
+    ALL_ORDERS,
     POOL_ORDERS,
     POOL_RETRIES,
     RING_ORDERS,
@@ -35,8 +36,7 @@ from megatron_zeppelin.topology.presets import get_topology
 pytestmark = pytest.mark.pure
 
 CAPACITY = 32_768
-ORDERS = list(dict.fromkeys([*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES]))
-"""Every order the search may place the pool in."""
+ORDERS = list(ALL_ORDERS)
 
 
 def _batch(name: str, gpus: int, fill: float, seed: int) -> tuple[list[int], Topology, CostModel]:

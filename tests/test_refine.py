@@ -18,10 +18,7 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.pool import (
-    POOL_ORDERS,
-    POOL_RETRIES,
-    RING_ORDERS,
-    RING_RETRIES,
+    ALL_ORDERS,
     _add,
     place_pool,
     pool_goal,
@@ -34,8 +31,7 @@ from megatron_zeppelin.topology.presets import get_topology
 pytestmark = pytest.mark.pure
 
 CAPACITY = 32_768
-ORDERS = list(dict.fromkeys([*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES]))
-"""Every order the search may place the pool in."""
+ORDERS = list(ALL_ORDERS)
 
 
 def _setup(name: str, gpus: int, fill: float, seed: int):  # noqa: ANN202

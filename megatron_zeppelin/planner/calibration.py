@@ -44,6 +44,7 @@ import numpy as np
 
 from megatron_zeppelin.fileio import atomic_write_text
 from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.models import ModelSpec
 
 CALIBRATION_FORMAT = "zeppelin-calibration/1"
 LINK_NAMES = ("nvlink", "nic", "alltoall")
@@ -298,6 +299,20 @@ def normalize_dtype(dtype: str) -> str:
     return _DTYPE_ALIASES.get(key, key)
 
 
+def model_differences(cal: Calibration, model: ModelSpec) -> list[str]:
+    """The layer dimensions ``cal`` was measured for that ``model`` does not have, one
+    ``"<dim> <file's> (file) vs <model's> (model <name>)"`` each; none for a file that names no
+    model."""
+    if cal.model is None:
+        return []
+    planned = model.to_dict()
+    return [
+        f"{key} {cal.model[key]} (file) vs {planned[key]} (model {model.name})"
+        for key in MODEL_DIMS
+        if key in cal.model and cal.model[key] != planned[key]
+    ]
+
+
 def apply_calibration(
     cost: CostModel,
     cal: Calibration,
@@ -311,18 +326,12 @@ def apply_calibration(
     Refuses a file measured for other model dimensions, or for another device or dtype than the
     caller plans for (when it says so), because its speeds would describe other kernels.
     """
-    if cal.model is not None:
-        planned = cost.model.to_dict()
-        differ = [
-            f"{key} {cal.model[key]} (file) vs {planned[key]} (model {cost.model.name})"
-            for key in MODEL_DIMS
-            if key in cal.model and cal.model[key] != planned[key]
-        ]
-        if differ:
-            raise ValueError(
-                f"calibration {source} was measured for another model: {'; '.join(differ)}. "
-                "Profile this model or drop the calibration."
-            )
+    differ = model_differences(cal, cost.model)
+    if differ:
+        raise ValueError(
+            f"calibration {source} was measured for another model: {'; '.join(differ)}. "
+            "Profile this model or drop the calibration."
+        )
     if (
         expected_device is not None
         and cal.device.strip().lower() != expected_device.strip().lower()

@@ -87,12 +87,12 @@ def replace_ring(
     """``doc``'s ring taken off its GPUs and placed again, not on ``barred`` GPUs
     (``pool._place_ring``: the smallest ring whose every member then ends below ``below``), or
     ``None`` with ``loads`` as they were where no ring does."""
-    saved = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
+    saved = _saved(loads)
     remove_ring(placement, length, loads)
     goal = replace(goal, target=below / _TOLERANCE)
     new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
     if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
-        loads.cost, loads.attention, loads.exposed, loads.tokens = saved
+        _restore(loads, saved)
         return None
     return new
 

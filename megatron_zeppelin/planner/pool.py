@@ -50,6 +50,7 @@ from megatron_zeppelin.planner.placement import (
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
 
 __all__ = [
+    "ALL_ORDERS",
     "POOL_ORDERS",
     "POOL_RETRIES",
     "RING_ORDERS",
@@ -99,6 +100,8 @@ Integer ring sizes leave each member short of the target by what the last, short
 fill; which target leaves the least over is not predicted well by the target itself."""
 RING_RETRIES = (PoolOrder(None, 0.9), PoolOrder(None, 0.85), PoolOrder(None, 0.8))
 """``POOL_RETRIES`` of such a batch."""
+ALL_ORDERS = tuple(dict.fromkeys((*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES)))
+"""Every order ``search`` may place a batch in, each once."""
 _MEMBER_ROOM = 0.5
 """A ring member takes at most the GPUs' mean tokens and this share of the room it leaves
 (``_member_tokens``)."""
@@ -562,9 +565,8 @@ def least_ring_load(
     array: np.ndarray, choice: TierChoice, loads: Loads, batch: PoolBatch | None = None
 ) -> float:
     """The least per-member load the longest document ``place_pool`` rings can have at any size
-    and place it tries (in every order and scale of ``POOL_ORDERS``, ``POOL_RETRIES``,
-    ``RING_ORDERS`` and ``RING_RETRIES``): a
-    bound under any pool placement's busiest GPU."""
+    and place it tries (at every scale of ``ALL_ORDERS``): a bound under any pool placement's
+    busiest GPU."""
     batch = batch or pool_batch(array, choice, loads)
     if not batch.ring_docs:
         return 0.0
@@ -572,7 +574,6 @@ def least_ring_load(
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     most = batch.member_tokens
     goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0, most)
-    orders = (*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES)
-    scales = {order.scale for order in orders}
+    scales = {order.scale for order in ALL_ORDERS}
     sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads, most)}
     return min(key for size in sizes for key, _ in _options(length, size, loads, goal))
