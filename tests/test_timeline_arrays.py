@@ -13,6 +13,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_zeppelin.planner.heads import column_layout, head_plan
+from megatron_zeppelin.planner.linear_layout import attention_layout
 from megatron_zeppelin.planner.phases import (
     attention_blocks,
     split_by_layout,
@@ -24,7 +25,6 @@ from megatron_zeppelin.planner.plan import (
     Scheme,
     SequencePlan,
     Tier,
-    TokenRange,
     zigzag_spans,
 )
 from megatron_zeppelin.planner.transfers import ring_messages, ring_messages_of
@@ -36,11 +36,9 @@ TOPO = Topology(num_nodes=4, gpus_per_node=2, nics_per_node=2)
 
 
 def _plan(seqs: list[SequencePlan]) -> Plan:
-    linear: list[list[TokenRange]] = [[] for _ in range(TOPO.world_size)]
-    for seq in seqs:
-        for s in seq.attention:
-            linear[s.rank].append(TokenRange(seq.id, s.start, s.end))
-    return Plan(topology=TOPO, sequences=tuple(seqs), linear=tuple(map(tuple, linear)))
+    """``seqs`` with the linear modules on the attention layout."""
+    linear = attention_layout(seqs, TOPO.world_size)
+    return Plan(topology=TOPO, sequences=tuple(seqs), linear=linear)
 
 
 def _two_d(seq_id: int, length: int, nodes: list[int]) -> SequencePlan:
