@@ -24,6 +24,8 @@ after ``rounds`` changes.
 
 from __future__ import annotations
 
+from itertools import chain
+
 import numpy as np
 
 from megatron_zeppelin.planner.loads import Loads
@@ -47,13 +49,16 @@ def refine(
     attention: np.ndarray,
     rounds: int,
     goal: PoolGoal | None = None,
+    *,
+    light: int = _LIGHT,
 ) -> int:
     """Moves and swaps of local documents (module docstring), applied to ``placements`` and
     ``loads``; ``attention``: each document's whole attention seconds
     (``Loads.ring_seconds(length, 1)``). With ``goal`` (the pool placement's), a busiest GPU
     no such change helps has its rings placed again (``members.replace_ring``), or else its place
     in one of them moved (``members.move_member``), longest first, where every member then ends
-    below it. Returns how many changes were made."""
+    below it. ``light``: how many of the least loaded GPUs holding local documents a swap may
+    take from. Returns how many changes were made."""
     world = loads.topology.world_size
     work = attention + loads.linear_weight * array
     on_rank: list[list[int]] = [[] for _ in range(world)]
@@ -70,7 +75,7 @@ def refine(
         change = None
         if on_rank[busiest]:
             change = _best_change(
-                busiest, on_rank, array, work, cost, tokens, loads.capacity, has_local
+                busiest, on_rank, array, work, cost, tokens, loads.capacity, has_local, light
             )
         if change is not None:
             _apply(change, busiest, array, attention, placements, loads, on_rank)
@@ -171,6 +176,7 @@ def _best_change(
     tokens: np.ndarray,
     capacity: int,
     has_local: np.ndarray,
+    light_count: int = _LIGHT,
 ) -> tuple[int, int, int | None] | None:
     """``(destination, document given, document taken back or None)`` of the move or swap
     that lowers the higher of the two GPUs' loads the most, if any lowers it."""
@@ -190,12 +196,14 @@ def _best_change(
         best = (int(dest[i]), int(docs[i]), None)
     # Swaps: for a shorter document of one of the least loaded GPUs holding any, all at once.
     holders = np.where(has_local, cost, np.inf)
-    light = np.argpartition(holders, min(_LIGHT, len(cost) - 1))[: _LIGHT + 1].tolist()
+    light = np.argpartition(holders, min(light_count, len(cost) - 1))[: light_count + 1].tolist()
     light = [rank for rank in light if rank != busiest and on_rank[rank]]
     if not light:
         return best
     counts = [len(on_rank[rank]) for rank in light]
-    theirs = np.fromiter((d for rank in light for d in on_rank[rank]), np.int64, sum(counts))
+    theirs = np.fromiter(
+        chain.from_iterable(map(on_rank.__getitem__, light)), np.int64, sum(counts)
+    )
     position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
     owner = np.asarray(light, dtype=np.int64)[position]
     delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds

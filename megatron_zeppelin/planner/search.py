@@ -35,7 +35,9 @@ Placements are built with ``Loads``' per-document predictions; when several are 
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
 (``simulator.attention_seconds``, ``steptime.layer_seconds``) and the fastest is kept; the
 plan's ``meta["predicted_step_s"]`` is then what ``simulate`` reports for it
-(``meta["timed_by"] == "simulator"``). A lone candidate keeps ``Loads``' prediction
+(``meta["timed_by"] == "simulator"``). The kept one is then refined again on the simulator's
+per-GPU figures (which see rings across nodes sharing a node's NICs wait on each other) and
+timed once more (``_retime``); the faster stays. A lone candidate keeps ``Loads``' prediction
 (``"planner estimate"``): there is nothing to choose, and timing a thousand-GPU plan costs as
 much as placing it.
 """
@@ -64,6 +66,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.pool import (
+    PoolGoal,
     PoolOrder,
     least_ring_load,
     place_pool,
@@ -109,6 +112,12 @@ is predicted within this factor of its GPUs' mean."""
 _POOL_PACKED = 1.3
 """... and only where one is within this factor: further above, one ring's share sets the
 busiest GPU, which resizing the others does not change."""
+_RETIME_SWAPS = 4096
+"""About how many local documents ``_retime``'s swaps weigh per change: the least loaded GPUs
+holding that many on average (every GPU where documents are few per GPU)..."""
+_RETIME_WEIGHED = 1 << 20
+"""... and over all its changes: ``_retime`` makes at most this many over the swaps it weighs
+per change."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -134,6 +143,8 @@ class Candidate:
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
     pooled: bool = False
     """Placed over the GPUs as one pool (``pool.py``), not node by node."""
+    retimed: bool = False
+    """Refined again on the simulator's per-GPU figures (``_retime``)."""
     settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
     """``settled``'s answers so far."""
 
@@ -249,6 +260,8 @@ class Candidate:
             "extra_rings": self.extra_rings,
             "predicted_layer_s": min(self.predicted.values()),
         }
+        if self.retimed:
+            out["retimed"] = True
         if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
@@ -320,7 +333,61 @@ def search(
         else:
             candidate.keep_estimate(layouts)
     best = min(shortlist, key=lambda c: c.seconds)
+    if best.timed:
+        goal = pool_goal(array, best.loads, rules.chunks[1]) if best.pooled else None
+        retimed = _retime(array, best, stage_1.attention, new_loads, routing, layouts, goal)
+        if retimed is not None:
+            found.append(retimed)
+            best = min(best, retimed, key=lambda c: c.seconds)
     return best, [c.summary() for c in found]
+
+
+def _retime(
+    array: np.ndarray,
+    best: Candidate,
+    attention: np.ndarray,
+    new_loads: Callable[[bool, bool], Loads],
+    routing: bool,
+    layouts: tuple[str, ...],
+    goal: PoolGoal | None,
+) -> Candidate | None:
+    """``best`` (timed by the simulator) refined again on the simulator's per-GPU attention
+    seconds: ``Loads`` prices each ring alone, the simulator also sees rings that share a node's
+    NICs wait on each other, and only pool placements were refined at all. Each GPU's load
+    becomes its simulated attention plus its linear seconds, ``refine.refine`` moves and swaps
+    whole documents off the busiest GPUs (swaps with many GPUs, not only the lightest few; with
+    ``goal``, a pool placement's, rings too), and the result is timed by the simulator. ``None``
+    where nothing could move."""
+    old = best.loads
+    world = old.topology.world_size
+    loads = new_loads(old.balance_linear, old.two_d is not None)
+    loads.restore(old.snapshot(range(world)))
+    # What the simulator found beyond the prediction, as transfers the GPU does not hide.
+    excess = np.asarray(best.attention_s) - np.add(old.attention, old.exposed)
+    for rank, extra in enumerate(excess.tolist()):
+        loads.exposed[rank] += extra
+        loads.cost[rank] += extra
+    placements = list(best.placements)
+    light = min(world, max(_RETIME_SWAPS * world // len(array), 1))
+    rounds = max(_RETIME_WEIGHED // (light * len(array) // world + 1), 1)
+    if not refine(array, placements, loads, attention, rounds, goal, light=light):
+        return None
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    prices = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+    )
+    retimed = Candidate(
+        placements,
+        loads,
+        best.promotions,
+        best.extra_rings,
+        prices,
+        pooled=best.pooled,
+        retimed=True,
+    )
+    retimed.build(array, routing)
+    retimed.simulate(layouts)
+    return retimed
 
 
 def _pool_candidates(
