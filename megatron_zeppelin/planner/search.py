@@ -353,7 +353,7 @@ def _retime(
 ) -> Candidate | None:
     """``best`` (timed by the simulator) refined again on the simulator's per-GPU attention
     seconds: ``Loads`` prices each ring alone, the simulator also sees rings that share a node's
-    NICs wait on each other, and only pool placements were refined at all. Each GPU's load
+    NICs wait on each other, and a staged placement gets no other refinement. Each GPU's load
     becomes its simulated attention plus its linear seconds, ``refine.refine`` moves and swaps
     whole documents off the busiest GPUs (swaps with many GPUs, not only the lightest few; with
     ``goal``, a pool placement's, rings too), and the result is timed by the simulator. ``None``
