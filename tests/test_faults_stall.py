@@ -4,10 +4,11 @@ Zeppelin timeout, and the error names the rank that stalled with the step and th
 Tier: dist. Each trial is a fresh gloo world of 3 processes running what a training step runs
 (the remap all-to-all of two layers, forward and backward, then the gradient all-reduce) in a
 loop; one rank stops itself with SIGSTOP at a random moment, so the stop lands inside an
-all-to-all, inside an all-reduce or between them. Before these bounds, 3 trials in 7 hung in
-the all-to-all until the process group's 30-minute timeout; 8 trials miss such a rate with
-probability (4/7)^8, about 1%. The harness's own bound is kept far above the watch's, so a run
-that ends early ended through the watch.
+all-to-all, inside an all-reduce or between them (never inside a write to the progress board,
+whose ``FileStore`` lock a stopped writer would keep: ``_stop_outside_board_writes``). Before
+these bounds, 3 trials in 7 hung in the all-to-all until the process group's 30-minute timeout;
+8 trials miss such a rate with probability (4/7)^8, about 1%. The harness's own bound is kept
+far above the watch's, so a run that ends early ended through the watch.
 """
 
 from __future__ import annotations
@@ -44,6 +45,15 @@ def three_rank_plan() -> Plan:
     return Plan(topology=topo, sequences=sequences, linear=balanced_linear([d[0] for d in docs], 3))
 
 
+def _stop_outside_board_writes(watch) -> None:  # noqa: ANN001
+    """SIGSTOP this process, but not inside a write to the progress board: the harness's
+    ``FileStore`` holds its file's lock during a write, so a process stopped there would block
+    every other rank's read of the board (torchrun's ``TCPStore`` has no such lock; its host is
+    not a worker). The board's own lock keeps the heartbeat thread out of the store meanwhile."""
+    with watch.board._lock:
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def _stall_worker(rank: int, world_size: int, seed: int) -> str:
     from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
     from megatron_zeppelin.comm.watch import CommWatch
@@ -55,7 +65,7 @@ def _stall_worker(rank: int, world_size: int, seed: int) -> str:
     param = torch.nn.Parameter(torch.zeros(256))
     if rank == STALLED:
         delay = random.Random(seed).uniform(0.05, 0.6)
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        threading.Timer(delay, _stop_outside_board_writes, (watch,)).start()
     for step in range(100_000):
         watch.at(step=step)
         for layer in (1, 2):
