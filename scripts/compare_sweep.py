@@ -55,6 +55,7 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -306,9 +307,6 @@ def run_stress_point(
     dist: str, gpus: int, fill: float, *, steps: int, measured: Measured | None = None
 ) -> dict:
     """Zeppelin alone on one stress shape (module docstring)."""
-    from megatron_zeppelin.planner.partition import plan_batch
-    from megatron_zeppelin.planner.simulator import simulate
-
     topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
     cost = cost_model("llama-7b", topology, measured)
     tokens = int(fill * gpus * STRESS_CAPACITY)

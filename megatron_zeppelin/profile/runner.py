@@ -40,6 +40,7 @@ import torch.distributed as dist
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import (
+    LINK_NAMES,
     MODEL_DIMS,
     Calibration,
     ComputeFigure,
@@ -312,8 +313,8 @@ def links_note(link_figures: dict[str, LinkFigure], num_ranks: int) -> str:
     """What the file says of its links: which were measured, and that the others keep the cost
     model's datasheet figures (one process has no peer to measure a link to)."""
     ranks = f"{num_ranks} rank{'s' if num_ranks != 1 else ''}"
-    measured = [name for name in ("nvlink", "nic", "alltoall") if name in link_figures]
-    kept = [name for name in ("nvlink", "nic", "alltoall") if name not in link_figures]
+    measured = [name for name in LINK_NAMES if name in link_figures]
+    kept = [name for name in LINK_NAMES if name not in link_figures]
     parts = [f"{', '.join(measured)} measured over {ranks}"] if measured else []
     if kept:
         parts.append(
