@@ -91,8 +91,19 @@ class ZeppelinConfig:
     """What happens to a document over --zeppelin-max-document-length: 'split' trains on every
     piece as its own document, 'truncate' keeps only its first piece."""
     plan_ahead: int = 2
-    """Micro-batches planned ahead in a background thread while the current one trains; 0 plans
-    each micro-batch when it starts."""
+    """Micro-batches planned ahead while the current one trains; 0 plans each micro-batch when
+    it starts."""
+    plan_workers: int | None = None
+    """Processes that plan ahead, each planning every Nth micro-batch; 0 plans ahead in a thread
+    of the training process, which holds the interpreter lock the thread launching kernels
+    needs. Default: 1 (none with --zeppelin-plan-ahead 0)."""
+
+    @property
+    def planner_processes(self) -> int:
+        """How many processes plan ahead (``plan_workers``, resolved; 0: a thread or none)."""
+        if not self.plan_ahead:
+            return 0
+        return 1 if self.plan_workers is None else self.plan_workers
 
     # --- validation ------------------------------------------------------------------------
     def validate(self) -> ZeppelinConfig:
@@ -103,6 +114,21 @@ class ZeppelinConfig:
                 raise ValueError(f"{flag_of(name)} must be a positive integer, got {value!r}")
         if self.plan_ahead < 0:
             raise ValueError(f"{flag_of('plan_ahead')} must be >= 0 (0 plans in the step)")
+        if self.plan_workers is not None:
+            if not isinstance(self.plan_workers, int) or self.plan_workers < 0:
+                raise ValueError(
+                    f"{flag_of('plan_workers')} must be >= 0 (0 plans ahead in a thread), got "
+                    f"{self.plan_workers!r}"
+                )
+            if self.plan_workers > max(self.plan_ahead, 1) or (
+                self.plan_workers and not self.plan_ahead
+            ):
+                raise ValueError(
+                    f"{flag_of('plan_workers')} {self.plan_workers} plans at most "
+                    f"{flag_of('plan_ahead')} ({self.plan_ahead}) micro-batches at once: raise "
+                    f"{flag_of('plan_ahead')} to at least {self.plan_workers}, or lower "
+                    f"{flag_of('plan_workers')}"
+                )
         if self.log_plan_every < 0:
             raise ValueError(f"{flag_of('log_plan_every')} must be >= 0 (0 turns logging off)")
         if not self.comm_timeout_s > 0:

@@ -13,8 +13,8 @@ import pytest
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.feed import MicroBatchFeed
+from megatron_zeppelin.megatron.plan_workers import plan_micro_batch
 from megatron_zeppelin.megatron.sampler import DocumentSampler
-from megatron_zeppelin.megatron.step import plan_micro_batch
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.topology.model import Topology

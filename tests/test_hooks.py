@@ -36,6 +36,10 @@ def _megatron_args(data_prefix: str, *extra: str) -> argparse.Namespace:
             "1",
             "--zeppelin-kernel",
             "torch",
+            # This tier starts no process: plans ahead in a thread. Planner processes are the
+            # dist tier's (tests/test_plan_workers.py) and the host tier's (the default).
+            "--zeppelin-plan-workers",
+            "0",
             *extra,
         ]
     )

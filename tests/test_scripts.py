@@ -94,3 +94,15 @@ def test_resume_benchmark_checks_the_restored_batch_and_prints_both_times() -> N
         "3",
     )
     assert "replay" in out and "restore" in out and "ms per step" in out
+
+
+@pytest.mark.dist
+def test_plan_ahead_benchmark_runs_every_planner() -> None:
+    out = run_script(
+        "scripts/bench_plan_ahead.py", "--plans", "2", "--workers", "1", "--dist", "wikipedia"
+    )
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
+    assert {"none", "thread", "processes 1"} <= set(rows)
+    relative = float(rows["processes 1"].split("|")[3])
+    assert 0.0 < relative
+    assert "unpickled in" in out

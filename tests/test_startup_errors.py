@@ -260,6 +260,8 @@ def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_pr
             "64",
             "--zeppelin-nodes",
             "1",
+            "--zeppelin-plan-workers",
+            "0",  # this tier starts no process
         ]
     )
     steps = train(args)["steps"]

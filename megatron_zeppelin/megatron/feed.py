@@ -2,17 +2,21 @@
 
 Every rank draws the same steps from the sampler and plans the same plans from the same
 lengths (planning is pure and deterministic), so plans need no communication and can be made
-early: while micro-batch ``i`` trains, a background thread plans ``i + 1 .. i + ahead``, drawing
-the next step from the sampler when the current one runs out. Both the Megatron hooks and the
-CPU job take their micro-batches from a ``MicroBatchFeed``.
+early: while micro-batch ``i`` trains, ``i + 1 .. i + ahead`` are planned, drawing the next step
+from the sampler when the current one runs out. They are planned by ``workers`` planner
+processes (``plan_workers.py``: planning in the training process would hold its interpreter
+lock, and slow the thread that launches the step's kernels), or with ``workers=0`` by a
+background thread of the training process. Both the Megatron hooks and the CPU job take their
+micro-batches from a ``MicroBatchFeed``.
 
 Rules that keep it safe:
 
-* the sampler is touched only by the training thread; the planner thread only plans;
+* the sampler is touched only by the training thread; the planners only plan;
 * an error in planning is raised by ``next()`` for the micro-batch it belongs to, as the same
-  exception the planner raised, so bad input still ends in the same one-line message;
-* the planner thread is a daemon blocked on a queue between jobs: it never keeps the process
-  alive at exit, and ``close()`` stops it;
+  exception the planner raised, so bad input still ends in the same one-line message; a
+  planner process that dies fails its micro-batches with an error naming it;
+* the planner thread is a daemon blocked on a queue between jobs, and a planner process ends
+  when its stdin closes: neither keeps the run alive at exit, and ``close()`` stops both;
 * ``state_dict()`` is the sampler's state at the start of the step the next micro-batch belongs
   to (at a step boundary: the state a checkpoint must hold), whatever was drawn ahead.
 """
@@ -28,6 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from megatron_zeppelin.megatron.plan_workers import PlannerProcesses
 from megatron_zeppelin.megatron.sampler import DocumentSampler, DocumentSlice, StepBatch
 from megatron_zeppelin.planner.plan import Plan
 
@@ -59,9 +64,12 @@ class PlanningStats:
 
     num_plans: int = 0
     planning_s: float = 0.0
-    """Spent planning, in whichever thread."""
+    """Spent planning, in whichever thread or process."""
     waited_s: float = 0.0
     """Spent by the training thread waiting for a plan (all of it when planning is inline)."""
+    startup_s: float = 0.0
+    """Spent by the training thread, before its first plan, waiting for the planner processes
+    to start (an interpreter and the planner's imports each, once per run)."""
 
     @property
     def hidden_s(self) -> float:
@@ -74,6 +82,7 @@ class PlanningStats:
             "planning_s": self.planning_s,
             "waited_s": self.waited_s,
             "hidden_s": self.hidden_s,
+            "startup_s": self.startup_s,
         }
 
 
@@ -116,22 +125,44 @@ class _PlannerThread:
 
 class MicroBatchFeed:
     """``next()`` gives the run's micro-batches in order with their plans; see the module
-    docstring. ``ahead=0`` plans each micro-batch inside ``next()``."""
+    docstring. ``ahead=0`` plans each micro-batch inside ``next()``; otherwise ``workers``
+    planner processes plan ahead (``plan_fn`` must then pickle: a ``PlanRecipe``), or a
+    background thread with ``workers=0``."""
 
-    def __init__(self, sampler: DocumentSampler, plan_fn: PlanFn, *, ahead: int = 2) -> None:
+    def __init__(
+        self, sampler: DocumentSampler, plan_fn: PlanFn, *, ahead: int = 2, workers: int = 0
+    ) -> None:
         if ahead < 0:
             raise ValueError(f"micro-batches planned ahead must be >= 0, got {ahead}")
+        if workers < 0:
+            raise ValueError(f"planner processes must be >= 0, got {workers}")
         self.sampler = sampler
         self.stats = PlanningStats()
         self._plan_fn = plan_fn
         self._ahead = ahead
-        self._planner = _PlannerThread(plan_fn, self.stats) if ahead else None
+        self._stats_lock = threading.Lock()
+        self._started = False  # planner processes known to be ready
+        self._planner: _PlannerThread | PlannerProcesses | None = None
+        if ahead and workers:
+            self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
+        elif ahead:
+            self._planner = _PlannerThread(plan_fn, self.stats)
         self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
         self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
+
+    def _add_planning(self, seconds: float) -> None:
+        """A planner process's seconds on one plan (its reader threads call this)."""
+        with self._stats_lock:
+            self.stats.planning_s += seconds
 
     def next(self) -> FedMicroBatch:
         """The next micro-batch and its plan (waits for the plan if it is not ready)."""
         self._fill(1 + self._ahead)
+        if isinstance(self._planner, PlannerProcesses) and not self._started:
+            start = time.perf_counter()
+            self._planner.wait_ready()
+            self.stats.startup_s = time.perf_counter() - start
+            self._started = True
         step, index, future = self._queue.popleft()
         if not self._queue or self._queue[0][0] is not step:
             self._step_states.popleft()  # the step is handed out in full
@@ -178,7 +209,7 @@ class MicroBatchFeed:
         self.sampler.load_state_dict(state)
 
     def close(self) -> None:
-        """Stop the planner thread (plans still queued are dropped)."""
+        """Stop the planner thread or processes (plans still queued are dropped)."""
         for _, _, future in self._queue:
             if future is not None:
                 future.cancel()

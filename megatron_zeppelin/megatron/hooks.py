@@ -31,11 +31,11 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
 4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
    sampler, brought to a resumed iteration from the state saved beside the checkpoint
    (``resume.py``); Megatron's loader only counts micro-batches;
-5. ``forward_step`` takes the next micro-batch and its plan (planned ahead in a background
-   thread, ``feed.py``) and runs the one micro-batch step of the CPU job and the check
-   (``step.run_micro_batch``), returning Megatron's per-token loss function (a micro-batch
-   without documents skips the model: zero loss, zero tokens). After a step's last
-   micro-batch it writes the sampler state when Megatron will save at the next iteration.
+5. ``forward_step`` takes the next micro-batch and its plan (planned ahead by planner
+   processes, ``feed.py``, ``plan_workers.py``) and runs the one micro-batch step of the CPU
+   job and the check (``step.run_micro_batch``), returning Megatron's per-token loss function
+   (a micro-batch without documents skips the model: zero loss, zero tokens). After a step's
+   last micro-batch it writes the sampler state when Megatron will save at the next iteration.
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
@@ -365,7 +365,9 @@ def train_valid_test_datasets_provider(
     restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
     if _STATE.feed is not None:
         _STATE.feed.close()
-    _STATE.feed = MicroBatchFeed(sampler, runtime.plan, ahead=config.plan_ahead)
+    _STATE.feed = MicroBatchFeed(
+        sampler, runtime.recipe, ahead=config.plan_ahead, workers=config.planner_processes
+    )
     return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 

@@ -2,8 +2,9 @@
 
 On every rank, in this order (``run_micro_batch``):
 
-1. the micro-batch's plan, computed by every rank from the same lengths (``plan_micro_batch``;
-   pure and deterministic, so ``feed.py`` may compute it ahead, in a background thread);
+1. the micro-batch's plan, computed by every rank from the same lengths
+   (``plan_workers.plan_micro_batch``; pure and deterministic, so ``feed.py`` may compute it
+   ahead, in planner processes or a background thread);
 2. the rank reads only its linear-layout tokens (``batch.build_linear_batch``) and pads them
    (``batch.pad_linear_batch``): to a multiple of the tensor-parallel size under sequence
    parallelism, to at least one row on a rank the plan leaves empty;
@@ -33,8 +34,8 @@ from megatron_zeppelin.megatron.batch import (
     pad_linear_batch,
 )
 from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.plan_workers import PlanRecipe
 from megatron_zeppelin.megatron.sampler import DocumentSlice
-from megatron_zeppelin.planner import partition
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.topology.model import Topology
@@ -88,35 +89,15 @@ class StepRuntime:
             watch=watch,
         )
 
+    @property
+    def recipe(self) -> PlanRecipe:
+        """What this run's plans depend on besides the lengths (picklable: a planner
+        process plans from it)."""
+        return PlanRecipe(self.topology, self.cost_model, self.config, self.options)
+
     def plan(self, lengths: Sequence[int]) -> Plan:
-        """This run's plan of a micro-batch (``plan_micro_batch``)."""
-        return plan_micro_batch(
-            lengths,
-            topology=self.topology,
-            cost_model=self.cost_model,
-            config=self.config,
-            options=self.options,
-        )
-
-
-def plan_micro_batch(
-    lengths: Sequence[int],
-    *,
-    topology: Topology,
-    cost_model: CostModel,
-    config: ZeppelinConfig,
-    options: Any = None,
-) -> Plan:
-    """The micro-batch's plan; every rank computes the same one from the same lengths."""
-    # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
-    capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
-    return partition.plan_batch(  # through the module: tests stand in for the planner
-        list(lengths),
-        topology=topology,
-        cost_model=cost_model,
-        capacity=capacity,
-        options=options if options is not None else config.planner_options(cost_model),
-    )
+        """This run's plan of a micro-batch (``plan_workers.plan_micro_batch``)."""
+        return self.recipe(lengths)
 
 
 @dataclass(frozen=True)

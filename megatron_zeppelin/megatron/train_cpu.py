@@ -235,9 +235,11 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
             state, model, optimizer, sampler, dtype=args.dtype, where=args.load
         )
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
-    # Plans of the next micro-batches are made in the background while one trains; the feed
+    # Plans of the next micro-batches are made in planner processes while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
-    feed = MicroBatchFeed(sampler, runtime.plan, ahead=config.plan_ahead)
+    feed = MicroBatchFeed(
+        sampler, runtime.recipe, ahead=config.plan_ahead, workers=config.planner_processes
+    )
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
@@ -446,9 +448,11 @@ def summary_text(s: dict) -> str:
     planning = s.get("planning")
     if planning and planning["num_plans"]:
         share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
+        started = planning.get("startup_s", 0.0)
         lines.append(
             f"planning     {planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
             f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
+            + (f"; planner processes started in {started:.2f} s" if started else "")
         )
     return "\n".join(lines)
 

@@ -68,7 +68,9 @@ class Scheme(str, Enum):
 # The records a plan holds one of per document, span or range (10^4 to 10^6 of them) keep their
 # fields in slots (half the memory of an instance dict) and write them with the slots' own
 # setters (a frozen dataclass's generated ``__init__`` calls ``object.__setattr__`` per field,
-# twice as slow). Equality, hashing, ``repr``, ``replace`` and pickling are the dataclass's.
+# twice as slow). Equality, hashing, ``repr`` and ``replace`` are the dataclass's; pickling
+# calls that ``__init__`` (``__reduce__``: the dataclass's state setter, per field, takes three
+# times as long, and a planner process sends every plan to training pickled).
 @dataclass(frozen=True, slots=True, init=False)
 class Span:
     """Query tokens ``[start, end)`` of one document computed on ``rank``."""
@@ -86,6 +88,9 @@ class Span:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def __reduce__(self) -> tuple:
+        return Span, (self.rank, self.start, self.end)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -105,6 +110,9 @@ class TokenRange:
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
+
+    def __reduce__(self) -> tuple:
+        return TokenRange, (self.seq, self.start, self.end)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -141,6 +149,10 @@ class SequencePlan:
         set_ring(self, ring)
         set_attention(self, attention)
         set_scheme(self, scheme)
+
+    def __reduce__(self) -> tuple:
+        fields = (self.id, self.length, self.tier, self.ring, self.attention, self.scheme)
+        return SequencePlan, fields
 
     @property
     def is_two_d(self) -> bool:

@@ -1,0 +1,124 @@
+"""Planning ahead: how much a planner running beside training slows the thread that launches
+the step's operators, in a thread of the training process and in planner processes.
+
+The training thread is stood in for by a stream of small PyTorch operators on CPU (a matmul, a
+ReLU and an add on ``--size`` x ``--size`` tensors, one thread): like kernel launches, each
+releases the interpreter lock while it runs and takes it back after. Meanwhile the planner
+plans ``--plans`` micro-batches of 4M tokens on 1024 GPUs (zeppelin-C, LLaMA-7B, capacity
+65536, ``--dist`` lengths), submitted at once, as ``feed.MicroBatchFeed`` does:
+
+- ``none``: no planning (the stream's own rate);
+- ``thread``: the planner thread of ``feed.py`` (``--zeppelin-plan-workers 0``);
+- ``processes N``: ``plan_workers.PlannerProcesses`` with N workers (``--zeppelin-plan-workers
+  N``); the training process only sends lengths and unpickles plans (in a reader thread).
+
+For each: operators per second while the plans were being made, relative to ``none``, and the
+wall time the plans took. Then what a plan costs the training process with planner processes:
+unpickling it (median over the plans, best of 3 each), beside making it (CPU time).
+
+    python scripts/bench_plan_ahead.py
+    python scripts/bench_plan_ahead.py --size 512 --plans 8
+"""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+import statistics
+import time
+
+import torch
+
+from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron.feed import PlanningStats, _PlannerThread
+from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.topology.presets import get_topology
+
+
+def recipe() -> PlanRecipe:
+    topology = get_topology("zeppelin-C", num_nodes=128)
+    cost_model = CostModel.default(get_model("llama-7b"), topology)
+    config = ZeppelinConfig(capacity=65536)
+    return PlanRecipe(topology, cost_model, config, config.planner_options(cost_model))
+
+
+def operators(x: torch.Tensor, until) -> tuple[int, float]:
+    """Run the operator stream until ``until()`` is true; (operators run, seconds)."""
+    count, start = 0, time.perf_counter()
+    while not until():
+        for _ in range(50):
+            y = x @ x
+            y = y.relu_()
+            y = y + 1
+        count += 150
+    return count, time.perf_counter() - start
+
+
+def run(mode: str, workers: int, batches: list[list[int]], x: torch.Tensor, rate: float) -> dict:
+    plan = recipe()
+    if mode == "thread":
+        planner = _PlannerThread(plan, PlanningStats())
+    else:
+        planner = PlannerProcesses(plan, workers, lambda seconds: None)
+        # A worker's start (interpreter, imports) is paid once per run, not per plan.
+        planner.submit(batches[0]).result()
+    start = time.perf_counter()
+    futures = [planner.submit(lengths) for lengths in batches]
+    count, seconds = operators(x, lambda: all(f.done() for f in futures))
+    planned = time.perf_counter() - start
+    for future in futures:
+        future.result()
+    planner.close()
+    return {"ops_per_s": count / seconds, "relative": count / seconds / rate, "plans_s": planned}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", type=int, default=64, help="operator tensors' side (default 64)")
+    parser.add_argument("--plans", type=int, default=8, help="micro-batches planned (default 8)")
+    parser.add_argument("--dist", default="wlbllm", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    x = torch.randn(args.size, args.size)
+    batches = [
+        list(sample_lengths(args.dist, num_tokens=1 << 22, seed=seed)) for seed in range(args.plans)
+    ]
+    recipe()(batches[0])  # the process's one-time costs, before anything is timed
+    deadline = time.perf_counter() + 3.0
+    count, seconds = operators(x, lambda: time.perf_counter() > deadline)
+    rate = count / seconds
+    print(f"{args.plans} plans of {args.dist} (4M tokens, 1024 GPUs), operators {args.size}^2")
+    print("| planner | operators/s | vs none | plans took s |")
+    print("|---|---:|---:|---:|")
+    print(f"| none | {rate:,.0f} | 1.00 | |")
+    rows = [("thread", "thread", 0)] + [(f"processes {w}", "processes", w) for w in args.workers]
+    for name, mode, workers in rows:
+        row = run(mode, workers, batches, x, rate)
+        print(
+            f"| {name} | {row['ops_per_s']:,.0f} | {row['relative']:.2f} | {row['plans_s']:.2f} |",
+            flush=True,
+        )
+    made, loaded, plan = [], [], recipe()
+    for lengths in batches:
+        start = time.process_time()
+        made_plan = plan(lengths)
+        made.append(time.process_time() - start)
+        blob = pickle.dumps(made_plan, protocol=pickle.HIGHEST_PROTOCOL)
+        loads = []
+        for _ in range(3):
+            start = time.process_time()
+            pickle.loads(blob)
+            loads.append(time.process_time() - start)
+        loaded.append(min(loads))
+    print(
+        f"per plan: made in {1e3 * statistics.median(made):.0f} ms, unpickled in "
+        f"{1e3 * statistics.median(loaded):.1f} ms (medians)"
+    )
+
+
+if __name__ == "__main__":
+    main()
