@@ -4,8 +4,9 @@ the step's operators, in a thread of the training process and in planner process
 The training thread is stood in for by a stream of small PyTorch operators on CPU (a matmul, a
 ReLU and an add on ``--size`` x ``--size`` tensors, one thread): like kernel launches, each
 releases the interpreter lock while it runs and takes it back after. Meanwhile the planner
-plans ``--plans`` micro-batches of 4M tokens on 1024 GPUs (zeppelin-C, LLaMA-7B, capacity
-65536, ``--dist`` lengths), submitted at once, as ``feed.MicroBatchFeed`` does:
+plans ``--plans`` micro-batches of ``--tokens`` (default 4M) on 1024 GPUs (zeppelin-C,
+LLaMA-7B, capacity ``max(65536, 1.25 x tokens / GPUs)``, ``--dist`` lengths), submitted at once,
+as ``feed.MicroBatchFeed`` does:
 
 - ``none``: no planning (the stream's own rate);
 - ``thread``: the planner thread of ``feed.py`` (``--zeppelin-plan-workers 0``);
@@ -17,12 +18,14 @@ wall time the plans took. Then what a plan costs the training process with plann
 unpickling it (median over the plans, best of 3 each), beside making it (CPU time).
 
     python scripts/bench_plan_ahead.py
-    python scripts/bench_plan_ahead.py --size 512 --plans 8
+    python scripts/bench_plan_ahead.py --size 256
+    python scripts/bench_plan_ahead.py --dist wikipedia --tokens 10166509   # ~10^4 documents
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import pickle
 import statistics
 import time
@@ -38,10 +41,10 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
 
-def recipe() -> PlanRecipe:
+def recipe(tokens: int) -> PlanRecipe:
     topology = get_topology("zeppelin-C", num_nodes=128)
     cost_model = CostModel.default(get_model("llama-7b"), topology)
-    config = ZeppelinConfig(capacity=65536)
+    config = ZeppelinConfig(capacity=max(65536, math.ceil(1.25 * tokens / topology.world_size)))
     return PlanRecipe(topology, cost_model, config, config.planner_options(cost_model))
 
 
@@ -57,8 +60,10 @@ def operators(x: torch.Tensor, until) -> tuple[int, float]:
     return count, time.perf_counter() - start
 
 
-def run(mode: str, workers: int, batches: list[list[int]], x: torch.Tensor, rate: float) -> dict:
-    plan = recipe()
+def run(
+    mode: str, workers: int, batches: list[list[int]], x: torch.Tensor, rate: float, tokens: int
+) -> dict:
+    plan = recipe(tokens)
     if mode == "thread":
         planner = _PlannerThread(plan, PlanningStats())
     else:
@@ -80,29 +85,35 @@ def main() -> None:
     parser.add_argument("--size", type=int, default=64, help="operator tensors' side (default 64)")
     parser.add_argument("--plans", type=int, default=8, help="micro-batches planned (default 8)")
     parser.add_argument("--dist", default="wlbllm", choices=sorted(DISTRIBUTIONS))
+    parser.add_argument("--tokens", type=int, default=1 << 22, help="per micro-batch")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     args = parser.parse_args()
     torch.set_num_threads(1)
     x = torch.randn(args.size, args.size)
     batches = [
-        list(sample_lengths(args.dist, num_tokens=1 << 22, seed=seed)) for seed in range(args.plans)
+        list(sample_lengths(args.dist, num_tokens=args.tokens, seed=seed))
+        for seed in range(args.plans)
     ]
-    recipe()(batches[0])  # the process's one-time costs, before anything is timed
+    recipe(args.tokens)(batches[0])  # the process's one-time costs, before anything is timed
     deadline = time.perf_counter() + 3.0
     count, seconds = operators(x, lambda: time.perf_counter() > deadline)
     rate = count / seconds
-    print(f"{args.plans} plans of {args.dist} (4M tokens, 1024 GPUs), operators {args.size}^2")
+    documents = round(sum(map(len, batches)) / len(batches))
+    print(
+        f"{args.plans} plans of {args.dist} ({args.tokens:,} tokens, ~{documents} documents, "
+        f"1024 GPUs), operators {args.size}^2"
+    )
     print("| planner | operators/s | vs none | plans took s |")
     print("|---|---:|---:|---:|")
     print(f"| none | {rate:,.0f} | 1.00 | |")
     rows = [("thread", "thread", 0)] + [(f"processes {w}", "processes", w) for w in args.workers]
     for name, mode, workers in rows:
-        row = run(mode, workers, batches, x, rate)
+        row = run(mode, workers, batches, x, rate, args.tokens)
         print(
             f"| {name} | {row['ops_per_s']:,.0f} | {row['relative']:.2f} | {row['plans_s']:.2f} |",
             flush=True,
         )
-    made, loaded, plan = [], [], recipe()
+    made, loaded, plan = [], [], recipe(args.tokens)
     for lengths in batches:
         start = time.process_time()
         made_plan = plan(lengths)

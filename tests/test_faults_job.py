@@ -108,6 +108,28 @@ def test_a_killed_worker_is_one_line_and_no_survivor_tracebacks(tmp_path):
 
 
 @pytest.mark.dist
+def test_a_killed_planner_process_is_named_in_one_line(tmp_path):
+    proc = _start(tmp_path)
+    workers = _wait_for_training(tmp_path, proc)
+    planners = [_workers(pid) for pid in workers]  # each rank's one child: its planner process
+    assert [len(children) for children in planners] == [1, 1], planners
+    killed = planners[1][0]
+    with open(f"/proc/{killed}/cmdline") as f:
+        assert "megatron_zeppelin.megatron.plan_workers" in f.read()
+    os.kill(killed, signal.SIGKILL)
+    code, out, err = _finish(proc)
+    lines = _assert_quiet(out, err)
+    assert code == 1
+    assert lines[0].startswith(
+        f"zeppelin train: error: rank 1: RuntimeError: planner process 0 (pid {killed}) "
+        "was killed by signal 9 (out of memory?)"
+    ), err
+    assert "--zeppelin-plan-workers 0" in lines[0]
+    assert all(_gone(pid) for pid in [*workers, planners[0][0]])
+    _assert_checkpoint_loads(tmp_path)
+
+
+@pytest.mark.dist
 def test_a_stalled_worker_ends_the_job_naming_it_with_step_and_layer(tmp_path):
     proc = _start(tmp_path, "--zeppelin-comm-timeout-s", "10")  # room for a loaded machine
     workers = _wait_for_training(tmp_path, proc)

@@ -14,6 +14,7 @@ from megatron_zeppelin.megatron.report import (
     chosen_kernel,
     cost_model_line,
     node_shape_line,
+    planning_line,
     startup_lines,
 )
 from megatron_zeppelin.planner.costmodel import CostModel
@@ -75,7 +76,7 @@ def test_startup_summary_shows_node_shape_cost_model_source_and_kernel() -> None
     cost = CostModel.default(get_model("llama-7b", tensor_parallel=2), topology)
     config = ZeppelinConfig(enabled=True, topology="dgx-h100")
     runtime = argparse.Namespace(
-        topology=topology, cost_model=cost, options=config.planner_options(cost)
+        topology=topology, cost_model=cost, options=config.planner_options(cost), config=config
     )
     kernel = chosen_kernel("auto", device="cpu", dtype="torch.bfloat16")
     lines = startup_lines(runtime, tensor_parallel=2, kernel=kernel)
@@ -85,6 +86,16 @@ def test_startup_summary_shows_node_shape_cost_model_source_and_kernel() -> None
     assert lines[1] == cost_model_line(cost, runtime.options)
     assert "thresholds intra" in lines[1] and "datasheet figures (H100-SXM)" in lines[1]
     assert lines[2].startswith("zeppelin: attention kernel torch (auto: no CUDA device")
+    assert lines[3] == "zeppelin: planning 2 micro-batches ahead in 1 planner process"
+    for flags, words in [
+        (dict(plan_ahead=0), "planning each micro-batch when it starts (--zeppelin-plan-ahead 0)"),
+        (dict(plan_ahead=1, plan_workers=0), "planning 1 micro-batch ahead in a thread of the"),
+        (
+            dict(plan_ahead=4, plan_workers=2),
+            "planning 4 micro-batches ahead in 2 planner processes",
+        ),
+    ]:
+        assert words in planning_line(ZeppelinConfig(**flags).validate())
     assert chosen_kernel("torch", device="cpu", dtype=None) == KernelChoice(
         "torch", "requested with --zeppelin-kernel"
     )

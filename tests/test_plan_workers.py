@@ -79,6 +79,10 @@ def test_a_worker_plans_what_the_training_process_plans_in_order() -> None:
     try:
         futures = [planners.submit(list(lengths)) for lengths in batches]
         got = [f.result(timeout=TIMEOUT) for f in futures]
+        # A worker has planned: it stays light (no PyTorch, ~0.2 s to start).
+        for pid in planners.pids:
+            with open(f"/proc/{pid}/maps") as f:
+                assert "libtorch" not in f.read()
     finally:
         planners.close()
     assert got == expected

@@ -91,7 +91,21 @@ def startup_lines(
         node_shape_line(runtime.topology, tensor_parallel=tensor_parallel),
         cost_model_line(runtime.cost_model, runtime.options, why=calibration_why),
         f"zeppelin: attention kernel {kernel.name} ({kernel.why})",
+        planning_line(runtime.config),
     ]
+
+
+def planning_line(config: Any) -> str:
+    """Where the plans are made (``feed.MicroBatchFeed``)."""
+    ahead, processes = config.plan_ahead, config.planner_processes
+    if not ahead:
+        return "zeppelin: planning each micro-batch when it starts (--zeppelin-plan-ahead 0)"
+    where = (
+        f"in {processes} planner process{'es' if processes > 1 else ''}"
+        if processes
+        else "in a thread of the training process (--zeppelin-plan-workers 0)"
+    )
+    return f"zeppelin: planning {ahead} micro-batch{'es' if ahead > 1 else ''} ahead {where}"
 
 
 def plan_line(step: int, summary: dict) -> str:
