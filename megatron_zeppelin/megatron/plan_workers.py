@@ -28,6 +28,7 @@ import os
 import pickle
 import queue
 import signal
+import site
 import subprocess
 import sys
 import threading
@@ -47,6 +48,13 @@ from megatron_zeppelin.topology.model import Topology
 __all__ = ["PlanRecipe", "PlannerProcesses", "plan_micro_batch"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+
+
+def _site_packages() -> set[str]:
+    """Where installed packages live: put first on a worker's path, such a directory would put
+    every installed package before the standard library."""
+    places = [*site.getsitepackages(), site.getusersitepackages()]
+    return {str(Path(p).resolve()) for p in places}
 
 
 def plan_micro_batch(
@@ -95,9 +103,12 @@ class _Worker:
 
     def __init__(self, recipe: PlanRecipe, index: int, on_seconds) -> None:
         env = dict(os.environ)
-        # The worker imports this package as the training process does, and keeps its numpy to
-        # one thread (eight ranks of a node each have a worker).
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_PACKAGE_ROOT, env.get("PYTHONPATH")]))
+        # The worker imports this package from where the training process did (a checkout it
+        # was started from, or a path it was given; an installed package is found anyway), and
+        # keeps its numpy to one thread (eight ranks of a node each have a worker).
+        if _PACKAGE_ROOT not in _site_packages():
+            path = [_PACKAGE_ROOT, env.get("PYTHONPATH")]
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
         env.update(OMP_NUM_THREADS="1", OPENBLAS_NUM_THREADS="1", MKL_NUM_THREADS="1")
         self.index = index
         self.process = subprocess.Popen(
