@@ -90,7 +90,7 @@ class Span:
         return self.end - self.start
 
     def __reduce__(self) -> tuple:
-        return Span, (self.rank, self.start, self.end)
+        return type(self), (self.rank, self.start, self.end)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -112,7 +112,7 @@ class TokenRange:
         return self.end - self.start
 
     def __reduce__(self) -> tuple:
-        return TokenRange, (self.seq, self.start, self.end)
+        return type(self), (self.seq, self.start, self.end)
 
 
 @dataclass(frozen=True, slots=True, init=False)
@@ -152,7 +152,7 @@ class SequencePlan:
 
     def __reduce__(self) -> tuple:
         fields = (self.id, self.length, self.tier, self.ring, self.attention, self.scheme)
-        return SequencePlan, fields
+        return type(self), fields
 
     @property
     def is_two_d(self) -> bool:
