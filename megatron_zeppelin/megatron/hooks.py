@@ -70,7 +70,12 @@ from megatron_zeppelin.megatron.norms import (
     needs_sequence_parallel_norms,
     sequence_parallel_spec,
 )
-from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines
+from megatron_zeppelin.megatron.report import (
+    chosen_kernel,
+    plan_line,
+    planning_text,
+    startup_lines,
+)
 from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler, save_sampler_state
 from megatron_zeppelin.megatron.runtime import (
     ParallelContext,
@@ -391,6 +396,7 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
         summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
         print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
+        print(f"zeppelin planning: {planning_text(_STATE.feed.stats.to_dict())}", flush=True)
     run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
     return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
 

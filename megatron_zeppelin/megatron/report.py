@@ -108,6 +108,18 @@ def planning_line(config: Any) -> str:
     return f"zeppelin: planning {ahead} micro-batch{'es' if ahead > 1 else ''} ahead {where}"
 
 
+def planning_text(planning: dict) -> str:
+    """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid,
+    how long planner processes took to start."""
+    share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
+    started = planning.get("startup_s", 0.0)
+    return (
+        f"{planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
+        f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
+        + (f"; planner processes started in {started:.2f} s" if started else "")
+    )
+
+
 def plan_line(step: int, summary: dict) -> str:
     """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
     class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""

@@ -59,7 +59,12 @@ from megatron_zeppelin.megatron.precision import (  # noqa: E402
     job_device,
     make_optimizer,
 )
-from megatron_zeppelin.megatron.report import chosen_kernel, plan_line, startup_lines  # noqa: E402
+from megatron_zeppelin.megatron.report import (  # noqa: E402
+    chosen_kernel,
+    plan_line,
+    planning_text,
+    startup_lines,
+)
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
@@ -447,13 +452,7 @@ def summary_text(s: dict) -> str:
         )
     planning = s.get("planning")
     if planning and planning["num_plans"]:
-        share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
-        started = planning.get("startup_s", 0.0)
-        lines.append(
-            f"planning     {planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
-            f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
-            + (f"; planner processes started in {started:.2f} s" if started else "")
-        )
+        lines.append(f"planning     {planning_text(planning)}")
     return "\n".join(lines)
 
 

@@ -96,6 +96,11 @@ ZEPPELIN = (
 )
 # A plan line: "zeppelin micro-batch step 3: plan e33f95bd 1 docs (local 0, intra 0, inter 1); ..."
 PLAN = re.compile(r"zeppelin micro-batch step \d+: plan \w+ (\d+) docs \(.*?inter (\d+)\)")
+# "zeppelin planning: 0.12 s for 4 plans, 0.10 s (83%) hidden behind training; planner ..."
+PLANNING = re.compile(
+    r"zeppelin planning: [\d.]+ s for (\d+) plans, [\d.]+ s \(\d+%\) hidden behind training; "
+    r"planner processes started in [\d.]+ s"
+)
 
 
 def _args(*, ranks: int, tp: int, nodes: int, capacity: int, data: str, extra=()) -> list[str]:
@@ -192,6 +197,12 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert shape.startswith("zeppelin: node shape 2 nodes x 2 Zeppelin ranks")
     assert cost_model.startswith("zeppelin: cost model 2 layers, 4 heads, 4 K/V heads, fp32, TP 1")
     assert kernel == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
+    # Megatron's own loop plans ahead in a planner process per rank, and says how it went.
+    assert _startup_summary(tp1_run)[3] == (
+        "zeppelin: planning 2 micro-batches ahead in 1 planner process"
+    )
+    plans = [int(n) for n in PLANNING.findall(tp1_run.outputs[0])]
+    assert plans and plans == sorted(plans) and plans[-1] > 1, tp1_run.tail()
 
 
 def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
