@@ -33,7 +33,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 from pathlib import Path
@@ -101,7 +101,7 @@ class _Worker:
     """One planner process, the futures of the micro-batches sent to it (answered in order),
     and the thread that reads its answers."""
 
-    def __init__(self, recipe: PlanRecipe, index: int, on_seconds) -> None:
+    def __init__(self, recipe: PlanRecipe, index: int, on_seconds: Callable[[float], None]) -> None:
         env = dict(os.environ)
         # The worker imports this package from where the training process did (a checkout it
         # was started from, or a path it was given; an installed package is found anyway), and
@@ -218,9 +218,12 @@ class _Worker:
 class PlannerProcesses:
     """``workers`` planner processes; ``submit(lengths)`` gives a ``Future`` of the plan,
     raising the planner's own exception where planning fails, or a ``RuntimeError`` naming the
-    process where a worker dies. Micro-batches go to the workers in turn."""
+    process where a worker dies. Micro-batches go to the workers in turn; ``on_seconds`` is
+    called (from a reader thread) with each plan's planning time."""
 
-    def __init__(self, recipe: PlanRecipe, workers: int, on_seconds) -> None:
+    def __init__(
+        self, recipe: PlanRecipe, workers: int, on_seconds: Callable[[float], None]
+    ) -> None:
         if workers < 1:
             raise ValueError(f"planner processes must be >= 1, got {workers}")
         try:
