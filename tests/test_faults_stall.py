@@ -182,7 +182,14 @@ def test_zeppelin_verify_names_a_stopped_rank_in_one_line(tmp_path) -> None:
         assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
         time.sleep(0.1)
     time.sleep(2.0)
-    os.kill(workers[STALLED], signal.SIGSTOP)
+    while True:  # listed again: a process listed 2 s ago may be gone (CI failed once on it)
+        workers = _spawned_workers(proc.pid)
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        try:
+            os.kill(workers[STALLED], signal.SIGSTOP)
+            break
+        except (IndexError, ProcessLookupError):
+            time.sleep(0.1)
     out, err = proc.communicate(timeout=HARNESS_TIMEOUT_S)
     lines = err.strip().splitlines()
     assert proc.returncode == 1 and len(lines) == 1, err
