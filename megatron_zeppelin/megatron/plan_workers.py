@@ -53,7 +53,8 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 def _site_packages() -> set[str]:
     """Where installed packages live: put first on a worker's path, such a directory would put
     every installed package before the standard library."""
-    places = [*site.getsitepackages(), site.getusersitepackages()]
+    # An environment whose ``site`` lacks these (old virtualenvs) puts the root first.
+    places = [*getattr(site, "getsitepackages", list)(), site.getusersitepackages()]
     return {str(Path(p).resolve()) for p in places}
 
 
