@@ -33,7 +33,7 @@ import time
 import torch
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.feed import PlanningStats, _PlannerThread
+from megatron_zeppelin.megatron.feed import _PlannerThread
 from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
@@ -65,7 +65,7 @@ def run(
 ) -> dict:
     plan = recipe(tokens)
     if mode == "thread":
-        planner = _PlannerThread(plan, PlanningStats())
+        planner = _PlannerThread(plan, lambda seconds: None)
     else:
         planner = PlannerProcesses(plan, workers, lambda seconds: None)
         # A worker's start (interpreter, imports) is paid once per run, not per plan.

@@ -13,7 +13,7 @@ import pytest
 
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.feed import MicroBatchFeed
-from megatron_zeppelin.megatron.plan_workers import plan_micro_batch
+from megatron_zeppelin.megatron.plan_workers import PlanRecipe
 from megatron_zeppelin.megatron.sampler import DocumentSampler
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.models import get_model
@@ -33,8 +33,7 @@ def _sampler() -> DocumentSampler:
     )
 
 
-def _plan(lengths):
-    return plan_micro_batch(lengths, topology=TOPOLOGY, cost_model=COST, config=CONFIG)
+_plan = PlanRecipe(TOPOLOGY, COST, CONFIG)
 
 
 def _run(feed: MicroBatchFeed, num: int) -> list[tuple]:

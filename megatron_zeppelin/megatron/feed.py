@@ -32,7 +32,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from megatron_zeppelin.megatron.plan_workers import PlannerProcesses
+from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
 from megatron_zeppelin.megatron.sampler import DocumentSampler, DocumentSlice, StepBatch
 from megatron_zeppelin.planner.plan import Plan
 
@@ -87,11 +87,12 @@ class PlanningStats:
 
 
 class _PlannerThread:
-    """One daemon thread planning the jobs it is given, in order."""
+    """One daemon thread planning the jobs it is given, in order; ``on_seconds`` is called with
+    each plan's planning time (as ``PlannerProcesses`` does)."""
 
-    def __init__(self, plan_fn: PlanFn, stats: PlanningStats) -> None:
+    def __init__(self, plan_fn: PlanFn, on_seconds: Callable[[float], None]) -> None:
         self._plan_fn = plan_fn
-        self._stats = stats
+        self._on_seconds = on_seconds
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._work, name="zeppelin-planner", daemon=True)
         self._thread.start()
@@ -117,7 +118,7 @@ class _PlannerThread:
             else:
                 future.set_result(plan)
             finally:
-                self._stats.planning_s += time.perf_counter() - start
+                self._on_seconds(time.perf_counter() - start)
 
     def close(self) -> None:
         self._jobs.put(None)
@@ -141,28 +142,37 @@ class MicroBatchFeed:
         self._plan_fn = plan_fn
         self._ahead = ahead
         self._stats_lock = threading.Lock()
-        self._started = False  # planner processes known to be ready
         self._planner: _PlannerThread | PlannerProcesses | None = None
         if ahead and workers:
             self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
         elif ahead:
-            self._planner = _PlannerThread(plan_fn, self.stats)
+            self._planner = _PlannerThread(plan_fn, self._add_planning)
+        # Planner processes are waited for once, before the first plan (``stats.startup_s``).
+        self._starting = isinstance(self._planner, PlannerProcesses)
         self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
         self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
 
+    @classmethod
+    def for_run(cls, sampler: DocumentSampler, recipe: PlanRecipe) -> MicroBatchFeed:
+        """The feed a run's flags ask for: ``--zeppelin-plan-ahead`` micro-batches ahead, in
+        ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``)."""
+        config = recipe.config
+        return cls(sampler, recipe, ahead=config.plan_ahead, workers=config.planner_processes)
+
     def _add_planning(self, seconds: float) -> None:
-        """A planner process's seconds on one plan (its reader threads call this)."""
+        """A planner's seconds on one plan (the planner thread, or a planner process's reader
+        thread, calls this)."""
         with self._stats_lock:
             self.stats.planning_s += seconds
 
     def next(self) -> FedMicroBatch:
         """The next micro-batch and its plan (waits for the plan if it is not ready)."""
         self._fill(1 + self._ahead)
-        if isinstance(self._planner, PlannerProcesses) and not self._started:
+        if self._starting:
             start = time.perf_counter()
-            self._planner.wait_ready()
+            self._planner.wait_ready()  # type: ignore[union-attr]
             self.stats.startup_s = time.perf_counter() - start
-            self._started = True
+            self._starting = False
         step, index, future = self._queue.popleft()
         if not self._queue or self._queue[0][0] is not step:
             self._step_states.popleft()  # the step is handed out in full

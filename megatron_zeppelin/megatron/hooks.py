@@ -370,9 +370,7 @@ def train_valid_test_datasets_provider(
     restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
     if _STATE.feed is not None:
         _STATE.feed.close()
-    _STATE.feed = MicroBatchFeed(
-        sampler, runtime.recipe, ahead=config.plan_ahead, workers=config.planner_processes
-    )
+    _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
     return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 

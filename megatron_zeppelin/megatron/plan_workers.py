@@ -45,7 +45,7 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["PlanRecipe", "PlannerProcesses", "plan_micro_batch"]
+__all__ = ["PlanRecipe", "PlannerProcesses"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -58,30 +58,11 @@ def _site_packages() -> set[str]:
     return {str(Path(p).resolve()) for p in places}
 
 
-def plan_micro_batch(
-    lengths: Sequence[int],
-    *,
-    topology: Topology,
-    cost_model: CostModel,
-    config: ZeppelinConfig,
-    options: Any = None,
-) -> Plan:
-    """The micro-batch's plan; every rank computes the same one from the same lengths."""
-    # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
-    capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
-    return partition.plan_batch(  # through the module: tests stand in for the planner
-        list(lengths),
-        topology=topology,
-        cost_model=cost_model,
-        capacity=capacity,
-        options=options if options is not None else config.planner_options(cost_model),
-    )
-
-
 @dataclass(frozen=True)
 class PlanRecipe:
     """Everything a micro-batch's plan depends on besides its lengths; picklable, so a worker
-    process plans exactly what the training process would."""
+    process plans exactly what the training process would. ``options``: the planner's
+    (``config.planner_options``, made once per run), or ``None`` to derive them per plan."""
 
     topology: Topology
     cost_model: CostModel
@@ -89,12 +70,18 @@ class PlanRecipe:
     options: Any = None
 
     def __call__(self, lengths: Sequence[int]) -> Plan:
-        return plan_micro_batch(
-            lengths,
+        """The micro-batch's plan; every rank computes the same one from the same lengths."""
+        config, options = self.config, self.options
+        if options is None:
+            options = config.planner_options(self.cost_model)
+        # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
+        capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
+        return partition.plan_batch(  # through the module: tests stand in for the planner
+            list(lengths),
             topology=self.topology,
             cost_model=self.cost_model,
-            config=self.config,
-            options=self.options,
+            capacity=capacity,
+            options=options,
         )
 
 

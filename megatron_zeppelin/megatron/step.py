@@ -3,7 +3,7 @@
 On every rank, in this order (``run_micro_batch``):
 
 1. the micro-batch's plan, computed by every rank from the same lengths
-   (``plan_workers.plan_micro_batch``; pure and deterministic, so ``feed.py`` may compute it
+   (``plan_workers.PlanRecipe``; pure and deterministic, so ``feed.py`` may compute it
    ahead, in planner processes or a background thread);
 2. the rank reads only its linear-layout tokens (``batch.build_linear_batch``) and pads them
    (``batch.pad_linear_batch``): to a multiple of the tensor-parallel size under sequence
@@ -96,7 +96,7 @@ class StepRuntime:
         return PlanRecipe(self.topology, self.cost_model, self.config, self.options)
 
     def plan(self, lengths: Sequence[int]) -> Plan:
-        """This run's plan of a micro-batch (``plan_workers.plan_micro_batch``)."""
+        """This run's plan of a micro-batch (``plan_workers.PlanRecipe``)."""
         return self.recipe(lengths)
 
 

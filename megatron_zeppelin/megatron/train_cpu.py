@@ -242,9 +242,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in planner processes while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
-    feed = MicroBatchFeed(
-        sampler, runtime.recipe, ahead=config.plan_ahead, workers=config.planner_processes
-    )
+    feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
