@@ -13,9 +13,14 @@ as ``feed.MicroBatchFeed`` does:
 - ``processes N``: ``plan_workers.PlannerProcesses`` with N workers (``--zeppelin-plan-workers
   N``); the training process only sends lengths and unpickles plans (in a reader thread).
 
-For each: operators per second while the plans were being made, relative to ``none``, and the
-wall time the plans took. Then what a plan costs the training process with planner processes:
-unpickling it (median over the plans, best of 3 each), beside making it (CPU time).
+For each: operators per second while the plans were being made, relative to ``none``, the
+longest the stream stood still (the longest gap between two of its operator triples), the full
+passes of Python's collector meanwhile, and the wall time the plans took. The last row,
+``processes 1, collector off``, runs with ``gc.disable()`` as Megatron's ``--manual-gc`` does:
+every plan brings the training process thousands of new objects, and the collector's full
+passes over everything hold the interpreter lock. Then what a plan costs the training process
+with planner processes: unpickling it (median over the plans, best of 3 each), beside making it
+(CPU time).
 
     python scripts/bench_plan_ahead.py
     python scripts/bench_plan_ahead.py --size 256
@@ -25,6 +30,7 @@ unpickling it (median over the plans, best of 3 each), beside making it (CPU tim
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import pickle
 import statistics
@@ -48,20 +54,53 @@ def recipe(tokens: int) -> PlanRecipe:
     return PlanRecipe(topology, cost_model, config, config.planner_options(cost_model))
 
 
-def operators(x: torch.Tensor, until) -> tuple[int, float]:
-    """Run the operator stream until ``until()`` is true; (operators run, seconds)."""
+def operators(x: torch.Tensor, until) -> tuple[int, float, float]:
+    """Run the operator stream until ``until()`` is true; (operators run, seconds, longest gap
+    between two operator triples in seconds)."""
     count, start = 0, time.perf_counter()
+    last, longest = start, 0.0
     while not until():
         for _ in range(50):
             y = x @ x
             y = y.relu_()
             y = y + 1
+            now = time.perf_counter()
+            longest = max(longest, now - last)
+            last = now
         count += 150
-    return count, time.perf_counter() - start
+    return count, time.perf_counter() - start, longest
+
+
+class FullPasses:
+    """The collector's full passes (generation 2) while in a ``with`` block: count, longest."""
+
+    def __enter__(self) -> FullPasses:
+        self.count, self.longest, self._began = 0, 0.0, 0.0
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        else:
+            self.count += 1
+            self.longest = max(self.longest, time.perf_counter() - self._began)
 
 
 def run(
-    mode: str, workers: int, batches: list[list[int]], x: torch.Tensor, rate: float, tokens: int
+    mode: str,
+    workers: int,
+    batches: list[list[int]],
+    x: torch.Tensor,
+    rate: float,
+    tokens: int,
+    *,
+    collector: bool = True,
 ) -> dict:
     plan = recipe(tokens)
     if mode == "thread":
@@ -70,14 +109,28 @@ def run(
         planner = PlannerProcesses(plan, workers, lambda seconds: None)
         # A worker's start (interpreter, imports) is paid once per run, not per plan.
         planner.submit(batches[0]).result()
-    start = time.perf_counter()
-    futures = [planner.submit(lengths) for lengths in batches]
-    count, seconds = operators(x, lambda: all(f.done() for f in futures))
-    planned = time.perf_counter() - start
-    for future in futures:
-        future.result()
+    gc.collect()  # every row starts from the same heap
+    if not collector:
+        gc.disable()
+    try:
+        with FullPasses() as passes:
+            start = time.perf_counter()
+            futures = [planner.submit(lengths) for lengths in batches]
+            count, seconds, longest = operators(x, lambda: all(f.done() for f in futures))
+            planned = time.perf_counter() - start
+            results = [future.result() for future in futures]
+    finally:
+        gc.enable()
+    del results
     planner.close()
-    return {"ops_per_s": count / seconds, "relative": count / seconds / rate, "plans_s": planned}
+    return {
+        "ops_per_s": count / seconds,
+        "relative": count / seconds / rate,
+        "longest_ms": 1e3 * longest,
+        "passes": passes.count,
+        "longest_pass_ms": 1e3 * passes.longest,
+        "plans_s": planned,
+    }
 
 
 def main() -> None:
@@ -96,21 +149,28 @@ def main() -> None:
     ]
     recipe(args.tokens)(batches[0])  # the process's one-time costs, before anything is timed
     deadline = time.perf_counter() + 3.0
-    count, seconds = operators(x, lambda: time.perf_counter() > deadline)
+    count, seconds, longest = operators(x, lambda: time.perf_counter() > deadline)
     rate = count / seconds
     documents = round(sum(map(len, batches)) / len(batches))
     print(
         f"{args.plans} plans of {args.dist} ({args.tokens:,} tokens, ~{documents} documents, "
         f"1024 GPUs), operators {args.size}^2"
     )
-    print("| planner | operators/s | vs none | plans took s |")
-    print("|---|---:|---:|---:|")
-    print(f"| none | {rate:,.0f} | 1.00 | |")
-    rows = [("thread", "thread", 0)] + [(f"processes {w}", "processes", w) for w in args.workers]
-    for name, mode, workers in rows:
-        row = run(mode, workers, batches, x, rate, args.tokens)
+    print(
+        "| planner | operators/s | vs none | longest stop ms | collector full passes "
+        "(longest ms) | plans took s |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| none | {rate:,.0f} | 1.00 | {1e3 * longest:.1f} | | |")
+    rows = [("thread", "thread", 0, True)]
+    rows += [(f"processes {w}", "processes", w, True) for w in args.workers]
+    rows += [("processes 1, collector off", "processes", 1, False)]
+    for name, mode, workers, collector in rows:
+        row = run(mode, workers, batches, x, rate, args.tokens, collector=collector)
         print(
-            f"| {name} | {row['ops_per_s']:,.0f} | {row['relative']:.2f} | {row['plans_s']:.2f} |",
+            f"| {name} | {row['ops_per_s']:,.0f} | {row['relative']:.2f} | "
+            f"{row['longest_ms']:.1f} | {row['passes']} ({row['longest_pass_ms']:.0f}) | "
+            f"{row['plans_s']:.2f} |",
             flush=True,
         )
     made, loaded, plan = [], [], recipe(args.tokens)

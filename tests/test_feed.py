@@ -123,3 +123,43 @@ def test_a_process_with_a_busy_planner_thread_exits() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "leaving"
+
+
+def test_the_collectors_own_full_passes_are_counted_and_manual_ones_are_not() -> None:
+    """A plan brings the training process thousands of objects, and Python's collector then
+    passes over everything holding the interpreter lock: the feed counts the full passes the
+    collector starts by itself (a ``gc.collect()`` while it is on stands in for one), not
+    those a run asks for with it off (Megatron's ``--manual-gc``), and stops at ``close()``."""
+    import gc
+
+    enabled = gc.isenabled()
+    feed = MicroBatchFeed(_sampler(), _plan, ahead=0)
+    try:
+        gc.enable()
+        gc.collect()
+        gc.collect(1)  # not a full pass
+        assert feed.stats.collections == 1
+        assert 0.0 < feed.stats.longest_collection_s <= feed.stats.collection_s
+        gc.disable()
+        gc.collect()  # as --manual-gc does at fixed steps
+        assert feed.stats.collections == 1
+        gc.enable()
+        feed.close()
+        gc.collect()
+        assert feed.stats.collections == 1
+        assert feed.stats.to_dict()["collections"] == 1
+    finally:
+        feed.close()
+        (gc.enable if enabled else gc.disable)()
+
+
+def test_the_planning_line_names_the_collectors_passes_and_the_flag_that_stops_them() -> None:
+    from megatron_zeppelin.megatron.report import planning_text
+
+    stats = {"num_plans": 4, "planning_s": 1.0, "hidden_s": 0.8, "waited_s": 0.2}
+    quiet = planning_text({**stats, "collections": 0}, manual_gc="--manual-gc")
+    assert "collector" not in quiet
+    busy = {**stats, "collections": 3, "collection_s": 0.42, "longest_collection_s": 0.19}
+    line = planning_text(busy, manual_gc="--manual-gc")
+    assert "3 full passes, 0.42 s in all (longest 0.19 s): --manual-gc" in line
+    assert "--manual-gc" not in planning_text(busy)  # a run without that flag (the CPU job)

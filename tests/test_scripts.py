@@ -102,7 +102,10 @@ def test_plan_ahead_benchmark_runs_every_planner() -> None:
         "scripts/bench_plan_ahead.py", "--plans", "2", "--workers", "1", "--dist", "wikipedia"
     )
     rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| ")}
-    assert {"none", "thread", "processes 1"} <= set(rows)
+    assert {"none", "thread", "processes 1", "processes 1, collector off"} <= set(rows)
     relative = float(rows["processes 1"].split("|")[3])
     assert 0.0 < relative
+    assert float(rows["processes 1"].split("|")[4]) > 0.0  # the longest stop, in ms
+    # With the collector off (``--manual-gc``) it makes no full pass of its own.
+    assert rows["processes 1, collector off"].split("|")[5].strip().startswith("0 (")
     assert "unpickled in" in out

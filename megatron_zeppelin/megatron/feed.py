@@ -23,6 +23,7 @@ Rules that keep it safe:
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 import time
@@ -70,6 +71,12 @@ class PlanningStats:
     startup_s: float = 0.0
     """Spent by the training thread, before its first plan, waiting for the planner processes
     to start (an interpreter and the planner's imports each, once per run)."""
+    collections: int = 0
+    """Full passes of Python's collector while it ran by itself (``gc.isenabled()``), in any
+    thread: every plan brings the training process thousands of new objects, which make the
+    collector pass over all of them and everything else, holding the interpreter lock."""
+    collection_s: float = 0.0
+    longest_collection_s: float = 0.0
 
     @property
     def hidden_s(self) -> float:
@@ -83,7 +90,40 @@ class PlanningStats:
             "waited_s": self.waited_s,
             "hidden_s": self.hidden_s,
             "startup_s": self.startup_s,
+            "collections": self.collections,
+            "collection_s": self.collection_s,
+            "longest_collection_s": self.longest_collection_s,
         }
+
+
+class _CollectorWatch:
+    """Times the full passes (generation 2) of Python's collector that it starts by itself,
+    into ``stats``, from ``start()`` to ``stop()``. A pass made on request while the collector
+    is off (Megatron's ``--manual-gc`` calls ``gc.collect()`` at fixed steps) is not counted."""
+
+    def __init__(self, stats: PlanningStats) -> None:
+        self._stats = stats
+        self._began: float | None = None
+
+    def start(self) -> None:
+        gc.callbacks.append(self._callback)
+
+    def stop(self) -> None:
+        if self._callback in gc.callbacks:
+            gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter() if gc.isenabled() else None
+        elif self._began is not None:
+            seconds = time.perf_counter() - self._began
+            self._began = None
+            stats = self._stats
+            stats.collections += 1
+            stats.collection_s += seconds
+            stats.longest_collection_s = max(stats.longest_collection_s, seconds)
 
 
 class _PlannerThread:
@@ -151,6 +191,8 @@ class MicroBatchFeed:
         self._starting = isinstance(self._planner, PlannerProcesses)
         self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
         self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
+        self._collector = _CollectorWatch(self.stats)
+        self._collector.start()
 
     @classmethod
     def for_run(cls, sampler: DocumentSampler, recipe: PlanRecipe) -> MicroBatchFeed:
@@ -226,3 +268,4 @@ class MicroBatchFeed:
         if self._planner is not None:
             self._planner.close()
             self._planner = None
+        self._collector.stop()

@@ -394,7 +394,8 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
         summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
         print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
-        print(f"zeppelin planning: {planning_text(_STATE.feed.stats.to_dict())}", flush=True)
+        planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
+        print(f"zeppelin planning: {planning}", flush=True)
     run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
     return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
 

@@ -108,15 +108,26 @@ def planning_line(config: Any) -> str:
     return f"zeppelin: planning {ahead} micro-batch{'es' if ahead > 1 else ''} ahead {where}"
 
 
-def planning_text(planning: dict) -> str:
+def planning_text(planning: dict, *, manual_gc: str = "") -> str:
     """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid,
-    how long planner processes took to start."""
+    how long planner processes took to start, and the full passes Python's collector made by
+    itself, with ``manual_gc`` (the flag that turns it off, where the run has one) after them."""
     share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
     started = planning.get("startup_s", 0.0)
+    passes = planning.get("collections", 0)
+    collector = ""
+    if passes:
+        collector = (
+            f"; Python's collector held the process for {passes} full "
+            f"pass{'es' if passes > 1 else ''}, {planning['collection_s']:.2f} s in all "
+            f"(longest {planning['longest_collection_s']:.2f} s)"
+            + (f": {manual_gc} makes them at fixed steps" if manual_gc else "")
+        )
     return (
         f"{planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
         f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
         + (f"; planner processes started in {started:.2f} s" if started else "")
+        + collector
     )
 
 
