@@ -39,7 +39,7 @@ import time
 import torch
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.feed import _PlannerThread
+from megatron_zeppelin.megatron.feed import PlanningStats, _CollectorWatch, _PlannerThread
 from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
@@ -71,27 +71,6 @@ def operators(x: torch.Tensor, until) -> tuple[int, float, float]:
     return count, time.perf_counter() - start, longest
 
 
-class FullPasses:
-    """The collector's full passes (generation 2) while in a ``with`` block: count, longest."""
-
-    def __enter__(self) -> FullPasses:
-        self.count, self.longest, self._began = 0, 0.0, 0.0
-        gc.callbacks.append(self._callback)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        gc.callbacks.remove(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if info["generation"] != 2:
-            return
-        if phase == "start":
-            self._began = time.perf_counter()
-        else:
-            self.count += 1
-            self.longest = max(self.longest, time.perf_counter() - self._began)
-
-
 def run(
     mode: str,
     workers: int,
@@ -112,14 +91,17 @@ def run(
     gc.collect()  # every row starts from the same heap
     if not collector:
         gc.disable()
+    passes = PlanningStats()  # the feed's count of the collector's own full passes
+    watch = _CollectorWatch(passes)
+    watch.start()
     try:
-        with FullPasses() as passes:
-            start = time.perf_counter()
-            futures = [planner.submit(lengths) for lengths in batches]
-            count, seconds, longest = operators(x, lambda: all(f.done() for f in futures))
-            planned = time.perf_counter() - start
-            results = [future.result() for future in futures]
+        start = time.perf_counter()
+        futures = [planner.submit(lengths) for lengths in batches]
+        count, seconds, longest = operators(x, lambda: all(f.done() for f in futures))
+        planned = time.perf_counter() - start
+        results = [future.result() for future in futures]
     finally:
+        watch.stop()
         gc.enable()
     del results
     planner.close()
@@ -127,8 +109,8 @@ def run(
         "ops_per_s": count / seconds,
         "relative": count / seconds / rate,
         "longest_ms": 1e3 * longest,
-        "passes": passes.count,
-        "longest_pass_ms": 1e3 * passes.longest,
+        "passes": passes.collections,
+        "longest_pass_ms": 1e3 * passes.longest_collection_s,
         "plans_s": planned,
     }
 
