@@ -121,7 +121,9 @@ export NCCL_DEBUG NCCL_DEBUG_SUBSYS=INIT,NET
 # container). Zeppelin's topology preset (--zeppelin-topology) names the node design; the node
 # count follows from the data-parallel size (Zeppelin spans the data-parallel ranks, tensor
 # parallelism runs inside each), so one cluster file fits any allocation. No value holds a
-# space, so the strings below are split on white space where they are used.
+# space, so the strings below are split on white space where they are used. --manual-gc keeps
+# Python's collector from passing over the objects every plan brings while a step runs
+# (docs/MEGATRON.md).
 ZEPPELIN_YAMLS="$ZEPPELIN_DIR/configs/models/$MODEL.yaml $ZEPPELIN_DIR/configs/clusters/$CLUSTER.yaml"
 ZEPPELIN_TRAIN_ARGS="\
  --spec megatron_zeppelin.megatron.spec te\
@@ -131,7 +133,7 @@ ZEPPELIN_TRAIN_ARGS="\
  --data-path $DATA_PREFIX --split 998,1,1 $TOKENIZER_ARGS\
  --distributed-backend nccl --use-distributed-optimizer\
  --save $RUN_DIR/checkpoints --load $RUN_DIR/checkpoints --save-interval 500\
- --log-interval 10 --eval-interval 1000 --eval-iters 0\
+ --log-interval 10 --eval-interval 1000 --eval-iters 0 --manual-gc\
  --tensorboard-dir $RUN_DIR/tensorboard"
 # The program every rank runs, as one shell string for `bash -c` (inside the container).
 ZEPPELIN_PRETRAIN="python $MEGATRON_DIR/pretrain_gpt.py\
