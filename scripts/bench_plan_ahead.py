@@ -20,7 +20,8 @@ passes of Python's collector meanwhile, and the wall time the plans took. The la
 every plan brings the training process thousands of new objects, and the collector's full
 passes over everything hold the interpreter lock. Then what a plan costs the training process
 with planner processes: unpickling it (median over the plans, best of 3 each), beside making it
-(CPU time).
+(CPU time); and how long a plan takes from its lengths sent to a planner process to the plan in
+the training process, one plan at a time, with the collector on and off.
 
     python scripts/bench_plan_ahead.py
     python scripts/bench_plan_ahead.py --size 256
@@ -171,6 +172,34 @@ def main() -> None:
         f"per plan: made in {1e3 * statistics.median(made):.0f} ms, unpickled in "
         f"{1e3 * statistics.median(loaded):.1f} ms (medians)"
     )
+    waits = [round_trips(batches, args.tokens, collector) for collector in (True, False)]
+    print(
+        "per plan, from its lengths sent to a planner process to the plan in this process, "
+        f"one at a time: {1e3 * waits[0]:.0f} ms with the collector on, {1e3 * waits[1]:.0f} "
+        "ms with it off (medians)"
+    )
+
+
+def round_trips(batches: list[list[int]], tokens: int, collector: bool) -> float:
+    """Median seconds from ``submit`` to the plan in this process, one plan at a time, with one
+    planner process: making it, pickling it there, unpickling it here, and whatever passes the
+    collector makes meanwhile (``collector=False``: ``gc.disable()``, as ``--manual-gc``)."""
+    planner = PlannerProcesses(recipe(tokens), 1, lambda seconds: None)
+    planner.submit(batches[0]).result()
+    gc.collect()
+    if not collector:
+        gc.disable()
+    seconds, kept = [], []  # the plans stay, as the feed keeps those planned ahead
+    try:
+        for lengths in batches:
+            start = time.perf_counter()
+            kept.append(planner.submit(lengths).result())
+            seconds.append(time.perf_counter() - start)
+            del kept[:-2]
+    finally:
+        gc.enable()
+        planner.close()
+    return statistics.median(seconds)
 
 
 if __name__ == "__main__":

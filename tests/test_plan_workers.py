@@ -255,6 +255,38 @@ def test_plans_survive_pickle_with_every_record_kind() -> None:
 
 
 @pytest.mark.pure
+def test_planning_and_unpickling_leave_no_cycles_for_the_collector() -> None:
+    """With Megatron's ``--manual-gc`` (the collector off; docs/MEGATRON.md) a plan must be
+    freed by reference counting alone: making one, sending it through pickle and dropping both
+    leaves nothing for ``gc.collect()`` to find, with every kind of record and a capacity
+    fallback (an exception raised and caught inside the planner)."""
+    import gc
+
+    batches = [
+        sample_lengths("prolong", num_tokens=1 << 20, seed=1),
+        sample_lengths("wlbllm", num_tokens=1 << 20, seed=2),
+    ]
+    tight = _recipe(Topology(num_nodes=2, gpus_per_node=1, nics_per_node=1), 377)
+    WIDE(batches[0])  # one-time caches (cost tables, zigzag loads) before counting
+    tight([247, 211, 65, 216])
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        fallback = tight([247, 211, 65, 216])  # refused staged, placed by the last resort
+        assert fallback.meta.get("fallback")
+        for lengths in batches:
+            plan = WIDE(lengths)
+            copy = pickle.loads(pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL))
+            assert copy == plan
+            del plan, copy
+        del fallback
+        assert gc.collect() == 0
+    finally:
+        (gc.enable if enabled else gc.disable)()
+
+
+@pytest.mark.pure
 @pytest.mark.parametrize(
     ("ahead", "workers", "processes"),
     [(2, None, 1), (0, None, 0), (3, 0, 0), (3, 3, 3), (1, 1, 1)],
