@@ -163,3 +163,11 @@ def test_the_planning_line_names_the_collectors_passes_and_the_flag_that_stops_t
     line = planning_text(busy, manual_gc="--manual-gc")
     assert "3 full passes, 0.42 s in all (longest 0.19 s): --manual-gc" in line
     assert "--manual-gc" not in planning_text(busy)  # a run without that flag (the CPU job)
+
+
+def test_the_start_up_names_the_collector_only_where_manual_gc_is_off() -> None:
+    from megatron_zeppelin.megatron.report import collector_line
+
+    assert collector_line(True) is None
+    line = collector_line(False)
+    assert line is not None and line.startswith("zeppelin: ") and "--manual-gc" in line

@@ -72,6 +72,7 @@ from megatron_zeppelin.megatron.norms import (
 )
 from megatron_zeppelin.megatron.report import (
     chosen_kernel,
+    collector_line,
     plan_line,
     planning_text,
     startup_lines,
@@ -232,7 +233,8 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     device, dtype = _activations(args)
     kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
     lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
-    print("\n".join(lines), flush=True)
+    hint = collector_line(bool(getattr(args, "manual_gc", False)))
+    print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
 def _layer_spec(args: argparse.Namespace):

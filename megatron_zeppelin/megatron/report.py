@@ -108,6 +108,19 @@ def planning_line(config: Any) -> str:
     return f"zeppelin: planning {ahead} micro-batch{'es' if ahead > 1 else ''} ahead {where}"
 
 
+def collector_line(manual_gc: bool) -> str | None:
+    """A start-up hint where Megatron's ``--manual-gc`` is off: Python's collector then counts
+    the objects every plan brings and makes full passes over the whole process on its own,
+    on one rank at a time (docs/MEGATRON.md)."""
+    if manual_gc:
+        return None
+    return (
+        "zeppelin: Python's collector runs by itself: every plan brings thousands of objects, "
+        "and its full passes stop a rank's step (0.1-0.3 s each in docs/BENCHMARKS.md); "
+        "--manual-gc makes them at fixed steps on every rank"
+    )
+
+
 def planning_text(planning: dict, *, manual_gc: str = "") -> str:
     """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid,
     how long planner processes took to start, and the full passes Python's collector made by

@@ -201,16 +201,25 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert _startup_summary(tp1_run)[3] == (
         "zeppelin: planning 2 micro-batches ahead in 1 planner process"
     )
+    # Without Megatron's --manual-gc the start-up says what Python's collector will do.
+    assert "--manual-gc makes them at fixed steps" in _startup_summary(tp1_run)[4]
     plans = [int(n) for n in PLANNING.findall(tp1_run.outputs[0])]
     assert plans and plans == sorted(plans) and plans[-1] > 1, tp1_run.tail()
 
 
 def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
+    # With --manual-gc, as docs/MEGATRON.md runs it: Megatron turns the collector off itself.
     args = _args(
-        ranks=4, tp=2, nodes=2, capacity=2 * CAPACITY, data=dataset, extra=["--sequence-parallel"]
+        ranks=4,
+        tp=2,
+        nodes=2,
+        capacity=2 * CAPACITY,
+        data=dataset,
+        extra=["--sequence-parallel", "--manual-gc"],
     )
     run = launch(args, world_size=4, log_dir=work / "tp2-sp", timeout_s=TIMEOUT_S)
     _assert_close(_trained(run), reference)
+    assert not any("collector" in line for line in _startup_summary(run)), run.tail()
     shape, cost_model = _startup_summary(run)[:2]
     assert shape.startswith("zeppelin: node shape 2 nodes x 1 Zeppelin ranks")
     assert "2 GPUs per node / TP 2" in shape
