@@ -304,6 +304,23 @@ def test_harness_names_the_failing_rank_and_kills_stragglers():
     assert time.monotonic() - t0 < 30.0
 
 
+@pytest.mark.pure
+def test_the_harness_names_the_first_rank_to_raise_not_the_lowest():
+    """A rank that raises and exits can make a peer raise too (its connection closed mid-
+    handshake): the harness names the first to raise, whatever their order by rank."""
+    from megatron_zeppelin.testing.dist import _raise_first_cause, _Watch
+
+    closed = "RuntimeError('Gloo connectFullMesh failed: Connection closed by peer')"
+    outcomes = [
+        {"ok": False, "error": closed, "traceback": "", "at": 2.0},
+        {"ok": False, "error": "KeyError('rank one fails on purpose')", "traceback": "", "at": 1.0},
+    ]
+    with pytest.raises(DistributedRunError) as info:
+        _raise_first_cause(outcomes, _Watch(), [], 2, 60.0, 30.0)
+    assert info.value.rank == 1
+    assert str(info.value).index("rank 1 of 2") < str(info.value).index("rank 0 of 2")
+
+
 # --- sub-worlds: Zeppelin ranks that are not the global ranks --------------------------------
 PERMUTED = (2, 0, 3, 1)  # Zeppelin rank z runs on global rank PERMUTED[z]
 HALVES = ((0, 2), (3, 1))  # two Zeppelin worlds of 2, as tensor parallelism 2 makes them

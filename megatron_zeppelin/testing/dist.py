@@ -98,7 +98,14 @@ def _worker(
             dist.distributed_c10d._set_pg_timeout(timedelta(seconds=comm_timeout_s))
         outcome = {"ok": True, "value": fn(rank, world_size, *args)}
     except BaseException as exc:  # noqa: BLE001 - reported to the parent, which re-raises
-        outcome = {"ok": False, "error": repr(exc), "traceback": traceback.format_exc()}
+        # When it failed: the first rank to raise is the likeliest cause (the clock is the
+        # machine's, the same for every process on it).
+        outcome = {
+            "ok": False,
+            "error": repr(exc),
+            "traceback": traceback.format_exc(),
+            "at": time.monotonic(),
+        }
     path = os.path.join(result_dir, f"rank{rank}.pkl")
     with open(path + ".tmp", "wb") as f:
         pickle.dump(outcome, f)
@@ -261,7 +268,8 @@ def _raise_first_cause(
     stall_s: float,
 ) -> None:
     """Raise ``DistributedRunError`` if the run failed: ranks that died or went silent first
-    (the cause), then ranks that raised (often a consequence), then ranks that overran."""
+    (the cause), then ranks that raised, the first to raise first (the others often fail
+    because it did: a peer gone mid-handshake), then ranks that overran."""
     causes = [(r, f"rank {r} of {world_size} {_exit_text(code)}") for r, code in seen.dead.items()]
     causes += [
         (r, f"rank {r} of {world_size} was found stopped (SIGSTOP or a debugger) and was killed")
@@ -277,10 +285,13 @@ def _raise_first_cause(
         for r in seen.silent
         if r not in seen.dead and r not in seen.stopped
     ]
+    failed = [
+        (rank, outcome) for rank, outcome in enumerate(outcomes) if outcome and not outcome["ok"]
+    ]
+    failed.sort(key=lambda item: item[1]["at"])  # stable: ties keep rank order
     raised = [
         (rank, f"rank {rank} of {world_size} raised {outcome['error']}", outcome["traceback"])
-        for rank, outcome in enumerate(outcomes)
-        if outcome is not None and not outcome["ok"]
+        for rank, outcome in failed
     ]
     if not causes and not raised:
         if stragglers:
