@@ -135,7 +135,7 @@ def test_layers_share_the_micro_batchs_remap_work(one_rank, tmp_path, monkeypatc
         sequence_parallel=False,
     )
     slices = [DocumentSlice(0, 0, 30), DocumentSlice(1, 0, 12)]
-    plan = runtime.plan([30, 12])
+    plan = runtime.recipe([30, 12])
     scans = []
     for layers in (1, 4):
         model = build_gpt(ModelDims(num_layers=layers), seed=0)

@@ -290,7 +290,7 @@ def _zeppelin_run(
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(shard_of(reference["state"][name], p, ctx.tp_rank, tp))
-    plan = runtime.plan(list(options.lengths))
+    plan = runtime.recipe(list(options.lengths))
     step = run_micro_batch(model, slices, plan, runtime, dataset)
     total, count = token_loss_sum(step.losses_bs, step.loss_mask_bs)
     total.backward()

@@ -95,10 +95,6 @@ class StepRuntime:
         process plans from it)."""
         return PlanRecipe(self.topology, self.cost_model, self.config, self.options)
 
-    def plan(self, lengths: Sequence[int]) -> Plan:
-        """This run's plan of a micro-batch (``plan_workers.PlanRecipe``)."""
-        return self.recipe(lengths)
-
 
 @dataclass(frozen=True)
 class MicroBatchRun:
