@@ -6,13 +6,22 @@ the first. The attention layout's linear ranges, built in one pass, are the sort
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_zeppelin.planner.linear_layout import (
     attention_layout,
     attention_ranges_by_rank,
     build_linear_layout,
 )
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange, zigzag_spans
+from megatron_zeppelin.planner.plan import (
+    Plan,
+    SequencePlan,
+    Span,
+    Tier,
+    TokenRange,
+    zigzag_spans,
+)
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -79,3 +88,42 @@ def test_the_attention_layout_in_one_pass_is_the_sorted_one(spans) -> None:  # n
     by_rank = attention_ranges_by_rank(sequences, TOPO.world_size)
     expected, moves = build_linear_layout(by_rank, TOPO, "attention")
     assert attention_layout(sequences, TOPO.world_size) == expected and not moves
+
+
+def test_documents_listed_out_of_order_on_a_rank_are_sorted() -> None:
+    """A later-listed document with a lower id on the same rank sends the layout to the sort,
+    even where its piece starts past the previous one's end."""
+    sequences = (
+        SequencePlan(1, 4, Tier.LOCAL, (0,), (Span(0, 0, 4),)),
+        SequencePlan(0, 10, Tier.INTRA, (1, 0), (Span(1, 0, 6), Span(0, 6, 10))),
+    )
+    assert attention_layout(sequences, TOPO.world_size) == (
+        (TokenRange(0, 6, 10), TokenRange(1, 0, 4)),
+        (TokenRange(0, 0, 6),),
+    )
+
+
+@st.composite
+def _pieces(draw) -> tuple[SequencePlan, ...]:  # noqa: ANN001
+    """Documents cut at random points, each piece on a random rank of three, the documents
+    and each one's pieces listed in any order (no validation: ``attention_layout`` sorts what
+    is out of order)."""
+    num_docs = draw(st.integers(1, 6))
+    sequences = []
+    for seq_id in draw(st.permutations(range(num_docs))):
+        length = draw(st.integers(1, 12))
+        cuts = sorted(draw(st.sets(st.integers(1, length - 1), max_size=3))) if length > 1 else []
+        bounds = list(zip([0, *cuts], [*cuts, length]))
+        ranks = [draw(st.integers(0, 2)) for _ in bounds]
+        spans = [Span(r, a, b) for r, (a, b) in zip(ranks, bounds)]
+        spans = draw(st.permutations(spans))
+        sequences.append(SequencePlan(seq_id, length, Tier.INTRA, tuple(ranks), tuple(spans)))
+    return tuple(sequences)
+
+
+@settings(max_examples=200, deadline=None)
+@given(_pieces())
+def test_the_attention_layout_from_columns_is_the_sorted_one(sequences) -> None:  # noqa: ANN001
+    by_rank = attention_ranges_by_rank(sequences, 3)
+    expected, _ = build_linear_layout(by_rank, Topology(1, 3, 1), "attention")
+    assert attention_layout(sequences, 3) == expected

@@ -24,7 +24,13 @@ from megatron_zeppelin.megatron.sampler import DocumentSampler
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import Scheme, Tier
+from megatron_zeppelin.planner.plan import Scheme, SequencePlan, Span, Tier, TokenRange
+from megatron_zeppelin.planner.plan_parts import (
+    range_columns,
+    ranges_from_columns,
+    sequence_columns,
+    sequences_from_columns,
+)
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -238,7 +244,11 @@ def test_plans_survive_pickle_with_every_record_kind() -> None:
     assert any(s.scheme == Scheme.TWO_D for s in plan.sequences) or any(
         s.tier == Tier.INTER for s in plan.sequences
     )
-    # The records are rebuilt through their constructors: frozen, slotted, equal field by field.
+    # The records are rebuilt from columns (``Plan.__reduce__``): frozen, slotted, of their
+    # own types, equal field by field, the routes indexed again.
+    assert all(copy.route_of(r.src, r.dst) == r for r in plan.routes) and plan.routes
+    assert {type(r) for ranges in copy.linear for r in ranges} == {TokenRange}
+    assert {type(s) for s in copy.sequences} == {SequencePlan}
     for old, new in zip(plan.sequences, copy.sequences):
         assert (new.id, new.length, new.tier, new.ring, new.scheme) == (
             old.id,
@@ -252,6 +262,17 @@ def test_plans_survive_pickle_with_every_record_kind() -> None:
         ]
     with pytest.raises(AttributeError):
         copy.sequences[0].attention[0].start = 3  # type: ignore[misc]
+
+
+@pytest.mark.pure
+def test_records_survive_columns_where_there_are_none_or_they_are_out_of_order() -> None:
+    layout = ((), (TokenRange(3, 5, 9), TokenRange(1, 0, 2)), ())
+    assert ranges_from_columns(range_columns(layout)) == layout
+    assert ranges_from_columns(range_columns(((),) * 4)) == ((),) * 4
+    assert sequences_from_columns(sequence_columns(())) == ()
+    spans = (Span(1, 4, 6), Span(0, 0, 4))
+    sequences = (SequencePlan(7, 6, Tier.INTRA, (0, 1), spans),)
+    assert sequences_from_columns(sequence_columns(sequences)) == sequences
 
 
 @pytest.mark.pure
