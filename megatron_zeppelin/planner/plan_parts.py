@@ -322,6 +322,7 @@ def sequence_columns(sequences: tuple[SequencePlan, ...]) -> tuple[list, ...]:
 
 
 def sequences_from_columns(columns: tuple[list, ...]) -> tuple[SequencePlan, ...]:
+    """``sequence_columns``' inverse, every record made in bulk (``_records``)."""
     ids, lengths, tiers, rings, schemes, counts, *span_fields = columns
     spans = _records(Span, _SPAN_SETTERS, len(span_fields[0]), *span_fields)
     attention = _groups(spans, counts)
@@ -337,13 +338,16 @@ def range_columns(layout: tuple[tuple[TokenRange, ...], ...]) -> tuple[list, ...
 
 
 def ranges_from_columns(columns: tuple[list, ...]) -> tuple[tuple[TokenRange, ...], ...]:
+    """``range_columns``' inverse, every record made in bulk (``_records``)."""
     counts, *fields = columns
     return _groups(_records(TokenRange, _TOKEN_RANGE_SETTERS, len(fields[0]), *fields), counts)
 
 
 def _columns(fields: attrgetter, records: list, num_fields: int) -> list[list]:
     """One list per field of ``records``; empty lists where there are none."""
-    return [list(column) for column in zip(*map(fields, records))] or [[]] * num_fields
+    return [list(column) for column in zip(*map(fields, records))] or [
+        [] for _ in range(num_fields)
+    ]
 
 
 def _groups(items: list, counts: list[int]) -> tuple[tuple, ...]:
