@@ -26,10 +26,10 @@ from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.plan import Scheme, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.planner.plan_parts import (
-    range_columns,
-    ranges_from_columns,
-    sequence_columns,
-    sequences_from_columns,
+    pack_layout,
+    pack_sequences,
+    unpack_layout,
+    unpack_sequences,
 )
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
@@ -244,8 +244,8 @@ def test_plans_survive_pickle_with_every_record_kind() -> None:
     assert any(s.scheme == Scheme.TWO_D for s in plan.sequences) or any(
         s.tier == Tier.INTER for s in plan.sequences
     )
-    # The records are rebuilt from columns (``Plan.__reduce__``): frozen, slotted, of their
-    # own types, equal field by field, the routes indexed again.
+    # The records are rebuilt from packed pieces (``Plan.__reduce__``): frozen, slotted, of
+    # their own types, equal field by field, the routes indexed again.
     assert all(copy.route_of(r.src, r.dst) == r for r in plan.routes) and plan.routes
     assert {type(r) for ranges in copy.linear for r in ranges} == {TokenRange}
     assert {type(s) for s in copy.sequences} == {SequencePlan}
@@ -265,14 +265,28 @@ def test_plans_survive_pickle_with_every_record_kind() -> None:
 
 
 @pytest.mark.pure
-def test_records_survive_columns_where_there_are_none_or_they_are_out_of_order() -> None:
+def test_records_survive_packing_where_there_are_none_or_they_are_out_of_order() -> None:
     layout = ((), (TokenRange(3, 5, 9), TokenRange(1, 0, 2)), ())
-    assert ranges_from_columns(range_columns(layout)) == layout
-    assert ranges_from_columns(range_columns(((),) * 4)) == ((),) * 4
-    assert sequences_from_columns(sequence_columns(())) == ()
+    assert unpack_layout(pack_layout(layout)) == layout
+    assert unpack_layout(pack_layout(((),) * 4)) == ((),) * 4
+    assert unpack_sequences(pack_sequences(())) == () and unpack_layout(pack_layout(())) == ()
     spans = (Span(1, 4, 6), Span(0, 0, 4))
     sequences = (SequencePlan(7, 6, Tier.INTRA, (0, 1), spans),)
-    assert sequences_from_columns(sequence_columns(sequences)) == sequences
+    assert unpack_sequences(pack_sequences(sequences)) == sequences
+
+
+@pytest.mark.pure
+def test_a_plan_packs_in_pieces_that_rebuild_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pieces of a few records each (``_CHUNK``: what the reader thread unpickles at once)
+    rebuild the same plan, documents and ranks cut at any place."""
+    from megatron_zeppelin.planner import plan_parts
+
+    plan = WIDE(sample_lengths("prolong", num_tokens=1 << 20, seed=1))
+    for chunk in (1, 7, 64):
+        monkeypatch.setattr(plan_parts, "_CHUNK", chunk)
+        assert len(pack_sequences(plan.sequences)) == -(-len(plan.sequences) // chunk)
+        assert len(pack_layout(plan.linear)) > 1
+        assert pickle.loads(pickle.dumps(plan)) == plan
 
 
 @pytest.mark.pure

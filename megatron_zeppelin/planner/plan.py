@@ -45,11 +45,11 @@ from megatron_zeppelin.planner.plan_parts import (
     TokenRange,
     node_chunks,
     node_grid,
-    range_columns,
-    ranges_from_columns,
-    sequence_columns,
-    sequences_from_columns,
+    pack_layout,
+    pack_sequences,
     split_by_weights,
+    unpack_layout,
+    unpack_sequences,
     zigzag_bounds,
     zigzag_loads,
     zigzag_sequences,
@@ -113,13 +113,13 @@ class Plan:
         object.__setattr__(self, "_route_index", {(r.src, r.dst): r for r in self.routes})
 
     def __reduce__(self) -> tuple:
-        """Pickled as columns of plain values (``plan_parts.sequence_columns``), rebuilt without
-        a Python call per record: a planner process sends training a plan per micro-batch
+        """Pickled in pieces of plain values (``plan_parts.pack_sequences``), its records rebuilt
+        in bulk: a planner process sends training a plan per micro-batch
         (``megatron/plan_workers.py``), at 10^4 documents about 30,000 records. Not validated
         again: it was where it was made."""
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        fields["sequences"] = sequence_columns(self.sequences)
-        fields["linear"] = range_columns(self.linear)
+        fields["sequences"] = pack_sequences(self.sequences)
+        fields["linear"] = pack_layout(self.linear)
         return _unpickle_plan, (type(self), fields)
 
     # --- invariants (``plan_checks``: plans of thousands of documents on a thousand GPUs are
@@ -320,8 +320,8 @@ class Plan:
 
 def _unpickle_plan(cls: type[Plan], fields: dict[str, Any]) -> Plan:
     """``Plan.__reduce__``'s inverse."""
-    fields["sequences"] = sequences_from_columns(fields["sequences"])
-    fields["linear"] = ranges_from_columns(fields["linear"])
+    fields["sequences"] = unpack_sequences(fields["sequences"])
+    fields["linear"] = unpack_layout(fields["linear"])
     plan = object.__new__(cls)
     for name, value in fields.items():
         object.__setattr__(plan, name, value)

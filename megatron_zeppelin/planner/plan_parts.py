@@ -7,6 +7,7 @@ zigzag geometry every builder cuts documents with.
 from __future__ import annotations
 
 import functools
+import pickle
 from collections import deque
 from collections.abc import Iterable, Sized
 from dataclasses import dataclass
@@ -298,49 +299,64 @@ def node_grid(ring: tuple[int, ...], topology: Topology) -> tuple[tuple[int, ...
     return rows
 
 
-# --- records as columns (how a plan is pickled: ``Plan.__reduce__``) ------------------------------
+# --- records packed for pickling (``Plan.__reduce__``) --------------------------------------------
+_CHUNK = 2048
+"""Records per piece of a packed plan. Unpickling a piece and rebuilding its records are C-level
+passes that hold the interpreter lock throughout: the training process unpickles plans in a
+reader thread, and the thread that launches the step's kernels gets the lock back between
+pieces (about a millisecond each) instead of after the whole plan."""
 _SEQUENCE_FIELDS = attrgetter("id", "length", "tier", "ring", "scheme")
 _SPAN_FIELDS = attrgetter("rank", "start", "end")
 _RANGE_FIELDS = attrgetter("seq", "start", "end")
 
 
-def sequence_columns(sequences: tuple[SequencePlan, ...]) -> tuple[list, ...]:
-    """``sequences`` as lists of plain values: ids, lengths, tiers, rings, schemes, the number
-    of spans of each, and the spans' ranks, starts and ends (``sequences_from_columns``)."""
+def pack_sequences(sequences: tuple[SequencePlan, ...]) -> list[bytes]:
+    """``sequences`` in pieces of ``_CHUNK`` documents, each pickled on its own as lists of plain
+    values: ids, lengths, tiers, rings, schemes, the number of spans of each, and the spans'
+    ranks, starts and ends (``unpack_sequences``)."""
+    return [
+        _pickled(_sequence_columns(sequences[a : a + _CHUNK]))
+        for a in range(0, len(sequences), _CHUNK)
+    ]
+
+
+def unpack_sequences(pieces: list[bytes]) -> tuple[SequencePlan, ...]:
+    out: list[SequencePlan] = []
+    for piece in pieces:
+        ids, lengths, tiers, rings, schemes, counts, *span_fields = pickle.loads(piece)
+        spans = _records(Span, _SPAN_SETTERS, len(span_fields[0]), *span_fields)
+        fields = (ids, lengths, tiers, rings, _groups(spans, counts), schemes)
+        out += _records(SequencePlan, _SEQUENCE_SETTERS, len(ids), *fields)
+    return tuple(out)
+
+
+def pack_layout(layout: tuple[tuple[TokenRange, ...], ...]) -> list[bytes]:
+    """A layout (token ranges per rank) in pieces of ranks holding about ``_CHUNK`` ranges,
+    each pickled on its own as lists: the number of ranges per rank, then their documents,
+    starts and ends (``unpack_layout``)."""
+    per_rank = max(1, sum(map(len, layout)) // max(1, len(layout)))
+    step = max(1, _CHUNK // per_rank)  # ranks per piece
+    return [_pickled(_range_columns(layout[a : a + step])) for a in range(0, len(layout), step)]
+
+
+def unpack_layout(pieces: list[bytes]) -> tuple[tuple[TokenRange, ...], ...]:
+    out: list[tuple[TokenRange, ...]] = []
+    for piece in pieces:
+        counts, *fields = pickle.loads(piece)
+        out += _groups(_records(TokenRange, _TOKEN_RANGE_SETTERS, len(fields[0]), *fields), counts)
+    return tuple(out)
+
+
+def _sequence_columns(sequences: tuple[SequencePlan, ...]) -> tuple[list, ...]:
     attention = list(map(attrgetter("attention"), sequences))
     spans = list(chain.from_iterable(attention))
-    ids, lengths, tiers, rings, schemes = _columns(_SEQUENCE_FIELDS, sequences, 5)
-    return (
-        ids,
-        lengths,
-        tiers,
-        rings,
-        schemes,
-        list(map(len, attention)),
-        *_columns(_SPAN_FIELDS, spans, 3),
-    )
+    columns = _columns(_SEQUENCE_FIELDS, sequences, 5)
+    return (*columns, list(map(len, attention)), *_columns(_SPAN_FIELDS, spans, 3))
 
 
-def sequences_from_columns(columns: tuple[list, ...]) -> tuple[SequencePlan, ...]:
-    """``sequence_columns``' inverse, every record made in bulk (``_records``)."""
-    ids, lengths, tiers, rings, schemes, counts, *span_fields = columns
-    spans = _records(Span, _SPAN_SETTERS, len(span_fields[0]), *span_fields)
-    attention = _groups(spans, counts)
-    fields = (ids, lengths, tiers, rings, attention, schemes)
-    return tuple(_records(SequencePlan, _SEQUENCE_SETTERS, len(ids), *fields))
-
-
-def range_columns(layout: tuple[tuple[TokenRange, ...], ...]) -> tuple[list, ...]:
-    """A layout (token ranges per rank) as lists of plain values: the number of ranges per
-    rank, then their documents, starts and ends (``ranges_from_columns``)."""
+def _range_columns(layout: tuple[tuple[TokenRange, ...], ...]) -> tuple[list, ...]:
     ranges = list(chain.from_iterable(layout))
     return (list(map(len, layout)), *_columns(_RANGE_FIELDS, ranges, 3))
-
-
-def ranges_from_columns(columns: tuple[list, ...]) -> tuple[tuple[TokenRange, ...], ...]:
-    """``range_columns``' inverse, every record made in bulk (``_records``)."""
-    counts, *fields = columns
-    return _groups(_records(TokenRange, _TOKEN_RANGE_SETTERS, len(fields[0]), *fields), counts)
 
 
 def _columns(fields: attrgetter, records: list, num_fields: int) -> list[list]:
@@ -348,6 +364,10 @@ def _columns(fields: attrgetter, records: list, num_fields: int) -> list[list]:
     return [list(column) for column in zip(*map(fields, records))] or [
         [] for _ in range(num_fields)
     ]
+
+
+def _pickled(columns: tuple[list, ...]) -> bytes:
+    return pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
 
 
 def _groups(items: list, counts: list[int]) -> tuple[tuple, ...]:
