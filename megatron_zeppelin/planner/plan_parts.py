@@ -71,9 +71,10 @@ class Scheme(str, Enum):
 # The records a plan holds one of per document, span or range (10^4 to 10^6 of them) keep their
 # fields in slots (half the memory of an instance dict) and write them with the slots' own
 # setters (a frozen dataclass's generated ``__init__`` calls ``object.__setattr__`` per field,
-# twice as slow). Equality, hashing, ``repr`` and ``replace`` are the dataclass's; pickling
-# calls that ``__init__`` (``__reduce__``: the dataclass's state setter, per field, takes three
-# times as long, and a planner process sends every plan to training pickled).
+# twice as slow). Equality, hashing, ``repr`` and ``replace`` are the dataclass's. A record
+# pickled on its own calls that ``__init__`` (``__reduce__``: the dataclass's state setter, per
+# field, takes three times as long); a whole plan pickles its records packed instead
+# (``pack_sequences``), and they are made in bulk (``_records``).
 @dataclass(frozen=True, slots=True, init=False)
 class Span:
     """Query tokens ``[start, end)`` of one document computed on ``rank``."""
@@ -324,8 +325,8 @@ def unpack_sequences(pieces: list[bytes]) -> tuple[SequencePlan, ...]:
     out: list[SequencePlan] = []
     for piece in pieces:
         ids, lengths, tiers, rings, schemes, counts, *span_fields = pickle.loads(piece)
-        spans = _records(Span, _SPAN_SETTERS, len(span_fields[0]), *span_fields)
-        fields = (ids, lengths, tiers, rings, _groups(spans, counts), schemes)
+        attention = _grouped_records(Span, _SPAN_SETTERS, counts, span_fields)
+        fields = (ids, lengths, tiers, rings, attention, schemes)
         out += _records(SequencePlan, _SEQUENCE_SETTERS, len(ids), *fields)
     return tuple(out)
 
@@ -343,7 +344,7 @@ def unpack_layout(pieces: list[bytes]) -> tuple[tuple[TokenRange, ...], ...]:
     out: list[tuple[TokenRange, ...]] = []
     for piece in pieces:
         counts, *fields = pickle.loads(piece)
-        out += _groups(_records(TokenRange, _TOKEN_RANGE_SETTERS, len(fields[0]), *fields), counts)
+        out += _grouped_records(TokenRange, _TOKEN_RANGE_SETTERS, counts, fields)
     return tuple(out)
 
 
@@ -370,7 +371,11 @@ def _pickled(columns: tuple[list, ...]) -> bytes:
     return pickle.dumps(columns, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _groups(items: list, counts: list[int]) -> tuple[tuple, ...]:
-    """``items`` cut into consecutive tuples of ``counts`` items each."""
+def _grouped_records(
+    cls: type, setters: tuple, counts: list[int], columns: list[list]
+) -> tuple[tuple, ...]:
+    """Records of ``cls`` from ``columns`` (``_records``), cut into consecutive tuples of
+    ``counts`` records each: a document's spans, a rank's ranges."""
+    records = _records(cls, setters, len(columns[0]), *columns)
     ends = list(accumulate(counts))
-    return tuple(map(tuple, map(items.__getitem__, map(slice, [0, *ends[:-1]], ends))))
+    return tuple(map(tuple, map(records.__getitem__, map(slice, [0, *ends[:-1]], ends))))
