@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+import megatron_zeppelin.planner.search as search
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.loads import Loads
@@ -76,10 +77,14 @@ def test_plans_are_never_slower_than_the_staged_placement(name: str) -> None:
     ("name", "seed", "bound"),
     [("uniform-long", 0, 0.88), ("uniform-long", 1, 0.88), ("power-law", 0, 0.94)],
 )
-def test_few_documents_per_gpu_fill_part_of_a_node(name: str, seed: int, bound: float) -> None:
+def test_few_documents_per_gpu_fill_part_of_a_node(
+    name: str, seed: int, bound: float, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Three or a few long documents on 16 GPUs: whole-node rings left one node far busier
     (efficiency 0.70-0.88); a ring over part of a node's GPUs across nodes, and every GPU given
-    work, reach the bound."""
+    work, reach the bound. (The pool's rings, that is: the placement with uneven shares, which
+    may beat them here, is left out; ``tests/test_shares.py``.)"""
+    monkeypatch.setattr(search, "place_shares", lambda *_: None)
     lengths, topology, cost = _batch(name, 16, 0.5, seed)
     step, staged, plan = _steps(lengths, topology, cost)
     result = simulate(plan, cost)

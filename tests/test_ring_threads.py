@@ -2,9 +2,9 @@
 
 Plans over 2 nodes x 2 GPUs and 2 nodes x 3 GPUs, built by hand (documents spanning both nodes,
 one node, local ones, one-token documents, lengths not divisible by 2g, rings of 3, 5 and 6, a
-non-zigzag placement) and by the planner. Output and dQ/dK/dV must match the float64 reference
-to 1e-10 in float64 and 1e-5 in float32; routing must not change results, the bytes the
-forward moves must equal ``schedule.link_bytes`` and those of a forward and backward
+non-zigzag placement, uneven shares) and by the planner. Output and dQ/dK/dV must match the
+float64 reference to 1e-10 in float64 and 1e-5 in float32; routing must not change results,
+the bytes the forward moves must equal ``schedule.link_bytes`` and those of a forward and backward
 ``schedule.training_link_bytes``.
 """
 
@@ -38,6 +38,7 @@ from megatron_zeppelin.planner.plan import (
     Span,
     Tier,
     TokenRange,
+    share_spans,
     zigzag_spans,
 )
 from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule, training_link_bytes
@@ -145,6 +146,15 @@ PLANS = {
         spans={
             0: [Span(0, 0, 10), Span(1, 10, 20), Span(2, 20, 30)],
             1: [Span(3, 0, 4), Span(4, 4, 8), Span(3, 8, 12), Span(0, 12, 13), Span(4, 13, 30)],
+        },
+    ),
+    # Uneven shares (``shares.py``): a member at a GPU boundary holds a small part of a ring.
+    "2x3-uneven-shares": lambda: make_plan(
+        TOPO_2X3,
+        [(40, (0, 1, 2)), (31, (2, 3, 4, 5)), (9, (5,))],
+        spans={
+            0: list(share_spans(40, (0, 1, 2), (17, 19, 4))),
+            1: list(share_spans(31, (2, 3, 4, 5), (3, 12, 11, 5))),
         },
     ),
 }
@@ -442,3 +452,21 @@ def test_one_engine_serves_many_layers_without_sharing_buffers() -> None:
             for rows, layers in results:
                 got[rows] = layers[layer][("out", "dq", "dk", "dv").index(name)]
             assert_close(got, ref.detach(), dtype=torch.float64, name=f"layer {layer} {name}")
+
+
+def test_uneven_shares_move_the_bytes_the_schedule_predicts() -> None:
+    """A ring across nodes with uneven shares, routed: forward and backward bytes per link class
+    and per NIC equal ``schedule.training_link_bytes``."""
+    spans = {0: list(share_spans(44, (1, 2, 3, 4), (5, 17, 16, 6)))}
+    plan = make_plan(TOPO_2X3, [(44, (1, 2, 3, 4)), (12, (0,))], spans=spans, routed=True)
+    assert plan.routes
+    counters = [LinkCounters(plan.topology) for _ in range(plan.world_size)]
+    ref, got = run_engine(plan, torch.float64, counters=counters)
+    for name in ("out", "dq", "dk", "dv"):
+        assert_close(got[name], ref[name], dtype=torch.float64, name=f"uneven {name}")
+    measured = LinkCounters.merged(plan.topology, [c.to_dict() for c in counters]).to_dict()
+    per_token = 2 * 2 * 8 * 8
+    predicted = training_link_bytes(
+        plan, kv_bytes_per_token=per_token, grad_bytes_per_token=per_token, routing=True
+    )
+    assert measured == comparable(predicted) and measured["nic"] > 0

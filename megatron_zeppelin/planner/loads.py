@@ -169,10 +169,29 @@ class Loads:
         if g == 1:
             return RankShare(compute, 0.0)
         step = compute / g
-        kv = self._kv_bytes * length / g
-        nvlink, nic = self.cost_model.nvlink, self.cost_model.nic
+        (forward, backward), inner = self._step_transfers(length, g, link, num_links)
         if link == "nvlink":  # the planner's most frequent question: plain arithmetic
-            return RankShare(compute, _exposed(g, step, nvlink.time(kv), nvlink.time(2 * kv)))
+            return RankShare(compute, _exposed(g, step, forward, backward))
+        flat = RankShare(compute, _exposed(g, step, forward, backward), _exposed(g, step, *inner))
+        if two_d is not None and g % self.topology.gpus_per_node == 0:
+            # The second scheme for a ring over whole nodes: its price is compute and unhidden
+            # transfers (head all-to-alls included) together.
+            scheme = two_d.two_d(length, g // self.topology.gpus_per_node)
+            if scheme is not None and scheme < compute + flat.exposed_s:
+                return RankShare(scheme, 0.0)
+        return flat
+
+    def _step_transfers(
+        self, length: int, ring_size: int, link: Link, num_links: int
+    ) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Seconds of one ring step's transfer, forward (K/V) and backward (K/V and dK/dV), of a
+        block of ``L/g`` tokens: at a member whose ring edges cross nodes, and at one whose edges
+        stay inside its node (the same on NVLink)."""
+        kv = self._kv_bytes * length / ring_size
+        nvlink, nic = self.cost_model.nvlink, self.cost_model.nic
+        if link == "nvlink":
+            times = (nvlink.time(kv), nvlink.time(2 * kv))
+            return times, times
         relayed = 1 + 1 / num_links if num_links > 1 else 1.0
 
         def edge(num_bytes: float) -> float:
@@ -184,15 +203,8 @@ class Loads:
             )
             return drain + 2 * nvlink.latency_s + nic.latency_s
 
-        inner = _exposed(g, step, nvlink.time(relayed * kv), nvlink.time(relayed * (2 * kv)))
-        flat = RankShare(compute, _exposed(g, step, edge(kv), edge(2 * kv)), inner)
-        if two_d is not None and g % self.topology.gpus_per_node == 0:
-            # The second scheme for a ring over whole nodes: its price is compute and unhidden
-            # transfers (head all-to-alls included) together.
-            scheme = two_d.two_d(length, g // self.topology.gpus_per_node)
-            if scheme is not None and scheme < compute + flat.exposed_s:
-                return RankShare(scheme, 0.0)
-        return flat
+        inner = (nvlink.time(relayed * kv), nvlink.time(relayed * (2 * kv)))
+        return (edge(kv), edge(2 * kv)), inner
 
     def ring_finish(self, length: int, ring_size: int, link: Link, num_links: int = 1) -> float:
         """One ring rank's predicted seconds for a document: its ``rank_share`` and its tokens'
@@ -255,6 +267,31 @@ class Loads:
             attention[rank] += compute
             exposed_s[rank] += exposed
             tokens[rank] += n
+
+    def add_shares(
+        self, ring: Sequence[int], length: int, tokens: Sequence[int], link: Link = "nvlink"
+    ) -> None:
+        """Add a document split over ``ring`` with uneven shares (``plan.share_spans``): member
+        ``i`` holds ``tokens[i]`` tokens and computes that share of the ring's attention pairs
+        (the flat ring's ``ring_seconds`` scaled by its tokens over ``L/g``). Its ring steps
+        bring blocks of ``L/g`` tokens on average, each hidden by its own step's compute, so a
+        small share hides less of them."""
+        g = len(ring)
+        compute = self.ring_seconds(length, g)
+        even = length / g
+        (forward, backward), inner = self._step_transfers(length, g, link, self.num_links)
+        k, weight = self.topology.gpus_per_node, self.linear_weight
+        nodes = [rank // k for rank in ring]
+        before, after = [nodes[-1], *nodes[:-1]], [*nodes[1:], nodes[0]]
+        for rank, n, prev, node, then in zip(ring, tokens, before, nodes, after):
+            mine = compute * n / even
+            crossing = link == "nic" and (prev != node or then != node)
+            times = (forward, backward) if crossing else inner
+            exposed = _exposed(g, mine / g, *times)
+            self.cost[rank] += mine + exposed + weight * n
+            self.attention[rank] += mine
+            self.exposed[rank] += exposed
+            self.tokens[rank] += n
 
     def add_local(self, rank: int, length: int, seconds: float | None = None) -> None:
         """Add a whole document; ``seconds``: its ``ring_seconds(length, 1)`` when known (the

@@ -327,7 +327,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     meta = {
         **meta,
         "balance": best.balance,
-        "placement": "pool" if best.pooled else "staged",
+        "placement": best.placement,
         "tier_counts": counts,
         "max_ring_size": max(map(len, map(attrgetter("ring"), best.placements))),
         "attention_imbalance": _imbalance(best.attention_s),

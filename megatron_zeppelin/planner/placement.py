@@ -35,6 +35,9 @@ class Placement:
 
     tier: Tier
     ring: tuple[int, ...]
+    tokens: tuple[int, ...] | None = None
+    """Each member's tokens where the ring's shares are uneven (``shares.py``); ``None``:
+    zigzag, equal shares."""
 
 
 @dataclass(frozen=True)

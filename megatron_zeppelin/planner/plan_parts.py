@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import pickle
 from collections import deque
-from collections.abc import Iterable, Sized
+from collections.abc import Iterable, Sequence, Sized
 from dataclasses import dataclass
 from enum import Enum
 from itertools import accumulate, chain, repeat
@@ -28,6 +28,7 @@ __all__ = [
     "TokenRange",
     "node_chunks",
     "node_grid",
+    "share_spans",
     "split_by_weights",
     "zigzag_bounds",
     "zigzag_loads",
@@ -247,18 +248,46 @@ def zigzag_spans(length: int, ring: tuple[int, ...]) -> tuple[Span, ...]:
     return tuple(spans)
 
 
+def share_spans(length: int, ring: tuple[int, ...], tokens: Sequence[int]) -> tuple[Span, ...]:
+    """Zigzag chunks of uneven sizes: ring position ``i`` holds ``tokens[i]`` tokens, the next
+    ``tokens[i] // 2`` from the document's front and the rest, mirrored, from its back (so
+    position 0 holds the first and the last tokens). A causal document's attention pairs then
+    split over the ring in proportion to the tokens, as under zigzag: a front chunk
+    ``[a, a + n)`` and its mirror ``[L - b - m, L - b)`` together see about ``n * L`` keys when
+    ``m`` is about ``n`` and ``b`` about ``a``. Each position needs at least 2 tokens."""
+    if len(tokens) != len(ring) or sum(tokens) != length or min(tokens) < 2:
+        raise ValueError(
+            f"a ring of {len(ring)} ranks needs as many token shares of at least 2, summing to "
+            f"the document's {length} tokens (got {list(tokens)})"
+        )
+    spans, front, back = [], 0, length
+    for rank, num in zip(ring, tokens):
+        head = num // 2
+        spans.append(Span(rank, front, front + head))
+        spans.append(Span(rank, back - (num - head), back))
+        front, back = front + head, back - (num - head)
+    return tuple(spans)
+
+
 def zigzag_sequences(
-    lengths: list[int], rings: list[tuple[int, ...]], tiers: list[Tier]
+    lengths: list[int],
+    rings: list[tuple[int, ...]],
+    tiers: list[Tier],
+    shares: dict[int, Sequence[int]] | None = None,
 ) -> tuple[SequencePlan, ...]:
     """Documents ``0, 1, ...`` of ``lengths`` on ``rings``: whole on a ring of one rank, else
-    zigzagged over it (``zigzag_spans``). Most documents are whole: they are built with C-level
-    maps, the rings one by one."""
+    zigzagged over it (``zigzag_spans``), or, for the documents of ``shares``, over it with the
+    tokens each member is given (``share_spans``). Most documents are whole: they are built
+    with C-level maps, the rings one by one."""
     num_docs = len(lengths)
     firsts = list(map(itemgetter(0), rings))
     whole = _records(Span, _SPAN_SETTERS, num_docs, firsts, repeat(0), lengths)
     attention: list[tuple[Span, ...]] = list(zip(whole))
+    shares = shares or {}
     for i, ring in enumerate(rings):
-        if len(ring) > 1:
+        if i in shares:
+            attention[i] = share_spans(lengths[i], ring, shares[i])
+        elif len(ring) > 1:
             attention[i] = zigzag_spans(lengths[i], ring)
     columns = (range(num_docs), lengths, tiers, rings, attention, repeat(Scheme.RING))
     return tuple(_records(SequencePlan, _SEQUENCE_SETTERS, num_docs, *columns))

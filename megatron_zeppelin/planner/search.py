@@ -29,7 +29,9 @@ part of a node's GPUs where that fits best, in each order of ``pool.pool_orders`
 of its retries where those pack unevenly), each refined by moving whole documents and rings
 off its busiest GPU (``refine.refine``); those predicted within ``_SHORTLIST`` of the best staged
 one are timed by the simulator beside the staged shortlist, so one is kept only where the
-simulator finds it faster.
+simulator finds it faster. Where every document is a ring (the pool's ring orders), the
+placement with uneven ring shares is a candidate beside them (``shares.place_shares``:
+documents laid end to end along each node's GPUs).
 
 Placements are built with ``Loads``' per-document predictions; when several are predicted
 within ``_SHORTLIST`` of the best, they are timed with the simulator's own functions
@@ -66,6 +68,7 @@ from megatron_zeppelin.planner.placement import (
 )
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.pool import (
+    RING_ORDERS,
     PoolGoal,
     PoolOrder,
     least_ring_load,
@@ -78,6 +81,7 @@ from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.routing import build_routes
 from megatron_zeppelin.planner.schedule import routes_by_edge
 from megatron_zeppelin.planner.schemes import choose_schemes
+from megatron_zeppelin.planner.shares import place_shares
 from megatron_zeppelin.planner.simulator import attention_seconds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers
 
@@ -143,6 +147,8 @@ class Candidate:
     """Whether ``simulated`` comes from the simulator (else from ``Loads``)."""
     pooled: bool = False
     """Placed over the GPUs as one pool (``pool.py``), not node by node."""
+    shared: bool = False
+    """Laid along the GPUs with uneven ring shares (``shares.py``)."""
     retimed: bool = False
     """Refined again on the simulator's per-GPU figures (``_retime``)."""
     settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
@@ -160,6 +166,11 @@ class Candidate:
     def rings(self) -> str:
         """``"2-D where faster"`` or ``"flat"``: how documents across nodes may run."""
         return "flat" if self.loads.two_d is None else "2-D where faster"
+
+    @property
+    def placement(self) -> str:
+        """``"staged"``, ``"pool"`` or ``"shares"``: which placement made it."""
+        return "shares" if self.shared else "pool" if self.pooled else "staged"
 
     @property
     def seconds(self) -> float:
@@ -217,11 +228,13 @@ class Candidate:
         return [doc for doc, p in enumerate(self.placements) if p.tier != Tier.LOCAL]
 
     def build(self, array: np.ndarray, routing: bool) -> None:
-        """The plan's sequences (zigzag over each ring, unless given) and routes."""
+        """The plan's sequences (zigzag over each ring, with its members' tokens where uneven,
+        unless given) and routes."""
         if not self.sequences:
             rings = [p.ring for p in self.placements]
             tiers = [p.tier for p in self.placements]
-            self.sequences = zigzag_sequences(array.tolist(), rings, tiers)
+            shares = {d: p.tokens for d, p in enumerate(self.placements) if p.tokens}
+            self.sequences = zigzag_sequences(array.tolist(), rings, tiers, shares)
         topology = self.loads.topology
         if self.loads.two_d is not None:  # before routing and the linear layout read the rings
             self.sequences = choose_schemes(
@@ -254,7 +267,7 @@ class Candidate:
 
     def summary(self) -> dict:
         out = {
-            "placement": "pool" if self.pooled else "staged",
+            "placement": self.placement,
             "balance": self.balance,
             "rings": self.rings,
             "extra_rings": self.extra_rings,
@@ -383,6 +396,7 @@ def _retime(
         best.extra_rings,
         prices,
         pooled=best.pooled,
+        shared=best.shared,
         retimed=True,
     )
     retimed.build(array, routing)
@@ -400,7 +414,8 @@ def _pool_candidates(
 ) -> list[Candidate]:
     """The placements over the GPUs as one pool (``pool.place_pool``, in each order of
     ``pool.pool_orders``), where no candidate so far is even enough and splitting is allowed; an
-    order that runs out of room is left out. ``choice``: stage 1 on loads that balance
+    order that runs out of room is left out; where every document is a ring, the placement with
+    uneven ring shares too (``shares.place_shares``). ``choice``: stage 1 on loads that balance
     attention + linear with the 2-D scheme where allowed (the search's, which the pool shares)."""
     if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
         return []
@@ -410,8 +425,9 @@ def _pool_candidates(
     if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
         return []  # the longest ring, or the mean, keeps any pool placement within reach
     goal = pool_goal(array, loads, rules.chunks[1])  # what refining keeps of any order's goal
+    orders, retries = pool_orders(array, loads, batch)
     out: list[Candidate] = []
-    for first, scale, cross in _pool_orders(out, *pool_orders(array, loads, batch)):
+    for first, scale, cross in _pool_orders(out, orders, retries):
         loads = new_loads(True, True)
         try:
             placements, promotions = place_pool(
@@ -420,14 +436,32 @@ def _pool_candidates(
         except CapacityError:
             continue
         refine(array, placements, loads, choice.attention, loads.topology.world_size, goal)
-        attention_s = np.add(loads.attention, loads.exposed).tolist()
-        predicted = price_linear_layouts(
-            loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
-        )
-        out.append(Candidate(placements, loads, promotions, 0, predicted, pooled=True))
-        if min(predicted.values()) > _POOL_STOP * staged:
+        out.append(_candidate(placements, loads, promotions, layouts, pooled=True))
+        if min(out[-1].predicted.values()) > _POOL_STOP * staged:
             break  # the orders pack alike: one this far behind says the others will be too
+    if orders == RING_ORDERS or len(array) <= loads.topology.world_size:
+        # Every document a ring, or no more documents than GPUs: rings of whole GPUs pack
+        # unevenly, uneven shares may not.
+        loads = new_loads(True, False)  # flat rings: a share of a ring is not a 2-D grid
+        placements = place_shares(array, loads)
+        if placements is not None:
+            out.append(_candidate(placements, loads, 0, layouts, shared=True))
     return _distinct(out)
+
+
+def _candidate(
+    placements: list[Placement],
+    loads: Loads,
+    promotions: int,
+    layouts: tuple[str, ...],
+    **kinds: bool,
+) -> Candidate:
+    """A placement of the pool or of shares, priced under every layout from its ``loads``."""
+    attention_s = np.add(loads.attention, loads.exposed).tolist()
+    predicted = price_linear_layouts(
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+    )
+    return Candidate(placements, loads, promotions, 0, predicted, **kinds)
 
 
 def _pool_orders(
@@ -447,7 +481,7 @@ def _distinct(found: list[Candidate]) -> list[Candidate]:
     the same one)."""
     seen, out = set(), []
     for candidate in found:
-        key = tuple((p.tier, p.ring) for p in candidate.placements)
+        key = tuple((p.tier, p.ring, p.tokens) for p in candidate.placements)
         if key not in seen:
             seen.add(key)
             out.append(candidate)
