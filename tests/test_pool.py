@@ -23,7 +23,6 @@ from megatron_zeppelin.planner.pool import (
     POOL_RETRIES,
     RING_ORDERS,
     RING_RETRIES,
-    least_ring_load,
     place_pool,
     pool_batch,
     pool_orders,
@@ -128,26 +127,24 @@ def test_pool_placement_keeps_capacity_and_places_every_document(
         ("lognormal", 32, 0.5),
     ],
 )
-def test_least_ring_load_bounds_every_pool_placement(name: str, gpus: int, fill: float) -> None:
-    """The search skips the pool where ``least_ring_load`` or the mean work per GPU says it
-    cannot end far enough below the staged plan; that is sound only if no order of the pool
-    ends below either bound."""
+def test_the_target_bounds_every_pool_placement(name: str, gpus: int, fill: float) -> None:
+    """The search skips the pool where the batch's least load says it cannot end far enough
+    below the staged plan; that is sound only if no order of the pool, its rings sized to the
+    target or to the least load itself, ends below it (``target.py``), nor below the mean work
+    per GPU."""
     lengths, topology, cost = _batch(name, gpus, fill, seed=1)
     array = np.asarray(lengths)
     thresholds = tier_thresholds(cost)
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     fresh = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
-    bound = least_ring_load(array, assign_tiers(array, fresh, rules), fresh)
-    share = pool_batch(array, assign_tiers(array, fresh, rules), fresh).share
-    assert bound > 0
+    batch = pool_batch(array, assign_tiers(array, fresh, rules), fresh, rules.chunks[1])
+    assert batch.least >= batch.share > 0
     for first, scale, cross in ORDERS:
-        loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
-        choice = assign_tiers(array, loads, rules)
-        place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
-        assert max(loads.cost) >= bound * (1 - 1e-9), (first, scale, cross)
-        # The mean work per GPU bounds it too (splitting only adds work): the search's other
-        # reason to skip the pool.
-        assert max(loads.cost) >= share * (1 - 1e-9), (first, scale, cross)
+        for least in (False, True):
+            loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+            choice = assign_tiers(array, loads, rules)
+            place_pool(array, choice, loads, rules.chunks[1], first, scale, batch, cross, least)
+            assert max(loads.cost) >= batch.least * (1 - 1e-9), (first, scale, cross, least)
 
 
 def _placed(name: str, gpus: int, fill: float, seed: int, first, scale: float):  # noqa: ANN001, ANN202
@@ -171,7 +168,9 @@ def test_pool_orders_skip_orders_that_place_alike(name: str, gpus: int, fill: fl
     one does, the orders are kept and some order places it differently."""
     array, choice, loads, _ = _placed(name, gpus, fill, seed, None, 1.0)
     fresh = Loads(loads.topology, CAPACITY, loads.cost_model, loads.num_links, two_d=True)
-    orders, retries = pool_orders(array, fresh, pool_batch(array, choice, fresh))
+    nic_chunk = chunk_thresholds(tier_thresholds(loads.cost_model), loads.topology, True)[1]
+    batch = pool_batch(array, choice, fresh, nic_chunk)
+    orders, retries = pool_orders(array, fresh, batch)
     rings = {
         tuple((p.tier, p.ring) for p in _placed(name, gpus, fill, seed, *order[:2])[3])
         for order in POOL_ORDERS

@@ -131,15 +131,12 @@ def test_planner_uses_the_scheme_where_it_is_faster_and_can_be_told_not_to() -> 
     steps = {two_d: simulate(plan, cost).step_time_s for two_d, plan in plans.items()}
     assert steps[True] < steps[False]
     # Each kind of split document alone: the kinds' bytes add up to the plan's ring bytes, and
-    # the 2-D document hides more of its transfers than the same document as a flat ring.
+    # the 2-D document waits less on its transfers than the same document as a flat ring (the
+    # two plans may give it rings of different sizes: seconds, not shares of its transfers).
     kinds = {two_d: tier_figures(plan, cost, routing=True) for two_d, plan in plans.items()}
     for two_d, plan in plans.items():
         ring = simulate(plan, cost).ring_bytes
         for link in ("nvlink", "nic"):
             assert sum(f[f"{link}_bytes"] for f in kinds[two_d].values()) == ring[link]
     assert set(kinds[True]) == {"intra", "2d"} and set(kinds[False]) == {"intra", "inter"}
-    exposed = {
-        k: f["exposed_s"] / f["transfer_s"]
-        for k, f in ((True, kinds[True]["2d"]), (False, kinds[False]["inter"]))
-    }
-    assert exposed[True] < exposed[False]
+    assert kinds[True]["2d"]["exposed_s"] < kinds[False]["inter"]["exposed_s"]

@@ -218,6 +218,12 @@ class Loads:
         share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
         return share.compute_s + share.exposed_s + self.linear_weight * length / ring_size
 
+    def ring_least(self, length: int, ring_size: int, link: Link, *, flat: bool = False) -> float:
+        """What a ring adds at least to a member's ``cost``: ``ring_key`` at a member whose ring
+        edges stay inside its node (``RankShare.exposed_at``), which waits the least."""
+        share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
+        return share.compute_s + share.exposed_at(False) + self.linear_weight * length / ring_size
+
     def best_num_nodes(self, length: int, rest_work: float) -> int:
         """How many whole nodes a document's ring should span so that the step ends soonest:
         ``n`` nodes end at ``max(t_n, (rest_work + n k t_n) / world)``, the ring's per-rank

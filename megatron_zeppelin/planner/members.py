@@ -23,7 +23,8 @@ import numpy as np
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.pool import _TOLERANCE, PoolGoal, _add, _most_tokens, _place_ring
+from megatron_zeppelin.planner.pool import _add, _place_ring
+from megatron_zeppelin.planner.ring_options import TOLERANCE, PoolGoal, most_tokens
 
 __all__ = ["move_member", "remove_ring", "replace_ring"]
 
@@ -45,7 +46,7 @@ def move_member(
     ``loads`` unchanged."""
     saved = _saved(loads)
     k = loads.topology.gpus_per_node
-    per_rank = _most_tokens(length, len(placement.ring))
+    per_rank = most_tokens(length, len(placement.ring))
     remove_ring(placement, length, loads)
     cost = np.asarray(loads.cost)
     free = (loads.capacity - np.asarray(loads.tokens)) >= per_rank
@@ -89,7 +90,7 @@ def replace_ring(
     ``None`` with ``loads`` as they were where no ring does."""
     saved = _saved(loads)
     remove_ring(placement, length, loads)
-    goal = replace(goal, target=below / _TOLERANCE)
+    goal = replace(goal, target=below / TOLERANCE)
     new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
     if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
         _restore(loads, saved)

@@ -47,7 +47,15 @@ from megatron_zeppelin.planner.placement import (
     TierChoice,
     capacity_error,
 )
-from megatron_zeppelin.planner.plan import Tier, zigzag_loads
+from megatron_zeppelin.planner.plan import Tier
+from megatron_zeppelin.planner.ring_options import (
+    TOLERANCE,
+    PoolGoal,
+    most_tokens,
+    options,
+    price,
+)
+from megatron_zeppelin.planner.target import least_target
 
 __all__ = [
     "ALL_ORDERS",
@@ -58,7 +66,6 @@ __all__ = [
     "PoolBatch",
     "PoolGoal",
     "PoolOrder",
-    "least_ring_load",
     "pool_orders",
     "place_pool",
     "pool_batch",
@@ -74,8 +81,6 @@ class PoolOrder(NamedTuple):
     cross: float = 1.0
 
 
-_TOLERANCE = 1.02
-"""A ring member may end this far above the target load."""
 POOL_ORDERS = (PoolOrder(None), PoolOrder(math.inf), PoolOrder(0.15))
 """The orders ``search`` tries (``place_pool``'s arguments): rings first; whole
 documents of more than half a GPU's room first; those and the ones worth more than 0.15 of a
@@ -100,35 +105,24 @@ Integer ring sizes leave each member short of the target by what the last, short
 fill; which target leaves the least over is not predicted well by the target itself."""
 RING_RETRIES = (PoolOrder(None, 0.9), PoolOrder(None, 0.85), PoolOrder(None, 0.8))
 """``POOL_RETRIES`` of such a batch."""
+_TARGET_ROUNDS = 3
+"""Rounds of sizing every ring against the target and raising the target by what they add."""
 ALL_ORDERS = tuple(dict.fromkeys((*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES)))
 """Every order ``search`` may place a batch in, each once."""
 _MEMBER_ROOM = 0.5
 """A ring member takes at most the GPUs' mean tokens and this share of the room it leaves
 (``_member_tokens``)."""
-_TARGET_ROUNDS = 3
-"""Rounds of sizing every ring against the target and raising the target by what they add."""
-
-
-@dataclass(frozen=True)
-class PoolGoal:
-    """What the pool placement aims at and may do."""
-
-    target: float
-    """The load every GPU should end at (seconds per layer, ``Loads.cost``)."""
-    floor: int
-    """Tokens every GPU ends up holding (``_floor_tokens``)."""
-    nic_chunk: int
-    """Per-rank tokens below which a ring across nodes stops hiding its transfers
-    (``tiers.chunk_thresholds``): smaller pieces cross nodes only where capacity needs it."""
-    member_tokens: int
-    """The most tokens a ring member takes (``_member_tokens``)."""
 
 
 @dataclass(frozen=True)
 class PoolBatch:
     """What every order of ``place_pool`` reads of a batch alike (``pool_batch``), computed
-    once per batch."""
+    once per batch; its target only when an order asks for it."""
 
+    array: np.ndarray
+    """The documents' lengths."""
+    pricing: Loads
+    """Empty loads that price the rings."""
     balanced: np.ndarray
     """Each document's work: attention and linear seconds."""
     share: float
@@ -137,10 +131,15 @@ class PoolBatch:
     """Which documents are placed as rings."""
     ring_docs: list[int]
     """Those, longest first."""
-    target: float
-    """``_target``: the load every GPU should end at."""
+    least: float
+    """The least load any pool placement's busiest GPU can end at (``target.least_target``)."""
     member_tokens: int
     """``_member_tokens``: the most tokens a ring member takes."""
+
+    @functools.cached_property
+    def target(self) -> float:
+        """``_target``: the load every GPU should end at."""
+        return _target(self.array, self.balanced, self.ring_docs, self.pricing, self.member_tokens)
 
 
 def pool_orders(
@@ -158,15 +157,15 @@ def pool_orders(
     return RING_ORDERS, RING_RETRIES
 
 
-def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads) -> PoolBatch:
-    """``_split`` and ``_target`` of the batch (they depend on neither the order nor the
-    placement)."""
+def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int) -> PoolBatch:
+    """``_split`` and the target of the batch (they depend on neither the order nor the
+    placement); ``nic_chunk`` as in ``PoolGoal``."""
     balanced, share, rings = _split(array, choice, loads)
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
     most = _member_tokens(array, loads)
-    target = _target(array, balanced, ring_docs, loads, most)
-    return PoolBatch(balanced, share, rings, ring_docs, target, most)
+    least = least_target(array, balanced, loads, nic_chunk=nic_chunk, member_tokens=most)
+    return PoolBatch(array, loads, balanced, share, rings, ring_docs, least, most)
 
 
 def place_pool(
@@ -178,6 +177,7 @@ def place_pool(
     scale: float = 1.0,
     batch: PoolBatch | None = None,
     cross: float = 1.0,
+    least: bool = False,
 ) -> tuple[list[Placement], int]:
     """Every document's placement (module docstring), its work added to ``loads``, and how many
     documents meant to stay whole became rings for lack of room on any GPU; a document
@@ -185,13 +185,15 @@ def place_pool(
     (``_floor_tokens``), exceeds a GPU's share. With ``first``, whole documents of more than
     half a GPU's room or ``first`` of a GPU's share of work are placed before the rings, while
     GPUs are free to hold them (ring pieces then fill what they leave). Rings are sized to
-    ``scale`` times the target, and cross nodes only with pieces of ``cross`` times
-    ``nic_chunk`` tokens. ``batch``: ``pool_batch`` of the same batch, when known.
+    ``scale`` times the target (with ``least``, the batch's least load), and cross nodes only
+    with pieces of ``cross`` times ``nic_chunk`` tokens. ``batch``: ``pool_batch`` of the same
+    batch, when known.
     Raises ``CapacityError`` where a document finds no room."""
-    batch = batch or pool_batch(array, choice, loads)
+    batch = batch or pool_batch(array, choice, loads, nic_chunk)
     balanced, share, rings = batch.balanced, batch.share, batch.rings
     floor = _floor_tokens(array, loads)
-    goal = PoolGoal(scale * batch.target, floor, math.ceil(cross * nic_chunk), batch.member_tokens)
+    aim = scale * (batch.least if least else batch.target)
+    goal = PoolGoal(aim, floor, math.ceil(cross * nic_chunk), batch.member_tokens)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
@@ -243,6 +245,21 @@ def _target(
     return target
 
 
+def _size_for(
+    length: int, work: float, target: float, loads: Loads, most: int
+) -> tuple[int, float]:
+    """The smallest ring whose members' load fits the target (2-D priced where the size is
+    whole nodes), else the one with the least load per member."""
+    best = (math.inf, 2)
+    for size in _sizes(length, work, target, loads, most):
+        key = price(length, size, loads, two_d=loads.two_d is not None)
+        if key <= target * TOLERANCE:
+            return size, key
+        if key < best[0]:
+            best = (key, size)
+    return best[1], best[0]
+
+
 def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
     """Ring sizes worth pricing: from the document's work over the target up to a few times it,
     then the smaller ones down to the least whose members take at most ``most`` tokens
@@ -253,30 +270,6 @@ def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> 
     start = min(world, max(low, math.floor(work / target)))
     stop = min(world, 2 * start + 2 * topo.gpus_per_node)
     return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
-
-
-def _price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool = True) -> float:
-    """Per-member load of a ring of ``size``: on NVLink inside a node (where it fits one and
-    ``in_node``), else across nodes, with the 2-D scheme's price only when asked (it needs whole
-    nodes)."""
-    if size <= loads.topology.gpus_per_node and in_node:
-        return loads.ring_key(length, size, "nvlink")
-    return loads.ring_key(length, size, "nic", flat=not two_d)
-
-
-def _size_for(
-    length: int, work: float, target: float, loads: Loads, most: int
-) -> tuple[int, float]:
-    """The smallest ring whose members' load fits the target (2-D priced where the size is
-    whole nodes), else the one with the least load per member."""
-    best = (math.inf, 2)
-    for size in _sizes(length, work, target, loads, most):
-        key = _price(length, size, loads, two_d=loads.two_d is not None)
-        if key <= target * _TOLERANCE:
-            return size, key
-        if key < best[0]:
-            best = (key, size)
-    return best[1], best[0]
 
 
 def _member_tokens(array: np.ndarray, loads: Loads) -> int:
@@ -329,14 +322,14 @@ def _place_ring(
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in _sizes(length, work, goal.target, loads, goal.member_tokens):
-        per_rank = _most_tokens(length, size)
+        per_rank = most_tokens(length, size)
         if goal.floor:
             ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
         else:
             ends = cost  # no GPU needs tokens besides what it is given
-        for key, where in _options(length, size, loads, goal):
+        for key, where in options(length, size, loads, goal):
             tries.append((size, per_rank, ends, key, where))
-            ring = _members(ends, room, size, key, per_rank, goal.target * _TOLERANCE, k, where)
+            ring = _members(ends, room, size, key, per_rank, goal.target * TOLERANCE, k, where)
             if ring is not None:
                 return _add(ring, length, loads, where == "whole")
     if not fallback:
@@ -384,35 +377,6 @@ class _Arrays:
         index = list(ranks)
         self.cost[index] = [loads.cost[r] for r in index]
         self.tokens[index] = [loads.tokens[r] for r in index]
-
-
-@functools.lru_cache(maxsize=4096)
-def _most_tokens(length: int, size: int) -> int:
-    """``max(zigzag_loads(length, size))``, for large rings in array arithmetic (the same cuts:
-    ``round`` and ``np.rint`` both round halves to even, and both divide exactly)."""
-    if size <= 16:
-        return max(zigzag_loads(length, size))
-    n = 2 * size
-    cuts = np.rint(np.arange(n + 1, dtype=np.int64) * length / n).astype(np.int64)
-    front = cuts[1 : size + 1] - cuts[:size]
-    back = cuts[n : n - size : -1] - cuts[n - 1 : n - 1 - size : -1]
-    return int((front + back).max())
-
-
-def _options(length: int, size: int, loads: Loads, goal: PoolGoal) -> list[tuple[float, str]]:
-    """Where a ring of ``size`` may go and its per-member load there: one node on NVLink, whole
-    nodes with the 2-D scheme, any GPUs across nodes. Pieces too small to hide a NIC transfer
-    cross nodes only for a document no node could hold."""
-    k = loads.topology.gpus_per_node
-    cross = length // size >= goal.nic_chunk or length > k * loads.capacity
-    options = []
-    if size <= k:
-        options.append((_price(length, size, loads, two_d=False), "node"))
-    if cross and size % k == 0 and loads.two_d is not None:
-        options.append((_price(length, size, loads, two_d=True), "whole"))
-    if cross:
-        options.append((_price(length, size, loads, two_d=False, in_node=False), "any"))
-    return options
 
 
 def _members(
@@ -559,21 +523,3 @@ def _heaps(keys: list[float]) -> tuple[Heap, Heap]:
     heap: Heap = [(key, r) for r, key in enumerate(keys)]
     heapq.heapify(heap)
     return heap, []
-
-
-def least_ring_load(
-    array: np.ndarray, choice: TierChoice, loads: Loads, batch: PoolBatch | None = None
-) -> float:
-    """The least per-member load the longest document ``place_pool`` rings can have at any size
-    and place it tries (at every scale of ``ALL_ORDERS``): a bound under any pool placement's
-    busiest GPU."""
-    batch = batch or pool_batch(array, choice, loads)
-    if not batch.ring_docs:
-        return 0.0
-    length = int(array[batch.ring_docs[0]])
-    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    most = batch.member_tokens
-    goal = PoolGoal(batch.target, _floor_tokens(array, loads), 0, most)
-    scales = {order.scale for order in ALL_ORDERS}
-    sizes = {s for scale in scales for s in _sizes(length, work, scale * batch.target, loads, most)}
-    return min(key for size in sizes for key, _ in _options(length, size, loads, goal))

@@ -69,9 +69,9 @@ from megatron_zeppelin.planner.placement import (
 from megatron_zeppelin.planner.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.pool import (
     RING_ORDERS,
+    PoolBatch,
     PoolGoal,
     PoolOrder,
-    least_ring_load,
     place_pool,
     pool_batch,
     pool_goal,
@@ -104,10 +104,9 @@ _MAX_TIMED = 2
 """... the best predicted few of them."""
 _POOL_GAIN = 1.03
 """The pool placement is tried only where it could end more than this factor below the best
-placement so far: its busiest GPU is at least the longest ring document's least per-member
-load (``pool.least_ring_load``) and the batch's mean work per GPU (``PoolBatch.share``:
-splitting only adds work), and where either is this close the staged placement's packing
-leaves nothing worth its planning time."""
+placement so far: its busiest GPU is at least the batch's target (``target.least_target``), and
+where that is this close the staged placement's packing leaves nothing worth its planning
+time."""
 _POOL_STOP = 1.15
 """The pool's orders stop at one predicted this far above the best placement so far."""
 _POOL_EVEN = 1.04
@@ -122,6 +121,17 @@ holding that many on average (every GPU where documents are few per GPU)..."""
 _RETIME_WEIGHED = 1 << 20
 """... and over all its changes: ``_retime`` makes at most this many over the swaps it weighs
 per change."""
+_CLOSE = 1.025
+"""A placement whose busiest GPU is within this factor of the batch's target
+(``target.least_target``, under which no placement ends) is kept as it is: no other could be
+faster by more than ``Loads`` and the simulator differ by."""
+_RING_BOUND = 1.1
+"""A batch whose target is this far above its GPUs' mean work is set by its long documents'
+rings, not by how the others pack: the pool, which sizes rings to the target, goes first, and a
+placement within ``_CLOSE`` of the target ends the search."""
+_TIGHT = 0.985
+"""The pool's first order there sizes its rings to this share of the target (its members may
+end ``ring_options.TOLERANCE`` above what they are sized to)."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
 far above its GPUs' mean: the remapping it needs costs a few percent of a layer."""
@@ -151,6 +161,8 @@ class Candidate:
     """Laid along the GPUs with uneven ring shares (``shares.py``)."""
     retimed: bool = False
     """Refined again on the simulator's per-GPU figures (``_retime``)."""
+    near_target: bool = False
+    """Kept for ending within ``_CLOSE`` of the batch's target (``_settle``)."""
     settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
     """``settled``'s answers so far."""
 
@@ -187,6 +199,11 @@ class Candidate:
         attention = np.add(self.loads.attention, self.loads.exposed)
         linear = self.loads.cost_model.linear_times(np.asarray(self.loads.tokens, dtype=float))
         return float((attention + linear).mean())
+
+    @property
+    def peak(self) -> float:
+        """The busiest GPU's ``Loads.cost`` (what the target is in)."""
+        return max(self.loads.cost)
 
     def even_enough(self, factor: float = 0.0) -> bool:
         """Predicted within ``factor`` (default ``_EVEN_ENOUGH``) of the GPUs' mean attention
@@ -275,6 +292,8 @@ class Candidate:
         }
         if self.retimed:
             out["retimed"] = True
+        if self.near_target:
+            out["near_target"] = True
         if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
@@ -299,43 +318,51 @@ def search(
     *,
     routing: bool,
     pool: bool = True,
-) -> tuple[Candidate, list[dict]]:
-    """The fastest candidate (module docstring) and a summary of every one tried.
-    ``new_loads(balance_linear, two_d)`` gives empty loads to place on (``two_d``: where the
-    planner's options allow the 2-D scheme)."""
+) -> tuple[Candidate, list[dict], float]:
+    """The fastest candidate (module docstring), a summary of every one tried, and the batch's
+    target (``target.least_target``). ``new_loads(balance_linear, two_d)`` gives empty loads
+    to place on (``two_d``: where the planner's options allow the 2-D scheme)."""
+    # Stage 1 of the pool and of the first staged placement alike: attention + linear, 2-D
+    # allowed; and the batch's target, under which no placement ends.
+    tiers = {(True, True): assign_tiers(array, new_loads(True, True), rules)}
+    stage_1 = tiers[(True, True)]
+    batch = pool_batch(array, stage_1, new_loads(True, True), rules.chunks[1])
+    pool = pool and rules.allow_split and rules.auto
     found: list[Candidate] = []
-    budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
-    modes = (True, False) if set(layouts) - {"attention"} else (True,)
-    variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
-    # Per balance mode and scheme: stage 1 and each stage 2 (by its rings), the same for both
-    # packings (``pack`` sizes the rings inside nodes, in stage 3).
-    tiers: dict[tuple[bool, bool], TierChoice] = {}
-    across: dict[tuple[bool, bool], dict[tuple[int, ...] | None, _Across]] = {}
-    for balance_linear, pack, two_d in [*variants, (True, True, False)]:
-        if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(found)):
-            break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
-        if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in found):
-            continue  # balancing attention alone cannot win back its remapping here
-        if not pack and any(c.settled(array) for c in found if c.balance_linear == balance_linear):
-            continue
-        if budget[0] < len(array):
-            break
-        loads = partial(new_loads, balance_linear, two_d)
-        family = (balance_linear, two_d)
-        if family not in tiers:
-            tiers[family] = assign_tiers(array, loads(), rules)
-        base = replace(tiers[family], pack=pack)
-        stage_2 = across.setdefault(family, {})
-        found += _candidates(array, base, loads, layouts, budget, stage_2, first=not found)
-    found = _distinct(found)
-    best_prediction = min(min(c.predicted.values()) for c in found)
+    first_pool: list[Candidate] = []  # the pool's first order, where placed
+
+    def close_enough(candidate: Candidate | None) -> bool:
+        """Within ``_CLOSE`` of the target (``found`` then ends with it)."""
+        if candidate is None or not candidate.balance_linear:
+            return False
+        return candidate.peak <= _CLOSE * batch.least
+
+    # Where the long documents' rings, not the packing, set the least load, the pool sized to
+    # it goes first, and a placement that comes close enough to it ends the search.
+    ring_bound = pool and batch.least > _RING_BOUND * batch.share
+    if ring_bound:
+        order = PoolOrder(None, _TIGHT)
+        candidate = _pool_candidate(
+            array, stage_1, new_loads, batch, rules, layouts, order, least=True
+        )
+        first_pool += [candidate] if candidate is not None else []
+        found += first_pool
+        if first_pool and close_enough(first_pool[0]):
+            return (*_settle(found, array, routing, layouts), batch.least)
+    for candidate in _staged(array, new_loads, rules, layouts, tiers, found):
+        found.append(candidate)
+        if ring_bound and close_enough(candidate):
+            return (*_settle(found, array, routing, layouts), batch.least)
+    staged = _distinct([c for c in found if not c.pooled])
+    best_prediction = min(min(c.predicted.values()) for c in staged)
     shortlist = sorted(
-        (c for c in found if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
+        (c for c in staged if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
         key=lambda c: min(c.predicted.values()),
     )[:_MAX_TIMED]
-    stage_1 = tiers[(True, True)]  # the pool's too: it balances attention + linear, 2-D allowed
-    pooled = _pool_candidates(array, stage_1, new_loads, rules, layouts, found) if pool else []
-    found += pooled
+    pooled = first_pool
+    if pool:
+        pooled = _pool_candidates(array, stage_1, new_loads, batch, rules, layouts, staged, pooled)
+    found = staged + pooled
     # Timed beside the staged shortlist where predicted within it (``Loads`` misjudges them
     # by a few percent, not by more).
     shortlist += [c for c in pooled if min(c.predicted.values()) <= _SHORTLIST * best_prediction]
@@ -347,11 +374,74 @@ def search(
             candidate.keep_estimate(layouts)
     best = min(shortlist, key=lambda c: c.seconds)
     if best.timed:
-        goal = pool_goal(array, best.loads, rules.chunks[1]) if best.pooled else None
-        retimed = _retime(array, best, stage_1.attention, new_loads, routing, layouts, goal)
-        if retimed is not None:
-            found.append(retimed)
-            best = min(best, retimed, key=lambda c: c.seconds)
+        # The fastest of each kind: a staged placement had no refinement pass of its own yet,
+        # so it may gain more from this one than a faster pool placement does.
+        for kind in (True, False):
+            timed = [c for c in shortlist if c.pooled == kind]
+            if not timed:
+                continue
+            fastest_of_kind = min(timed, key=lambda c: c.seconds)
+            goal = pool_goal(array, best.loads, rules.chunks[1]) if kind else None
+            retimed = _retime(
+                array, fastest_of_kind, stage_1.attention, new_loads, routing, layouts, goal
+            )
+            if retimed is not None:
+                found.append(retimed)
+                best = min(best, retimed, key=lambda c: c.seconds)
+    return best, [c.summary() for c in found], batch.least
+
+
+def _staged(
+    array: np.ndarray,
+    new_loads: Callable[[bool, bool], Loads],
+    rules: TierRules,
+    layouts: tuple[str, ...],
+    tiers: dict[tuple[bool, bool], TierChoice],
+    found: list[Candidate],
+) -> Iterator[Candidate]:
+    """The staged placements, variant by variant (module docstring): balancing attention +
+    linear, then attention alone, each with both packings, then every ring flat; a variant is
+    skipped where the candidates so far (``found``, which the caller extends) say it cannot
+    win. ``tiers``: stage 1 per balance mode and scheme, so far."""
+    budget = [max(_PLACEMENT_BUDGET, len(array))]  # documents placed over all tries
+    modes = (True, False) if set(layouts) - {"attention"} else (True,)
+    variants = [(mode, pack, True) for mode in modes for pack in (True, False)]
+    # Per balance mode and scheme: each stage 2 (by its rings), the same for both packings
+    # (``pack`` sizes the rings inside nodes, in stage 3).
+    across: dict[tuple[bool, bool], dict[tuple[int, ...] | None, _Across]] = {}
+    first = True
+    for balance_linear, pack, two_d in [*variants, (True, True, False)]:
+        staged = [c for c in found if not c.pooled]
+        if not two_d and (new_loads(True, True).two_d is None or not _spans_nodes(staged)):
+            break  # the 2-D scheme is off, or no document crosses nodes: nothing to compare
+        if not balance_linear and any(c.settled(array, _WORTH_A_REMAP) for c in staged):
+            continue  # balancing attention alone cannot win back its remapping here
+        if not pack and any(c.settled(array) for c in staged if c.balance_linear == balance_linear):
+            continue
+        if budget[0] < len(array):
+            break
+        loads = partial(new_loads, balance_linear, two_d)
+        family = (balance_linear, two_d)
+        if family not in tiers:
+            tiers[family] = assign_tiers(array, loads(), rules)
+        base = replace(tiers[family], pack=pack)
+        stage_2 = across.setdefault(family, {})
+        for candidate in _candidates(array, base, loads, layouts, budget, stage_2, first=first):
+            first = False
+            yield candidate
+
+
+def _settle(
+    found: list[Candidate], array: np.ndarray, routing: bool, layouts: tuple[str, ...]
+) -> tuple[Candidate, list[dict]]:
+    """The last of ``found``, a placement within ``_CLOSE`` of the batch's target, built and
+    kept with ``Loads``' prediction (``Candidate.keep_estimate``): no other placement ends more
+    than that below it, less than ``Loads`` and the simulator differ by, so nothing is left to
+    compare; and a summary of every candidate tried."""
+    best = found[-1]
+    best.near_target = True
+    best.build(array, routing)
+    best.keep_estimate(layouts)
     return best, [c.summary() for c in found]
 
 
@@ -408,38 +498,34 @@ def _pool_candidates(
     array: np.ndarray,
     choice: TierChoice,
     new_loads: Callable[[bool, bool], Loads],
+    batch: PoolBatch,
     rules: TierRules,
     layouts: tuple[str, ...],
     found: list[Candidate],
+    first: list[Candidate],
 ) -> list[Candidate]:
     """The placements over the GPUs as one pool (``pool.place_pool``, in each order of
     ``pool.pool_orders``), where no candidate so far is even enough and splitting is allowed; an
     order that runs out of room is left out; where every document is a ring, the placement with
     uneven ring shares too (``shares.place_shares``). ``choice``: stage 1 on loads that balance
-    attention + linear with the 2-D scheme where allowed (the search's, which the pool shares)."""
-    if not rules.allow_split or not rules.auto or any(c.even_enough() for c in found):
-        return []
+    attention + linear with the 2-D scheme where allowed (the search's, which the pool shares);
+    ``batch``: ``pool.pool_batch`` of it; ``first``: the first order's candidate where placed
+    already (kept whatever the others)."""
+    if any(c.even_enough() for c in found):
+        return first
     staged = min(min(c.predicted.values()) for c in found)
-    loads = new_loads(True, True)
-    batch = pool_batch(array, choice, loads)
-    if max(least_ring_load(array, choice, loads, batch), batch.share) * _POOL_GAIN >= staged:
-        return []  # the longest ring, or the mean, keeps any pool placement within reach
-    goal = pool_goal(array, loads, rules.chunks[1])  # what refining keeps of any order's goal
-    orders, retries = pool_orders(array, loads, batch)
-    out: list[Candidate] = []
-    for first, scale, cross in _pool_orders(out, orders, retries):
-        loads = new_loads(True, True)
-        try:
-            placements, promotions = place_pool(
-                array, choice, loads, rules.chunks[1], first, scale, batch, cross
-            )
-        except CapacityError:
-            continue
-        refine(array, placements, loads, choice.attention, loads.topology.world_size, goal)
-        out.append(_candidate(placements, loads, promotions, layouts, pooled=True))
-        if min(out[-1].predicted.values()) > _POOL_STOP * staged:
+    if batch.least * _POOL_GAIN >= staged:
+        return first  # no placement ends far enough below the staged ones (``target.py``)
+    orders, retries = pool_orders(array, new_loads(True, True), batch)
+    out: list[Candidate] = list(first)
+    for order in _pool_orders(out, orders, retries):
+        candidate = _pool_candidate(array, choice, new_loads, batch, rules, layouts, order)
+        if candidate is None:
+            continue  # the order runs out of room
+        out.append(candidate)
+        if min(candidate.predicted.values()) > _POOL_STOP * staged:
             break  # the orders pack alike: one this far behind says the others will be too
-    if orders == RING_ORDERS or len(array) <= loads.topology.world_size:
+    if orders == RING_ORDERS or len(array) <= new_loads(True, True).topology.world_size:
         # Every document a ring, or no more documents than GPUs: rings of whole GPUs pack
         # unevenly, uneven shares may not.
         loads = new_loads(True, False)  # flat rings: a share of a ring is not a 2-D grid
@@ -447,6 +533,34 @@ def _pool_candidates(
         if placements is not None:
             out.append(_candidate(placements, loads, 0, layouts, shared=True))
     return _distinct(out)
+
+
+def _pool_candidate(
+    array: np.ndarray,
+    choice: TierChoice,
+    new_loads: Callable[[bool, bool], Loads],
+    batch: PoolBatch,
+    rules: TierRules,
+    layouts: tuple[str, ...],
+    order: PoolOrder,
+    *,
+    least: bool = False,
+) -> Candidate | None:
+    """The pool placement in ``order`` (with ``least``, rings sized to the batch's least load
+    instead of its target), refined (``refine.refine``) unless ``least`` and it ends within
+    ``_CLOSE`` of that load already; ``None`` where it runs out of room."""
+    loads = new_loads(True, True)
+    first, scale, cross = order
+    try:
+        placements, promotions = place_pool(
+            array, choice, loads, rules.chunks[1], first, scale, batch, cross, least=least
+        )
+    except CapacityError:
+        return None
+    if not least or max(loads.cost) > _CLOSE * batch.least:
+        goal = pool_goal(array, loads, rules.chunks[1])
+        refine(array, placements, loads, choice.attention, loads.topology.world_size, goal)
+    return _candidate(placements, loads, promotions, layouts, pooled=True)
 
 
 def _candidate(
