@@ -16,6 +16,10 @@ once, not every step.
     python scripts/bench_planner.py --docs 1000 10000 100000   # by document count, 1024 GPUs
     python scripts/bench_planner.py --json out.json
 
+The grid's rows also give each plan's efficiency (lower bound over the simulated step, median
+over the seeds; simulated outside the timed call) and how many of the seeds' searches ended at
+a placement within reach of the batch's least load (``planner/least_load.py``).
+
 ``--docs`` sizes each batch by its number of documents instead (``N`` times the distribution's
 mean length in tokens) on 1024 GPUs, to show how planning grows with the documents; the peak
 resident memory of the process so far is reported with each row (rows run smallest first).
@@ -40,6 +44,7 @@ from megatron_zeppelin.planner.distributions import (
 )
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 GPUS = (16, 64, 256, 1024)
@@ -51,12 +56,20 @@ def capacity_for(num_tokens: int, world_size: int) -> int:
 
 
 def measure(
-    num_gpus: int, num_tokens: int, distribution: str, seeds: int, options: PlannerOptions
+    num_gpus: int,
+    num_tokens: int,
+    distribution: str,
+    seeds: int,
+    options: PlannerOptions,
+    *,
+    quality: bool = False,
 ) -> dict:
+    """``quality``: also simulate every plan (untimed) for its efficiency, and count the plans
+    whose search ended at the batch's least load (``search._settle``)."""
     topology = get_topology("zeppelin-C", num_nodes=num_gpus // 8)
     cost_model = CostModel.default(get_model("llama-7b"), topology)
     capacity = capacity_for(num_tokens, num_gpus)
-    times, cpu_times, docs = [], [], []
+    times, cpu_times, docs, efficiencies, near = [], [], [], [], 0
     for seed in range(seeds):
         lengths = sample_lengths(distribution, num_tokens=num_tokens, seed=seed)
         gc.collect()  # start every run from the same collector state
@@ -67,6 +80,9 @@ def measure(
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)
         docs.append(len(lengths))
+        if quality:
+            efficiencies.append(simulate(plan, cost_model).efficiency)
+            near += any(c.get("near_least_load") for c in plan.meta["candidates"])
     times.sort()
     return {
         "gpus": num_gpus,
@@ -86,6 +102,9 @@ def measure(
         "tiers": plan.meta["tier_counts"],
         # ru_maxrss is in KiB on Linux; MB here is 10^6 bytes, as everywhere in the project.
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e6,
+        # Lower bound over simulated step (``simulate``), the median over the seeds.
+        "efficiency": statistics.median(efficiencies) if efficiencies else None,
+        "near_least_load": near,
     }
 
 
@@ -155,18 +174,19 @@ def main() -> None:
     rows = []
     print(
         "| GPUs | tokens | distribution | docs | capacity | median ms | p90 ms | CPU median ms "
-        "| load imbal. | attn imbal. |"
+        "| load imbal. | attn imbal. | efficiency | ended at least load |"
     )
-    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for num_gpus, num_tokens in grid:
         for distribution in args.distributions:
-            row = measure(num_gpus, num_tokens, distribution, args.seeds, options)
+            row = measure(num_gpus, num_tokens, distribution, args.seeds, options, quality=True)
             rows.append(row)
             print(
                 f"| {num_gpus} | {num_tokens >> 20}M | {distribution} | {row['documents']} | "
                 f"{row['capacity']} | {row['median_ms']:.1f} | {row['p90_ms']:.1f} | "
                 f"{row['cpu_median_ms']:.1f} | {row['imbalance']:.3f} | "
-                f"{row['attention_imbalance']:.3f} |",
+                f"{row['attention_imbalance']:.3f} | {row['efficiency']:.3f} | "
+                f"{row['near_least_load']}/{args.seeds} |",
                 flush=True,
             )
     if args.json:

@@ -169,8 +169,8 @@ def test_zeppelin_verify_names_a_stopped_rank_in_one_line(tmp_path) -> None:
             "verify",
             "--timeout",
             "5",
-            "--tokens",
-            "4096",
+            "--tokens",  # enough that the ranks still work 2 s after they start (4096 did not)
+            "16384",
         ],
         cwd=tmp_path,
         stdout=subprocess.PIPE,

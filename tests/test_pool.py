@@ -130,7 +130,7 @@ def test_pool_placement_keeps_capacity_and_places_every_document(
 def test_the_target_bounds_every_pool_placement(name: str, gpus: int, fill: float) -> None:
     """The search skips the pool where the batch's least load says it cannot end far enough
     below the staged plan; that is sound only if no order of the pool, its rings sized to the
-    target or to the least load itself, ends below it (``target.py``), nor below the mean work
+    target or to the least load itself, ends below it (``least_load.py``), nor below the mean work
     per GPU."""
     lengths, topology, cost = _batch(name, gpus, fill, seed=1)
     array = np.asarray(lengths)
@@ -138,13 +138,13 @@ def test_the_target_bounds_every_pool_placement(name: str, gpus: int, fill: floa
     rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
     fresh = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     batch = pool_batch(array, assign_tiers(array, fresh, rules), fresh, rules.chunks[1])
-    assert batch.least >= batch.share > 0
+    assert batch.least_load >= batch.share > 0
     for first, scale, cross in ORDERS:
         for least in (False, True):
             loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
             choice = assign_tiers(array, loads, rules)
             place_pool(array, choice, loads, rules.chunks[1], first, scale, batch, cross, least)
-            assert max(loads.cost) >= batch.least * (1 - 1e-9), (first, scale, cross, least)
+            assert max(loads.cost) >= batch.least_load * (1 - 1e-9), (first, scale, cross, least)
 
 
 def _placed(name: str, gpus: int, fill: float, seed: int, first, scale: float):  # noqa: ANN001, ANN202

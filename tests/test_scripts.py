@@ -28,6 +28,9 @@ def test_planner_latency_benchmark_prints_its_table() -> None:
         "scripts/bench_planner.py", "--quick", "--seeds", "1", "--distributions", "wikipedia"
     )
     assert "| 1024 |" in out and "wikipedia" in out and "prolong" not in out
+    (row,) = [line for line in out.splitlines() if line.startswith("| 1024 |")]
+    *_, efficiency, ended, _ = [cell.strip() for cell in row.split("|")]
+    assert 0 < float(efficiency) <= 1 and ended in ("0/1", "1/1")
 
 
 @pytest.mark.dist

@@ -301,7 +301,7 @@ def _plan(
         "chunk_thresholds": {"nvlink": chunks[0], "nic": chunks[1]},
         "capacity_promotions": best.promotions,
         "candidates": tried,
-        "target_layer_s": target,
+        "least_load_s": target,
     }
     return _assemble(best, cost_model, meta)
 

@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_zeppelin.planner.least_load import least_load
 from megatron_zeppelin.planner.loads import Loads, min_ring
 from megatron_zeppelin.planner.placement import (
     Heap,
@@ -55,7 +56,6 @@ from megatron_zeppelin.planner.ring_options import (
     options,
     price,
 )
-from megatron_zeppelin.planner.target import least_target
 
 __all__ = [
     "ALL_ORDERS",
@@ -131,8 +131,8 @@ class PoolBatch:
     """Which documents are placed as rings."""
     ring_docs: list[int]
     """Those, longest first."""
-    least: float
-    """The least load any pool placement's busiest GPU can end at (``target.least_target``)."""
+    least_load: float
+    """The least load any pool placement's busiest GPU can end at (``least_load.least_load``)."""
     member_tokens: int
     """``_member_tokens``: the most tokens a ring member takes."""
 
@@ -164,7 +164,7 @@ def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: i
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
     most = _member_tokens(array, loads)
-    least = least_target(array, balanced, loads, nic_chunk=nic_chunk, member_tokens=most)
+    least = least_load(array, balanced, loads, nic_chunk=nic_chunk, member_tokens=most)
     return PoolBatch(array, loads, balanced, share, rings, ring_docs, least, most)
 
 
@@ -192,7 +192,7 @@ def place_pool(
     batch = batch or pool_batch(array, choice, loads, nic_chunk)
     balanced, share, rings = batch.balanced, batch.share, batch.rings
     floor = _floor_tokens(array, loads)
-    aim = scale * (batch.least if least else batch.target)
+    aim = scale * (batch.least_load if least else batch.target)
     goal = PoolGoal(aim, floor, math.ceil(cross * nic_chunk), batch.member_tokens)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)

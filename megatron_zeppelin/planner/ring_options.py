@@ -13,8 +13,8 @@ A document split over ``size`` GPUs can run (``options``):
   node's chunk (one head group per GPU), not a GPU's piece, and its price (``Loads.ring_key``,
   head all-to-alls included) is what decides.
 
-The pool placement (``pool.py``) and its target (``target.py``) read the same options, so the
-target never counts on a ring the placement may not make.
+The pool placement (``pool.py``) and the batch's least load (``least_load.py``) read the same
+options, so the least load never counts on a ring the placement may not make.
 """
 
 from __future__ import annotations
@@ -27,7 +27,15 @@ import numpy as np
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.plan import zigzag_loads
 
-__all__ = ["TOLERANCE", "PoolGoal", "least_load", "most_tokens", "options", "price", "wide_two_d"]
+__all__ = [
+    "TOLERANCE",
+    "PoolGoal",
+    "least_member_load",
+    "most_tokens",
+    "options",
+    "price",
+    "wide_two_d",
+]
 
 TOLERANCE = 1.02
 """A ring member may end this far above the target load."""
@@ -57,7 +65,7 @@ def price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool = 
     return loads.ring_key(length, size, "nic", flat=not two_d)
 
 
-def least_load(length: int, size: int, loads: Loads, where: str) -> float:
+def least_member_load(length: int, size: int, loads: Loads, where: str) -> float:
     """The least a ring of ``size`` at ``where`` (``options``) adds to one member's load: at a
     member whose ring edges stay inside its node (``Loads.ring_least``); ``price`` is the
     most, at a member whose edges cross nodes."""

@@ -104,9 +104,9 @@ _MAX_TIMED = 2
 """... the best predicted few of them."""
 _POOL_GAIN = 1.03
 """The pool placement is tried only where it could end more than this factor below the best
-placement so far: its busiest GPU is at least the batch's target (``target.least_target``), and
-where that is this close the staged placement's packing leaves nothing worth its planning
-time."""
+placement so far: its busiest GPU is at least the batch's least load
+(``least_load.least_load``), and where that is this close the staged placement's packing leaves
+nothing worth its planning time."""
 _POOL_STOP = 1.15
 """The pool's orders stop at one predicted this far above the best placement so far."""
 _POOL_EVEN = 1.04
@@ -122,15 +122,16 @@ _RETIME_WEIGHED = 1 << 20
 """... and over all its changes: ``_retime`` makes at most this many over the swaps it weighs
 per change."""
 _CLOSE = 1.025
-"""A placement whose busiest GPU is within this factor of the batch's target
-(``target.least_target``, under which no placement ends) is kept as it is: no other could be
-faster by more than ``Loads`` and the simulator differ by."""
+"""Where the long documents' rings set the step (``_RING_BOUND``), a placement whose busiest
+GPU is within this factor of the batch's least load (``least_load.least_load``, under which no
+placement ends) ends the search: no other could be faster by more than ``Loads`` and the
+simulator differ by."""
 _RING_BOUND = 1.1
-"""A batch whose target is this far above its GPUs' mean work is set by its long documents'
-rings, not by how the others pack: the pool, which sizes rings to the target, goes first, and a
-placement within ``_CLOSE`` of the target ends the search."""
+"""A batch whose least load is this far above its GPUs' mean work is set by its long
+documents' rings, not by how the others pack: the pool with rings sized to the least load goes
+first, and a placement within ``_CLOSE`` of it ends the search."""
 _TIGHT = 0.985
-"""The pool's first order there sizes its rings to this share of the target (its members may
+"""That first pool placement sizes its rings to this share of the least load (its members may
 end ``ring_options.TOLERANCE`` above what they are sized to)."""
 _WORTH_A_REMAP = 1.05
 """Balancing attention alone is tried only where the best placement so far is predicted this
@@ -161,8 +162,8 @@ class Candidate:
     """Laid along the GPUs with uneven ring shares (``shares.py``)."""
     retimed: bool = False
     """Refined again on the simulator's per-GPU figures (``_retime``)."""
-    near_target: bool = False
-    """Kept for ending within ``_CLOSE`` of the batch's target (``_settle``)."""
+    near_least_load: bool = False
+    """Kept for ending within ``_CLOSE`` of the batch's least load (``_settle``)."""
     settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
     """``settled``'s answers so far."""
 
@@ -202,7 +203,7 @@ class Candidate:
 
     @property
     def peak(self) -> float:
-        """The busiest GPU's ``Loads.cost`` (what the target is in)."""
+        """The busiest GPU's ``Loads.cost`` (what the least load is in)."""
         return max(self.loads.cost)
 
     def even_enough(self, factor: float = 0.0) -> bool:
@@ -292,8 +293,8 @@ class Candidate:
         }
         if self.retimed:
             out["retimed"] = True
-        if self.near_target:
-            out["near_target"] = True
+        if self.near_least_load:
+            out["near_least_load"] = True
         if self.simulated and self.timed:
             out.update(layout=self.layout, simulated_layer_s=self.seconds)
         return out
@@ -320,10 +321,10 @@ def search(
     pool: bool = True,
 ) -> tuple[Candidate, list[dict], float]:
     """The fastest candidate (module docstring), a summary of every one tried, and the batch's
-    target (``target.least_target``). ``new_loads(balance_linear, two_d)`` gives empty loads
+    least load (``least_load.least_load``). ``new_loads(balance_linear, two_d)`` gives empty loads
     to place on (``two_d``: where the planner's options allow the 2-D scheme)."""
     # Stage 1 of the pool and of the first staged placement alike: attention + linear, 2-D
-    # allowed; and the batch's target, under which no placement ends.
+    # allowed; and the batch's least load, under which no placement ends.
     tiers = {(True, True): assign_tiers(array, new_loads(True, True), rules)}
     stage_1 = tiers[(True, True)]
     batch = pool_batch(array, stage_1, new_loads(True, True), rules.chunks[1])
@@ -332,14 +333,14 @@ def search(
     first_pool: list[Candidate] = []  # the pool's first order, where placed
 
     def close_enough(candidate: Candidate | None) -> bool:
-        """Within ``_CLOSE`` of the target (``found`` then ends with it)."""
+        """Within ``_CLOSE`` of the least load (``found`` then ends with it)."""
         if candidate is None or not candidate.balance_linear:
             return False
-        return candidate.peak <= _CLOSE * batch.least
+        return candidate.peak <= _CLOSE * batch.least_load
 
     # Where the long documents' rings, not the packing, set the least load, the pool sized to
     # it goes first, and a placement that comes close enough to it ends the search.
-    ring_bound = pool and batch.least > _RING_BOUND * batch.share
+    ring_bound = pool and batch.least_load > _RING_BOUND * batch.share
     if ring_bound:
         order = PoolOrder(None, _TIGHT)
         candidate = _pool_candidate(
@@ -348,11 +349,11 @@ def search(
         first_pool += [candidate] if candidate is not None else []
         found += first_pool
         if first_pool and close_enough(first_pool[0]):
-            return (*_settle(found, array, routing, layouts), batch.least)
+            return (*_settle(found, array, routing, layouts), batch.least_load)
     for candidate in _staged(array, new_loads, rules, layouts, tiers, found):
         found.append(candidate)
         if ring_bound and close_enough(candidate):
-            return (*_settle(found, array, routing, layouts), batch.least)
+            return (*_settle(found, array, routing, layouts), batch.least_load)
     staged = _distinct([c for c in found if not c.pooled])
     best_prediction = min(min(c.predicted.values()) for c in staged)
     shortlist = sorted(
@@ -381,14 +382,14 @@ def search(
             if not timed:
                 continue
             fastest_of_kind = min(timed, key=lambda c: c.seconds)
-            goal = pool_goal(array, best.loads, rules.chunks[1]) if kind else None
+            goal = pool_goal(array, fastest_of_kind.loads, rules.chunks[1]) if kind else None
             retimed = _retime(
                 array, fastest_of_kind, stage_1.attention, new_loads, routing, layouts, goal
             )
             if retimed is not None:
                 found.append(retimed)
                 best = min(best, retimed, key=lambda c: c.seconds)
-    return best, [c.summary() for c in found], batch.least
+    return best, [c.summary() for c in found], batch.least_load
 
 
 def _staged(
@@ -434,12 +435,12 @@ def _staged(
 def _settle(
     found: list[Candidate], array: np.ndarray, routing: bool, layouts: tuple[str, ...]
 ) -> tuple[Candidate, list[dict]]:
-    """The last of ``found``, a placement within ``_CLOSE`` of the batch's target, built and
+    """The last of ``found``, a placement within ``_CLOSE`` of the batch's least load, built and
     kept with ``Loads``' prediction (``Candidate.keep_estimate``): no other placement ends more
     than that below it, less than ``Loads`` and the simulator differ by, so nothing is left to
     compare; and a summary of every candidate tried."""
     best = found[-1]
-    best.near_target = True
+    best.near_least_load = True
     best.build(array, routing)
     best.keep_estimate(layouts)
     return best, [c.summary() for c in found]
@@ -514,8 +515,8 @@ def _pool_candidates(
     if any(c.even_enough() for c in found):
         return first
     staged = min(min(c.predicted.values()) for c in found)
-    if batch.least * _POOL_GAIN >= staged:
-        return first  # no placement ends far enough below the staged ones (``target.py``)
+    if batch.least_load * _POOL_GAIN >= staged:
+        return first  # no placement ends far enough below the staged ones (``least_load.py``)
     orders, retries = pool_orders(array, new_loads(True, True), batch)
     out: list[Candidate] = list(first)
     for order in _pool_orders(out, orders, retries):
@@ -557,7 +558,7 @@ def _pool_candidate(
         )
     except CapacityError:
         return None
-    if not least or max(loads.cost) > _CLOSE * batch.least:
+    if not least or max(loads.cost) > _CLOSE * batch.least_load:
         goal = pool_goal(array, loads, rules.chunks[1])
         refine(array, placements, loads, choice.attention, loads.topology.world_size, goal)
     return _candidate(placements, loads, promotions, layouts, pooled=True)

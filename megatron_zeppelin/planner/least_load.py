@@ -1,31 +1,35 @@
-"""The batch's target load: the least load every GPU could end at, in the planner's pricing.
+"""The batch's least load: the least load every GPU could end at, in the planner's pricing.
 
 A load ``T`` is *feasible* when every document has a placement whose members each carry at most
-``T`` (whole on one GPU, or a ring of ``ring_options.options``, each member at
+``T`` (whole on one GPU, or a ring of ``ring_options.options``, its busiest member at
 ``Loads.ring_key``), and the batch's work, every document at the least work of such placements,
 fits the GPUs: at most ``world * T``. A ring does more work than its document whole (its chunks
 compute less efficiently, its transfers may not hide), the more so the wider it is: the lower
-``T``, the wider the long documents' rings and the more work there is to share out. The target
-is the least feasible ``T``.
+``T``, the wider the long documents' rings and the more work there is to share out. The least
+load is the least feasible ``T``.
 
-No placement made of those options has its busiest GPU below the target, short of the packing's
-rounding (a ring's zigzag chunks, a member's uneven tokens), so it serves twice:
-
-* the pool placement (``pool.py``) sizes its rings against it: a lower target asks for rings
-  too wide for the GPUs they leave to the others, a higher one for rings too narrow;
-* the search (``search.py``) stops once a placement is within a few percent of it.
+No placement made of those options has its busiest GPU below it: a ring's work counts each member
+at the least any member carries (``ring_options.least_member_load``), so no placement does less
+(short of a cost model whose kernels run faster on split documents than whole: the bound takes
+a document's whole work as the least it can do). The search uses it twice (``search.py``): the
+pool is not tried where the staged placement is already within reach of it, and where the long
+documents' rings set it (well above the mean work), the pool sized to it goes first and a
+placement within a few percent of it ends the search.
 
 A batch whose longest documents need many nodes each (a few documents of 100K tokens or more on
 a thousand GPUs) is where this matters: each ring alone would end soonest on a dozen or more
-nodes, together they want more nodes than there are, and the target says how wide each can be.
+nodes, together they want more nodes than there are, and the least load says how wide each can
+be.
 
-How it is computed: documents of at most a GPU's share of the work stay whole at any feasible
-``T`` (which is at least that share). The others, heaviest first, have their placements priced
-size by size upward from the smallest ring whose members' tokens fit, until one carries no more
-than the bound so far (wider rings only add work); the bound starts at the share and rises to a
-document's least per-member load where it has none below it. Each document's least work is then
-a step function of ``T``, and one sweep over all their steps finds the least ``T`` at which the
-work fits.
+How it is computed, without pricing every ring: documents of at most a GPU's share of the work
+stay whole at any feasible ``T`` (which is at least that share). The others, heaviest first, are
+priced from the narrowest ring that may carry the bound so far (a ring does at least the
+document's whole work, so narrower ones carry more) up to the first that does; the bound starts
+at the share and rises to a document's least per-member load where it has none below it. The
+bound and every document at its least work within it give a load the answer cannot exceed, so
+the rings narrower than those priced are priced only down to the narrowest that may carry that.
+Each document's least work is then a step function of ``T``, and one sweep over all their steps
+finds the least ``T`` at which the work fits.
 """
 
 from __future__ import annotations
@@ -37,16 +41,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.loads import Loads, min_ring
-from megatron_zeppelin.planner.ring_options import PoolGoal, least_load, options
+from megatron_zeppelin.planner.ring_options import PoolGoal, least_member_load, options
 
-__all__ = ["least_target"]
+__all__ = ["least_load"]
 
 _PAST_BEST = 4
 """Node counts priced past the least per-member load of a ring over whole nodes before the scan
 of a document that never gets within the bound stops (wider rings only carry more)."""
 
 
-def least_target(
+def least_load(
     array: np.ndarray,
     balanced: np.ndarray,
     loads: Loads,
@@ -54,7 +58,7 @@ def least_target(
     nic_chunk: int,
     member_tokens: int,
 ) -> float:
-    """The batch's target load (module docstring). ``balanced``: each document's work whole
+    """The batch's least load (module docstring). ``balanced``: each document's work whole
     (attention plus the linear seconds ``loads`` balances); ``loads``: empty loads pricing the
     rings as the pool places them; ``nic_chunk`` and ``member_tokens`` as in ``PoolGoal``."""
     world = loads.topology.world_size
@@ -73,7 +77,7 @@ def least_target(
             bound = max(bound, min(key for key, _ in table.priced))
             tables.append((length, whole, table))
     # Every document at its least work within the bound fits the GPUs at this load, so the
-    # target is no higher: placements that carry more than it play no part.
+    # least load is no higher: placements that carry more than it play no part.
     within = sum(min(w for key, w in t.priced if key <= bound) for _, _, t in tables)
     upper = max(bound, (rest + within) / world)
     steps: list[tuple[float, int, float]] = []  # (load, document, its least work from there)
@@ -129,7 +133,7 @@ def _placements(length: int, whole: float, loads: Loads, goal: PoolGoal, stop: f
     """The document whole (its work ``whole``) where it fits a GPU, then its rings by size
     upward, from the narrowest that may carry ``stop`` (``_fewest``), until one carries at most
     ``stop``. A ring's work counts every member at the least it may carry
-    (``ring_options.least_load``), so that no placement does less. Past the largest flat ring
+    (``ring_options.least_member_load``), so that no placement does less. Past the largest flat ring
     whose pieces hide a NIC transfer only whole nodes are priced, and no further than
     ``_PAST_BEST`` node counts past the least load they reach. A ring over whole nodes (the
     2-D scheme) may do less work than a flat ring of fewer GPUs: where one of those ends the
@@ -173,7 +177,7 @@ def _priced(
     ring is priced as what it is, the "node" option."""
     k = loads.topology.gpus_per_node
     return [
-        (key, size * least_load(length, size, loads, at))
+        (key, size * least_member_load(length, size, loads, at))
         for key, at in options(length, size, loads, goal, wide=True)
         if where in (None, at) and (at != "whole" or size > k)
     ]

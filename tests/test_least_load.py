@@ -1,4 +1,4 @@
-"""Tier: pure. The batch's target load (``planner/target.py``) and the search's early end at it.
+"""Tier: pure. The batch's target load (``planner/least_load.py``) and the search's early end at it.
 
 The target is the least load ``T`` at which every document has a placement whose members carry
 at most ``T`` and the batch's work fits ``world * T``. It is computed from each document's
@@ -17,7 +17,7 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner import search, target
+from megatron_zeppelin.planner import least_load, search
 from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.loads import Loads
@@ -59,7 +59,7 @@ def _brute_force(array: np.ndarray, loads: Loads, nic_chunk: int, most: int) -> 
     world = loads.topology.world_size
     goal = PoolGoal(0.0, 0, nic_chunk, most)
     tables = [
-        target._placements(int(n), float(w), loads, goal, -math.inf).priced
+        least_load._placements(int(n), float(w), loads, goal, -math.inf).priced
         for n, w in zip(array.tolist(), balanced.tolist())
     ]
     tables = [t for t in tables if t]
@@ -100,7 +100,7 @@ def test_target_is_the_least_feasible_load(lengths: list[int], nodes: int, capac
     loads = fresh()
     most = capacity  # every member may fill its GPU: the plainest goal
     balanced = np.asarray([loads.ring_key(int(n), 1, "nvlink") for n in array])
-    fast = target.least_target(
+    fast = least_load.least_load(
         array, balanced, loads, nic_chunk=rules.chunks[1], member_tokens=most
     )
     slow = _brute_force(array, loads, rules.chunks[1], most)
@@ -115,11 +115,11 @@ def test_sweep_by_hand() -> None:
     on), the other work 4 from load 2 on; the rest weighs 2. At load 3 the work is 14 > 12; at
     load 3.5 it is 14 = 14; so the target is 3.5 (less than 5, where the first's work drops)."""
     steps = sorted([(3.0, 0, 8.0), (5.0, 0, 6.0), (2.0, 1, 4.0)])
-    assert target._sweep(steps, 2, 2.0, 4, 0.0) == pytest.approx(3.5)
+    assert least_load._sweep(steps, 2, 2.0, 4, 0.0) == pytest.approx(3.5)
     # With 8 GPUs the work fits at once: the target is the least load every document has.
-    assert target._sweep(steps, 2, 2.0, 8, 0.0) == pytest.approx(3.0)
+    assert least_load._sweep(steps, 2, 2.0, 8, 0.0) == pytest.approx(3.0)
     # No document to place: the rest over the GPUs, or the floor.
-    assert target._sweep([], 0, 2.0, 4, 1.0) == pytest.approx(1.0)
+    assert least_load._sweep([], 0, 2.0, 4, 1.0) == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize(("dist", "seed"), [("wlbllm", 1), ("magi_realworld", 3)])
@@ -132,16 +132,16 @@ def test_no_pool_placement_ends_below_the_target(dist: str, seed: int) -> None:
     array = np.asarray(sample_lengths(dist, num_tokens=1 << 19, seed=seed))
     choice = assign_tiers(array, fresh(), rules)
     batch = pool_batch(array, choice, fresh(), rules.chunks[1])
-    assert batch.least > search._RING_BOUND * batch.share
+    assert batch.least_load > search._RING_BOUND * batch.share
     peaks = []
     for first, scale, cross in ALL_ORDERS:
         loads = fresh()
         place_pool(array, choice, loads, rules.chunks[1], first, scale, batch, cross)
         peaks.append(max(loads.cost))
-    assert min(peaks) >= batch.least * (1 - 1e-9)
+    assert min(peaks) >= batch.least_load * (1 - 1e-9)
     loads = fresh()
     place_pool(array, choice, loads, rules.chunks[1], None, search._TIGHT, batch, least=True)
-    assert batch.least * (1 - 1e-9) <= max(loads.cost) <= search._CLOSE * batch.least
+    assert batch.least_load * (1 - 1e-9) <= max(loads.cost) <= search._CLOSE * batch.least_load
 
 
 def test_wide_two_d_only_for_documents_no_narrow_ring_brings_within_the_target() -> None:
@@ -174,7 +174,7 @@ def test_search_ends_at_a_placement_within_reach_of_the_target() -> None:
     lengths, topology, cost = _ring_bound_batch()
     plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=65_536)
     (only,) = plan.meta["candidates"]
-    assert only["placement"] == "pool" and only["near_target"]
+    assert only["placement"] == "pool" and only["near_least_load"]
     assert plan.meta["timed_by"] == "planner estimate"
     staged = plan_batch(
         lengths,
@@ -186,7 +186,7 @@ def test_search_ends_at_a_placement_within_reach_of_the_target() -> None:
     assert len(staged.meta["candidates"]) > 1  # the staged placements never come close here
     assert simulate(plan, cost).step_time_s < 0.85 * simulate(staged, cost).step_time_s
     # The kept plan is what the target says is within reach, in the planner's own units.
-    assert plan.meta["target_layer_s"] <= only["predicted_layer_s"]
+    assert plan.meta["least_load_s"] <= only["predicted_layer_s"]
 
 
 def test_search_goes_on_where_the_packing_sets_the_target(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -199,4 +199,4 @@ def test_search_goes_on_where_the_packing_sets_the_target(monkeypatch: pytest.Mo
     monkeypatch.setattr(search, "_settle", lambda *args: settled.append(args))
     plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=16_384)
     assert not settled
-    assert not any(c.get("near_target") for c in plan.meta["candidates"])
+    assert not any(c.get("near_least_load") for c in plan.meta["candidates"])
