@@ -8,8 +8,10 @@ compute less efficiently, its transfers may not hide), the more so the wider it 
 ``T``, the wider the long documents' rings and the more work there is to share out. The least
 load is the least feasible ``T``.
 
-No placement made of those options has its busiest GPU below it: a ring's work counts each member
-at the least any member carries (``ring_options.least_member_load``), so no placement does less
+The options are the pool's, and rings over whole nodes whatever their pieces (the staged
+placement's rings across nodes), so no placement of the search has its busiest GPU below it: a
+ring's work counts each member at the least any member carries
+(``ring_options.least_member_load``), so no placement does less
 (short of a cost model whose kernels run faster on split documents than whole: the bound takes
 a document's whole work as the least it can do). The search uses it twice (``search.py``): the
 pool is not tried where the staged placement is already within reach of it, and where the long
@@ -41,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.loads import Loads, min_ring
-from megatron_zeppelin.planner.ring_options import PoolGoal, least_member_load, options
+from megatron_zeppelin.planner.ring_options import PoolGoal, least_member_load, options, price
 
 __all__ = ["least_load"]
 
@@ -132,12 +134,13 @@ def _sizes(length: int, loads: Loads, goal: PoolGoal, start: int) -> Iterator[in
 def _placements(length: int, whole: float, loads: Loads, goal: PoolGoal, stop: float) -> _Table:
     """The document whole (its work ``whole``) where it fits a GPU, then its rings by size
     upward, from the narrowest that may carry ``stop`` (``_fewest``), until one carries at most
-    ``stop``. A ring's work counts every member at the least it may carry
-    (``ring_options.least_member_load``), so that no placement does less. Past the largest flat ring
-    whose pieces hide a NIC transfer only whole nodes are priced, and no further than
-    ``_PAST_BEST`` node counts past the least load they reach. A ring over whole nodes (the
-    2-D scheme) may do less work than a flat ring of fewer GPUs: where one of those ends the
-    scan, whole nodes are priced on until one carries at most ``stop`` or does more work."""
+    ``stop`` (where none does, the narrower ones too). A ring's work counts every member at the
+    least it may carry (``ring_options.least_member_load``), so that no placement does less.
+    Past the largest flat ring whose pieces hide a NIC transfer only whole nodes are priced, and
+    no further than ``_PAST_BEST`` node counts past the least load they reach. A ring over whole
+    nodes (the 2-D scheme) may do less work than a flat ring of fewer GPUs: where one of those
+    ends the scan, whole nodes are priced on until one carries at most ``stop`` or does more
+    work."""
     k = loads.topology.gpus_per_node
     out: list[tuple[float, float]] = []
     first = _fewest(length, whole, loads, goal, stop)
@@ -157,7 +160,16 @@ def _placements(length: int, whole: float, loads: Loads, goal: PoolGoal, stop: f
             since_least += 1  # whole nodes past the least load they reach
         if least <= stop or since_least > _PAST_BEST:
             break
-    if least > stop or loads.two_d is None or loads.topology.num_nodes < 2:
+    if least > stop:
+        # Nothing carries ``stop``: the document's least load may lie among the narrower rings
+        # too (the widest it may take can be narrower than ``first``).
+        low = _fewest(length, whole, loads, goal, 0.0)
+        for narrower in _sizes(length, loads, goal, low):
+            if narrower >= first:
+                break
+            out += _priced(length, narrower, loads, goal)
+        return _Table(out, low)
+    if loads.two_d is None or loads.topology.num_nodes < 2:
         return _Table(out, first)
     fewest = min(work for key, work in out if key <= stop)
     for nodes in range(max(2, -(-size // k)), loads.topology.num_nodes + 1):
@@ -171,15 +183,24 @@ def _placements(length: int, whole: float, loads: Loads, goal: PoolGoal, stop: f
 def _priced(
     length: int, size: int, loads: Loads, goal: PoolGoal, where: str | None = None
 ) -> list[tuple[float, float]]:
-    """``(busiest member's load, work)`` of each option of a ring of ``size`` (or only the one
-    at ``where``). The pool's "whole" option at one node's size is an in-node ring priced as
-    the 2-D scheme would be (``ring_options.options``): it is left out here, where the same
-    ring is priced as what it is, the "node" option."""
+    """``(busiest member's load, work)`` of each placement of a ring of ``size`` (or only the
+    one at ``where``): the pool's options (``ring_options.options``), and over whole nodes
+    whatever the length of the pieces, as the staged placement's rings across nodes go (flat,
+    or 2-D where faster): the least load bounds every candidate of the search, not only the
+    pool's. The pool's "whole" option at one node's size is an in-node ring priced as the 2-D
+    scheme would be: it is left out, the same ring priced as what it is by the "node" option."""
     k = loads.topology.gpus_per_node
+    found = {
+        at: key
+        for key, at in options(length, size, loads, goal, wide=True)
+        if at != "whole" or size > k
+    }
+    if size % k == 0 and size > k and "whole" not in found:
+        found["whole"] = price(length, size, loads, two_d=True)
     return [
         (key, size * least_member_load(length, size, loads, at))
-        for key, at in options(length, size, loads, goal, wide=True)
-        if where in (None, at) and (at != "whole" or size > k)
+        for at, key in found.items()
+        if where in (None, at)
     ]
 
 

@@ -14,7 +14,7 @@ A document split over ``size`` GPUs can run (``options``):
   head all-to-alls included) is what decides.
 
 The pool placement (``pool.py``) and the batch's least load (``least_load.py``) read the same
-options, so the least load never counts on a ring the placement may not make.
+options (the least load adds the staged placement's rings over whole nodes to them).
 """
 
 from __future__ import annotations
