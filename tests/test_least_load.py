@@ -200,3 +200,27 @@ def test_search_goes_on_where_the_packing_sets_the_target(monkeypatch: pytest.Mo
     plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=16_384)
     assert not settled
     assert not any(c.get("near_least_load") for c in plan.meta["candidates"])
+
+
+@pytest.mark.parametrize("two_d", [True, False])
+def test_ending_at_the_least_load_never_loses_to_the_staged_placement(two_d: bool) -> None:
+    """The least load counts the staged placement's rings over whole nodes too, whatever their
+    pieces: where it counted the pool's alone, with every ring flat the search ended at pool
+    placements 20-30% slower than the staged placement (Wikipedia, 4M tokens on 1024 GPUs)."""
+    topology = get_topology("zeppelin-C", num_nodes=128)
+    cost = CostModel.default(MODEL, topology)
+    lengths = sample_lengths("wikipedia", num_tokens=1 << 22, seed=0)
+    steps = {
+        pool: simulate(
+            plan_batch(
+                lengths,
+                topology=topology,
+                cost_model=cost,
+                capacity=65_536,
+                options=PlannerOptions(two_d=two_d, pool=pool),
+            ),
+            cost,
+        ).step_time_s
+        for pool in (True, False)
+    }
+    assert steps[True] <= steps[False] * (1 + 1e-9)
