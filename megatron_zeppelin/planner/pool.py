@@ -105,13 +105,13 @@ Integer ring sizes leave each member short of the target by what the last, short
 fill; which target leaves the least over is not predicted well by the target itself."""
 RING_RETRIES = (PoolOrder(None, 0.9), PoolOrder(None, 0.85), PoolOrder(None, 0.8))
 """``POOL_RETRIES`` of such a batch."""
-_TARGET_ROUNDS = 3
-"""Rounds of sizing every ring against the target and raising the target by what they add."""
 ALL_ORDERS = tuple(dict.fromkeys((*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RING_RETRIES)))
 """Every order ``search`` may place a batch in, each once."""
 _MEMBER_ROOM = 0.5
 """A ring member takes at most the GPUs' mean tokens and this share of the room it leaves
 (``_member_tokens``)."""
+_TARGET_ROUNDS = 3
+"""Rounds of sizing every ring against the target and raising the target by what they add."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +132,7 @@ class PoolBatch:
     ring_docs: list[int]
     """Those, longest first."""
     least_load: float
-    """The least load any pool placement's busiest GPU can end at (``least_load.least_load``)."""
+    """The least load a placement's busiest GPU can end at (``least_load.least_load``)."""
     member_tokens: int
     """``_member_tokens``: the most tokens a ring member takes."""
 
@@ -158,8 +158,8 @@ def pool_orders(
 
 
 def pool_batch(array: np.ndarray, choice: TierChoice, loads: Loads, nic_chunk: int) -> PoolBatch:
-    """``_split`` and the target of the batch (they depend on neither the order nor the
-    placement); ``nic_chunk`` as in ``PoolGoal``."""
+    """``_split`` and the least load of the batch, and its target when asked (they depend on
+    neither the order nor the placement); ``nic_chunk`` as in ``PoolGoal``."""
     balanced, share, rings = _split(array, choice, loads)
     ring_docs = np.flatnonzero(rings)
     ring_docs = ring_docs[np.lexsort((ring_docs, -array[ring_docs]))].tolist()
