@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.partition import PlannerOptions
 from megatron_zeppelin.planner.placement import _NodeBatch
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.search import _place
+from megatron_zeppelin.planner.staged import _place
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -104,7 +104,7 @@ def test_cross_node_members_wait_as_their_edges_say(offset: int) -> None:
 
 
 def _pruned(loads: Loads) -> dict[str, float]:
-    """The pricing the search gives each placement (``search._place``)."""
+    """The pricing the search gives each placement (``staged._place``)."""
     attention_s = np.add(loads.attention, loads.exposed).tolist()
     return price_linear_layouts(
         loads.tokens, attention_s, loads.topology, loads.cost_model, LAYOUTS, prune=True

@@ -22,10 +22,10 @@ import heapq
 
 import numpy as np
 
+from megatron_zeppelin.planner.candidate import Candidate
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import SequencePlan, Span, Tier
-from megatron_zeppelin.planner.search import Candidate
 
 __all__ = ["spread_evenly", "wide_choices", "zigzag_pieces"]
 
