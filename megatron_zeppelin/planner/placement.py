@@ -22,6 +22,7 @@ __all__ = [
     "CapacityError",
     "Placement",
     "TierChoice",
+    "local_placement",
     "place_across_nodes",
     "place_anywhere",
     "place_inter_documents",
@@ -347,7 +348,7 @@ class _NodeBatch:
         self._cuts = np.searchsorted(
             node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
         ).tolist()
-        self.local = [_local(r) for r in range(loads.topology.world_size)]
+        self.local = [local_placement(r) for r in range(loads.topology.world_size)]
         self._lengths = lengths
 
     def docs(self, node: int) -> _NodeDocs:
@@ -435,7 +436,7 @@ def _place_node(
 
 
 @functools.cache
-def _local(rank: int) -> Placement:
+def local_placement(rank: int) -> Placement:
     """A whole document on ``rank``: one record per GPU, shared."""
     return Placement(Tier.LOCAL, (rank,))
 

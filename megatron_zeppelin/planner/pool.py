@@ -47,6 +47,7 @@ from megatron_zeppelin.planner.placement import (
     Placement,
     TierChoice,
     capacity_error,
+    local_placement,
 )
 from megatron_zeppelin.planner.plan import Tier
 from megatron_zeppelin.planner.ring_options import (
@@ -492,7 +493,7 @@ def _place_whole(
     floor, capacity = goal.floor, loads.capacity
     keys = _projected(loads, floor).tolist()
     heap, parked = _heaps(keys)
-    local = [Placement(Tier.LOCAL, (r,)) for r in range(loads.topology.world_size)]
+    local = [local_placement(r) for r in range(loads.topology.world_size)]
     for doc, length, seconds in zip(docs.tolist(), array[docs].tolist(), attention[docs].tolist()):
         while parked and -parked[0][0] >= length:
             rank = heapq.heappop(parked)[1]
@@ -515,7 +516,7 @@ def _place_whole(
         loads.add_local(rank, length, seconds)
         placements[doc] = local[rank]
         keys[rank] = loads.cost[rank] + loads.linear_weight * max(0, floor - loads.tokens[rank])
-        heapq.heappush(heap, (keys[rank], rank))
+        heapq.heapreplace(heap, (keys[rank], rank))  # the top was its entry: one sift
 
 
 def _heaps(keys: list[float]) -> tuple[Heap, Heap]:
