@@ -109,8 +109,9 @@ def add_planner_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-pool",
         action="store_true",
-        help="place the batch in stages only (default: also as one pool of GPUs where the "
-        "stages leave GPUs uneven, the faster kept; planning takes longer)",
+        help="place the batch in stages only (default: also as one pool of GPUs, first where "
+        "long documents set the batch's least load and where the stages leave GPUs uneven, the "
+        "faster kept)",
     )
     group.add_argument(
         "--linear-layout",
