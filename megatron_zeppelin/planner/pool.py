@@ -246,6 +246,18 @@ def _target(
     return target
 
 
+def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
+    """Ring sizes worth pricing: from the document's work over the target up to a few times it,
+    then the smaller ones down to the least whose members take at most ``most`` tokens
+    (``_member_tokens``; where GPUs lack room for the larger ones)."""
+    topo = loads.topology
+    world = topo.world_size
+    low = max(2, min_ring(length, most) or min_ring(length, loads.capacity) or 2)
+    start = min(world, max(low, math.floor(work / target)))
+    stop = min(world, 2 * start + 2 * topo.gpus_per_node)
+    return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
+
+
 def _size_for(
     length: int, work: float, target: float, loads: Loads, most: int
 ) -> tuple[int, float]:
@@ -259,18 +271,6 @@ def _size_for(
         if key < best[0]:
             best = (key, size)
     return best[1], best[0]
-
-
-def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
-    """Ring sizes worth pricing: from the document's work over the target up to a few times it,
-    then the smaller ones down to the least whose members take at most ``most`` tokens
-    (``_member_tokens``; where GPUs lack room for the larger ones)."""
-    topo = loads.topology
-    world = topo.world_size
-    low = max(2, min_ring(length, most) or min_ring(length, loads.capacity) or 2)
-    start = min(world, max(low, math.floor(work / target)))
-    stop = min(world, 2 * start + 2 * topo.gpus_per_node)
-    return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
 
 
 def _member_tokens(array: np.ndarray, loads: Loads) -> int:

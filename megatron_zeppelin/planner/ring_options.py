@@ -11,7 +11,10 @@ A document split over ``size`` GPUs can run (``options``):
   their transfers, or, for a document that no such ring brings within the target
   (``wide_two_d``), wherever a node's chunk of ``L / n`` tokens does: a 2-D ring step carries a
   node's chunk (one head group per GPU), not a GPU's piece, and its price (``Loads.ring_key``,
-  head all-to-alls included) is what decides.
+  head all-to-alls included) is what decides. At one node's size (where the flat ring's
+  pieces would hide their transfers) "whole" takes every GPU of one node and runs the document
+  as a ring over them (the 2-D scheme spans two nodes or more), let in where the 2-D scheme's
+  price fits: a looser test than the ring's own, which the least load does not count on.
 
 The pool placement (``pool.py``) and the batch's least load (``least_load.py``) read the same
 options (the least load adds the staged placement's rings over whole nodes to them).
