@@ -163,7 +163,7 @@ class Candidate:
 
     def keep_estimate(self, layouts: tuple[str, ...]) -> None:
         """Take ``Loads``' prediction as the layer time (nothing left to compare it with),
-        under every layout (``_place`` prices only those that can win)."""
+        under every layout (``staged._place`` prices only those that can win)."""
         self.attention_s = np.add(self.loads.attention, self.loads.exposed)
         self.simulated = dict(self.predicted)
         if len(self.simulated) < len(layouts):

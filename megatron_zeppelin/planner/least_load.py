@@ -42,8 +42,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_zeppelin.planner.loads import Loads, min_ring
-from megatron_zeppelin.planner.ring_options import PoolGoal, least_member_load, options, price
+from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.ring_options import (
+    PoolGoal,
+    least_member_load,
+    narrowest,
+    options,
+    price,
+)
 
 __all__ = ["least_load"]
 
@@ -116,7 +122,7 @@ def _fewest(length: int, whole: float, loads: Loads, goal: PoolGoal, most: float
     """The narrowest ring whose members may carry at most ``most``: a ring does at least the
     document's whole work (its chunks compute no more efficiently), so narrower ones carry
     more; and its members take at most ``goal.member_tokens`` tokens (``PoolGoal``)."""
-    low = max(2, min_ring(length, goal.member_tokens) or min_ring(length, loads.capacity) or 2)
+    low = narrowest(length, loads, goal.member_tokens)
     return max(low, math.floor(whole / most)) if most > 0 else low
 
 
@@ -187,14 +193,9 @@ def _priced(
     one at ``where``): the pool's options (``ring_options.options``), and over whole nodes
     whatever the length of the pieces, as the staged placement's rings across nodes go (flat,
     or 2-D where faster): the least load bounds every candidate of the search, not only the
-    pool's. The pool's "whole" option at one node's size is an in-node ring priced as the 2-D
-    scheme would be: it is left out, the same ring priced as what it is by the "node" option."""
+    pool's."""
     k = loads.topology.gpus_per_node
-    found = {
-        at: key
-        for key, at in options(length, size, loads, goal, wide=True)
-        if at != "whole" or size > k
-    }
+    found = {at: key for key, at in options(length, size, loads, goal, wide=True)}
     if size % k == 0 and size > k and "whole" not in found:
         found["whole"] = price(length, size, loads, two_d=True)
     return [

@@ -212,17 +212,16 @@ class Loads:
         share = self.rank_share(length, ring_size, link, num_links)
         return share.compute_s + share.exposed_s + self.token_weight * length / ring_size
 
-    def ring_key(self, length: int, ring_size: int, link: Link, *, flat: bool = False) -> float:
+    def ring_key(
+        self, length: int, ring_size: int, link: Link, *, flat: bool = False, crossing: bool = True
+    ) -> float:
         """What a ring adds to each member's ``cost`` (zigzag rounding aside); ``flat`` as in
-        ``rank_share``."""
+        ``rank_share``. ``crossing=False``: at a member whose ring edges stay inside its node
+        (``RankShare.exposed_at``), which waits the least; else at one whose edges cross nodes,
+        the most."""
         share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
-        return share.compute_s + share.exposed_s + self.linear_weight * length / ring_size
-
-    def ring_least(self, length: int, ring_size: int, link: Link, *, flat: bool = False) -> float:
-        """What a ring adds at least to a member's ``cost``: ``ring_key`` at a member whose ring
-        edges stay inside its node (``RankShare.exposed_at``), which waits the least."""
-        share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
-        return share.compute_s + share.exposed_at(False) + self.linear_weight * length / ring_size
+        exposed = share.exposed_s if crossing else share.exposed_at(False)
+        return share.compute_s + exposed + self.linear_weight * length / ring_size
 
     def best_num_nodes(self, length: int, rest_work: float) -> int:
         """How many whole nodes a document's ring should span so that the step ends soonest:

@@ -280,7 +280,7 @@ def _plan(
     rules = TierRules(options.allow_split, options.thresholds == "auto", thresholds, chunks)
     num_links = topology.nics_per_node if options.routing else 1
     shares: dict[bool, dict] = {False: {}, True: {}}  # rank shares, with and without 2-D
-    best, tried, target = search(
+    best, tried, least = search(
         array,
         lambda balance_linear, two_d: Loads(
             topology,
@@ -301,7 +301,7 @@ def _plan(
         "chunk_thresholds": {"nvlink": chunks[0], "nic": chunks[1]},
         "capacity_promotions": best.promotions,
         "candidates": tried,
-        "least_load_s": target,
+        "least_load_s": least,
     }
     return _assemble(best, cost_model, meta)
 

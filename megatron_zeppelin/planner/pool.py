@@ -41,7 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from megatron_zeppelin.planner.least_load import least_load
-from megatron_zeppelin.planner.loads import Loads, min_ring
+from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import (
     Heap,
     Placement,
@@ -54,6 +54,7 @@ from megatron_zeppelin.planner.ring_options import (
     TOLERANCE,
     PoolGoal,
     most_tokens,
+    narrowest,
     options,
     price,
 )
@@ -252,7 +253,7 @@ def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> 
     (``_member_tokens``; where GPUs lack room for the larger ones)."""
     topo = loads.topology
     world = topo.world_size
-    low = max(2, min_ring(length, most) or min_ring(length, loads.capacity) or 2)
+    low = narrowest(length, loads, most)
     start = min(world, max(low, math.floor(work / target)))
     stop = min(world, 2 * start + 2 * topo.gpus_per_node)
     return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]

@@ -11,10 +11,8 @@ A document split over ``size`` GPUs can run (``options``):
   their transfers, or, for a document that no such ring brings within the target
   (``wide_two_d``), wherever a node's chunk of ``L / n`` tokens does: a 2-D ring step carries a
   node's chunk (one head group per GPU), not a GPU's piece, and its price (``Loads.ring_key``,
-  head all-to-alls included) is what decides. At one node's size (where the flat ring's
-  pieces would hide their transfers) "whole" takes every GPU of one node and runs the document
-  as a ring over them (the 2-D scheme spans two nodes or more), let in where the 2-D scheme's
-  price fits: a looser test than the ring's own, which the least load does not count on.
+  head all-to-alls included) is what decides. The scheme spans two nodes or more: one node's
+  GPUs are the ``"node"`` option.
 
 The pool placement (``pool.py``) and the batch's least load (``least_load.py``) read the same
 options (the least load adds the staged placement's rings over whole nodes to them).
@@ -27,7 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_zeppelin.planner.loads import Loads
+from megatron_zeppelin.planner.loads import Loads, min_ring
 from megatron_zeppelin.planner.plan import zigzag_loads
 
 __all__ = [
@@ -35,6 +33,7 @@ __all__ = [
     "PoolGoal",
     "least_member_load",
     "most_tokens",
+    "narrowest",
     "options",
     "price",
     "wide_two_d",
@@ -59,22 +58,36 @@ class PoolGoal:
     """The most tokens a ring member takes (``pool._member_tokens``)."""
 
 
-def price(length: int, size: int, loads: Loads, *, two_d: bool, in_node: bool = True) -> float:
+def price(
+    length: int,
+    size: int,
+    loads: Loads,
+    *,
+    two_d: bool,
+    in_node: bool = True,
+    crossing: bool = True,
+) -> float:
     """Per-member load of a ring of ``size``: on NVLink inside a node (where it fits one and
     ``in_node``), else across nodes, with the 2-D scheme's price only when asked (it needs whole
-    nodes)."""
+    nodes); ``crossing`` as in ``Loads.ring_key`` (the busiest member, by default)."""
     if size <= loads.topology.gpus_per_node and in_node:
-        return loads.ring_key(length, size, "nvlink")
-    return loads.ring_key(length, size, "nic", flat=not two_d)
+        return loads.ring_key(length, size, "nvlink", crossing=crossing)
+    return loads.ring_key(length, size, "nic", flat=not two_d, crossing=crossing)
 
 
 def least_member_load(length: int, size: int, loads: Loads, where: str) -> float:
     """The least a ring of ``size`` at ``where`` (``options``) adds to one member's load: at a
-    member whose ring edges stay inside its node (``Loads.ring_least``); ``price`` is the
-    most, at a member whose edges cross nodes."""
-    if where == "node":
-        return loads.ring_least(length, size, "nvlink")
-    return loads.ring_least(length, size, "nic", flat=where == "any")
+    member whose ring edges stay inside its node; ``options`` gives the most, at a member whose
+    edges cross nodes."""
+    return price(
+        length, size, loads, two_d=where == "whole", in_node=where == "node", crossing=False
+    )
+
+
+def narrowest(length: int, loads: Loads, most: int) -> int:
+    """The narrowest ring the pool gives a document: its members take at most ``most`` tokens
+    (``PoolGoal.member_tokens``), or where no ring does, at most a GPU's capacity."""
+    return max(2, min_ring(length, most) or min_ring(length, loads.capacity) or 2)
 
 
 def wide_two_d(length: int, loads: Loads, goal: PoolGoal) -> bool:
@@ -105,7 +118,7 @@ def options(
     out = []
     if size <= k:
         out.append((price(length, size, loads, two_d=False), "node"))
-    if size % k == 0 and loads.two_d is not None:
+    if size % k == 0 and size > k and loads.two_d is not None:
         spread = size >= 2 * k and length // (size // k) >= goal.nic_chunk
         if cross or (spread and (wide_two_d(length, loads, goal) if wide is None else wide)):
             out.append((price(length, size, loads, two_d=True), "whole"))

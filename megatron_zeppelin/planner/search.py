@@ -41,7 +41,6 @@ from megatron_zeppelin.planner.linear_layout import price_linear_layouts
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import CapacityError, TierChoice
 from megatron_zeppelin.planner.pool import (
-    POOL_ORDERS,
     RING_ORDERS,
     PoolBatch,
     PoolGoal,
@@ -107,20 +106,27 @@ class _Batch:
     layouts: tuple[str, ...]
     """The linear layouts allowed."""
     routing: bool
+    world: int
     stage_1: TierChoice
     """Stage 1 of the pool and of the first staged placement alike: attention + linear, 2-D
     allowed."""
-    pool: PoolBatch
-    """``pool.pool_batch`` of ``stage_1``: the pool's target and the batch's least load."""
+    pool: PoolBatch | None
+    """``pool.pool_batch`` of ``stage_1`` (the pool's target and the batch's least load), where
+    the pool may be placed."""
 
     @property
-    def world(self) -> int:
-        return self.pool.pricing.topology.world_size
+    def least_load(self) -> float | None:
+        return self.pool.least_load if self.pool is not None else None
+
+    def within_reach(self, peak: float) -> bool:
+        """Whether a busiest GPU at ``peak`` (``Loads.cost``) is within ``_CLOSE`` of the
+        least load."""
+        return self.pool is not None and peak <= _CLOSE * self.pool.least_load
 
     def close_enough(self, candidate: Candidate) -> bool:
-        """Whether ``candidate``'s busiest GPU is within ``_CLOSE`` of the least load (a
-        candidate that balances attention alone is priced in other units)."""
-        return candidate.balance_linear and candidate.peak <= _CLOSE * self.pool.least_load
+        """``within_reach`` of ``candidate``'s busiest GPU (a candidate that balances attention
+        alone is priced in other units)."""
+        return candidate.balance_linear and self.within_reach(candidate.peak)
 
 
 def search(
@@ -131,19 +137,22 @@ def search(
     *,
     routing: bool,
     pool: bool = True,
-) -> tuple[Candidate, list[dict], float]:
+) -> tuple[Candidate, list[dict], float | None]:
     """The fastest candidate (module docstring), a summary of every one tried, and the batch's
-    least load (``least_load.least_load``). ``new_loads(balance_linear, two_d)`` gives empty
-    loads to place on (``two_d``: where the planner's options allow the 2-D scheme)."""
-    stage_1 = assign_tiers(array, new_loads(True, True), rules)
-    pooled = pool_batch(array, stage_1, new_loads(True, True), rules.chunks[1])
-    batch = _Batch(array, new_loads, rules, layouts, routing, stage_1, pooled)
+    least load (``least_load.least_load``; ``None`` where the pool is not placed).
+    ``new_loads(balance_linear, two_d)`` gives empty loads to place on (``two_d``: where the
+    planner's options allow the 2-D scheme)."""
+    stage_loads = new_loads(True, True)
+    stage_1 = assign_tiers(array, stage_loads, rules)
     pool = pool and rules.allow_split and rules.auto
+    pooled = pool_batch(array, stage_1, new_loads(True, True), rules.chunks[1]) if pool else None
+    world = stage_loads.topology.world_size
+    batch = _Batch(array, new_loads, rules, layouts, routing, world, stage_1, pooled)
     found: list[Candidate] = []
     first_pool: list[Candidate] = []
     # Where the long documents' rings, not the packing, set the least load, the pool sized to
     # it goes first, and a placement that comes close enough to it ends the search.
-    ring_bound = pool and pooled.least_load > _RING_BOUND * pooled.share
+    ring_bound = pooled is not None and pooled.least_load > _RING_BOUND * pooled.share
     if ring_bound:
         first = _pool_candidate(batch, PoolOrder(None, _TIGHT), least=True)
         first_pool += [first] if first is not None else []
@@ -160,7 +169,7 @@ def search(
     return _keep_fastest(batch, staged, pool_tried)
 
 
-def _settle(batch: _Batch, found: list[Candidate]) -> tuple[Candidate, list[dict], float]:
+def _settle(batch: _Batch, found: list[Candidate]) -> tuple[Candidate, list[dict], float | None]:
     """``search``'s answer where the last of ``found`` ends within ``_CLOSE`` of the least
     load: it is built and kept with ``Loads``' prediction (``Candidate.keep_estimate``); no
     other placement ends more than that below it, less than ``Loads`` and the simulator differ
@@ -169,12 +178,12 @@ def _settle(batch: _Batch, found: list[Candidate]) -> tuple[Candidate, list[dict
     best.near_least_load = True
     best.build(batch.array, batch.routing)
     best.keep_estimate(batch.layouts)
-    return best, [c.summary() for c in found], batch.pool.least_load
+    return best, [c.summary() for c in found], batch.least_load
 
 
 def _keep_fastest(
     batch: _Batch, staged: list[Candidate], pooled: list[Candidate]
-) -> tuple[Candidate, list[dict], float]:
+) -> tuple[Candidate, list[dict], float | None]:
     """``search``'s answer from every candidate placed: the staged ones predicted within
     ``_SHORTLIST`` of the best (``_MAX_TIMED`` at most) and the pool ones predicted within it
     of the best staged one are built and timed by the simulator (a lone one keeps ``Loads``'
@@ -206,7 +215,7 @@ def _keep_fastest(
                 if retimed is not None:
                     found.append(retimed)
                     best = min(best, retimed, key=lambda c: c.seconds)
-    return best, [c.summary() for c in found], batch.pool.least_load
+    return best, [c.summary() for c in found], batch.least_load
 
 
 def _retime(batch: _Batch, best: Candidate) -> Candidate | None:
@@ -259,6 +268,7 @@ def _pool_candidates(
     runs out of room is left out; where every document is a ring, the placement with uneven
     ring shares too (``shares.place_shares``). ``first``: the first pool placement where placed
     already (kept whatever the others)."""
+    assert batch.pool is not None, "the pool is placed only where ``search`` made its batch"
     if any(c.even_enough() for c in found):
         return first
     staged = min(min(c.predicted.values()) for c in found)
@@ -283,12 +293,11 @@ def _pool_candidates(
     return distinct(out)
 
 
-def _pool_candidate(
-    batch: _Batch, order: PoolOrder = POOL_ORDERS[0], *, least: bool = False
-) -> Candidate | None:
+def _pool_candidate(batch: _Batch, order: PoolOrder, *, least: bool = False) -> Candidate | None:
     """The pool placement in ``order`` (with ``least``, rings sized to the batch's least load
     instead of the pool's target), refined (``refine.refine``) unless ``least`` and it ends
     within ``_CLOSE`` of that load already; ``None`` where it runs out of room."""
+    assert batch.pool is not None, "the pool is placed only where ``search`` made its batch"
     array, chunk = batch.array, batch.rules.chunks[1]
     loads = batch.new_loads(True, True)
     first, scale, cross = order
@@ -298,7 +307,7 @@ def _pool_candidate(
         )
     except CapacityError:
         return None
-    if not least or max(loads.cost) > _CLOSE * batch.pool.least_load:
+    if not least or not batch.within_reach(max(loads.cost)):
         goal = pool_goal(array, loads, chunk)
         refine(array, placements, loads, batch.stage_1.attention, batch.world, goal)
     return priced(placements, loads, promotions, batch.layouts, pooled=True)
