@@ -224,9 +224,14 @@ def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
     args = _megatron_args(dataset_prefix)
-    args.eval_iters = 10
+    args.eval_iters, args.multiple_validation_sets = 10, True
     megatron_training(args)
-    with pytest.raises(ValueError, match="--eval-iters 0"):
+    with pytest.raises(ValueError, match="drop --multiple-validation-sets"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
+    args.eval_iters = 10  # 8 documents: Megatron's default split holds none out
+    megatron_training(args)
+    with pytest.raises(ValueError, match="the validation split holds no document .*--split 969"):
         hooks.model_provider(pre_process=True, post_process=True)
     args = _megatron_args(dataset_prefix)
     args.eval_interval = None  # Megatron's default: train_iters // eval_interval would fail
