@@ -108,6 +108,8 @@ class DocumentStream:
         self._cursors = [_Cursor() for _ in sizes]
         self._drawn = 0
         """Tokens drawn from all sources."""
+        self._peeked: tuple[int | None, DocumentSlice | None] | None = None
+        """The next source and unit, once looked at (until taken)."""
         self._orders: dict[int, tuple[int, np.ndarray]] = {}
         self._units: dict[int, tuple[tuple[int, int], list[DocumentSlice]]] = {}
 
@@ -160,6 +162,8 @@ class DocumentStream:
     # --- the blend ---------------------------------------------------------------------------
     def _next_source(self) -> int | None:
         """The source furthest behind its share of the tokens (Megatron's blending rule)."""
+        if len(self._cursors) == 1:
+            return None if self._head(0) is None else 0
         drawn = max(self._drawn, 1)
         best, best_error = None, 0.0
         for k, (weight, cursor) in enumerate(zip(self.weights, self._cursors)):
@@ -172,15 +176,17 @@ class DocumentStream:
 
     def peek(self) -> DocumentSlice | None:
         """The next unit, without taking it; ``None`` when the stream has ended."""
-        source = self._next_source()
-        return None if source is None else self._head(source)
+        if self._peeked is None:
+            source = self._next_source()
+            self._peeked = (source, None if source is None else self._head(source))
+        return self._peeked[1]
 
     def take(self) -> DocumentSlice | None:
         """The next unit, taken."""
-        source = self._next_source()
-        if source is None:
+        unit = self.peek()
+        source, self._peeked = self._peeked[0], None
+        if unit is None:
             return None
-        unit = self._head(source)
         cursor = self._cursors[source]
         cursor.piece += 1
         cursor.tokens += unit.num_tokens
@@ -214,6 +220,7 @@ class DocumentStream:
             )
         self._cursors = [_Cursor(*map(int, cursor)) for cursor in state]
         self._drawn = sum(c.tokens for c in self._cursors)
+        self._peeked = None
 
 
 def _normalized(weights: Sequence[float], num_sources: int) -> tuple[float, ...]:
