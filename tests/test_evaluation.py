@@ -11,7 +11,9 @@ Tier: threads (one in-process gloo rank with Megatron's parallel state, the stan
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -95,8 +97,13 @@ def test_each_split_gets_its_markers_and_evaluation_reads_only_held_out_document
     megatron_training,  # noqa: F811
     one_rank,
     prefix,
+    tmp_path,
+    capsys,
 ):
-    args, model = _start(megatron_training, prefix)
+    from megatron_zeppelin.megatron.resume import sampler_state_path
+
+    save = str(tmp_path / "ckpt")
+    args, model = _start(megatron_training, prefix, save=save)
     per_step = args.global_batch_size  # micro-batches per evaluation iteration (one rank)
     train, valid, test = hooks.train_valid_test_datasets_provider([4, 8, 4])
     assert [len(train), len(valid), len(test)] == [4, 8, 4]
@@ -117,15 +124,23 @@ def test_each_split_gets_its_markers_and_evaluation_reads_only_held_out_document
     assert first != second  # the next evaluation continues the stream, as Megatron's loader
     assert all(count > 0 for _, _, count in first) and all(np.isfinite(s) for _, s, _ in first)
 
-    # After a resume Megatron's loader starts at consumed_valid_samples: so does the stream.
-    args, model = _start(
-        megatron_training, prefix, consumed_valid_samples=EVAL_ITERS * args.global_batch_size
-    )
-    _, valid, _ = hooks.train_valid_test_datasets_provider([4, 8, 4])
-    resumed = _evaluate(model, valid, EVAL_ITERS * per_step)
-    assert [d for d, _, _ in resumed] == [d for d, _, _ in second]
-    for (_, loss, count), (_, expected, expected_count) in zip(resumed, second):
-        assert count == expected_count and loss == pytest.approx(expected, rel=1e-6)
+    # The validation stream's state is kept at the end of every evaluation (2 steps each).
+    for step, there in ((1, False), (2, True), (3, False), (4, True)):
+        assert os.path.exists(sampler_state_path(save, step, "valid")) == there
+
+    # After a resume Megatron's loader starts at consumed_valid_samples: so does the stream,
+    # from the state saved there, or replayed where the checkpoint has none.
+    consumed = EVAL_ITERS * args.global_batch_size  # one evaluation done
+    for said in ("sampler restored at validation step 2", "no sampler state for validation step 2"):
+        capsys.readouterr()
+        args, model = _start(megatron_training, prefix, consumed_valid_samples=consumed, load=save)
+        _, valid, _ = hooks.train_valid_test_datasets_provider([4, 8, 4])
+        assert said in capsys.readouterr().out
+        resumed = _evaluate(model, valid, EVAL_ITERS * per_step)
+        assert [d for d, _, _ in resumed] == [d for d, _, _ in second]
+        for (_, loss, count), (_, expected, expected_count) in zip(resumed, second):
+            assert count == expected_count and loss == pytest.approx(expected, rel=1e-6)
+        Path(sampler_state_path(save, EVAL_ITERS, "valid")).unlink(missing_ok=True)
 
     # --skip-train evaluates from the start of the validation split, as Megatron's loader does.
     args, model = _start(megatron_training, prefix, consumed_valid_samples=4, skip_train=True)
@@ -140,10 +155,12 @@ def test_full_validation_passes_over_every_validation_document_each_time(
 ):
     args, model = _start(megatron_training, prefix, full_validation=True)
     # Megatron asks for no validation samples with --full-validation: one marker per step.
-    _, valid, _ = hooks.train_valid_test_datasets_provider([4, None, 4])
+    _, valid, test = hooks.train_valid_test_datasets_provider([4, None, 4])
     num_steps = len(valid)
     assert num_steps == hooks._STATE.evaluation["valid"].pass_steps >= 1
     per_step = args.global_batch_size
+    # Megatron then evaluates the test split for as many iterations: its loader has them.
+    assert len(test) >= num_steps * per_step
     first = _evaluate(model, valid, num_steps * per_step)
     second = _evaluate(model, valid, num_steps * per_step)
     assert first == second

@@ -18,7 +18,8 @@ documents an evaluation sees follows what Megatron's loaders do:
   of the run (counted from iteration 0, across resumes) takes steps ``k * eval_iters`` to
   ``(k + 1) * eval_iters - 1``; after a resume the stream starts at
   ``consumed_valid_samples / eval_global_batch_size`` steps (Megatron restores that count from
-  the checkpoint), and at 0 with ``--skip-train``, as Megatron's loader does;
+  the checkpoint; the stream's state there is saved beside the checkpoints at the end of every
+  evaluation, ``resume.py``), and at 0 with ``--skip-train``, as Megatron's loader does;
 * **--full-validation**: every evaluation is one pass over all validation documents, each
   exactly once, from the same start (the stream's steps up to the end of its first epoch;
   Megatron runs as many iterations as its loader has batches, which the marker dataset sets
@@ -54,6 +55,12 @@ def is_evaluating(args: argparse.Namespace) -> bool:
         bool(getattr(args, "full_validation", False))
         or int(getattr(args, "eval_iters", 0) or 0) > 0
     )
+
+
+def eval_batch_size(args: argparse.Namespace) -> int:
+    """Samples (micro-batches of all ranks) per evaluation iteration: Megatron's
+    ``--eval-global-batch-size``, which defaults to ``--global-batch-size``."""
+    return int(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -118,11 +125,18 @@ class EvalStream:
     """With --full-validation: the steps of one pass, after which the stream starts again."""
     start: dict | None = None
     """The sampler's state where every pass starts."""
+    save: Callable[[int, dict], None] | None = None
+    """Called with the step and the state at the end of every evaluation."""
+    steps_per_evaluation: int = 1
 
     def next(self) -> FedMicroBatch:
         if self.pass_steps is not None and self.feed.state_dict()["step"] == self.pass_steps:
             self.feed.load_state_dict(self.start)
-        return self.feed.next()
+        item = self.feed.next()
+        done = item.step.step + 1
+        if self.save and item.is_last_of_step and done % self.steps_per_evaluation == 0:
+            self.save(done, self.feed.state_dict())
+        return item
 
     def close(self) -> None:
         self.feed.close()
@@ -144,12 +158,15 @@ def evaluation_streams(
     make_sampler: SamplerFactory,
     make_feed: Callable[[DocumentSampler], MicroBatchFeed],
     data_parallel: int,
+    restore: Callable[[DocumentSampler, int], None],
+    save: Callable[[int, dict], None] | None,
 ) -> dict[str, EvalStream]:
     """The validation and test streams of the module docstring, for the splits with documents
-    (none where the run does not evaluate)."""
+    (none where the run does not evaluate). ``restore(sampler, step)`` brings the validation
+    sampler to ``step``; ``save(step, state)`` keeps its state at the end of an evaluation."""
     if not is_evaluating(args):
         return {}
-    eval_batch = int(getattr(args, "eval_global_batch_size", None) or args.global_batch_size)
+    eval_batch = eval_batch_size(args)
     num_micro_batches = eval_batch // data_parallel
     streams = {}
     for split in ("valid", "test"):
@@ -162,26 +179,37 @@ def evaluation_streams(
             steps = pass_steps(make_sampler(docs, num_micro_batches, num_epochs=1))
             streams[split] = EvalStream(make_feed(sampler), docs, steps, sampler.state_dict())
             continue
-        for _ in range(_first_step(args, split, eval_batch)):
-            sampler.next_step()
-        streams[split] = EvalStream(make_feed(sampler), docs)
+        if split == "test":
+            streams[split] = EvalStream(make_feed(sampler), docs)
+            continue
+        restore(sampler, _first_step(args, eval_batch))
+        iters = int(getattr(args, "eval_iters", 0) or 0)
+        streams[split] = EvalStream(
+            make_feed(sampler), docs, save=save, steps_per_evaluation=max(iters, 1)
+        )
     return streams
 
 
-def _first_step(args: argparse.Namespace, split: str, eval_batch: int) -> int:
-    """Where Megatron's loader of ``split`` starts, in evaluation steps."""
-    if split == "test" or getattr(args, "skip_train", False):
+def _first_step(args: argparse.Namespace, eval_batch: int) -> int:
+    """Where Megatron's validation loader starts, in evaluation steps."""
+    if getattr(args, "skip_train", False):
         return 0
     return int(getattr(args, "consumed_valid_samples", 0) or 0) // eval_batch
 
 
 def marker_counts(
-    num_samples: list[int | None], streams: dict[str, EvalStream], data_parallel: int
+    args: argparse.Namespace,
+    num_samples: list[int | None],
+    streams: dict[str, EvalStream],
+    data_parallel: int,
 ) -> dict[str, int]:
     """How many markers each split's loader gets: what Megatron asked for, and with
-    --full-validation (Megatron asks for none) one per rank per step of the pass."""
-    counts = dict(zip(SPLITS, num_samples))
-    for split, stream in streams.items():
-        if stream.pass_steps is not None:
-            counts[split] = stream.pass_steps * data_parallel
-    return {split: int(n or 0) for split, n in counts.items()}
+    --full-validation (Megatron asks for none) one per rank per step of the pass. Megatron
+    then runs that many iterations for the test split too (its ``eval_iters`` becomes the
+    validation loader's length), so the test loader gets at least as many steps."""
+    counts = {split: int(n or 0) for split, n in zip(SPLITS, num_samples)}
+    valid = streams.get("valid")
+    if valid is not None and valid.pass_steps is not None:
+        counts["valid"] = valid.pass_steps * data_parallel
+        counts["test"] = max(counts["test"], valid.pass_steps * eval_batch_size(args))
+    return counts

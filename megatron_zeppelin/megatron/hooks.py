@@ -358,8 +358,10 @@ def train_valid_test_datasets_provider(
         make_sampler=_sampler,
         make_feed=_STATE.feed.beside if _STATE.feed else _feed_of_run,
         data_parallel=world,
+        restore=partial(_restore_validation, getattr(args, "load", None)),
+        save=_save_validation_state if getattr(args, "save", None) else None,
     )
-    counts = evaluation.marker_counts(train_val_test_num_samples, _STATE.evaluation, world)
+    counts = evaluation.marker_counts(args, train_val_test_num_samples, _STATE.evaluation, world)
     present = {"train": _STATE.feed is not None, **{k: True for k in _STATE.evaluation}}
     return tuple(
         evaluation.Markers(counts[split], split) if present.get(split) else None for split in SPLITS
@@ -368,6 +370,16 @@ def train_valid_test_datasets_provider(
 
 def _feed_of_run(sampler: DocumentSampler) -> MicroBatchFeed:
     return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+
+
+def _restore_validation(directory: str | None, sampler: DocumentSampler, step: int) -> None:
+    restore_sampler(sampler, directory, step, log=_log, split="valid")
+
+
+def _save_validation_state(step: int, state: dict) -> None:
+    """Rank 0 keeps the validation stream's state at the end of an evaluation."""
+    if _is_writing_rank():
+        save_sampler_state(_STATE.args.save, step, state, split="valid")
 
 
 def _sampler(documents, num_micro_batches: int, num_epochs: int | None = None) -> DocumentSampler:
