@@ -298,7 +298,6 @@ def test_resume_restores_the_sampler_saved_beside_the_checkpoint_or_replays_it(
 ) -> None:
     from megatron_zeppelin.megatron.resume import sampler_state_path
     from megatron_zeppelin.megatron.sampler import DocumentSampler
-
     from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
     save = str(tmp_path / "ckpt")

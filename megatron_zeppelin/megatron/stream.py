@@ -160,25 +160,27 @@ class DocumentStream:
         return None
 
     # --- the blend ---------------------------------------------------------------------------
-    def _next_source(self) -> int | None:
-        """The source furthest behind its share of the tokens (Megatron's blending rule)."""
+    def _next(self) -> tuple[int | None, DocumentSlice | None]:
+        """The source furthest behind its share of the tokens (Megatron's blending rule) and
+        its next unit; ``(None, None)`` once every source has ended."""
         if len(self._cursors) == 1:
-            return None if self._head(0) is None else 0
+            head = self._head(0)
+            return (None, None) if head is None else (0, head)
         drawn = max(self._drawn, 1)
-        best, best_error = None, 0.0
+        best, best_error = (None, None), 0.0
         for k, (weight, cursor) in enumerate(zip(self.weights, self._cursors)):
-            if weight <= 0 or self._head(k) is None:
+            if weight <= 0:
                 continue
+            head = self._head(k)
             error = weight * drawn - cursor.tokens
-            if best is None or error > best_error:
-                best, best_error = k, error
+            if head is not None and (best[0] is None or error > best_error):
+                best, best_error = (k, head), error
         return best
 
     def peek(self) -> DocumentSlice | None:
         """The next unit, without taking it; ``None`` when the stream has ended."""
         if self._peeked is None:
-            source = self._next_source()
-            self._peeked = (source, None if source is None else self._head(source))
+            self._peeked = self._next()
         return self._peeked[1]
 
     def take(self) -> DocumentSlice | None:
