@@ -167,3 +167,51 @@ def test_full_validation_passes_over_every_validation_document_each_time(
     pieces = sorted(p for docs, _, _ in first for p in docs)
     assert [doc for doc, _, _ in pieces] == list(range(24, 32))  # each document once
     assert [end - start for _, start, end in pieces] == LENGTHS[24:32]
+
+
+def test_per_split_datasets_and_the_evaluation_batch_size(
+    megatron_training,  # noqa: F811
+    one_rank,
+    prefix,
+    tmp_path,
+):
+    other = str(tmp_path / "held_out")
+    write_synthetic_dataset(other, lengths=[11, 23, 5, 40], vocab_size=VOCAB)
+    args, model = _start(
+        megatron_training,
+        prefix,
+        data_path=None,
+        split=None,
+        train_data_path=[prefix],
+        valid_data_path=[other],
+        eval_global_batch_size=4,
+    )
+    train, valid, test = hooks.train_valid_test_datasets_provider([4, 16, 0])
+    assert test is None  # no --test-data-path: Megatron builds no test dataset either
+    stream = hooks._STATE.evaluation["valid"]
+    assert stream.feed.sampler.num_micro_batches == 4  # --eval-global-batch-size / DP
+    assert hooks._STATE.dataset.source_sizes == [len(LENGTHS)]  # every training document
+    drawn = _evaluate(model, valid, 8)
+    assert {doc for docs, _, _ in drawn for doc, _, _ in docs} == {0, 1, 2, 3}
+    assert {ds.path_prefix for ds in stream.documents.datasets} == {other}
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(sft=True), "drop --sft"),
+        (dict(fim_data=True), "drop --fim-data"),
+        (dict(dataloader_type="external"), "drop --dataloader-type external"),
+        (dict(eval_micro_batch_size=2), "set --eval-micro-batch-size 1"),
+        (dict(multiple_validation_sets=True), "drop --multiple-validation-sets"),
+    ],
+)
+def test_data_and_evaluation_flags_zeppelin_cannot_honour_are_refused(flags, message, prefix):
+    import argparse
+
+    from megatron_zeppelin.megatron.evaluation import check_flags
+
+    args = argparse.Namespace(data_path=[prefix], split="6,2,2", eval_iters=1, **flags)
+    with pytest.raises(ValueError, match=message):
+        check_flags(args)
+    check_flags(argparse.Namespace(data_path=[prefix], split="6,2,2", eval_iters=1))

@@ -71,6 +71,12 @@ def check_flags(args: argparse.Namespace) -> None:
             "--zeppelin evaluates one validation set: drop --multiple-validation-sets (the "
             "datasets of --valid-data-path are evaluated as one blend)"
         )
+    for flag in ("sft", "fim_data"):  # datasets of another kind, and --sft's per-sample loss
+        if getattr(args, flag, False):
+            raise ValueError(
+                f"--zeppelin pretrains on the documents of .bin/.idx datasets: drop "
+                f"--{flag.replace('_', '-')}"
+            )
     if getattr(args, "dataloader_type", None) == "external":
         raise ValueError("--zeppelin draws the documents itself: drop --dataloader-type external")
     eval_micro_batch = getattr(args, "eval_micro_batch_size", None)
