@@ -2,8 +2,9 @@
 
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
 modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
-``feed``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training`` is imported
-only inside the functions, so this module imports anywhere megatron-core does.
+``feed``, ``resume``, ``report``, ``batch``, ``sampler``, ``blend``, ``evaluation``).
+``megatron.training`` is imported only inside the functions, so this module imports anywhere
+megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 
@@ -28,14 +29,17 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
    model and the data;
 3. ``model_provider`` builds ``GPTModel`` with Zeppelin's spec (``position_embedding_type``
    'none' for RoPE models: RoPE is per document inside core attention);
-4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
-   sampler, brought to a resumed iteration from the state saved beside the checkpoint
-   (``resume.py``); Megatron's loader only counts micro-batches;
-5. ``forward_step`` takes the next micro-batch and its plan (planned ahead by planner
-   processes, ``feed.py``, ``plan_workers.py``) and runs the one micro-batch step of the CPU
-   job and the check (``step.run_micro_batch``), returning Megatron's per-token loss function
-   (a micro-batch without documents skips the model: zero loss, zero tokens). After a step's
-   last micro-batch it writes the sampler state when Megatron will save at the next iteration.
+4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` datasets the data flags
+   name, split by documents as Megatron splits them (``blend.py``), the training sampler,
+   brought to a resumed iteration from the state saved beside the checkpoint (``resume.py``),
+   and the validation and test streams (``evaluation.py``); Megatron's loaders only count
+   micro-batches, over markers that say their split;
+5. ``forward_step`` takes the next micro-batch of the marker's split and its plan (planned
+   ahead by planner processes, ``feed.py``, ``plan_workers.py``) and runs the one micro-batch
+   step of the CPU job and the check (``step.run_micro_batch``), returning Megatron's per-token
+   loss function (a micro-batch without documents skips the model: zero loss, zero tokens).
+   After a training step's last micro-batch it writes the sampler state when Megatron will
+   save at the next iteration.
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
@@ -56,14 +60,15 @@ from megatron.core.transformer.spec_utils import import_module
 
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.comm.watch import CommWatch
+from megatron_zeppelin.megatron import evaluation
 from megatron_zeppelin.megatron.args import (
     extra_args_provider,
     is_enabled,
     resolve_topology,
     validate_megatron_args,
 )
+from megatron_zeppelin.megatron.blend import SPLITS, data_blends, open_document_sets
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-from megatron_zeppelin.megatron.data import DocumentDataset
 from megatron_zeppelin.megatron.feed import MicroBatchFeed
 from megatron_zeppelin.megatron.loss import megatron_loss_func
 from megatron_zeppelin.megatron.norms import (
@@ -113,6 +118,15 @@ class _State:
         """``feed.MicroBatchFeed`` over the sampler: micro-batches with their plans."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
+        self.evaluation: dict[str, evaluation.EvalStream] = {}
+        """Validation and test micro-batches, by split (``evaluation.py``)."""
+
+    def close_feeds(self) -> None:
+        for stream in self.evaluation.values():
+            stream.close()  # before the training feed: they share its planner
+        if self.feed is not None:
+            self.feed.close()
+        self.evaluation, self.feed = {}, None
 
 
 _STATE = _State()
@@ -121,8 +135,7 @@ _STATE = _State()
 def reset() -> None:
     """Forget what ``setup`` built (tests, or a second run in one process)."""
     global _STATE
-    if _STATE.feed is not None:
-        _STATE.feed.close()
+    _STATE.close_feeds()
     _STATE = _State()
 
 
@@ -137,11 +150,6 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         raise ValueError(
             "--zeppelin draws one optimizer step of documents at a time with a fixed number of "
             "micro-batches: drop --rampup-batch-size"
-        )
-    if int(getattr(args, "eval_iters", 0) or 0) > 0 and not getattr(args, "skip_train", False):
-        raise ValueError(
-            "--zeppelin has no validation split yet (its sampler walks the whole dataset): "
-            "set --eval-iters 0"
         )
     if "eval_interval" in vars(args) and not args.eval_interval:  # Megatron's default: None
         raise ValueError(
@@ -165,6 +173,7 @@ def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
     _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
+    evaluation.check_flags(args)  # the data and evaluation flags, and the datasets' headers
     _check_kernel(config.kernel, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_data_parallel_group()
@@ -316,34 +325,16 @@ def model_provider(
     )
 
 
-class MicroBatchMarkers(torch.utils.data.Dataset):
-    """What Megatron's data loader iterates: one integer per micro-batch sample, nothing else.
-
-    Zeppelin draws whole documents itself (a seeded, resumable sampler over ``--data-path``);
-    Megatron's loop only needs an indexable dataset of the length it asked for, so its own
-    sampler, ``DataLoader`` and consumed-sample bookkeeping work unchanged.
-    """
-
-    def __init__(self, num_samples: int) -> None:
-        self.num_samples = int(num_samples)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> int:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        return index
-
-
 def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int], vp_stage: int | None = None
 ):
-    """Open the dataset and the document sampler; return ``(markers, None, None)``.
+    """Open the datasets the data flags name (``blend.py``: ``--split`` by documents, blends),
+    the training sampler and the evaluation streams (``evaluation.py``); return Megatron a
+    marker dataset per split (``None`` for a split without documents).
 
-    Resuming (``args.iteration > 0``) restores the sampler from the state saved beside the
-    checkpoint (``resume.py``), or replays it to that step where the checkpoint has none: it is
-    deterministic in its seed and the document lengths, so every rank lands on the same
+    Resuming (``args.iteration > 0``) restores the training sampler from the state saved beside
+    the checkpoint (``resume.py``), or replays it to that step where the checkpoint has none: it
+    is deterministic in its seed and the document lengths, so every rank lands on the same
     documents either way.
     """
     # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
@@ -352,54 +343,107 @@ def train_valid_test_datasets_provider(
     args = get_args()
     if _STATE.config is None:
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
-    if not args.data_path or len(args.data_path) != 1:
-        raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX (no blend)")
-    config, runtime = _STATE.config, _STATE.runtime
-    _STATE.dataset = DocumentDataset(args.data_path[0])
+    documents = dict(zip(SPLITS, open_document_sets(data_blends(args))))
+    _STATE.close_feeds()
+    _STATE.dataset = documents["train"]
+    if _STATE.dataset is not None:
+        sampler = _sampler(_STATE.dataset, _STATE.num_micro_batches)
+        iteration = int(getattr(args, "iteration", 0) or 0)
+        restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
+        _STATE.feed = MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+    world = _STATE.runtime.topology.world_size
+    _STATE.evaluation = evaluation.evaluation_streams(
+        args,
+        documents,
+        make_sampler=_sampler,
+        make_feed=_STATE.feed.beside if _STATE.feed else _feed_of_run,
+        data_parallel=world,
+        restore=partial(_restore_validation, getattr(args, "load", None)),
+        save=_save_validation_state if getattr(args, "save", None) else None,
+    )
+    counts = evaluation.marker_counts(args, train_val_test_num_samples, _STATE.evaluation, world)
+    present = {"train": _STATE.feed is not None, **{k: True for k in _STATE.evaluation}}
+    return tuple(
+        evaluation.Markers(counts[split], split) if present.get(split) else None for split in SPLITS
+    )
+
+
+def _feed_of_run(sampler: DocumentSampler) -> MicroBatchFeed:
+    return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+
+
+def _restore_validation(directory: str | None, sampler: DocumentSampler, step: int) -> None:
+    restore_sampler(sampler, directory, step, log=_log, split="valid")
+
+
+def _save_validation_state(step: int, state: dict) -> None:
+    """Rank 0 keeps the validation stream's state at the end of an evaluation."""
+    if _is_writing_rank():
+        save_sampler_state(_STATE.args.save, step, state, split="valid")
+
+
+def _sampler(documents, num_micro_batches: int, num_epochs: int | None = None) -> DocumentSampler:
+    """A sampler over ``documents`` (a ``blend.DocumentSet``) with the run's budget: a
+    micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or --seq-length)`` tokens
+    of whole documents, and a step ``num_micro_batches`` of them."""
+    args, config, runtime = _STATE.args, _STATE.config, _STATE.runtime
     per_gpu = min(args.seq_length, config.capacity or args.seq_length)
     micro_batch_tokens = per_gpu * runtime.topology.world_size
-    sampler = DocumentSampler(
-        _STATE.dataset.lengths,
-        tokens_per_step=micro_batch_tokens * _STATE.num_micro_batches,
-        num_micro_batches=_STATE.num_micro_batches,
+    return DocumentSampler(
+        documents.lengths,
+        tokens_per_step=micro_batch_tokens * num_micro_batches,
+        num_micro_batches=num_micro_batches,
         seed=args.seed,
         max_length=min(config.max_document_length or args.seq_length, micro_batch_tokens),
         long_documents=config.long_documents,
         micro_batch_capacity=micro_batch_tokens,
         cost=DocumentCost.from_model(runtime.cost_model.model),
+        source_sizes=documents.source_sizes,
+        weights=documents.weights,
+        num_epochs=num_epochs,
     )
-    iteration = int(getattr(args, "iteration", 0) or 0)
-    restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
-    if _STATE.feed is not None:
-        _STATE.feed.close()
-    _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
-    return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 
 def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool | None = None):
     """Megatron's ``forward_step``: the next micro-batch through ``step.run_micro_batch``.
 
     Returns ``(per-token losses [1, s], loss_func)``; ``loss_func(output)`` gives Megatron's
-    per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
+    per-token triple. The marker Megatron's loader hands over says the split: validation and
+    test micro-batches come from their own streams (``evaluation.py``), training ones from the
+    training sampler. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
     accepted for the call's shape; Zeppelin refuses pipeline parallelism.
     """
-    if data_iterator is not None:
-        next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
+    # The marker also keeps Megatron's consumed-sample count in step with ours.
+    split = "train" if data_iterator is None else evaluation.marker_split(next(data_iterator))
+    if split != "train":
+        stream = _STATE.evaluation[split]
+        return _run(model, stream.next(), stream.documents)
     item = _STATE.feed.next()
     if item.is_last_of_step:
         _save_sampler_state(item.step.step + 1)
+    if item.plan is not None:
+        _log_plan(item)
+    return _run(model, item, _STATE.dataset)
+
+
+def _run(model, item, documents):
+    """One micro-batch through the model; Megatron's per-token loss function with it."""
     if item.plan is None:
         return empty_micro_batch(model)
-    runtime = _STATE.runtime
+    run = run_micro_batch(model, item.slices, item.plan, _STATE.runtime, documents)
+    return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
+
+
+def _log_plan(item) -> None:
+    """Every ``--zeppelin-log-plan-every`` training micro-batches: its plan and planning time."""
     _STATE.micro_batches_done += 1
     every = _STATE.config.log_plan_every
     if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
+        runtime = _STATE.runtime
         summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
         print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
         planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
         print(f"zeppelin planning: {planning}", flush=True)
-    run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
-    return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
 
 
 def _save_sampler_state(iteration: int) -> None:

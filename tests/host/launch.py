@@ -19,6 +19,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # Megatron's training_log line: "iteration        3/       4 | ... | lm loss: 4.789168E+00 |"
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eEnaif]+) \|")
+# evaluate_and_print_results: " validation loss at iteration 4 on test set | lm loss value: ..."
+VALIDATION = re.compile(r" validation loss at (.+?) \| lm loss value: ([-+0-9.eEnaif]+) \|")
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,13 @@ class Run:
             (_, first), (second_iteration, mean) = logged[:2]
             logged[1] = (second_iteration, 2 * mean - first)
         return dict(logged)
+
+    @property
+    def evaluations(self) -> dict[str, float]:
+        """What each evaluation printed (last rank): ``lm loss`` by where Megatron evaluated,
+        e.g. ``"iteration 2"`` (during training), ``"iteration 4 on validation set"`` and
+        ``"iteration 4 on test set"`` (after it)."""
+        return {where: float(v) for where, v in VALIDATION.findall(self.outputs[-1])}
 
     def tail(self, chars: int = 4000) -> str:
         parts = [f"--- launcher ---\n{self.launcher[-chars:]}"]
