@@ -53,6 +53,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import import_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.comm.watch import CommWatch
@@ -70,6 +72,7 @@ from megatron_zeppelin.megatron.norms import (
     needs_sequence_parallel_norms,
     sequence_parallel_spec,
 )
+from megatron_zeppelin.megatron.pipeline import ChunkCursors, pipeline_stage
 from megatron_zeppelin.megatron.report import (
     chosen_kernel,
     collector_line,
@@ -88,6 +91,7 @@ from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.planner.models import model_from_config
+from megatron_zeppelin.planner.plan import Plan
 
 __all__ = [
     "extra_args_provider",
@@ -111,6 +115,11 @@ class _State:
         self.dataset: Any = None
         self.feed: Any = None
         """``feed.MicroBatchFeed`` over the sampler: micro-batches with their plans."""
+        self.cursors: Any = None
+        """``pipeline.ChunkCursors`` over the feed: each micro-batch for every model chunk."""
+        self.num_chunks: int = 1
+        """Model chunks of this pipeline stage (virtual stages; 1 without them)."""
+        self.pipeline_parallel: int = 1
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
 
@@ -150,15 +159,21 @@ def _refuse_unsupported(args: argparse.Namespace) -> None:
         )
 
 
-def planner_model(args: argparse.Namespace):
+def planner_model(args: argparse.Namespace, *, pp_rank: int = 0):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
-    ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size)."""
+    ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size); under pipeline
+    parallelism the model of stage ``pp_rank``, its own layers (``pipeline.pipeline_stage``)."""
     # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    return model_from_config(config, vocab_size=args.padded_vocab_size, name="megatron")
+    stage = pipeline_stage(
+        config, pp_rank=pp_rank, vp_size=getattr(args, "virtual_pipeline_model_parallel_size", None)
+    )
+    return model_from_config(
+        config, vocab_size=args.padded_vocab_size, name="megatron", pipeline=stage
+    )
 
 
 def setup(args: argparse.Namespace) -> None:
@@ -176,14 +191,18 @@ def setup(args: argparse.Namespace) -> None:
         global_ranks=tuple(dist.get_process_group_ranks(group)),
         dp_group=group,
     )
-    topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    topology = resolve_topology(
+        config, ctx.zeppelin_world, tensor_parallel=tp, pipeline_parallel=pp
+    )
     per_rank = args.micro_batch_size * ctx.zeppelin_world
     if args.global_batch_size % per_rank:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size"
             f" x data-parallel size ({per_rank}): change --global-batch-size"
         )
-    cost_model = build_cost_model(planner_model(args), topology, calibration=config.calibration)
+    spec = planner_model(args, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    cost_model = build_cost_model(spec, topology, calibration=config.calibration)
     exchanger, _ = create_transport(topology, ctx, config)
     _STATE.config = config
     _STATE.args = args
@@ -206,6 +225,8 @@ def setup(args: argparse.Namespace) -> None:
         ),
     )
     _STATE.num_micro_batches = args.global_batch_size // per_rank
+    _STATE.pipeline_parallel = pp
+    _STATE.num_chunks = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     _log_startup(args, tp)
 
 
@@ -226,9 +247,10 @@ def _check_kernel(requested: str, args: argparse.Namespace) -> None:
 
 
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
-    """The start-up summary (node shape, cost model source, kernel) on rank 0."""
+    """The start-up summary (node shape, cost model source, kernel) on rank 0, and under
+    pipeline parallelism on the first rank of every stage (its cost model is its own)."""
 
-    if not _is_logging_rank():
+    if not _is_stage_logging_rank():
         return
     device, dtype = _activations(args)
     kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
@@ -237,10 +259,11 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
-def _layer_spec(args: argparse.Namespace):
+def _layer_spec(args: argparse.Namespace, *, num_layers: int):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
     with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
-    is refused, since the plan's layouts would then reach a module that cannot read them."""
+    is refused, since the plan's layouts would then reach a module that cannot read them.
+    ``num_layers``: the layers of the model chunk being built (a block spec lists them)."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
     if named:
@@ -270,7 +293,7 @@ def _layer_spec(args: argparse.Namespace):
     )
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
-        return sequence_parallel_spec(spec, args.num_layers)
+        return sequence_parallel_spec(spec, num_layers)
     return spec
 
 
@@ -299,10 +322,16 @@ def model_provider(
         config = core_transformer_config_from_args(args)
     # Ranks hold different token counts: the schedules must not divide by a per-rank count.
     config.calculate_per_token_loss = True
+    num_layers = args.num_layers
+    if _STATE.pipeline_parallel > 1:
+        # Each stage sends its linear layout's rows: a shape that changes per micro-batch.
+        config.variable_seq_lengths = True
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     rope = args.position_embedding_type == "rope"
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args),
+        transformer_layer_spec=_layer_spec(args, num_layers=num_layers),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -352,6 +381,10 @@ def train_valid_test_datasets_provider(
     args = get_args()
     if _STATE.config is None:
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
+    if vp_stage:
+        # Megatron asks once per model chunk; every chunk takes its micro-batches from the
+        # feed the first call opened (``pipeline.ChunkCursors``).
+        return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
     if not args.data_path or len(args.data_path) != 1:
         raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX (no blend)")
     config, runtime = _STATE.config, _STATE.runtime
@@ -373,6 +406,8 @@ def train_valid_test_datasets_provider(
     if _STATE.feed is not None:
         _STATE.feed.close()
     _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
+    feed = _STATE.feed
+    _STATE.cursors = ChunkCursors(lambda: feed.next(), _STATE.num_chunks)
     return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 
@@ -380,26 +415,50 @@ def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool |
     """Megatron's ``forward_step``: the next micro-batch through ``step.run_micro_batch``.
 
     Returns ``(per-token losses [1, s], loss_func)``; ``loss_func(output)`` gives Megatron's
-    per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
-    accepted for the call's shape; Zeppelin refuses pipeline parallelism.
+    per-token triple (the schedules call it on the last pipeline stage only; the other stages
+    return the hidden states the model gives them). ``checkpoint_activations_microbatch``
+    (pipeline schedules only) is accepted for the call's shape. Under virtual pipelining each
+    model chunk takes every micro-batch in turn (``pipeline.ChunkCursors``).
     """
     if data_iterator is not None:
         next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
-    item = _STATE.feed.next()
-    if item.is_last_of_step:
+    chunk = get_attr_wrapped_model(model, "vp_stage") or 0
+    item, drawn = _STATE.cursors.next(chunk)
+    if drawn and item.is_last_of_step:
         _save_sampler_state(item.step.step + 1)
-    if item.plan is None:
-        return empty_micro_batch(model)
     runtime = _STATE.runtime
-    _STATE.micro_batches_done += 1
-    every = _STATE.config.log_plan_every
-    if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
-        summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
-        print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
-        planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
-        print(f"zeppelin planning: {planning}", flush=True)
-    run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
+    plan = item.plan
+    if plan is None:
+        if _STATE.pipeline_parallel == 1:
+            return empty_micro_batch(model)
+        # The stages still exchange activations: run the model on padding rows alone.
+        plan = empty_plan(runtime.topology)
+    elif drawn:
+        _STATE.micro_batches_done += 1
+        _log_plan(plan)
+    run = run_micro_batch(model, item.slices, plan, runtime, _STATE.dataset)
     return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
+
+
+def _log_plan(plan: Plan) -> None:
+    """Every ``--zeppelin-log-plan-every`` micro-batches: the plan line and how planning goes,
+    on rank 0 and, under pipeline parallelism, the first rank of every stage (every stage runs
+    the same plan: the same digest)."""
+    every = _STATE.config.log_plan_every
+    if not every or _STATE.micro_batches_done % every or not _is_stage_logging_rank():
+        return
+    runtime = _STATE.runtime
+    summary = plan_summary(plan, runtime.cost_model.model, routing=runtime.config.routing)
+    print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
+    planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
+    print(f"zeppelin planning: {planning}", flush=True)
+
+
+def empty_plan(topology) -> Plan:
+    """The plan of a micro-batch without documents: no token anywhere. A rank's batch is then
+    padding alone (``batch.pad_linear_batch``), which core attention answers with zeros and
+    the loss never counts, so every stage still runs its model and passes activations on."""
+    return Plan(topology=topology, sequences=(), linear=((),) * topology.world_size)
 
 
 def _save_sampler_state(iteration: int) -> None:
@@ -430,6 +489,16 @@ def _is_logging_rank() -> bool:
 
 
 _is_writing_rank = _is_logging_rank
+
+
+def _is_stage_logging_rank() -> bool:
+    """Rank 0, and under pipeline parallelism the first rank of every stage."""
+    if _STATE.pipeline_parallel == 1:
+        return _is_logging_rank()
+    return (
+        parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
 
 
 def _log(line: str) -> None:
