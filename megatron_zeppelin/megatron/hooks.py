@@ -2,7 +2,8 @@
 
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
 modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
-``feed``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training`` is imported
+``feed``, ``pipeline``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training``
+is imported
 only inside the functions, so this module imports anywhere megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
@@ -12,8 +13,9 @@ The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 * ``build_train_valid_test_data_iterators`` calls ``train_valid_test_datasets_provider(
   num_samples)`` (with ``vp_stage=`` under virtual pipelining), wraps what it returns in its
   ``DataLoader`` / ``MegatronPretrainingSampler`` and hands ``forward_step`` an iterator;
-* the schedules call ``forward_step(data_iterator, model)`` and then ``loss_func(output)``,
-  which returns ``(loss sum, token count, {"lm loss": [sum, count]})``: with
+* the schedules call ``forward_step(data_iterator, model)`` (once per micro-batch and model
+  chunk under pipeline parallelism) and then, on the last stage, ``loss_func(output)``, which
+  returns ``(loss sum, token count, {"lm loss": [sum, count]})``: with
   ``calculate_per_token_loss`` Megatron sums both over the data-parallel ranks and divides once.
 
 Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use it):
@@ -21,21 +23,26 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
 1. ``extra_args_provider`` adds the ``--zeppelin*`` flags;
 2. Megatron parses and initializes; the first ``model_provider`` call runs ``setup(args)``, which
    validates the flags, resolves the topology of the Zeppelin ranks (the data-parallel ranks of
-   this TP index, ``args.zeppelin_node`` shaping the physical node for TP), creates the process
-   groups and the ring exchanger once, builds the cost model from the ``TransformerConfig``
-   Megatron builds (``planner.models.model_from_config``) and prints the start-up summary
-   (``report.startup_lines``). It must run there: after Megatron's initialization, before the
-   model and the data;
+   this TP index and pipeline stage, ``args.stage_node`` and ``args.zeppelin_node`` shaping the
+   physical node for PP and TP), creates the process groups and the ring exchanger once, builds
+   the cost model from the ``TransformerConfig`` Megatron builds (``planner.models.
+   model_from_config``; under pipeline parallelism of this stage's layers) and prints the
+   start-up summary (``report.startup_lines``). It must run there: after Megatron's
+   initialization, before the model and the data;
 3. ``model_provider`` builds ``GPTModel`` with Zeppelin's spec (``position_embedding_type``
-   'none' for RoPE models: RoPE is per document inside core attention);
+   'none' for RoPE models: RoPE is per document inside core attention); under pipeline
+   parallelism its config gets ``variable_seq_lengths`` (a rank's rows change per micro-batch);
 4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
    sampler, brought to a resumed iteration from the state saved beside the checkpoint
-   (``resume.py``); Megatron's loader only counts micro-batches;
+   (``resume.py``); Megatron's loader only counts micro-batches; asked again for the other
+   model chunks of a virtual pipeline, it hands them the same feed;
 5. ``forward_step`` takes the next micro-batch and its plan (planned ahead by planner
-   processes, ``feed.py``, ``plan_workers.py``) and runs the one micro-batch step of the CPU
-   job and the check (``step.run_micro_batch``), returning Megatron's per-token loss function
-   (a micro-batch without documents skips the model: zero loss, zero tokens). After a step's
-   last micro-batch it writes the sampler state when Megatron will save at the next iteration.
+   processes, ``feed.py``, ``plan_workers.py``; every model chunk in turn,
+   ``pipeline.ChunkCursors``) and runs the one micro-batch step of the CPU job and the check
+   (``step.run_micro_batch``), returning Megatron's per-token loss function (a micro-batch
+   without documents skips the model: zero loss, zero tokens; under pipeline parallelism it
+   runs every stage on padding, ``empty_plan``). After a step's last micro-batch it writes the
+   sampler state when Megatron will save at the next iteration.
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
