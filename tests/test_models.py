@@ -6,8 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import causal_pairs
+from megatron_zeppelin.megatron.sampler import DocumentCost
+from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.distributions import sample_lengths
 from megatron_zeppelin.planner.models import MODEL_PRESETS, ModelSpec, PipelineStage, get_model
+from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
 
@@ -152,11 +156,6 @@ def test_every_pipeline_stage_plans_the_same_plan() -> None:
     """Every stage plans from its own model, yet the next stage expects the rows the plan's
     linear layout gives a rank: the plans must be the same, and a stage's predicted time its
     own layers' share."""
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.partition import plan_batch
-    from megatron_zeppelin.topology.presets import get_topology
-
     topology = get_topology("dgx-h100", num_nodes=1)
     whole = get_model("llama-7b")
     stages = [_stage(whole, 0, tuple(range(12))), _stage(whole, 1, tuple(range(12, 32)))]
@@ -168,6 +167,8 @@ def test_every_pipeline_stage_plans_the_same_plan() -> None:
         for m in [whole, *stages]
     ]
     assert plans[0] == plans[1] == plans[2]
+    # The sampler weighs documents by the same per-layer figures: every stage draws the same.
+    assert DocumentCost.from_model(stages[0]) == DocumentCost.from_model(stages[1])
     assert plans[0].linear == plans[1].linear == plans[2].linear
     predicted = [p.meta["predicted_step_s"] for p in plans]
     assert predicted[1] == pytest.approx(predicted[0] * 12 / 32)

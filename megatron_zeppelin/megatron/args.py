@@ -101,33 +101,43 @@ def zeppelin_node(physical: Topology, tensor_parallel: int) -> Topology:
         )
     if tp == 1:
         return physical
-    shapes = set()
-    for t in range(tp):
-        nics = [physical.nic_of_gpu[j * tp + t] for j in range(gpus // tp)]
+    # World t holds GPUs t, t + tp, ...; a NIC serving several worlds gives each its share.
+    worlds = [[j * tp + t for j in range(gpus // tp)] for t in range(tp)]
+    return _part_of_node(physical, worlds, what=f"{tp} tensor-parallel worlds", name=f"tp{tp}")
+
+
+def _part_of_node(physical: Topology, parts: list[list[int]], *, what: str, name: str) -> Topology:
+    """The node one of ``parts`` (equal lists of a node's GPUs that run at once, each its own
+    Zeppelin world) sees: its GPUs, the NICs next to them renumbered from 0, and a NIC serving
+    GPUs of several parts giving each part its share of the line rate. Every part must see the
+    same NIC layout (they execute one plan)."""
+    layouts = set()
+    for gpus in parts:
+        nics = [physical.nic_of_gpu[g] for g in gpus]
         renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
-        shapes.add(tuple(renumber[n] for n in nics))
-    if len(shapes) != 1:
+        layouts.add(tuple(renumber[n] for n in nics))
+    if len(layouts) != 1:
         raise ValueError(
             f"topology {physical.name}: its GPU-to-NIC map {list(physical.nic_of_gpu)} gives the "
-            f"{tp} tensor-parallel worlds different NIC layouts; describe a node whose NIC map "
-            "repeats every tensor-parallel group"
+            f"{what} different NIC layouts; describe a node whose NIC map repeats every one"
         )
-    (nic_of_rank,) = shapes
-    # Worlds that use one NIC: GPUs next to it with different TP indices.
+    (nic_of_gpu,) = layouts
+    part_of = {g: i for i, gpus in enumerate(parts) for g in gpus}
     sharing = max(
-        len({g % tp for g in physical.gpus_of_nic(nic)}) for nic in range(physical.nics_per_node)
+        len({part_of[g] for g in physical.gpus_of_nic(nic)})
+        for nic in range(physical.nics_per_node)
     )
     return Topology(
         num_nodes=physical.num_nodes,
-        gpus_per_node=gpus // tp,
-        nics_per_node=len(set(nic_of_rank)),
-        nic_of_gpu=nic_of_rank,
+        gpus_per_node=len(nic_of_gpu),
+        nics_per_node=len(set(nic_of_gpu)),
+        nic_of_gpu=nic_of_gpu,
         nvlink_gbps=physical.nvlink_gbps,
         nic_gbit=physical.nic_gbit / sharing,
         gpu_name=physical.gpu_name,
         gpu_tflops=physical.gpu_tflops,
         hbm_gib=physical.hbm_gib,
-        name=f"{physical.name}/tp{tp}",
+        name=f"{physical.name}/{name}",
     )
 
 
@@ -181,36 +191,9 @@ def stage_node(physical: Topology, stage_gpus: int) -> tuple[Topology, int]:
             "fill whole nodes or a stage count per node that divides the node; change "
             "--pipeline-model-parallel-size or the number of processes"
         )
-    shapes = set()
-    for first in range(0, gpus, stage_gpus):
-        nics = physical.nic_of_gpu[first : first + stage_gpus]
-        renumber = {nic: i for i, nic in enumerate(sorted(set(nics)))}
-        shapes.add(tuple(renumber[n] for n in nics))
-    if len(shapes) != 1:
-        raise ValueError(
-            f"topology {physical.name}: its GPU-to-NIC map {list(physical.nic_of_gpu)} gives the "
-            f"pipeline stages of {stage_gpus} GPUs on one node different NIC layouts; describe "
-            "a node whose NIC map repeats every stage"
-        )
-    (nic_of_gpu,) = shapes
-    # Stages that use one NIC: GPUs next to it in different stages.
-    sharing = max(
-        len({g // stage_gpus for g in physical.gpus_of_nic(nic)})
-        for nic in range(physical.nics_per_node)
-    )
-    node = Topology(
-        num_nodes=1,
-        gpus_per_node=stage_gpus,
-        nics_per_node=len(set(nic_of_gpu)),
-        nic_of_gpu=nic_of_gpu,
-        nvlink_gbps=physical.nvlink_gbps,
-        nic_gbit=physical.nic_gbit / sharing,
-        gpu_name=physical.gpu_name,
-        gpu_tflops=physical.gpu_tflops,
-        hbm_gib=physical.hbm_gib,
-        name=f"{physical.name}/stage of {stage_gpus}",
-    )
-    return node, 1
+    stages = [list(range(first, first + stage_gpus)) for first in range(0, gpus, stage_gpus)]
+    node = _part_of_node(physical, stages, what=f"stages of {stage_gpus} GPUs", name="stage")
+    return node.with_nodes(1), 1
 
 
 def resolve_topology(

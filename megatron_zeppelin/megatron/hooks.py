@@ -3,8 +3,7 @@
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
 modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
 ``feed``, ``pipeline``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training``
-is imported
-only inside the functions, so this module imports anywhere megatron-core does.
+is imported only inside the functions, so this module imports anywhere megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 
@@ -127,6 +126,7 @@ class _State:
         self.num_chunks: int = 1
         """Model chunks of this pipeline stage (virtual stages; 1 without them)."""
         self.pipeline_parallel: int = 1
+        """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``)."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
 
@@ -406,6 +406,7 @@ def train_valid_test_datasets_provider(
         max_length=min(config.max_document_length or args.seq_length, micro_batch_tokens),
         long_documents=config.long_documents,
         micro_batch_capacity=micro_batch_tokens,
+        # Per-layer weights: the same on every pipeline stage, which must draw the same.
         cost=DocumentCost.from_model(runtime.cost_model.model),
     )
     iteration = int(getattr(args, "iteration", 0) or 0)
