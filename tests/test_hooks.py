@@ -220,6 +220,37 @@ def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
 
 
 @pytest.mark.threads
+def test_under_pipeline_parallelism_a_micro_batch_without_documents_still_runs_every_stage(
+    megatron_training, one_rank, dataset_prefix, monkeypatch
+) -> None:
+    """Megatron's pipeline schedules pass activations between the stages for every
+    micro-batch, so a micro-batch without documents runs each stage's model on one padding row:
+    the first stage sends a hidden state, the last returns a loss that counts no token."""
+    from megatron_zeppelin.megatron.feed import FedMicroBatch
+    from megatron_zeppelin.megatron.sampler import StepBatch
+
+    args = _megatron_args(dataset_prefix)
+    megatron_training(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        last = hooks.model_provider(pre_process=True, post_process=True)
+        first = hooks.model_provider(pre_process=True, post_process=False)
+    hooks.train_valid_test_datasets_provider([4, 0, 0])
+    hooks._STATE.pipeline_parallel = 2  # what setup records for a pipeline-parallel run
+    empty = FedMicroBatch(StepBatch(step=0, epoch=0, micro_batches=((), ())), 0, None)
+    feed = hooks._STATE.feed
+    monkeypatch.setattr(feed, "next", lambda: empty)
+    hidden, _ = hooks.forward_step(None, first)
+    assert hidden.shape == (1, 1, args.hidden_size) and hidden.requires_grad
+    output, loss_func = hooks.forward_step(None, last)
+    loss, num_tokens, report = loss_func(output)
+    assert output.shape == (1, 1) and int(num_tokens) == 0 and float(loss.detach()) == 0.0
+    loss.backward()
+    grads = [p.grad for p in last.parameters() if p.requires_grad]
+    assert all(g is not None and not g.any() for g in grads)
+
+
+@pytest.mark.threads
 def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     megatron_training, one_rank, dataset_prefix
 ) -> None:

@@ -8,6 +8,13 @@ the ``TransformerConfig`` Megatron builds from its arguments, the CPU job the on
 built from, and the CLI's presets (``MODEL_PRESETS``) are written as the same config fields.
 So a preset and a Megatron run of the same model price attention, K/V bytes and thresholds
 alike (heads, K/V heads, dtype, tensor parallelism are read in one place).
+
+Under pipeline parallelism a GPU runs one stage: ``num_layers`` counts that stage's layers and
+``pipeline`` (a ``PipelineStage``) says which they are and whether the stage also runs the
+embedding (first stage) and the output layer with the loss (last stage). Every stage plans the
+same plan (the next stage receives exactly the rows the plan's linear layout gives a rank), and
+it does: the planner's choices rest on per-layer figures, which are the same on every stage;
+the stage's layers scale its predicted step time.
 """
 
 from __future__ import annotations
@@ -18,6 +25,45 @@ from typing import Any
 
 ATTN_BWD_OVER_FWD = 2.5
 GEMM_BWD_OVER_FWD = 2.0
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The part of the model one pipeline stage runs (Megatron's own split of the layers, read
+    by ``megatron/pipeline.py``). Stages and layers count from 0, as Megatron numbers pipeline
+    ranks and the layers in its checkpoints."""
+
+    index: int
+    num_stages: int
+    layers: tuple[int, ...]
+    """The transformer layers this stage holds, over its virtual-pipeline chunks, ascending."""
+    embedding: bool
+    """Runs the input embedding (the first stage)."""
+    output_layer: bool
+    """Runs the output layer and the loss (the last stage)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+        if not 0 <= self.index < self.num_stages:
+            raise ValueError(f"pipeline stage {self.index} outside 0..{self.num_stages - 1}")
+        if list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(f"pipeline stage {self.index}: layers {self.layers} not ascending")
+
+    def describe(self) -> str:
+        """``"PP stage 1 of 2, layers 2-3, output layer and loss"``."""
+        runs: list[list[int]] = []
+        for layer in self.layers:
+            if runs and layer == runs[-1][-1] + 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+        parts = [f"PP stage {self.index} of {self.num_stages}", f"layers {spans or 'none'}"]
+        if self.embedding:
+            parts.append("embedding")
+        if self.output_layer:
+            parts.append("output layer and loss")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -35,6 +81,9 @@ class ModelSpec:
     """Bytes per activation element (2 for bf16/fp16, 4 for fp32)."""
     tensor_parallel: int = 1
     """Tensor-parallel size inside one Zeppelin rank: per-GPU work divides by it."""
+    pipeline: PipelineStage | None = None
+    """The pipeline stage this GPU runs (``num_layers`` are its layers); ``None``: the whole
+    model, embedding and output layer included."""
 
     def __post_init__(self) -> None:
         for label in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size"):
@@ -55,6 +104,11 @@ class ModelSpec:
                 f"model {self.name}: tensor_parallel {self.tensor_parallel} does not divide "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.pipeline is not None and len(self.pipeline.layers) != self.num_layers:
+            raise ValueError(
+                f"model {self.name}: {self.num_layers} layers but its pipeline stage holds "
+                f"{len(self.pipeline.layers)}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -72,6 +126,20 @@ class ModelSpec:
         proj = 2.0 * h * h
         mlp = 2.0 * 3 * h * self.ffn_hidden_size
         return (qkv + proj + mlp) * (1.0 + GEMM_BWD_OVER_FWD) / self.tensor_parallel
+
+    def output_flops_per_token(self) -> float:
+        """Forward+backward FLOPs of the output layer (logits GEMM) for one token, per GPU, on a
+        GPU that runs it (every GPU without pipeline parallelism, the last stage with it); the
+        embedding is a lookup, no GEMM."""
+        if self.pipeline is not None and not self.pipeline.output_layer:
+            return 0.0
+        logits = 2.0 * self.hidden_size * self.vocab_size
+        return logits * (1.0 + GEMM_BWD_OVER_FWD) / self.tensor_parallel
+
+    def stage_flops_per_token(self) -> float:
+        """Forward+backward GEMM FLOPs of one token through everything this GPU runs: its
+        layers' linear modules and, where it runs it, the output layer."""
+        return self.num_layers * self.linear_flops_per_token() + self.output_flops_per_token()
 
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V of one token in one layer, per GPU (what a ring step carries)."""
@@ -95,11 +163,18 @@ def dtype_bytes_of(config: Any) -> int:
     return 2 if params_dtype in ("torch.bfloat16", "torch.float16") else 4
 
 
-def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -> ModelSpec:
+def model_from_config(
+    config: Any,
+    *,
+    vocab_size: int,
+    name: str = "megatron",
+    pipeline: PipelineStage | None = None,
+) -> ModelSpec:
     """The planner's model of a Megatron ``TransformerConfig`` (or any object with its field
     names): layers, hidden size, query heads, K/V heads (``num_query_groups``, which Megatron
     sets only with ``--group-query-attention``; ``None`` means one per query head), FFN size,
-    dtype (``dtype_bytes_of``) and tensor-parallel size."""
+    dtype (``dtype_bytes_of``) and tensor-parallel size. With ``pipeline``, the model of that
+    stage: its own layers."""
     heads = int(config.num_attention_heads)
     kv_channels = getattr(config, "kv_channels", None)
     if kv_channels is not None and int(kv_channels) * heads != int(config.hidden_size):
@@ -110,7 +185,7 @@ def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -
         )
     return ModelSpec(
         name=name,
-        num_layers=int(config.num_layers),
+        num_layers=len(pipeline.layers) if pipeline else int(config.num_layers),
         hidden_size=int(config.hidden_size),
         num_heads=heads,
         num_kv_heads=int(getattr(config, "num_query_groups", None) or heads),
@@ -118,6 +193,7 @@ def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -
         vocab_size=int(vocab_size),
         dtype_bytes=dtype_bytes_of(config),
         tensor_parallel=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
+        pipeline=pipeline,
     )
 
 

@@ -65,11 +65,23 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(args: list[str], *, world_size: int, log_dir: Path, timeout_s: float) -> Run:
+def launch(
+    args: list[str],
+    *,
+    world_size: int,
+    log_dir: Path,
+    timeout_s: float,
+    grad_dir: Path | None = None,
+) -> Run:
     """Run ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size`` processes (``run_on_cpu.py``);
-    kill them all when the time runs out, so a hang fails the test instead of stalling it."""
+    kill them all when the time runs out, so a hang fails the test instead of stalling it.
+    ``grad_dir``: every rank writes each iteration's gradients there (``grad_dump.py``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
+    env.pop("ZEPPELIN_TEST_GRAD_DIR", None)
+    if grad_dir is not None:
+        grad_dir.mkdir(parents=True, exist_ok=True)
+        env["ZEPPELIN_TEST_GRAD_DIR"] = str(grad_dir)
     env.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(_free_port()),

@@ -1,6 +1,7 @@
 """``python tests/host/run_on_cpu.py --ranks N --log-dir DIR -m MODULE ARGS...``: what torchrun
 does on one node for ``python -m MODULE ARGS...``, on CPU, with the test-only adapter installed
-in every rank (``cpu_adapter.py`` says what it changes and why).
+in every rank (``cpu_adapter.py`` says what it changes and why), and, where
+``ZEPPELIN_TEST_GRAD_DIR`` is set, the gradient dump of ``grad_dump.py``.
 
 Every rank runs MODULE as ``__main__`` exactly as ``python -m`` does, with ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE`` set, its output in ``DIR/rankR.log``. The ranks are forked
@@ -19,6 +20,7 @@ import signal
 import sys
 
 import cpu_adapter  # next to this file: sys.path[0]
+import grad_dump
 
 # Imported once before forking (what every rank imports first anyway).
 PRELOAD = ("torch", "megatron.training.training", "megatron_zeppelin.megatron.hooks")
@@ -31,6 +33,7 @@ def _run_rank(rank: int, world_size: int, log_dir: str, module: str, argv: list[
     os.dup2(log, 2)
     sys.argv = [module, *argv]
     cpu_adapter.install()
+    grad_dump.install()  # only where ZEPPELIN_TEST_GRAD_DIR is set
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

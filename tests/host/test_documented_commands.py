@@ -116,7 +116,8 @@ def test_the_docs_list_commands_to_check() -> None:
 # A value each documented constraint refuses, added to a command that starts.
 VIOLATIONS = {
     "--context-parallel-size": ["--context-parallel-size", "2"],
-    "--pipeline-model-parallel-size": ["--pipeline-model-parallel-size", "2"],
+    "--use-tp-pp-dp-mapping": ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"],
+    "--moe-token-dispatcher-type": ["--pipeline-model-parallel-size", "2", "--num-experts", "4"],
     # 16 ranks of 8-GPU nodes: a TP of 16 does not divide a node.
     "--tensor-model-parallel-size": ["--tensor-model-parallel-size", "16"],
     "--attention-dropout": ["--attention-dropout", "0.1"],
@@ -155,6 +156,15 @@ NOT_REFUSED = {
     "--valid-data-path": "supported (tests/test_blend.py)",
     "--test-data-path": "supported (tests/test_blend.py)",
     "--per-split-data-args-path": "supported (tests/test_blend.py)",
+    "--pipeline-model-parallel-size": "supported: the documented command starts (above); a "
+    "stage that straddles nodes is refused (tests/test_node_shape.py)",
+    "--num-layers-per-virtual-pipeline-stage": "supported (tests/host/test_pipeline.py)",
+    "--num-virtual-stages-per-pipeline-rank": "supported (tests/host/test_pipeline.py)",
+    "--decoder-first-pipeline-num-layers": "Megatron's split (tests/host/test_pipeline.py)",
+    "--decoder-last-pipeline-num-layers": "Megatron's split (tests/host/test_pipeline.py)",
+    "--account-for-embedding-in-pipeline-split": "Megatron's split, read as it builds it",
+    "--account-for-loss-in-pipeline-split": "Megatron's split, read as it builds it",
+    "--pipeline-model-parallel-layout": "Megatron's split, read as it builds it",
 }
 
 
