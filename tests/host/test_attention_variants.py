@@ -1,0 +1,110 @@
+"""Megatron's attention variants and rotary options train with ``--zeppelin`` exactly as
+Megatron's own model trains without it.
+
+Each case is one set of Megatron flags, trained twice on the same global batches (the plugin's
+sampler picks them in both runs; ``test_pretrain_loop.py`` has the model, data and budget):
+
+* with Zeppelin: ``megatron_zeppelin.pretrain_gpt`` on 4 gloo ranks emulating 2 nodes x 2 GPUs
+  (documents ring across nodes; the window cuts ring blocks of 64-token chunks);
+* without it: ``megatron_reference.py`` in one process, Megatron's own GPT: its local
+  ``DotProductAttention`` (which applies ``--window-size`` and ``--softmax-type`` itself on CPU)
+  and its ``RotaryEmbedding``, one document per row.
+
+Every iteration's loss must agree within 1e-5, the parameter counts Megatron prints must be
+equal (a learnable sink adds one parameter per head and layer) and so must every weight after
+the last iteration (saved with ``--ckpt-format torch``), to 1e-5 of the tensor's largest
+weight, which shows the gradients agree. These runs train with SGD and a learning rate of 1
+(``OPTIMIZER``): its weights are linear in the gradients, and the steps are large (the loss falls
+by a tenth in four steps), so a gradient error shows in the weights as it is. Adam would hide
+it and magnify rounding instead: it moves each weight by about the learning rate whatever the
+size of its gradient, so a gradient of 1e-9 against one of -1e-9 (float32 rounding on either
+side of zero) moves a weight by twice the learning rate.
+
+The cases, between them: a sliding window narrower than a ring chunk on every other layer
+(``--window-attn-skip-freq``) and one wider than a chunk; learnable and off-by-one sinks; Llama
+3.x frequency scaling, position interpolation, interleaved and partial rotary, and layers
+without rotary (``--no-rope-freq``). On the code before these were implemented every case fails:
+Zeppelin refused ``--use-rope-scaling`` and ``--rotary-interleaved``, and dropped the window,
+the sinks (8 parameters missing) and the interpolation, training another model.
+
+Tier: host.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from launch import Run, finite, launch
+from test_pretrain_loop import (  # noqa: F401 (dataset, work: the fixtures, shared)
+    CAPACITY,
+    ITERATIONS,
+    TIMEOUT_S,
+    TOLERANCE,
+    _args,
+    dataset,
+    work,
+)
+
+pytestmark = pytest.mark.host
+
+CASES = {
+    "narrow window, learnable sink, llama3 rope, interpolation": (
+        "--window-size 24,0 --window-attn-skip-freq 2 --softmax-type learnable "
+        "--use-rope-scaling --rope-scaling-factor 8 --rotary-seq-len-interpolation-factor 4"
+    ),
+    "wide window, off-by-one sink, interleaved partial rope, no-rope layer": (
+        "--window-size 100,0 --softmax-type off-by-one --rotary-interleaved --rotary-percent 0.5 "
+        "--no-rope-freq 2"
+    ),
+}
+SINK_PARAMETERS = 2 * 4  # layers x heads of a learnable sink
+OPTIMIZER = "--optimizer sgd --lr 1.0"  # see the module docstring
+
+
+def _checkpoint(directory: Path) -> dict[str, torch.Tensor]:
+    """The model weights Megatron saved at the last iteration (TP rank 0's)."""
+    path = directory / f"iter_{ITERATIONS:07d}" / "mp_rank_00" / "model_optim_rng.pt"
+    state = torch.load(path, map_location="cpu", weights_only=False)["model"]
+    return {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def trained(request, work: Path, dataset: str) -> tuple[str, Run, Run, Path]:  # noqa: F811
+    """``(case, reference run, Zeppelin run, directory)`` for one case."""
+    case = request.param
+    folder = work / f"variant-{sorted(CASES).index(case)}"
+    runs = []
+    for name, ranks, nodes, capacity, module in (
+        ("megatron", 1, 1, 4 * CAPACITY, "megatron_reference"),
+        ("zeppelin", 4, 2, CAPACITY, "megatron_zeppelin.pretrain_gpt"),
+    ):
+        save = f"--save {folder / name / 'ckpt'} --save-interval {ITERATIONS} --ckpt-format torch"
+        extra = [*CASES[case].split(), *OPTIMIZER.split(), *save.split()]
+        args = _args(ranks=ranks, tp=1, nodes=nodes, capacity=capacity, data=dataset, extra=extra)
+        run = launch(
+            args, world_size=ranks, log_dir=folder / name, timeout_s=TIMEOUT_S, module=module
+        )
+        assert run.returncode == 0 and finite(run.losses), run.tail()
+        runs.append(run)
+    return case, runs[0], runs[1], folder
+
+
+def test_losses_and_parameter_counts_equal_megatrons_own_model(trained) -> None:  # noqa: ANN001
+    case, megatron, zeppelin, _ = trained
+    assert sorted(zeppelin.losses) == list(range(1, ITERATIONS + 1)), zeppelin.tail()
+    for iteration, loss in megatron.losses.items():
+        assert abs(zeppelin.losses[iteration] - loss) <= TOLERANCE, (case, zeppelin.losses)
+    assert zeppelin.num_parameters == megatron.num_parameters
+
+
+def test_trained_weights_equal_megatrons_own_model(trained) -> None:  # noqa: ANN001
+    case, _, _, folder = trained
+    want, got = _checkpoint(folder / "megatron" / "ckpt"), _checkpoint(folder / "zeppelin" / "ckpt")
+    assert sorted(got) == sorted(want)
+    sinks = [k for k in want if k.endswith("core_attention.softmax_offset")]
+    assert sum(want[k].numel() for k in sinks) == (SINK_PARAMETERS if "learnable" in case else 0)
+    for key, weight in want.items():
+        error = float((got[key] - weight).abs().max() / weight.abs().max().clamp_min(1e-30))
+        assert error <= TOLERANCE, (case, key, error)
