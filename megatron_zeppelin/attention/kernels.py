@@ -151,9 +151,9 @@ def get_kernel(
         if key not in _AUTO:
             _AUTO[key] = choose_kernel(name, device=device, dtype=dtype, window=window)[0]
         return _instance(_AUTO[key])
-    if name not in _INSTANCES or window:
-        # a clear error if it cannot run
-        choose_kernel(name, device=device, dtype=dtype, window=window)
+    known = _INSTANCES.get(name)
+    if known is None or (window and not supports_window(known)):
+        choose_kernel(name, device=device, dtype=dtype, window=window)  # why it cannot run
     return _instance(name)
 
 

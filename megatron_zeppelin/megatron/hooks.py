@@ -54,6 +54,7 @@ data-parallel size`` micro-batches at once, so the sampler can balance their cos
 from __future__ import annotations
 
 import argparse
+import copy
 from functools import partial
 from typing import Any
 
@@ -280,10 +281,17 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
+def _rope(args: argparse.Namespace) -> Rope | None:
+    """The run's rotary settings (``None`` without rotary embeddings)."""
+    return Rope.from_args(args) if args.position_embedding_type == "rope" else None
+
+
 def _layer_spec(args: argparse.Namespace, *, num_layers: int):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
     with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
-    is refused, since the plan's layouts would then reach a module that cannot read them.
+    is refused, since the plan's layouts would then reach a module that cannot read them. A
+    spec of the user's with Zeppelin's core attention gets the flags' rotary settings (a copy of
+    it does): they are the model's only rotary, Megatron's own is off for Zeppelin models.
     ``num_layers``: the layers of the model chunk being built (a block spec lists them)."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
@@ -303,10 +311,12 @@ def _layer_spec(args: argparse.Namespace, *, num_layers: int):
                     f"--spec {' '.join(named)} does not use Zeppelin's core attention: use "
                     "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
                 )
+            spec = copy.deepcopy(spec)
+            core = core_attention_of(spec)
+            core.params = {**(core.params or {}), "rope": _rope(args)}
             return spec
-    rope = Rope.from_args(args) if args.position_embedding_type == "rope" else None
     spec = zeppelin_layer_spec(
-        kind, normalization=args.normalization, qk_layernorm=args.qk_layernorm, rope=rope
+        kind, normalization=args.normalization, qk_layernorm=args.qk_layernorm, rope=_rope(args)
     )
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
