@@ -12,10 +12,12 @@ entry point, both Megatron's own way of doing them:
   layer spec (its ``DotProductAttention``, which reads ``--window-size``,
   ``--window-attn-skip-freq`` and ``--softmax-type`` itself) and Megatron's ``RotaryEmbedding``
   with ``--rotary-*``, ``--use-rope-scaling`` and ``--rotary-seq-len-interpolation-factor``;
-* ``forward_step`` lays each document of a micro-batch in a row of its own, padded at its end:
-  Megatron's causal attention and rotary know nothing of documents, and a row per document
-  makes them per-document (positions from 0, no key of another document). Padding comes after
-  every real token, so no real token sees it, and it is masked out of the loss.
+* each micro-batch (``hooks.forward_step`` draws training, validation and test ones as in a
+  Zeppelin run, and hands them to ``run_megatron`` here instead of the plugin's step) lays each
+  document in a row of its own, padded at its end: Megatron's causal attention and rotary know
+  nothing of documents, and a row per document makes them per-document (positions from 0, no
+  key of another document). Padding comes after every real token, so no real token sees it,
+  and it is masked out of the loss.
 
 The loss is Megatron's per-token loss over the same tokens as the plugin's, so the two runs'
 losses and updates agree to float32 rounding.
@@ -98,19 +100,17 @@ def document_rows(slices, dataset) -> dict[str, torch.Tensor]:  # noqa: ANN001
     }
 
 
-def forward_step(data_iterator, model, checkpoint_activations_microbatch=None):  # noqa: ANN001, ANN201
-    """The next micro-batch of the plugin's sampler through Megatron's own model."""
-    if data_iterator is not None:
-        next(data_iterator)  # Megatron's consumed-sample count, as the plugin keeps it
-    item = hooks._STATE.feed.next()
+def run_megatron(model, item, documents):  # noqa: ANN001, ANN201
+    """One micro-batch of the plugin's sampler (training, validation or test: ``hooks``
+    dispatches them as in a Zeppelin run) through Megatron's own model."""
     if item.plan is None:
         return hooks.empty_micro_batch(model)
-    batch = document_rows(item.slices, hooks._STATE.dataset)
+    batch = document_rows(item.slices, documents)
     losses = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     return losses, partial(megatron_loss_func, batch["loss_mask"])
 
 
 if __name__ == "__main__":
     hooks.model_provider = model_provider
-    hooks.forward_step = forward_step
+    hooks._run = run_megatron
     sys.exit(pretrain_gpt.main())

@@ -10,7 +10,8 @@ sampler picks them in both runs; ``test_pretrain_loop.py`` has the model, data a
   ``DotProductAttention`` (which applies ``--window-size`` and ``--softmax-type`` itself on CPU)
   and its ``RotaryEmbedding``, one document per row.
 
-Every iteration's loss must agree within 1e-5, the parameter counts Megatron prints must be
+Every iteration's loss and every validation and test loss must agree within 1e-5, the parameter
+counts Megatron prints must be
 equal (a learnable sink adds one parameter per head and layer) and so must every weight after
 the last iteration (saved with ``--ckpt-format torch``), to 1e-5 of the tensor's largest
 weight, which shows the gradients agree. These runs train with SGD and a learning rate of 1
@@ -97,6 +98,10 @@ def test_losses_and_parameter_counts_equal_megatrons_own_model(trained) -> None:
     for iteration, loss in megatron.losses.items():
         assert abs(zeppelin.losses[iteration] - loss) <= TOLERANCE, (case, zeppelin.losses)
     assert zeppelin.num_parameters == megatron.num_parameters
+    # Validation and test (forward only, on held-out documents) agree too.
+    assert zeppelin.evaluations and sorted(zeppelin.evaluations) == sorted(megatron.evaluations)
+    for where, loss in megatron.evaluations.items():
+        assert abs(zeppelin.evaluations[where] - loss) <= TOLERANCE, (case, where)
 
 
 def test_trained_weights_equal_megatrons_own_model(trained) -> None:  # noqa: ANN001
