@@ -58,25 +58,35 @@ def _pairs(cu_q: torch.Tensor, cu_k: torch.Tensor):  # noqa: ANN202
         yield int(cu_q[p]), int(cu_q[p + 1]), int(cu_k[p]), int(cu_k[p + 1])
 
 
-def _scores(q, k, q0, q1, k0, k1, scale, causal):  # noqa: ANN001, ANN202
+def _scores(q, k, q0, q1, k0, k1, scale, causal, window):  # noqa: ANN001, ANN202
+    """Scaled scores of one pair with flash-attn's masks: causal, query i sees keys
+    ``j <= i + lk - lq``; a ``(left, right)`` window (``-1``: unbounded; the causal flag bounds
+    the right at 0), keys ``i + lk - lq - left <= j <= i + lk - lq + right``."""
+    if not isinstance(window, tuple) or len(window) != 2:
+        raise TypeError(f"window_size must be a (left, right) tuple of ints, got {window!r}")
     group = q.shape[1] // k.shape[1]
     qp = q[q0:q1].float()
     kp = k[k0:k1].float().repeat_interleave(group, 1)
     s = torch.einsum("qnd,knd->nqk", qp, kp) * scale
-    if causal:  # bottom-right: query i sees key j <= i + lk - lq
-        lq, lk = q1 - q0, k1 - k0
-        s = s.masked_fill(torch.ones(lq, lk, dtype=torch.bool).triu(lk - lq + 1), float("-inf"))
+    lq, lk = q1 - q0, k1 - k0
+    left, right = window
+    right = 0 if causal else right
+    everything = torch.ones(lq, lk, dtype=torch.bool)
+    if right >= 0:
+        s = s.masked_fill(everything.triu(lk - lq + right + 1), float("-inf"))
+    if left >= 0:
+        s = s.masked_fill(everything.tril(lk - lq - left - 1), float("-inf"))
     return s
 
 
-def dense_forward(q, k, v, cu_q, cu_k, scale, causal):  # noqa: ANN001, ANN201
+def dense_forward(q, k, v, cu_q, cu_k, scale, causal, window=(-1, -1)):  # noqa: ANN001, ANN201
     """``out`` (q's dtype) and ``lse`` ``(nheads, total_q)`` float32, as flash-attn returns."""
     _check(q, k, v, cu_q, cu_k)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32)
     lse = torch.full((q.shape[1], q.shape[0]), float("-inf"))
     for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
-        s = _scores(q, k, q0, q1, k0, k1, scale, causal)
+        s = _scores(q, k, q0, q1, k0, k1, scale, causal, window)
         lse_p = s.logsumexp(-1)
         p = torch.exp(s - torch.where(lse_p.isinf(), 0.0, lse_p).unsqueeze(-1))
         vp = v[k0:k1].float().repeat_interleave(group, 1)
@@ -85,7 +95,7 @@ def dense_forward(q, k, v, cu_q, cu_k, scale, causal):  # noqa: ANN001, ANN201
     return out.to(q.dtype), lse
 
 
-def dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal):  # noqa: ANN001, ANN201
+def dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal, window=(-1, -1)):  # noqa: ANN001, ANN201
     """``dq, dk, dv`` (q's dtype) from the GIVEN ``out`` and ``lse`` (flash-attn's contract)."""
     _check(q, k, v, cu_q, cu_k)
     if out.dtype != q.dtype:
@@ -98,7 +108,7 @@ def dense_backward(dout, q, k, v, out, lse, cu_q, cu_k, scale, causal):  # noqa:
     dv = torch.zeros_like(dk)
     delta = (dout.float() * out.float()).sum(-1).t()  # (nheads, total_q)
     for q0, q1, k0, k1 in _pairs(cu_q, cu_k):
-        s = _scores(q, k, q0, q1, k0, k1, scale, causal)
+        s = _scores(q, k, q0, q1, k0, k1, scale, causal, window)
         p = torch.exp(s - lse[:, q0:q1].unsqueeze(-1))
         do = dout[q0:q1].float()
         kp = k[k0:k1].float().repeat_interleave(group, 1)
@@ -147,7 +157,7 @@ def _varlen_func(
 ):  # noqa: ANN001, ANN202
     """``flash_attn_varlen_func`` of v2.6.3 to v2.8.3 (the same signature throughout)."""
     scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-    out, lse = dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal)
+    out, lse = dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, window_size)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -181,7 +191,17 @@ def flash_attn_2_6() -> types.ModuleType:
         if not isinstance(window_size, tuple) or len(window_size) != 2:
             raise TypeError(f"window_size must be a (left, right) tuple, got {window_size!r}")
         grads = dense_backward(
-            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            softmax_scale,
+            causal,
+            window_size,
         )
         for dst, src in zip((dq, dk, dv), grads):
             _write(dst, src)
@@ -231,7 +251,17 @@ def flash_attn_2_7(*, zero_tensors: bool) -> types.ModuleType:
             zero_tensors=False,
         ):  # noqa: ANN001, ANN202
             grads = dense_backward(
-                dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+                dout,
+                q,
+                k,
+                v,
+                out,
+                softmax_lse,
+                cu_seqlens_q,
+                cu_seqlens_k,
+                softmax_scale,
+                causal,
+                (window_size_left, window_size_right),
             )
             for dst, src in zip((dq, dk, dv), grads):
                 _write(dst, src)
@@ -388,6 +418,7 @@ def _fa3_forward(
     v_descale,
     softmax_scale,
     causal,
+    window,
 ):  # noqa: ANN001, ANN202
     if any(
         x is not None
@@ -405,7 +436,7 @@ def _fa3_forward(
         )
     ):
         raise RuntimeError("this stand-in covers plain varlen attention only")
-    return dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal)
+    return dense_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, window)
 
 
 def flash_attn_3_beta() -> types.ModuleType:
@@ -474,6 +505,7 @@ def flash_attn_3_beta() -> types.ModuleType:
             v_descale,
             softmax_scale,
             causal,
+            window_size,
         )
         return o, lse, None, None
 
@@ -501,7 +533,17 @@ def flash_attn_3_beta() -> types.ModuleType:
         sm_margin=0,
     ):  # noqa: ANN001, ANN202
         grads = dense_backward(
-            dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal
+            dout,
+            q,
+            k,
+            v,
+            out,
+            softmax_lse,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            softmax_scale,
+            causal,
+            window_size,
         )
         for dst, src in zip((dq, dk, dv), grads):
             _write(dst, src)
@@ -582,6 +624,7 @@ def flash_attn_3() -> types.ModuleType:
                 v_descale,
                 softmax_scale,
                 causal,
+                (window_size_left, window_size_right),
             )
             return o, lse, torch.empty(0), torch.empty(0)
 
@@ -620,6 +663,7 @@ def flash_attn_3() -> types.ModuleType:
                 cu_seqlens_k,
                 softmax_scale,
                 is_causal,
+                (window_size_left, window_size_right),
             )
             for dst, src in zip((dq, dk, dv), grads):
                 _write(dst, src)
@@ -642,6 +686,11 @@ def flash_attn_3() -> types.ModuleType:
 
 
 # --- PyTorch's operators ------------------------------------------------------------------------
+def _unset(bound: int | None) -> int:
+    """The operators' ``None`` window bound as flash-attn's ``-1`` (unbounded)."""
+    return -1 if bound is None else int(bound)
+
+
 def aten_flash_ops() -> types.SimpleNamespace:
     """``torch.ops.aten._flash_attention_forward`` / ``_backward`` as of torch 2.13 (schemas in
     ``kernel_aten.py``), computed on the CPU."""
@@ -667,7 +716,8 @@ def aten_flash_ops() -> types.SimpleNamespace:
         num_splits=None,
     ):  # noqa: ANN001, ANN202
         s = query.shape[-1] ** -0.5 if scale is None else scale
-        out, lse = dense_forward(query, key, value, cum_seq_q, cum_seq_k, s, is_causal)
+        window = (_unset(window_size_left), _unset(window_size_right))
+        out, lse = dense_forward(query, key, value, cum_seq_q, cum_seq_k, s, is_causal, window)
         rng = torch.zeros(2, dtype=torch.uint64)
         return out, lse, rng, torch.zeros((), dtype=torch.uint64), torch.empty(0, dtype=out.dtype)
 
@@ -694,8 +744,9 @@ def aten_flash_ops() -> types.SimpleNamespace:
         if not isinstance(rng_state, torch.Tensor) or not isinstance(unused, torch.Tensor):
             raise TypeError("rng_state and unused must be tensors")
         s = query.shape[-1] ** -0.5 if scale is None else scale
+        window = (_unset(window_size_left), _unset(window_size_right))
         return dense_backward(
-            grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, s, is_causal
+            grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, s, is_causal, window
         )
 
     return types.SimpleNamespace(

@@ -36,19 +36,21 @@ SCALE = 0.125
 DTYPE = torch.bfloat16
 
 
-def _inputs(causal: bool):  # noqa: ANN202
-    """GQA (8 query heads over 2 K/V heads), head dim 64, pairs of unequal sizes."""
+def _inputs(causal: bool, window: int | None = None):  # noqa: ANN202
+    """GQA (8 query heads over 2 K/V heads), head dim 64, pairs of unequal sizes; ``window``:
+    a left window narrower than most pairs."""
     lengths_q, lengths_k = [1, 40, 17, 33], [1, 56, 17, 33]
     if not causal:
         lengths_k = [5, 24, 17, 9]
     q, _, _ = random_qkv(sum(lengths_q), num_heads=8, num_kv_heads=2, head_dim=64, seed=3)
     _, k, v = random_qkv(sum(lengths_k), num_heads=8, num_kv_heads=2, head_dim=64, seed=4)
-    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal, window=window)
     return [x.to(DTYPE) for x in (q, k, v)], batch
 
 
-def _matches_torch_kernel(kernel, causal: bool) -> None:  # noqa: ANN001
-    (q, k, v), batch = _inputs(causal)
+def _matches_torch_kernel(kernel, causal: bool, window: int | None = None) -> None:  # noqa: ANN001
+    assert kernel.supports_window
+    (q, k, v), batch = _inputs(causal, window)
     out, lse = kernel.forward(q, k, v, batch, softmax_scale=SCALE)
     ref_out, ref_lse = TorchKernel().forward(q, k, v, batch, softmax_scale=SCALE)
     assert out.shape == q.shape and lse.shape == (q.shape[0], q.shape[1])
@@ -82,37 +84,40 @@ FLASH2_RELEASES = {
 }
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("release", sorted(FLASH2_RELEASES))
-def test_flash_attn_2_through_the_registry(release, causal, monkeypatch, fake_hopper) -> None:
+def test_flash_attn_2_through_the_registry(release, causal, window, monkeypatch, fake_hopper):  # noqa: ANN001, ANN201
     interface = FLASH2_RELEASES[release]()
     monkeypatch.setitem(sys.modules, "flash_attn", standins.flash_attn_package(interface))
     monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", interface)
     if release != "2.6.3":  # the custom op hides its arguments: nothing to filter by
         sig = inspect.signature(interface._flash_attn_varlen_backward)
         assert list(sig.parameters) == ["args", "kwargs"]
-    kernel = kernels.get_kernel("flash")
-    _matches_torch_kernel(kernel, causal)
+    kernel = kernels.get_kernel("flash", window=window is not None)
+    _matches_torch_kernel(kernel, causal, window)
     assert kernel.release.label == f"flash-attn {release}"
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("make", [standins.flash_attn_3_beta, standins.flash_attn_3])
-def test_flash_attention_3(make, causal) -> None:
+def test_flash_attention_3(make, causal, window) -> None:  # noqa: ANN001
     interface = make()
     kernel = Flash3Kernel(interface=interface, version=interface.__version__)
-    _matches_torch_kernel(kernel, causal)
+    _matches_torch_kernel(kernel, causal, window)
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("causal", [True, False])
-def test_torch_flash_against_the_operators_contract(causal) -> None:
-    _matches_torch_kernel(TorchFlashKernel(ops=standins.aten_flash_ops()), causal)
+def test_torch_flash_against_the_operators_contract(causal, window) -> None:  # noqa: ANN001
+    _matches_torch_kernel(TorchFlashKernel(ops=standins.aten_flash_ops()), causal, window)
 
 
 def test_torch_flash_calls_match_the_real_operator_schemas() -> None:
     """PyTorch's own operators on meta tensors: wrong arguments would not bind."""
     kernel = TorchFlashKernel(ops=torch.ops.aten)
-    (q, k, v), batch = _inputs(True)
+    (q, k, v), batch = _inputs(True, window=6)
     q, k, v = (torch.empty(x.shape, dtype=x.dtype, device="meta") for x in (q, k, v))
     out, lse = kernel.forward(q, k, v, batch, softmax_scale=SCALE)
     assert out.shape == q.shape and out.dtype == DTYPE
@@ -141,7 +146,8 @@ def test_the_release_decides_the_calling_convention() -> None:
     with pytest.raises(ValueError, match="older than 2.6"):
         flash2_release("2.5.9.post1")
     assert flash3_release("3.0.0b1").label == "FlashAttention-3 3.0.0b1"
-    assert flash3_release("3.0.0.b1").window_split
+    assert not flash3_release("3.0.0.b1").window_split  # one window_size tuple
+    assert flash3_release("3.0.0").window_split
     with pytest.raises(ValueError, match="not a FlashAttention-3 release"):
         flash3_release("2.8.3")
 
@@ -180,3 +186,25 @@ def test_a_kernel_named_but_missing_is_one_clear_error(monkeypatch) -> None:
     with pytest.raises(ValueError, match="use 'auto'"):
         kernels.get_kernel("flash")
     assert kernels.choose_kernel("torch-flash", device="cuda:0")[0] == "torch-flash"
+
+
+def test_a_window_keeps_kernels_without_one_away(monkeypatch, fake_hopper) -> None:  # noqa: ANN001
+    """Sliding-window calls: ``auto`` skips a kernel that has no window mask and says so; named,
+    such a kernel is refused; without a window it stays the first choice."""
+
+    class NoWindow(TorchKernel):
+        supports_window = False
+
+    _probes(monkeypatch)
+    for name, factory in (("flash3", NoWindow), ("flash", TorchKernel), ("torch-flash", NoWindow)):
+        monkeypatch.setitem(kernels._FACTORIES, name, factory)
+    cuda = {"device": "cuda:0", "dtype": torch.bfloat16}
+    assert kernels.choose_kernel("auto", **cuda)[0] == "flash3"
+    name, why = kernels.choose_kernel("auto", **cuda, window=True)
+    assert name == "flash" and "'flash3' has no sliding-window mask" in why
+    assert kernels.get_kernel("auto", **cuda, window=True).supports_window
+    with pytest.raises(ValueError, match="'torch-flash' cannot run here: .*sliding-window"):
+        kernels.choose_kernel("torch-flash", **cuda, window=True)
+    with pytest.raises(ValueError, match="sliding-window"):
+        kernels.get_kernel("flash3", **cuda, window=True)
+    assert kernels.get_kernel("flash3", **cuda).name == "torch"  # the stand-in, no window asked

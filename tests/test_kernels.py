@@ -91,25 +91,67 @@ def test_rows_without_keys_get_zero_gradients() -> None:
 
 
 @pytest.mark.pure
+@pytest.mark.parametrize("window", [None, 0, 5, 70])
 @pytest.mark.parametrize("causal", [True, False])
-def test_tiles_cover_every_visible_entry_once(causal: bool) -> None:
+def test_tiles_cover_every_visible_entry_once(causal: bool, window: int | None) -> None:
     lengths_q, lengths_k = [1, 40, 300, 17], [1, 64, 300, 17]
-    batch = VarlenBatch(lengths_q, lengths_k, causal=causal)
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal, window=window)
     chunks = _tile_chunks(batch, block_size=32, min_tile=8, tiles_per_chunk=lambda s: 5)
     seen = torch.zeros(batch.total_q, batch.total_k, dtype=torch.int64)
+    num_tiles = 0
     for c in chunks:
         assert c.size <= 32  # no score matrix larger than one tile per pair
         for w in range(c.q_start.shape[0]):
             q0, k0, lq, lk = (int(x[w]) for x in (c.q_start, c.k_start, c.q_len, c.k_len))
             i, j = torch.arange(lq).unsqueeze(1), torch.arange(lk).unsqueeze(0)
-            seen[q0 : q0 + lq, k0 : k0 + lk] += (j - i <= int(c.diag[w])).long()
+            visible = (j - i <= int(c.diag[w])) & (j - i >= int(c.low[w]))
+            assert visible.any(), "a tile the masks hide entirely was computed"
+            seen[q0 : q0 + lq, k0 : k0 + lk] += visible.long()
+            num_tiles += 1
     want = torch.zeros_like(seen)
     q0 = k0 = 0
     for lq, lk in zip(lengths_q, lengths_k):
         block = torch.ones(lq, lk, dtype=torch.int64)
-        want[q0 : q0 + lq, k0 : k0 + lk] = block.tril(lk - lq) if causal else block
+        block = block.tril(lk - lq) if causal else block
+        if window is not None:
+            block = block.triu(lk - lq - window)
+        want[q0 : q0 + lq, k0 : k0 + lk] = block
         q0, k0 = q0 + lq, k0 + lk
     assert torch.equal(seen, want)
+    if window == 5 and causal:  # a narrow band skips most tiles of the 300 x 300 pair
+        assert num_tiles < 60
+
+
+@pytest.mark.pure
+@pytest.mark.parametrize("window", [0, 3, 20, 500])
+@pytest.mark.parametrize("causal", [True, False])
+def test_windows_match_dense(causal: bool, window: int) -> None:
+    # Windows narrower than a tile, a few tiles wide, and wider than every pair (no effect).
+    lengths_q, lengths_k = [5, 40, 1, 9, 30], [12, 40, 4, 9, 70]
+    q, _, _ = random_qkv(sum(lengths_q), num_heads=4, num_kv_heads=2, head_dim=4, seed=12)
+    _, k, v = random_qkv(sum(lengths_k), num_heads=4, num_kv_heads=2, head_dim=4, seed=13)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
+    batch = VarlenBatch(lengths_q, lengths_k, causal=causal, window=window)
+    kernel = TorchKernel(block_size=8)
+    out, lse = kernel.forward(q.detach(), k.detach(), v.detach(), batch, softmax_scale=0.7)
+    want, want_lse = pair_attention(
+        q, k, v, lengths_q, lengths_k, causal=causal, scale=0.7, window=window
+    )
+    assert_close(out, want.detach(), dtype=torch.float64, name="out")
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert_close(lse[finite], want_lse.detach()[finite], dtype=torch.float64, name="lse")
+    dout = torch.randn_like(want)
+    want.backward(dout)
+    grads = kernel.backward(
+        dout, q.detach(), k.detach(), v.detach(), out, lse, batch, softmax_scale=0.7
+    )
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q.grad, k.grad, v.grad)):
+        assert_close(got, ref, dtype=torch.float64, name=name)
+    if window == 500:  # wider than every pair: the same as no window
+        plain = VarlenBatch(lengths_q, lengths_k, causal=causal)
+        same, _ = kernel.forward(q.detach(), k.detach(), v.detach(), plain, softmax_scale=0.7)
+        assert torch.equal(out, same)
 
 
 @pytest.mark.pure
@@ -177,6 +219,10 @@ def test_batch_rejects_bad_lengths() -> None:
         VarlenBatch([1, 2], [1], causal=True)
     with pytest.raises(ValueError):
         VarlenBatch([0], [1], causal=True)
+    with pytest.raises(ValueError, match="negative"):
+        VarlenBatch([1], [1], causal=True, window=-1)
+    assert VarlenBatch([1], [1], causal=True, window=4).window_size == (4, 0)
+    assert VarlenBatch([1], [1], causal=False).window_size == (-1, -1)
     kernel = TorchKernel()
     q, k, v = random_qkv(4, num_heads=2, head_dim=4)
     with pytest.raises(ValueError, match="needs 5 query rows"):

@@ -22,11 +22,11 @@ from hypothesis import strategies as st
 from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.attention.layout import (
     RankLayout,
-    block_pairs,
     compact_rows,
     range_rows,
     rows_of,
 )
+from megatron_zeppelin.attention.pairs import block_pairs
 from megatron_zeppelin.attention.ring import _RowSum
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import ZeppelinCommError

@@ -12,6 +12,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from megatron_zeppelin.megatron import spec as spec_module
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention, ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.spec import (
     core_attention_of,
     has_transformer_engine,
@@ -116,8 +117,8 @@ def test_spec_attributes_work_with_megatrons_spec_flag() -> None:
     local = import_module(("megatron_zeppelin.megatron.spec", "local"))
     assert core_attention_of(local).module is ZeppelinCoreAttention
     assert hasattr(spec_module, "te") == has_transformer_engine()
-    params = core_attention_of(zeppelin_layer_spec("local", rotary_base=500.0)).params
-    assert params["rotary_base"] == 500.0
+    params = core_attention_of(zeppelin_layer_spec("local", rope=Rope(base=500.0))).params
+    assert params["rope"] == Rope(base=500.0)
 
 
 @pytest.mark.pure

@@ -10,6 +10,12 @@ Documents the plan runs with the 2-D scheme (heads split inside each node, one r
 across nodes) add a head all-to-all before and after, and their column rings take turns with
 the flat tiers (``two_d.py``).
 
+Two of Megatron's attention variants are arguments of a call, since a model may use them in
+some layers only: ``window`` (sliding-window attention, ``--window-size window,0``; the calls of
+each window are derived once per micro-batch from the same ring schedule,
+``RankLayout.windowed``) and ``sink_n`` (per-head sink logits, ``--softmax-type``; gradients
+flow to it).
+
 Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
 across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
 ``start``. When the exchanger has ``for_plan`` (the routed transports do), the engine keeps a
@@ -89,12 +95,27 @@ class ZeppelinAttention:
         self.layout = RankLayout(plan, rank)
         self.heads = HeadLayout(plan, self.layout) if plan.has_two_d else None
         """The 2-D documents' head buffer and column rings (``None``: the plan has none)."""
-        runtime = RingRuntime(
-            self.layout, exchanger, kernel=kernel, softmax_scale=softmax_scale, timer=timer
-        )
-        self._runtime: RingRuntime | TwoDRuntime = runtime
-        if self.heads is not None:
-            self._runtime = TwoDRuntime(runtime, self.heads, exchanger)
+        self.timer = timer
+        self._runtimes: dict[int | None, RingRuntime | TwoDRuntime] = {}
+        self.runtime(None)  # the plain runtime, built now: most calls use it
+
+    def runtime(self, window: int | None) -> RingRuntime | TwoDRuntime:
+        """The runtime of calls with ``window`` (``None``: none), built on first use."""
+        if window is not None and window < 0:
+            raise ValueError(f"an attention window counts key positions, got {window}")
+        if window not in self._runtimes:
+            flat = RingRuntime(
+                self.layout.windowed(window),
+                self.exchanger,
+                kernel=self.kernel,
+                softmax_scale=self.softmax_scale,
+                timer=self.timer,
+            )
+            runtime: RingRuntime | TwoDRuntime = flat
+            if self.heads is not None:
+                runtime = TwoDRuntime(flat, self.heads.windowed(window), self.exchanger)
+            self._runtimes[window] = runtime
+        return self._runtimes[window]
 
     @property
     def num_tokens(self) -> int:
@@ -109,9 +130,17 @@ class ZeppelinAttention:
         return max(self.layout.num_steps, column_steps)
 
     def __call__(
-        self, q_tnd: torch.Tensor, k_tnd: torch.Tensor, v_tnd: torch.Tensor
+        self,
+        q_tnd: torch.Tensor,
+        k_tnd: torch.Tensor,
+        v_tnd: torch.Tensor,
+        *,
+        window: int | None = None,
+        sink_n: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Causal attention within each document; returns ``out_tnd`` like ``q_tnd``."""
+        """Causal attention within each document; returns ``out_tnd`` like ``q_tnd``. With
+        ``window``, a query sees only the ``window`` key positions before its own and itself;
+        ``sink_n`` ``(nq)`` adds one logit per query head to every row's softmax denominator."""
         if q_tnd.dim() != 3 or k_tnd.dim() != 3 or v_tnd.dim() != 3:
             raise ValueError(
                 f"expected (tokens, heads, head_dim) tensors, got q {tuple(q_tnd.shape)}, "
@@ -139,8 +168,17 @@ class ZeppelinAttention:
             raise ValueError(
                 f"{q_tnd.shape[1]} query heads are not a multiple of {k_tnd.shape[1]} K/V heads"
             )
+        if sink_n is not None and tuple(sink_n.shape) != (q_tnd.shape[1],):
+            raise ValueError(
+                f"the sink holds one logit per query head: expected ({q_tnd.shape[1]},), got "
+                f"{tuple(sink_n.shape)}"
+            )
         return RingAttentionFunction.apply(
-            q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous(), self._runtime
+            q_tnd.contiguous(),
+            k_tnd.contiguous(),
+            v_tnd.contiguous(),
+            sink_n,
+            self.runtime(window),
         )
 
     def __repr__(self) -> str:

@@ -27,6 +27,7 @@ several ranks are summed into the token that owns it.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 
 from megatron_zeppelin.attention.layout import RankLayout, Rows, range_rows
@@ -91,6 +92,15 @@ class HeadLayout:
     @property
     def num_steps(self) -> int:
         return self.ring.num_steps
+
+    def windowed(self, window: int | None) -> HeadLayout:
+        """This layout with the column rings' queries seeing only the ``window`` key positions
+        before their own (``RankLayout.windowed``); the exchanges stay the same."""
+        if window == self.ring.window:
+            return self
+        other = copy.copy(self)
+        other.ring = self.ring.windowed(window)
+        return other
 
     def _token_runs(self, seq: int) -> Runs:
         """This rank's rows of document ``seq`` in its token buffer."""

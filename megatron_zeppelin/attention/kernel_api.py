@@ -5,8 +5,12 @@ flash-attn's ``flash_attn_varlen_func`` does: pair ``p`` takes query rows
 ``cu_seqlens_q[p]:cu_seqlens_q[p+1]`` and key rows ``cu_seqlens_k[p]:cu_seqlens_k[p+1]``.
 A call is either unmasked (every query sees every key of its pair) or causal with the mask
 aligned to the bottom-right corner, flash-attn's convention: query ``i`` of a pair with ``lq``
-queries and ``lk`` keys sees keys ``j <= i + lk - lq``. The ring code cuts every block into pairs
-of these two kinds (``layout.py`` explains why that is always possible).
+queries and ``lk`` keys sees keys ``j <= i + lk - lq``. A call may also carry a left *window*
+``w`` (flash-attn's ``window_size[0]``, aligned the same way): query ``i`` then sees only keys
+``j >= i + lk - lq - w``, on top of the causal bound or alone. The ring code cuts every block into
+pairs of these kinds (``layout.py`` explains why that is always possible). Kernels say with
+``supports_window`` whether they honour a window; the registry (``kernels.py``) keeps a call
+with a window away from those that do not.
 
 Every kernel returns the output AND the log-sum-exp of the scaled scores per query row and head
 (natural log, ``-inf`` where a row sees no key, with a zero output there), so partial results
@@ -27,7 +31,14 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-__all__ = ["AttentionKernel", "VarlenBatch", "check_shapes", "compute_dtype", "cuda_capability"]
+__all__ = [
+    "AttentionKernel",
+    "VarlenBatch",
+    "check_shapes",
+    "compute_dtype",
+    "cuda_capability",
+    "supports_window",
+]
 
 
 def cuda_capability() -> tuple[int, int] | None:
@@ -45,21 +56,32 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 class VarlenBatch:
-    """The pairs of one varlen call: their lengths and whether the call is causal.
+    """The pairs of one varlen call: their lengths, whether the call is causal, and its left
+    window (``None``: none; see the module docstring).
 
     Built once per plan and reused in forward and backward; kernels cache their per-device
     index tensors on it. Lengths are kept as numpy arrays: building thousands of these per
     plan is bookkeeping, not tensor work.
     """
 
-    def __init__(self, lengths_q: Sequence[int], lengths_k: Sequence[int], *, causal: bool) -> None:
+    def __init__(
+        self,
+        lengths_q: Sequence[int],
+        lengths_k: Sequence[int],
+        *,
+        causal: bool,
+        window: int | None = None,
+    ) -> None:
         self.lengths_q = np.asarray(lengths_q, dtype=np.int64).reshape(-1)
         self.lengths_k = np.asarray(lengths_k, dtype=np.int64).reshape(-1)
         if self.lengths_q.shape != self.lengths_k.shape:
             raise ValueError("a varlen batch needs one query length and one key length per pair")
         if self.num_pairs and (self.lengths_q.min() < 1 or self.lengths_k.min() < 1):
             raise ValueError("every pair of a varlen batch needs at least one query and one key")
+        if window is not None and window < 0:
+            raise ValueError(f"a left window counts keys and cannot be negative, got {window}")
         self.causal = bool(causal)
+        self.window = None if window is None else int(window)
         self.cu_seqlens_q = np.concatenate([[0], np.cumsum(self.lengths_q)])
         self.cu_seqlens_k = np.concatenate([[0], np.cumsum(self.lengths_k)])
         self.max_seqlen_q = int(self.lengths_q.max()) if self.num_pairs else 0
@@ -88,8 +110,16 @@ class VarlenBatch:
             )
         return self.cache[key]
 
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """flash-attn's ``(left, right)`` window of this call, ``-1`` for no bound."""
+        left = -1 if self.window is None else self.window
+        return left, 0 if self.causal else -1
+
     def __repr__(self) -> str:
         kind = "causal" if self.causal else "full"
+        if self.window is not None:
+            kind += f" window {self.window}"
         return f"VarlenBatch({self.num_pairs} {kind} pairs, {self.total_q}x{self.total_k} rows)"
 
 
@@ -100,6 +130,9 @@ class AttentionKernel(Protocol):
     run on the caller's current CUDA stream (the engine's compute stream)."""
 
     name: str
+    supports_window: bool
+    """Whether ``forward``/``backward`` honour ``VarlenBatch.window`` (a kernel without the
+    attribute is taken not to)."""
 
     def forward(
         self,
@@ -123,6 +156,11 @@ class AttentionKernel(Protocol):
         *,
         softmax_scale: float,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+
+def supports_window(kernel: object) -> bool:
+    """Whether ``kernel`` honours a call's window (``AttentionKernel.supports_window``)."""
+    return bool(getattr(kernel, "supports_window", False))
 
 
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:

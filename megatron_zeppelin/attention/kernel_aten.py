@@ -20,7 +20,9 @@ torch 2.13 it always takes the flash path: its cuDNN switch returns False). Its 
 through autograd with the output and log-sum-exp of its own forward, while a ring's backward
 must use the merged ones, so this kernel calls the operators directly, the backward the way
 ``varlen_attn``'s own backward does: dropout 0, an unused ``(2,)`` uint64 ``rng_state`` and an
-empty ``unused`` tensor (the kernel reads them only for dropout).
+empty ``unused`` tensor (the kernel reads them only for dropout). A call's window goes in as
+``window_size_left``/``_right`` (FlashAttention-2's convention, the one ``kernel_api.py``
+uses); calls without one leave both unset.
 
 On a CPU-only build both operators exist and raise for CPU tensors; with meta tensors they
 return the shapes above, which the tests use. Calls run on the caller's current CUDA stream.
@@ -53,11 +55,20 @@ def torch_flash_unavailable() -> str | None:
     return None
 
 
+def _window_kwargs(batch: VarlenBatch) -> dict[str, int]:
+    """The operators' window arguments for ``batch`` (none for a call without a window)."""
+    if batch.window is None:
+        return {}
+    left, right = batch.window_size
+    return {"window_size_left": left, "window_size_right": right}
+
+
 class TorchFlashKernel:
     """PyTorch's FlashAttention varlen operators (fp16/bf16 on CUDA). ``ops`` defaults to
     ``torch.ops.aten`` (tests pass a stand-in with the operators' contract)."""
 
     name = "torch-flash"
+    supports_window = True
 
     def __init__(self, *, ops: object | None = None) -> None:
         if ops is None:
@@ -97,6 +108,7 @@ class TorchFlashKernel:
             batch.causal,
             False,
             scale=softmax_scale,
+            **_window_kwargs(batch),
         )
         assert tuple(lse.shape) == (q.shape[1], q.shape[0]), (tuple(lse.shape), tuple(q.shape))
         return out, lse.float().t()
@@ -123,5 +135,6 @@ class TorchFlashKernel:
             rng_state,
             unused,
             scale=softmax_scale,
+            **_window_kwargs(batch),
         )
         return dq, dk, dv

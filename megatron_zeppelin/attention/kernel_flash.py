@@ -31,9 +31,12 @@ whose Python signature reads ``(*args, **kwargs)``, so there is nothing to read.
   the rest, ``window_size_left``/``_right`` split), the backward returning ``softmax_d``.
 
 Every call passes the leading arguments by position (a custom op takes them so in every release)
-and leaves trailing ones (windows, softcap, determinism) at their defaults, so the only
-difference the adapter must key on is flash-attn 2's window argument. Gradients land in buffers
-the adapter allocates and passes in (every release writes them).
+and leaves trailing ones (softcap, determinism) at their defaults; a call's window
+(``VarlenBatch.window``, flash-attn's own ``window_size`` convention) goes by keyword in the form
+the release takes: one ``window_size`` tuple (flash-attn 2's forward, FlashAttention-3
+``3.0.0b1``) or ``window_size_left``/``_right`` (FlashAttention-3 ``3.0.0``); flash-attn 2's
+backward takes it by position, in the form ``window_split`` says. Gradients land in buffers the
+adapter allocates and passes in (every release writes them).
 
 Both return the varlen log-sum-exp as ``(nq, t)`` float32; the interface wants ``lse_tn``
 ``(t, nq)``. Their causal mask is aligned to the bottom-right corner, the convention the ring
@@ -73,7 +76,8 @@ class FlashRelease:
     label: str
     """What the start-up summary calls it, e.g. ``flash-attn 2.7.4``."""
     window_split: bool
-    """The private backward takes ``window_size_left, window_size_right`` (else one tuple)."""
+    """The private functions take ``window_size_left, window_size_right`` (else one
+    ``window_size`` tuple)."""
 
 
 def _version_tuple(version: str) -> tuple[tuple[int, int, int], bool]:
@@ -99,13 +103,13 @@ def flash2_release(version: str) -> FlashRelease:
 
 def flash3_release(version: str) -> FlashRelease:
     """The convention of FlashAttention-3 (``flash_attn_3``) ``version``."""
-    (major, _, _), _pre = _version_tuple(version)
+    (major, _, _), pre = _version_tuple(version)
     if major != 3:
         raise ValueError(
             f"flash_attn_3 {version} is not a FlashAttention-3 release kernel 'flash3' knows "
             "(3.0.0b1 and 3.0.x): use kernel 'flash' or 'torch-flash'"
         )
-    return FlashRelease(f"FlashAttention-3 {version}", window_split=True)
+    return FlashRelease(f"FlashAttention-3 {version}", window_split=not pre)
 
 
 def _installed(distribution: str, module: str) -> str | None:
@@ -184,6 +188,20 @@ def _kernel_inputs(name: str, q_tnd, k_tnd, v_tnd, batch: VarlenBatch):  # noqa:
     return q, k, v, *batch.cu_seqlens(q.device)
 
 
+def _window(batch: VarlenBatch) -> tuple[int, int]:
+    """flash-attn's ``(left, right)`` window of ``batch``; ``(-1, -1)`` (the functions'
+    default, which the causal flag bounds on the right) for a call without one."""
+    return batch.window_size if batch.window is not None else (-1, -1)
+
+
+def _window_kwargs(release: FlashRelease, batch: VarlenBatch) -> dict:
+    """The window of ``batch`` as the keyword arguments ``release`` takes."""
+    left, right = _window(batch)
+    if release.window_split:
+        return {"window_size_left": left, "window_size_right": right}
+    return {"window_size": (left, right)}
+
+
 def _lse_tn(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """flash-attn's varlen lse ``(nq, t)`` as the interface's float32 ``(t, nq)``."""
     assert tuple(lse.shape) == (q.shape[1], q.shape[0]), (tuple(lse.shape), tuple(q.shape))
@@ -195,6 +213,7 @@ class Flash2Kernel:
     ``flash_attn.flash_attn_interface`` and its version (tests pass stand-ins)."""
 
     name = "flash"
+    supports_window = True
 
     def __init__(self, *, interface: ModuleType | None = None, version: str | None = None):
         if interface is None:
@@ -220,6 +239,7 @@ class Flash2Kernel:
             dropout_p=0.0,
             softmax_scale=softmax_scale,
             causal=batch.causal,
+            window_size=_window(batch),
             return_attn_probs=True,
         )
         return out, _lse_tn(lse, q)
@@ -227,7 +247,7 @@ class Flash2Kernel:
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
         q, k, v, cu_q, cu_k = _kernel_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        window = (-1, -1) if self.release.window_split else ((-1, -1),)
+        window = _window(batch) if self.release.window_split else (_window(batch),)
         self._backward(
             dout_tnd.contiguous(),
             q,
@@ -259,6 +279,7 @@ class Flash3Kernel:
     installed ``flash_attn_interface`` and the ``flash_attn_3`` version (tests pass stand-ins)."""
 
     name = "flash3"
+    supports_window = True
 
     def __init__(self, *, interface: ModuleType | None = None, version: str | None = None):
         if interface is None:
@@ -279,7 +300,7 @@ class Flash3Kernel:
             batch.max_seqlen_q, batch.max_seqlen_k,
             None, None, None, None, None, None,  # page table .. seqlens_rotary
             None, None, None,  # q, k, v descale
-            softmax_scale, batch.causal,
+            softmax_scale, batch.causal, **_window_kwargs(self.release, batch),
         )  # fmt: skip
         return out, _lse_tn(lse, q)
 
@@ -291,5 +312,6 @@ class Flash3Kernel:
             lse_tn.float().t().contiguous(), cu_q, cu_k,
             None, None,  # seqused_q, seqused_k
             batch.max_seqlen_q, batch.max_seqlen_k, dq, dk, dv, softmax_scale, batch.causal,
+            **_window_kwargs(self.release, batch),
         )  # fmt: skip
         return dq, dk, dv

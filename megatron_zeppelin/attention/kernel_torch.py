@@ -4,7 +4,9 @@ It cuts every pair of a ``VarlenBatch`` into square tiles (at most ``block_size`
 smaller for short pairs so one-token documents are not padded to 128) and runs many tiles per
 batched matmul, so no ``L x L`` score matrix of a long document is ever built; tiles of one query
 block are merged with the online softmax. Half-precision inputs are computed with float32
-accumulation; float64 stays float64. On CUDA it runs on the caller's current stream.
+accumulation; float64 stays float64. On CUDA it runs on the caller's current stream. It honours
+a call's window (``supports_window``): tiles wholly before a query tile's window are skipped,
+tiles cut by its edge masked like the causal diagonal.
 
 Interface and shapes: ``kernel_api.py``.
 """
@@ -26,18 +28,19 @@ _UNMASKED = 1 << 40  # a diagonal offset no tile reaches: "no causal mask"
 
 class _TileChunk:
     """Square tiles of side ``size`` processed in one batched matmul: per tile, its first query
-    and key row, how many of its rows are real, and its diagonal offset (key ``j`` is visible
-    to query ``i`` of the tile when ``j - i <= diag``). ``masked``: some tile hides an entry
-    (padding or the causal diagonal); chunks of full, unmasked tiles skip every mask."""
+    and key row, how many of its rows are real, and its two diagonal offsets: key ``j`` is
+    visible to query ``i`` of the tile when ``low <= j - i <= diag`` (``low`` from a window).
+    ``masked``: some tile hides an entry (padding, the causal diagonal or the window's edge);
+    chunks of full, unmasked tiles skip every mask."""
 
-    def __init__(self, size: int, q_start, q_len, k_start, k_len, diag, masked: bool) -> None:  # noqa: ANN001
+    def __init__(self, size: int, q_start, q_len, k_start, k_len, diag, low, masked: bool) -> None:  # noqa: ANN001
         self.size, self.q_start, self.q_len = size, q_start, q_len
-        self.k_start, self.k_len, self.diag = k_start, k_len, diag
+        self.k_start, self.k_len, self.diag, self.low = k_start, k_len, diag, low
         self.masked = masked
 
     def to(self, device: torch.device) -> _TileChunk:
         move = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)
-        arrays = (self.q_start, self.q_len, self.k_start, self.k_len, self.diag)
+        arrays = (self.q_start, self.q_len, self.k_start, self.k_len, self.diag, self.low)
         return _TileChunk(self.size, *map(move, arrays), self.masked)
 
 
@@ -66,26 +69,34 @@ def _tile_chunks(
     for size in sorted(set(side.tolist())):
         pairs = np.flatnonzero(side == size)
         p_lq, p_lk = lq[pairs], lk[pairs]
-        # Key j of a pair is visible to query i when j <= i + offset (bottom-right causal).
+        # Key j of a pair is visible to query i when i + low_offset <= j <= i + offset
+        # (bottom-right aligned, both bounds).
         offset = p_lk - p_lq if batch.causal else np.full_like(p_lq, _UNMASKED)
+        if batch.window is None:
+            low_offset = np.full_like(p_lq, -_UNMASKED)
+        else:
+            low_offset = p_lk - p_lq - batch.window
         tile_pair, tile_index = _ranks_within(_ceil_div(p_lq, size))
         q_lo = tile_index * size
         q_len = np.minimum(p_lq[tile_pair] - q_lo, size)
-        # Keys seen by the tile's last query bound the key tiles it needs.
+        # Keys seen by the tile's last query bound the key tiles it needs from above, the
+        # first query's window from below.
         seen = np.minimum((q_lo + q_len + offset[tile_pair]).clip(min=0), p_lk[tile_pair])
-        work_tile, k_index = _ranks_within(_ceil_div(seen, size))
+        first = (q_lo + low_offset[tile_pair]).clip(min=0) // size
+        work_tile, k_index = _ranks_within((_ceil_div(seen, size) - first).clip(min=0))
         work_pair = tile_pair[work_tile]
-        k_lo = k_index * size
+        k_lo = (k_index + first[work_tile]) * size
         q_start = batch.cu_seqlens_q[pairs][work_pair] + q_lo[work_tile]
         k_start = batch.cu_seqlens_k[pairs][work_pair] + k_lo
         k_len = np.minimum(p_lk[work_pair] - k_lo, size)
         diag = q_lo[work_tile] + offset[work_pair] - k_lo
+        low = q_lo[work_tile] + low_offset[work_pair] - k_lo
         work_q_len = q_len[work_tile]
         # Full tiles the mask leaves whole (the bulk of an unmasked pair) go to chunks of their
         # own, which skip building and applying masks: a fifth of a tile's work.
-        whole = (work_q_len == size) & (k_len == size) & (diag >= size - 1)
+        whole = (work_q_len == size) & (k_len == size) & (diag >= size - 1) & (low <= 1 - size)
         step = tiles_per_chunk(size)
-        fields = (q_start, work_q_len, k_start, k_len, diag)
+        fields = (q_start, work_q_len, k_start, k_len, diag, low)
         for masked in (False, True):
             tiles = np.flatnonzero(whole != masked)
             for lo in range(0, tiles.shape[0], step):
@@ -98,6 +109,7 @@ class TorchKernel:
     """Tiled PyTorch attention; see the module docstring."""
 
     name = "torch"
+    supports_window = True
 
     def __init__(
         self, *, block_size: int = 128, min_tile: int = 8, max_tile_elements: int = 1 << 22
@@ -130,8 +142,11 @@ class TorchKernel:
         rows_k = (chunk.k_start[:, None] + ar).clamp_(max=total_k - 1)
         if not chunk.masked:
             return rows_q, rows_k, None, None
-        # hidden[w, i, j]: key j is after query i's causal limit, or a padding key.
-        hidden = (ar[None, None, :] - ar[None, :, None]) > chunk.diag[:, None, None]
+        # hidden[w, i, j]: key j is after query i's causal limit, before its window, or a
+        # padding key.
+        distance = ar[None, None, :] - ar[None, :, None]
+        hidden = distance > chunk.diag[:, None, None]
+        hidden |= distance < chunk.low[:, None, None]
         hidden |= ar[None, None, :] >= chunk.k_len[:, None, None]
         pad_q = ar[None, :] >= chunk.q_len[:, None]
         if pad_rows:

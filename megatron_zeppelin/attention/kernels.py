@@ -12,7 +12,10 @@ Kernels (the interface is ``kernel_api.AttentionKernel``, one module per kernel)
 
 A kernel asked for by name that cannot run here is one ``ValueError`` saying why and what to
 use instead; ``auto`` falls back, and ``choose_kernel`` returns which kernel it took and a
-sentence saying why (the start-up summary prints it).
+sentence saying why (the start-up summary prints it). Sliding-window attention needs a kernel
+that honours a call's window (``kernel_api.AttentionKernel.supports_window``; every built-in
+kernel does): asked for ``window=True``, ``auto`` skips the others and a named one that does
+not is refused the same way.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from collections.abc import Callable
 
 import torch
 
-from megatron_zeppelin.attention.kernel_api import AttentionKernel
+from megatron_zeppelin.attention.kernel_api import AttentionKernel, supports_window
 from megatron_zeppelin.attention.kernel_aten import TorchFlashKernel, torch_flash_unavailable
 from megatron_zeppelin.attention.kernel_flash import (
     Flash2Kernel,
@@ -56,7 +59,8 @@ _FACTORIES: dict[str, Callable[[], AttentionKernel]] = {
     "flash3": Flash3Kernel,
 }
 _INSTANCES: dict[str, AttentionKernel] = {}
-_AUTO: dict[tuple[str, torch.dtype | None], str] = {}  # what auto chose, per device and dtype
+_AUTO: dict[tuple[str, torch.dtype | None, bool], str] = {}  # auto's choices, per device, dtype,
+# and whether a window is needed
 
 
 def requires_cuda(name: str) -> bool:
@@ -83,13 +87,23 @@ def available_kernels() -> list[str]:
     return ["auto", *sorted(_FACTORIES)]
 
 
+def _problem(name: str, window: bool) -> str | None:
+    """Why kernel ``name`` cannot run here (with a window, when ``window``), ``None`` if it can."""
+    problem = _UNAVAILABLE[name]() if name in _UNAVAILABLE else None
+    if problem is None and window and not supports_window(_instance(name)):
+        problem = f"kernel {name!r} has no sliding-window mask (--window-size)"
+    return problem
+
+
 def choose_kernel(
     name: str = "auto",
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    window: bool = False,
 ) -> tuple[str, str]:
-    """The kernel that runs for ``name`` on ``device`` with inputs of ``dtype``, and why.
+    """The kernel that runs for ``name`` on ``device`` with inputs of ``dtype`` (calls with a
+    sliding window among them when ``window``), and why.
 
     A named kernel is returned as it is when it can run here, else ``ValueError`` says why.
     ``"auto"`` takes the first of ``AUTO_ORDER`` that can run (fp16/bf16 on CUDA), else
@@ -97,7 +111,7 @@ def choose_kernel(
     if name not in _FACTORIES and name != "auto":
         raise ValueError(f"unknown attention kernel {name!r}; choose one of {available_kernels()}")
     if name != "auto":
-        problem = _UNAVAILABLE[name]() if name in _UNAVAILABLE else None
+        problem = _problem(name, window)
         if problem is not None:
             raise ValueError(
                 f"attention kernel {name!r} cannot run here: {problem}; use 'auto' (which "
@@ -114,7 +128,7 @@ def choose_kernel(
         )
     skipped = []
     for candidate in AUTO_ORDER:
-        problem = _UNAVAILABLE.get(candidate, lambda: None)()
+        problem = _problem(candidate, window) if candidate in _FACTORIES else "not registered"
         if problem is None:
             before = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             return candidate, f"{candidate}: the fastest kernel that runs here{before}"
@@ -127,15 +141,24 @@ def get_kernel(
     *,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
+    window: bool = False,
 ) -> AttentionKernel:
-    """The kernel called ``name``; ``"auto"`` resolves with ``device`` and ``dtype``
-    (``choose_kernel``, once per device and dtype: the engine asks at every call)."""
+    """The kernel called ``name``; ``"auto"`` resolves with ``device``, ``dtype`` and
+    ``window`` (``choose_kernel``, once per device, dtype and window: the engine asks at every
+    call)."""
     if name == "auto":
-        key = (str(torch.device(device)) if device is not None else "cpu", dtype)
+        key = (str(torch.device(device)) if device is not None else "cpu", dtype, window)
         if key not in _AUTO:
-            _AUTO[key] = choose_kernel(name, device=device, dtype=dtype)[0]
-        name = _AUTO[key]
+            _AUTO[key] = choose_kernel(name, device=device, dtype=dtype, window=window)[0]
+        return _instance(_AUTO[key])
+    known = _INSTANCES.get(name)
+    if known is None or (window and not supports_window(known)):
+        choose_kernel(name, device=device, dtype=dtype, window=window)  # why it cannot run
+    return _instance(name)
+
+
+def _instance(name: str) -> AttentionKernel:
+    """The one instance of kernel ``name``, created on first use."""
     if name not in _INSTANCES:
-        choose_kernel(name, device=device, dtype=dtype)  # a clear error if it cannot run
         _INSTANCES[name] = _FACTORIES[name]()
     return _INSTANCES[name]

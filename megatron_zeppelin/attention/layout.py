@@ -11,22 +11,13 @@ source rank, then document id). Compute 0 uses the rank's own buffer (local docu
 own blocks); the compute of step ``s`` uses the held buffer of step ``s``, and the gradient of
 that buffer travels back in the same step of the backward.
 
-Masks. Query and key rows carry absolute positions inside their document; causality means key
-position <= query position. One query span ``[qs, qe)`` against one key span ``[ks, ke)`` is
-fully visible when ``ke - 1 <= qs``, hidden when ``ks > qe - 1`` and cut by the diagonal
-otherwise. Kernels (flash-attn's included) only offer "no mask" and "causal aligned to the
-bottom-right corner" (query ``i`` of ``lq`` sees key ``j <= i + lk - lq``), so a diagonal span
-pair is cut into rows that see no key (dropped), a bottom-right causal band, and rows below the
-band that see every key (an unmasked pair). Neighbouring pairs are then joined where the joined
-pair has the same mask. Under zigzag (rank ``i`` of ``g`` holds chunks ``i`` and ``2g-1-i``):
-
-    compute 0, own block       causal  chunk i      x chunk i
-                               causal  chunk 2g-1-i x (chunk i, chunk 2g-1-i)
-    ring step, block j < i     full    (both chunks) x chunk j
-    ring step, block j > i     full    chunk 2g-1-i  x (both chunks of j)
-
-so compute 0 is one causal call and every ring step's compute one unmasked call, whatever the
-number of documents. Plans that are not zigzag (any spans) work too, with more pairs.
+Masks: which pairs of query and key rows a kernel call computes, and with which mask, is
+``pairs.py``'s; the calls of a block are one varlen call per kind of pair (``kernel_calls``).
+Under zigzag (rank ``i`` of ``g`` holds chunks ``i`` and ``2g-1-i``) compute 0 is one causal call
+and every ring step's compute one unmasked call, whatever the number of documents; with a
+sliding window up to four. ``RankLayout.windowed`` derives a layout's calls for another window
+from the same schedule (Megatron's ``--window-attn-skip-freq`` mixes windowed and full layers in
+one model).
 
 Row indices (``Rows``) are int64 CPU tensors, ``None`` for "every row of the buffer, in order" or
 a ``slice`` for a run of consecutive rows, so the common cases need no gather or scatter: under
@@ -35,13 +26,15 @@ zigzag every index of a ring step is such a run (one or two chunks, adjacent in 
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 
 from megatron_zeppelin.attention.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.pairs import Pair, block_pairs
 from megatron_zeppelin.planner.plan import Plan, Tier
 from megatron_zeppelin.planner.schedule import (
     Message,
@@ -52,86 +45,16 @@ from megatron_zeppelin.planner.schedule import (
 
 __all__ = [
     "KernelCall",
-    "Pair",
     "RankLayout",
     "RingStep",
     "RowMove",
     "Rows",
     "TierLayout",
-    "block_pairs",
     "compact_rows",
     "kernel_calls",
     "range_rows",
     "rows_of",
 ]
-
-
-@dataclass(frozen=True)
-class Pair:
-    """Query rows ``[q_start, q_end)`` against key rows ``[k_start, k_end)``; ``causal``:
-    bottom-right aligned mask, else unmasked."""
-
-    q_start: int
-    q_end: int
-    k_start: int
-    k_end: int
-    causal: bool
-
-
-def _span_pairs(qs: int, qe: int, q_row: int, ks: int, ke: int, k_row: int) -> list[Pair]:
-    """Kernel pairs for query positions ``[qs, qe)`` at ``q_row`` against keys ``[ks, ke)`` at
-    ``k_row``. Key ``c`` (0-based in the span) is visible to query ``r`` iff ``c <= r + shift``."""
-    lq, lk, shift = qe - qs, ke - ks, qs - ks
-    # A one-key span at the query's own start (shift 0) stays a causal band: it then joins the
-    # other diagonal blocks of a zigzag chunk pair instead of forcing an unmasked call.
-    if shift >= lk - 1 and shift > 0:
-        return [Pair(q_row, q_row + lq, k_row, k_row + lk, False)]
-    if shift + lq - 1 < 0:
-        return []
-    first = max(0, -shift)  # first query that sees a key
-    stop = min(lq, lk - shift)  # queries from here on see every key
-    band = Pair(q_row + first, q_row + stop, k_row, k_row + stop + shift, True)
-    pairs = [band]
-    if stop < lq:
-        pairs.append(Pair(q_row + stop, q_row + lq, k_row, k_row + lk, False))
-    return pairs
-
-
-def _join(a: Pair, b: Pair) -> Pair | None:
-    """``a`` and ``b`` as one pair with the same visibility, or ``None``."""
-    same_q = a.q_start == b.q_start and a.q_end == b.q_end
-    if not a.causal and same_q and a.k_end == b.k_start:
-        # Keys appended after fully visible keys: the mask of ``b`` extends unchanged, since a
-        # causal pair always has at least as many keys as queries.
-        return Pair(a.q_start, a.q_end, a.k_start, b.k_end, b.causal)
-    if not a.causal and not b.causal and a.q_end == b.q_start:
-        if (a.k_start, a.k_end) == (b.k_start, b.k_end):
-            return Pair(a.q_start, b.q_end, a.k_start, a.k_end, False)
-    if a.causal and b.causal and a.q_end == b.q_start and a.k_start == b.k_start:
-        # Stacked causal bands share a diagonal when b's keys extend a's by b's query count.
-        if b.k_end - a.k_end == b.q_end - b.q_start:
-            return Pair(a.q_start, b.q_end, a.k_start, b.k_end, True)
-    return None
-
-
-def block_pairs(
-    q_spans: list[tuple[int, int, int]], k_spans: list[tuple[int, int, int]]
-) -> list[Pair]:
-    """Kernel pairs for one document: query spans ``(start, end, row)`` against key spans."""
-    pairs = [p for q in q_spans for k in k_spans for p in _span_pairs(*q, *k)]
-    joined = True
-    while joined and len(pairs) > 1:
-        joined = False
-        for i, a in enumerate(pairs):
-            for j, b in enumerate(pairs):
-                both = _join(a, b) if i != j else None
-                if both is not None:
-                    pairs = [p for n, p in enumerate(pairs) if n not in (i, j)] + [both]
-                    joined = True
-                    break
-            if joined:
-                break
-    return sorted(pairs, key=lambda p: (p.q_start, p.k_start))
 
 
 def rows_of(starts: list[int], ends: list[int]) -> torch.Tensor:
@@ -180,27 +103,29 @@ class KernelCall:
 
 
 def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list[KernelCall]:
-    """At most two calls (causal pairs, unmasked pairs) covering ``pairs``.
+    """One call per kind of pair (``Pair.kind``) covering ``pairs``: at most two without a
+    window (causal pairs, unmasked pairs), up to four with one.
 
-    A one-query pair has the same mask either way (bottom-right causal lets its single query
-    see every key), so it joins whichever call exists, the causal one if both do.
+    A one-query pair without a window has the same mask either way (bottom-right causal lets
+    its single query see every key), so it joins whichever of those two calls exists, the
+    causal one if both do.
     """
-    either = [p.q_end - p.q_start == 1 for p in pairs]
-    has_causal = any(p.causal and not e for p, e in zip(pairs, either))
-    has_full = any(not p.causal and not e for p, e in zip(pairs, either))
-    single_kind = has_causal or not has_full
-    kinds = [single_kind if e else p.causal for p, e in zip(pairs, either)]
+    either = [p.window is None and p.q_end - p.q_start == 1 for p in pairs]
+    has_causal = any(p.kind == (True, None) and not e for p, e in zip(pairs, either))
+    has_full = any(p.kind == (False, None) and not e for p, e in zip(pairs, either))
+    single_kind = (has_causal or not has_full, None)
+    kinds = [single_kind if e else p.kind for p, e in zip(pairs, either)]
     calls = []
-    for causal in (True, False):
-        chosen = [p for p, kind in zip(pairs, kinds) if kind == causal]
-        if not chosen:
-            continue
+    # Plain calls first, then the windowed ones (causal before unmasked).
+    for causal, window in sorted(set(kinds), key=lambda k: (k[1] is not None, not k[0])):
+        chosen = [p for p, kind in zip(pairs, kinds) if kind == (causal, window)]
         q_index = range_rows([p.q_start for p in chosen], [p.q_end for p in chosen], num_q_rows)
         k_index = range_rows([p.k_start for p in chosen], [p.k_end for p in chosen], num_k_rows)
         batch = VarlenBatch(
             [p.q_end - p.q_start for p in chosen],
             [p.k_end - p.k_start for p in chosen],
             causal=causal,
+            window=window,
         )
         # Rows are unique when the pairs' query intervals do not overlap (checked per pair,
         # not per row: a call can cover a hundred thousand rows).
@@ -270,6 +195,9 @@ class TierLayout:
 
     tier: Tier
     steps: list[RingStep]
+    held: tuple[_Held, ...] = ()
+    """Each step's held buffer, from which ``RankLayout.windowed`` derives the step's calls
+    for another window."""
 
     @property
     def num_steps(self) -> int:
@@ -285,14 +213,21 @@ class _Held:
     where: dict[tuple[int, int], int]
     """(document, block owner) -> first row."""
     calls: list[KernelCall]
+    blocks: tuple[tuple[int, int, int], ...] = ()
+    """(document, block owner, first row) of the blocks this rank has queries of."""
 
 
 class RankLayout:
-    """Everything one rank needs to run the plan's attention (see the module docstring)."""
+    """Everything one rank needs to run the plan's attention (see the module docstring), for
+    queries that see every earlier key of their document or, with ``window``, the ``window``
+    key positions before their own."""
 
-    def __init__(self, plan: Plan, rank: int) -> None:
+    def __init__(self, plan: Plan, rank: int, *, window: int | None = None) -> None:
+        if window is not None and window < 0:
+            raise ValueError(f"an attention window counts key positions, got {window}")
         self.plan = plan
         self.rank = rank
+        self.window = window
         ranges = plan.attention_ranges(rank)
         self.num_tokens = sum(r.num_tokens for r in ranges)
         # Positions and rows of this rank's block of every document it holds queries of.
@@ -314,18 +249,7 @@ class RankLayout:
         # documents between two of them make one run of rows: one set of calls per run takes
         # its rows as views instead of gathering around the 2-D rows.
         self.two_d = frozenset(seq.id for seq in plan.sequences if seq.is_two_d)
-        runs: list[list[Pair]] = [[]]
-        for seq, spans in self.own_spans.items():
-            if seq in self.two_d:
-                runs.append([])
-            else:
-                runs[-1] += block_pairs(spans, spans)
-        self.own_calls = [
-            call
-            for pairs in runs
-            if pairs
-            for call in kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=self.num_tokens)
-        ]
+        self.own_calls = self._own_calls()
         # Inter-node first: its messages are the slowest, so they are posted first.
         sizes = block_tokens(plan)  # shared by the four schedules below
         self.tiers = [
@@ -337,6 +261,42 @@ class RankLayout:
     @property
     def num_steps(self) -> int:
         return max((t.num_steps for t in self.tiers), default=0)
+
+    def windowed(self, window: int | None) -> RankLayout:
+        """This layout with every query seeing only the ``window`` key positions before its own
+        (``None``: all of them): the same ring schedule, its calls derived again."""
+        if window == self.window:
+            return self
+        if window is not None and window < 0:
+            raise ValueError(f"an attention window counts key positions, got {window}")
+        other = copy.copy(self)
+        other.window = window
+        other.own_calls = other._own_calls()
+        other.tiers = []
+        for tier in self.tiers:
+            held = tuple(replace(h, calls=other._calls(h.blocks, h.num_rows)) for h in tier.held)
+            steps = [replace(step, calls=h.calls) for step, h in zip(tier.steps, held)]
+            other.tiers.append(TierLayout(tier.tier, steps, held))
+        return other
+
+    def _own_calls(self) -> list[KernelCall]:
+        """Compute 0's calls: local documents and this rank's own blocks. 2-D documents'
+        attention runs on the head layout (``head_layout.py``); the other documents between
+        two of them make one run of rows, and one set of calls per run takes its rows as views
+        instead of gathering around the 2-D rows."""
+        runs: list[list[Pair]] = [[]]
+        for seq, spans in self.own_spans.items():
+            if seq in self.two_d:
+                runs.append([])
+            else:
+                runs[-1] += block_pairs(spans, spans, self.window)
+        rows = self.num_tokens
+        return [
+            call
+            for pairs in runs
+            if pairs
+            for call in kernel_calls(pairs, num_q_rows=rows, num_k_rows=rows)
+        ]
 
     def _tier(self, tier: Tier, sizes: dict[tuple[int, int], int]) -> TierLayout:
         kv_steps = ring_schedule(self.plan, tiers=(tier,), sizes=sizes)
@@ -366,23 +326,31 @@ class RankLayout:
                     grad_to_own=to_own,
                 )
             )
-        return TierLayout(tier, steps)
+        return TierLayout(tier, steps, tuple(held))
 
     def _held(self, messages: list[Message]) -> _Held:
         """The buffer ``messages`` bring this rank, and this rank's calls against it."""
         incoming = [m for m in messages if m.dst == self.rank]
-        where, pairs, row = {}, [], 0
+        where, blocks, row = {}, [], 0
         for seg in (s for m in incoming for s in m.segments):
             where[(seg.seq, seg.origin)] = row
             if seg.seq in self.own_spans and seg.num_tokens:
-                k_spans, k_row = [], row
-                for s, e in self.block_spans[(seg.seq, seg.origin)]:
-                    k_spans.append((s, e, k_row))
-                    k_row += e - s
-                pairs += block_pairs(self.own_spans[seg.seq], k_spans)
+                blocks.append((seg.seq, seg.origin, row))
             row += seg.num_tokens
-        calls = kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=row)
-        return _Held([m.src for m in incoming], row, where, calls)
+        calls = self._calls(blocks, row)
+        return _Held([m.src for m in incoming], row, where, calls, tuple(blocks))
+
+    def _calls(self, blocks, num_rows: int) -> list[KernelCall]:  # noqa: ANN001
+        """This rank's calls against a held buffer of ``num_rows`` rows holding ``blocks``
+        (``_Held.blocks``)."""
+        pairs = []
+        for seq, origin, row in blocks:
+            k_spans = []
+            for s, e in self.block_spans[(seq, origin)]:
+                k_spans.append((s, e, row))
+                row += e - s
+            pairs += block_pairs(self.own_spans[seq], k_spans, self.window)
+        return kernel_calls(pairs, num_q_rows=self.num_tokens, num_k_rows=num_rows)
 
     def _outgoing(self, messages: list[Message], source: _Held) -> dict[int, Rows]:
         """Destination -> rows of ``source`` this rank sends in ``messages``."""

@@ -12,16 +12,29 @@ weight zero; merging it changes nothing, and a query that saw no key anywhere ke
 ``o = 0, lse = -inf`` instead of turning into NaN. Partial outputs must be finite (kernels write
 zeros for rows without keys), because ``0 * NaN`` would still be NaN.
 
+Attention sinks (Megatron's ``--softmax-type off-by-one`` and ``learnable``) add one logit
+``s_h`` per head to every row's softmax denominator, as one more key whose value is zero. It
+joins the merged result like any other piece, with a zero output:
+
+    lse' = log(exp(lse) + exp(s_h))        o' = exp(lse - lse') * o
+
+(``add_sink_``). The backward needs nothing else: a kernel's gradient of one piece, given the
+final ``o'`` and ``lse'``, uses the probabilities ``exp(score - lse')`` and the row term
+``<do, o'>``, which are those of the softmax with the sink (the sink's value is zero, so it adds
+nothing to ``<do, o'>``). The sink's own gradient is ``-sum over rows exp(s_h - lse') <do, o'>``
+(``sink_gradient``). A row that saw no key keeps ``o = 0, lse = -inf`` and adds nothing: with
+the sink its output would still be zero, and so would its share of the gradient.
+
 Shapes: ``out`` is ``(..., d)`` and ``lse`` is ``(...)``, e.g. ``out_tnd`` ``(t, n, d)`` with
-``lse_tn`` ``(t, n)``: t query rows, n heads, d head dim. Merges run in the dtype of their inputs;
-callers accumulate in float32 (float64 for float64 inputs).
+``lse_tn`` ``(t, n)``: t query rows, n heads, d head dim; a sink is ``sink_n`` ``(n)``. Merges
+run in the dtype of their inputs; callers accumulate in float32 (float64 for float64 inputs).
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["merge", "merge_rows", "merge_rows_"]
+__all__ = ["add_sink_", "merge", "merge_rows", "merge_rows_", "sink_gradient"]
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
@@ -118,3 +131,28 @@ def merge_rows_(
         rows = touched
     out.index_copy_(0, rows, new_out.to(out.dtype))
     lse.index_copy_(0, rows, new_lse.to(lse.dtype))
+
+
+def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink_n: torch.Tensor) -> None:
+    """Add the per-head sink logits ``sink_n`` to the softmax of every row of a merged result,
+    in place (see the module docstring); rows that saw no key stay as they are."""
+    if sink_n.shape != lse.shape[-1:]:
+        raise ValueError(
+            f"a sink holds one logit per head: got {tuple(sink_n.shape)} for {lse.shape[-1]} heads"
+        )
+    sink = sink_n.to(lse.dtype).expand_as(lse)
+    seen = torch.isfinite(lse)
+    new_lse = torch.where(seen, torch.logaddexp(lse, sink), lse)
+    out.mul_(torch.exp(torch.where(seen, lse - new_lse, 0.0)).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+def sink_gradient(
+    dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sink_n: torch.Tensor
+) -> torch.Tensor:
+    """Gradient of the loss in the sink logits, ``(n)`` in ``lse``'s dtype, from the rows' output
+    gradient ``dout`` and their final (sink-included) ``out`` and ``lse``."""
+    row_term = (dout.to(lse.dtype) * out.to(lse.dtype)).sum(-1)  # <do, o'> per row and head
+    sink = sink_n.to(lse.dtype).expand_as(lse)
+    weight = torch.where(torch.isfinite(lse), torch.exp(sink - lse), 0.0)
+    return -(weight * row_term).reshape(-1, lse.shape[-1]).sum(0)

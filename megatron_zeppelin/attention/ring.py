@@ -31,6 +31,12 @@ while one ring step's blocks are computed, the next step's transfers are in flig
 ``step_timing.RingTimer`` (optional) marks events around both and reports per tier the compute,
 the communication and the part of it the compute stream waited for.
 
+Sinks (``--softmax-type``): the per-head sink logits join each row's softmax once every ring step
+is merged (``merge.add_sink_``), and the backward runs from the output and lse with the sink in
+them, which makes every pair's gradient the sink-softmax one; the sink's own gradient is a sum
+over the rank's query rows (``merge.sink_gradient``). A sliding window lives in the layout
+(``RankLayout.windowed``): its calls, nothing else, differ.
+
 Gradients travel in float32 for half-precision inputs (they are sums over the whole ring);
 K/V travel in the input dtype. Letters: t rows of a buffer, n heads, d head dim; the travelling
 rows are ``kv_t2nd`` ``(t, 2, nkv, d)`` (K and V of a token side by side, one message per edge).
@@ -55,7 +61,7 @@ import torch
 from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtype
 from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep, Rows, TierLayout
-from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.attention.merge import add_sink_, merge_rows_, sink_gradient
 from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.comm.protocol import Exchanger, Pending
 
@@ -172,7 +178,8 @@ class RingRuntime:
         return nullcontext() if self.timer is None else self.timer.compute(self.label + tier)
 
     def kernel(self, like: torch.Tensor) -> AttentionKernel:
-        return get_kernel(self.kernel_name, device=like.device, dtype=like.dtype)
+        windowed = self.layout.window is not None
+        return get_kernel(self.kernel_name, device=like.device, dtype=like.dtype, window=windowed)
 
     def scale(self, head_dim: int) -> float:
         return self.softmax_scale if self.softmax_scale is not None else head_dim**-0.5
@@ -294,15 +301,24 @@ class RingRuntime:
             dv.add(k_rows, dv_p.to(dv.dtype))
 
     # --- the two passes --------------------------------------------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Forward:
-        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype (nothing
-        more to save for the backward)."""
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sink_n: torch.Tensor | None = None,
+    ) -> Forward:
+        """``out_tnd`` and ``lse_tn`` of this rank's queries, in the compute dtype, with the
+        sink logits ``sink_n`` (per query head, optional) in them (nothing more to save for the
+        backward)."""
         buffers = Buffers(q, k, v)
         runs = self.forward_runs(buffers)
         for run in runs:  # post every tier's step 0, inter-node (slowest links) first
             next(run)
         self.forward_own(buffers)
         interleave(reversed(runs))  # intra-node first: it lands first
+        if sink_n is not None:
+            add_sink_(buffers.out, buffers.lse, sink_n)
         return buffers.out, buffers.lse, ()
 
     def forward_own(self, buffers: Buffers) -> None:
@@ -328,15 +344,17 @@ class RingRuntime:
                 self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
             yield
 
-    def backward(self, dout, q, k, v, out, lse, saved=()):  # noqa: ANN001
-        """``dq``, ``dk``, ``dv`` of this rank's buffer, in the compute dtype."""
+    def backward(self, dout, q, k, v, out, lse, saved=(), sink_n=None):  # noqa: ANN001
+        """``dq``, ``dk``, ``dv`` of this rank's buffer, in the compute dtype, and the gradient
+        of ``sink_n`` from this rank's rows (``None`` without a sink)."""
         grads = self.backward_grads(Buffers(q, k, v, out, lse, dout))
         runs = self.backward_runs(grads)
         for run in runs:
             next(run)
         self.backward_own(grads)
         interleave(reversed(runs))
-        return grads.dq.result(), grads.dk.result(), grads.dv.result()
+        dsink = None if sink_n is None else sink_gradient(dout, out, lse, sink_n)
+        return grads.dq.result(), grads.dk.result(), grads.dv.result(), dsink
 
     def backward_grads(self, buffers: Buffers) -> Gradients:
         """Empty running sums of this rank's dQ, dK, dV for ``buffers``."""
@@ -413,21 +431,30 @@ def _put(x: torch.Tensor, rows: Rows, part: torch.Tensor) -> None:
 
 
 class RingAttentionFunction(torch.autograd.Function):
-    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd)`` for one rank of a plan; ``runtime``
-    is a ``RingRuntime`` or anything with its ``forward`` and ``backward``."""
+    """``out_tnd = ring_attention(q_tnd, k_tnd, v_tnd, sink_n)`` for one rank of a plan
+    (``sink_n``: per-head sink logits, or ``None``); ``runtime`` is a ``RingRuntime`` or
+    anything with its ``forward`` and ``backward``."""
 
     @staticmethod
     def forward(
-        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, runtime: RingRuntime
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sink_n: torch.Tensor | None,
+        runtime: RingRuntime,
     ) -> torch.Tensor:
-        out, lse, saved = runtime.forward(q, k, v)
+        out, lse, saved = runtime.forward(q, k, v, sink_n)
         out = out.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse, *saved)
+        ctx.save_for_backward(q, k, v, out, lse, sink_n, *saved)
         ctx.runtime = runtime
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor):  # noqa: ANN205
-        q, k, v, out, lse, *saved = ctx.saved_tensors
-        dq, dk, dv = ctx.runtime.backward(dout.contiguous(), q, k, v, out, lse, tuple(saved))
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+        q, k, v, out, lse, sink_n, *saved = ctx.saved_tensors
+        dq, dk, dv, dsink = ctx.runtime.backward(
+            dout.contiguous(), q, k, v, out, lse, tuple(saved), sink_n
+        )
+        dsink = None if dsink is None else dsink.to(sink_n.dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsink, None

@@ -15,7 +15,9 @@ The backward saves the head buffer's Q, K, V, output and lse from the forward, m
 head layout (posted before the flat rings' step 0), runs both backward passes interleaved the
 same way, and moves dQ, dK, dV back, adding the dK, dV of a replicated K/V head over the ranks
 that shared it. The output travels in the input dtype (it is cast to it anyway), gradients in
-the compute dtype.
+the compute dtype. A sink joins both buffers' rows once their rings are merged, the head
+buffer's with its group's query heads; its gradient sums both buffers' rows (a 2-D row's lse is
+``-inf`` in the token buffer, so it counts once, in the head buffer).
 
 Letters: t rows of the token buffer, h rows of the head buffer; ``nq``/``nkv`` heads of the
 inputs, ``gq``/``gkv`` heads of one group, d head dim.
@@ -26,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from megatron_zeppelin.attention.head_layout import HeadLayout
+from megatron_zeppelin.attention.merge import add_sink_, sink_gradient
 from megatron_zeppelin.attention.ring import Buffers, Forward, RingRuntime, interleave
 from megatron_zeppelin.comm.heads import HeadAllToAll
 from megatron_zeppelin.comm.protocol import Exchanger
@@ -70,9 +73,21 @@ class TwoDRuntime:
                 ) from None
         return self._groups[key]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Forward:
+    def _group_heads(self, g: HeadGroups) -> slice:
+        """This rank's query heads in the head layout, as a slice of the full heads."""
+        start, end = g.q[self.heads.group]
+        return slice(start, end)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        sink_n: torch.Tensor | None = None,
+    ) -> Forward:
         """``out_tnd``, ``lse_tn`` of the token buffer (the 2-D rows' lse is not kept: their
-        backward runs on the head buffer) and the head buffer's tensors to save."""
+        backward runs on the head buffer) and the head buffer's tensors to save; ``sink_n``:
+        per-head sink logits (optional)."""
         g = self.groups(q.shape[1], k.shape[1])
         heads, a2a = self.heads, self.all_to_all
         inbound = a2a.start(heads.to_heads, (q, k, v), g.of, tag=f"{_TAG}/qkv")
@@ -88,6 +103,9 @@ class TwoDRuntime:
         self.flat.forward_own(tokens)
         self.columns.forward_own(head)
         interleave([*reversed(flat_runs), *reversed(column_runs)])
+        if sink_n is not None:
+            add_sink_(tokens.out, tokens.lse, sink_n)
+            add_sink_(head.out, head.lse, sink_n[self._group_heads(g)])
         out_h = head.out.to(q.dtype)
         outbound = a2a.start(
             heads.to_tokens, (out_h,), lambda group: [(0, g.num_q)], tag=f"{_TAG}/out"
@@ -95,8 +113,9 @@ class TwoDRuntime:
         a2a.finish(outbound, (tokens.out,), lambda group: [g.q[group]])
         return tokens.out, tokens.lse, (head.q, head.k, head.v, out_h, head.lse)
 
-    def backward(self, dout, q, k, v, out, lse, saved):  # noqa: ANN001
-        """``dq``, ``dk``, ``dv`` of the token buffer, in the compute dtype."""
+    def backward(self, dout, q, k, v, out, lse, saved, sink_n=None):  # noqa: ANN001
+        """``dq``, ``dk``, ``dv`` of the token buffer, in the compute dtype, and the gradient of
+        ``sink_n`` from this rank's rows of both buffers (``None`` without a sink)."""
         g = self.groups(q.shape[1], k.shape[1])
         heads, a2a = self.heads, self.all_to_all
         inbound = a2a.start(heads.to_heads, (dout,), lambda group: [g.q[group]], tag=f"{_TAG}/dout")
@@ -119,4 +138,10 @@ class TwoDRuntime:
         dqkv = (head.dq.result(), head.dk.result(), head.dv.result())
         outbound = a2a.start(heads.to_tokens, dqkv, lambda group: g.whole, tag=f"{_TAG}/dqkv")
         a2a.finish(outbound, (dq, dk, dv), g.of, add=True)
-        return dq, dk, dv
+        dsink = None
+        if sink_n is not None:
+            dsink = sink_gradient(dout, out, lse, sink_n)
+            heads = self._group_heads(g)
+            _, _, _, out_h, lse_h = saved
+            dsink[heads] += sink_gradient(dout_h, out_h, lse_h, sink_n[heads])
+        return dq, dk, dv, dsink

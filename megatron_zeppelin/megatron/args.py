@@ -25,7 +25,10 @@ cannot run, each with the flag to change:
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
   with different token counts equals the single-GPU one;
 * Megatron's fused RoPE is switched off (``apply_rope_fusion``): RoPE runs per document inside
-  Zeppelin's core attention, never in Megatron's attention.
+  Zeppelin's core attention, never in Megatron's attention, with every rotary flag Megatron's
+  GPT takes (``rotary.Rope``); position embeddings other than rope, none and learned absolute
+  (``yarn``, ``mrope``, ``relative``) are refused;
+* a sliding window must be causal (``--window-size L,0``, ``variants.window_left``).
 
 Megatron's rank order puts tensor parallelism fastest and pipeline stages slowest: global rank
 ``g`` has TP index ``g % tp``, data-parallel (Zeppelin) rank ``g // tp % dp`` and stage
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron.variants import window_left
 from megatron_zeppelin.topology import presets
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.probe import detect_topology
@@ -260,12 +264,10 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     if position not in ("rope", "none", "learned_absolute"):
         raise ValueError(
             f"--zeppelin supports --position-embedding-type rope, none or learned_absolute, "
-            f"not {position!r}"
+            f"not {position!r} (Zeppelin's per-document rotary implements Megatron's rope, with "
+            "--rotary-* and --use-rope-scaling; not YaRN, multimodal or relative embeddings)"
         )
-    if getattr(args, "rotary_interleaved", False):
-        raise ValueError(
-            "--zeppelin applies RoPE in Megatron's default layout: drop --rotary-interleaved"
-        )
+    window_left(getattr(args, "window_size", None))
     resolve_topology(config, zeppelin_world, tensor_parallel=tp, pipeline_parallel=pp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True

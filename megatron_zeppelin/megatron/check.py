@@ -48,7 +48,7 @@ from megatron_zeppelin.megatron.loss import (  # noqa: E402
     global_mean_loss,
     token_loss_sum,
 )
-from megatron_zeppelin.megatron.rotary import apply_rotary  # noqa: E402
+from megatron_zeppelin.megatron.rotary import Rope, apply_rotary  # noqa: E402
 from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
@@ -136,8 +136,9 @@ class ReferenceCoreAttention(MegatronModule):
     ):
         params = packed_seq_params
         s, _, n, d = query.shape
-        q_snd = apply_rotary(query[:, 0], params.positions, base=self.rotary_base)
-        k_snd = apply_rotary(key[:, 0], params.positions, base=self.rotary_base)
+        rope = Rope(base=self.rotary_base)
+        q_snd = apply_rotary(query[:, 0], params.positions, rope)
+        k_snd = apply_rotary(key[:, 0], params.positions, rope)
         out_snd = reference_attention(
             q_snd, k_snd, value[:, 0], params.lengths, softmax_scale=self.softmax_scale
         )
@@ -145,7 +146,7 @@ class ReferenceCoreAttention(MegatronModule):
 
 
 def reference_spec(dims: ModelDims) -> ModuleSpec:
-    spec = zeppelin_layer_spec("local", rotary_base=dims.rotary_base)
+    spec = zeppelin_layer_spec("local", rope=Rope(base=dims.rotary_base))
     spec.submodules.self_attention.submodules.core_attention = ModuleSpec(
         module=ReferenceCoreAttention, params={"rotary_base": dims.rotary_base}
     )

@@ -7,7 +7,8 @@ its output projection. In between, this module
 1. rotates Q and K with per-document RoPE (``rotary.py``; the model is built with
    ``position_embedding_type='none'``, so Megatron applies no rotary of its own),
 2. moves Q, K and V to the **attention layout** with one all-to-all (``comm.remap``),
-3. runs the ring-attention engine (``attention.engine.ZeppelinAttention``),
+3. runs the ring-attention engine (``attention.engine.ZeppelinAttention``) with the layer's
+   sliding window and attention sink, if the config asks for them (``variants.py``),
 4. moves the output back to the linear layout with the inverse all-to-all.
 
 Step 2 and 4 are skipped when the plan's two layouts coincide (remapping off). A rank's linear
@@ -41,14 +42,20 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
+)
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.comm.protocol import Exchanger
 from megatron_zeppelin.comm.remap import remap_rows
-from megatron_zeppelin.megatron.rotary import apply_rotary
+from megatron_zeppelin.megatron import variants
+from megatron_zeppelin.megatron.rotary import MEGATRON_DEFAULT, Rope, apply_rotary
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.planner.remap_layout import (
     attention_to_linear_layout,
@@ -139,7 +146,12 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
 
 
 class ZeppelinCoreAttention(MegatronModule):
-    """Drop-in ``core_attention`` for Megatron's ``SelfAttention`` (causal, per document)."""
+    """Drop-in ``core_attention`` for Megatron's ``SelfAttention`` (causal, per document).
+
+    ``rope``: Megatron's rotary settings (``Rope.from_args``), ``None`` for a model without
+    rotary embeddings. The config's attention variants are read as Megatron's own attention
+    reads them (``variants.py``); a setting this module would not honour raises here, at model
+    construction, with the flag to change."""
 
     def __init__(
         self,
@@ -151,30 +163,49 @@ class ZeppelinCoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         pg_collection: Any = None,
         *,
-        rotary_base: float | None = 10000.0,
-        rotary_percent: float = 1.0,
-        **unused: Any,
+        rope: Rope | None = MEGATRON_DEFAULT,
+        **unknown: Any,
     ) -> None:
         super().__init__(config=config)
         if attention_type != "self":
             raise ValueError(
                 "Zeppelin core attention supports self-attention only (decoder models)"
             )
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                "Zeppelin replaces context parallelism: set --context-parallel-size 1 and let "
-                "Zeppelin span the data-parallel ranks"
-            )
-        if config.attention_dropout:
-            raise ValueError(
-                f"Zeppelin's ring attention applies no attention dropout: set "
-                f"--attention-dropout 0 (the config has {config.attention_dropout:g})"
-            )
+        variants.check_settings(config, attn_mask_type=attn_mask_type, unknown=unknown)
         self.layer_number = layer_number
         head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
         self.softmax_scale = softmax_scale or 1.0 / math.sqrt(head_dim)
-        self.rotary_base = rotary_base
-        self.rotary_percent = rotary_percent
+        self.rope = None if variants.skips_rope(config, layer_number) else rope
+        self.window = variants.layer_window(config, layer_number)
+        self.tp_group = _tp_group(pg_collection)
+        heads = config.num_attention_heads // self.tp_group.size()
+        offset = variants.softmax_offset(config, heads)
+        # Per-head sink logits of this TP rank's heads (--softmax-type), or None; the name
+        # and kind (parameter or plain tensor) are DotProductAttention's.
+        if isinstance(offset, torch.nn.Parameter):
+            self.register_parameter("softmax_offset", offset)
+        else:
+            self.softmax_offset = offset
+
+    def sharded_state_dict(
+        self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None
+    ) -> dict:
+        """Megatron's distributed checkpoint of the learnable sink logits, sharded over TP along
+        the heads as ``DotProductAttention`` shards them (nothing else to save)."""
+        state = self.state_dict(prefix="", keep_vars=True) if self.has_learned_sink else {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        return make_sharded_tensors_for_checkpoint(
+            state,
+            prefix,
+            {"softmax_offset": 0},
+            sharded_offsets,
+            tp_group=self.tp_group,
+            dp_cp_group=metadata["dp_cp_group"],
+        )
+
+    @property
+    def has_learned_sink(self) -> bool:
+        return isinstance(self.softmax_offset, torch.nn.Parameter)
 
     def forward(
         self,
@@ -209,19 +240,15 @@ class ZeppelinCoreAttention(MegatronModule):
         # under sequence parallelism, to one row on a rank without tokens): they attend to
         # nothing, nothing attends to them, and their output is zero.
         q_snd, k_snd, v_snd = query[:real, 0], key[:real, 0], value[:real, 0]
-        if self.rotary_base is not None:
+        if self.rope is not None:
             if params.positions is None or params.positions.shape[0] != s:
                 raise ValueError(
                     f"per-document RoPE needs one position per linear row ({s}) in "
                     "ZeppelinPackedSeqParams.positions"
                 )
             positions = params.positions[:real].to(query.device)
-            q_snd = apply_rotary(
-                q_snd, positions, base=self.rotary_base, rotary_percent=self.rotary_percent
-            )
-            k_snd = apply_rotary(
-                k_snd, positions, base=self.rotary_base, rotary_percent=self.rotary_percent
-            )
+            q_snd = apply_rotary(q_snd, positions, self.rope)
+            k_snd = apply_rotary(k_snd, positions, self.rope)
         out_sh = self._attend(params, q_snd, k_snd, v_snd)
         if s > real:
             out_sh = torch.cat([out_sh, out_sh.new_zeros(s - real, out_sh.shape[1])])
@@ -231,7 +258,13 @@ class ZeppelinCoreAttention(MegatronModule):
         """Attention of the rank's real rows, in and out of the attention layout."""
         s, n, d = q_snd.shape
         n_kv = k_snd.shape[1]
-        engine = params.engine(self.softmax_scale)
+        ring = params.engine(self.softmax_scale)
+        sink = self.softmax_offset
+        sink = None if sink is None else sink.to(q_snd.device)
+
+        def engine(q_tnd, k_tnd, v_tnd):  # noqa: ANN001, ANN202
+            return ring(q_tnd, k_tnd, v_tnd, window=self.window, sink_n=sink)
+
         watch, layer = params.watch, self.layer_number
         layouts = params.remap_layouts()
         if layouts is None:
@@ -269,6 +302,14 @@ class ZeppelinCoreAttention(MegatronModule):
             layer=layer,
             what="remap attention->linear",
         )
+
+
+def _tp_group(pg_collection: Any) -> Any:
+    """The tensor-parallel group of this layer: from Megatron's ``pg_collection`` when it
+    passes one, else Megatron's global one."""
+    if pg_collection is not None and hasattr(pg_collection, "tp"):
+        return pg_collection.tp
+    return parallel_state.get_tensor_model_parallel_group()
 
 
 def _mark_ring(watch: Any, layer: int) -> None:

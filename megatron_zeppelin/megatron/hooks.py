@@ -54,6 +54,7 @@ data-parallel size`` micro-batches at once, so the sampler can balance their cos
 from __future__ import annotations
 
 import argparse
+import copy
 from functools import partial
 from typing import Any
 
@@ -91,6 +92,7 @@ from megatron_zeppelin.megatron.report import (
     startup_lines,
 )
 from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler, save_sampler_state
+from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.runtime import (
     ParallelContext,
     build_cost_model,
@@ -100,6 +102,7 @@ from megatron_zeppelin.megatron.runtime import (
 from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
+from megatron_zeppelin.megatron.variants import window_left
 from megatron_zeppelin.planner.models import model_from_config
 from megatron_zeppelin.planner.plan import Plan
 
@@ -159,11 +162,6 @@ def reset() -> None:
 
 def _refuse_unsupported(args: argparse.Namespace) -> None:
     """Megatron flags the hooks cannot honour, each with the change to make."""
-    if getattr(args, "use_rope_scaling", False):
-        raise ValueError(
-            "--zeppelin applies plain RoPE per document: drop --use-rope-scaling (Llama 3.1 "
-            "frequency scaling is not implemented in Zeppelin's rotary yet)"
-        )
     if getattr(args, "rampup_batch_size", None):
         raise ValueError(
             "--zeppelin draws one optimizer step of documents at a time with a fixed number of "
@@ -254,12 +252,18 @@ def _activations(args: argparse.Namespace) -> tuple[str, torch.dtype]:
     return device, getattr(args, "params_dtype", None) or torch.float32
 
 
+def _windowed(args: argparse.Namespace) -> bool:
+    """Whether some layer runs sliding-window attention (``--window-size``)."""
+    return window_left(getattr(args, "window_size", None)) is not None
+
+
 def _check_kernel(requested: str, args: argparse.Namespace) -> None:
-    """A kernel named with --zeppelin-kernel that cannot run here stops every rank at start-up
-    with the reason and what to use instead ('auto' always runs)."""
+    """A kernel named with --zeppelin-kernel that cannot run here (or cannot mask a sliding
+    window the model has) stops every rank at start-up with the reason and what to use instead
+    ('auto' always runs)."""
     device, dtype = _activations(args)
     try:
-        choose_kernel(requested, device=device, dtype=dtype)
+        choose_kernel(requested, device=device, dtype=dtype, window=_windowed(args))
     except ValueError as exc:
         raise ValueError(f"--zeppelin-kernel {requested}: {exc}") from None
 
@@ -271,16 +275,23 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     if not _is_stage_logging_rank():
         return
     device, dtype = _activations(args)
-    kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
+    kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype, window=_windowed(args))
     lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
     hint = collector_line(bool(getattr(args, "manual_gc", False)))
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
+def _rope(args: argparse.Namespace) -> Rope | None:
+    """The run's rotary settings (``None`` without rotary embeddings)."""
+    return Rope.from_args(args) if args.position_embedding_type == "rope" else None
+
+
 def _layer_spec(args: argparse.Namespace, *, num_layers: int):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
     with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
-    is refused, since the plan's layouts would then reach a module that cannot read them.
+    is refused, since the plan's layouts would then reach a module that cannot read them. A
+    spec of the user's with Zeppelin's core attention gets the flags' rotary settings (a copy of
+    it does): they are the model's only rotary, Megatron's own is off for Zeppelin models.
     ``num_layers``: the layers of the model chunk being built (a block spec lists them)."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
@@ -300,14 +311,12 @@ def _layer_spec(args: argparse.Namespace, *, num_layers: int):
                     f"--spec {' '.join(named)} does not use Zeppelin's core attention: use "
                     "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
                 )
+            spec = copy.deepcopy(spec)
+            core = core_attention_of(spec)
+            core.params = {**(core.params or {}), "rope": _rope(args)}
             return spec
-    rope = args.position_embedding_type == "rope"
     spec = zeppelin_layer_spec(
-        kind,
-        normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm,
-        rotary_base=args.rotary_base if rope else None,
-        rotary_percent=args.rotary_percent,
+        kind, normalization=args.normalization, qk_layernorm=args.qk_layernorm, rope=_rope(args)
     )
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.

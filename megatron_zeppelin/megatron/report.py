@@ -32,10 +32,12 @@ class KernelChoice:
     why: str
 
 
-def chosen_kernel(requested: str, *, device: Any, dtype: Any) -> KernelChoice:
+def chosen_kernel(requested: str, *, device: Any, dtype: Any, window: bool = False) -> KernelChoice:
     """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
-    ``dtype`` on ``device``, and why (the kernel registry's own ``choose_kernel``)."""
-    name, why = choose_kernel(requested, device=device, dtype=dtype)  # start-up checked it
+    ``dtype`` on ``device`` (with a sliding window when ``window``), and why (the kernel
+    registry's own ``choose_kernel``)."""
+    # start-up checked it
+    name, why = choose_kernel(requested, device=device, dtype=dtype, window=window)
     if requested != "auto":
         return KernelChoice(name, "requested with --zeppelin-kernel")
     return KernelChoice(name, f"auto: {why}")

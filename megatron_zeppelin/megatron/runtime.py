@@ -36,6 +36,7 @@ from megatron_zeppelin.megatron.norms import (
     sequence_parallel_spec,
 )
 from megatron_zeppelin.megatron.precision import DTYPES
+from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
@@ -132,7 +133,7 @@ def build_gpt(dims: ModelDims, *, seed: int, layer_spec=None, sequence_parallel:
     config = dims.transformer_config(
         tensor_parallel=_tp_size(), sequence_parallel=sequence_parallel
     )
-    spec = layer_spec or zeppelin_layer_spec("local", rotary_base=dims.rotary_base)
+    spec = layer_spec or zeppelin_layer_spec("local", rope=Rope(base=dims.rotary_base))
     if sequence_parallel:
         emulate_cuda_device_on_cpu()
         if needs_sequence_parallel_norms(spec):

@@ -11,7 +11,8 @@ Megatron-LM's ``--spec MODULE NAME`` imports ``MODULE`` and takes its attribute 
     --spec megatron_zeppelin.megatron.spec te        # TransformerEngine linears and norms
 
 work directly (``te`` exists only where TransformerEngine imports). Both use RMSNorm and RoPE with
-base 10000; ``zeppelin_layer_spec`` builds others (LayerNorm, another rotary base).
+Megatron's defaults; ``zeppelin_layer_spec`` builds others (LayerNorm, other rotary settings:
+``rotary.Rope``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+from megatron_zeppelin.megatron.rotary import MEGATRON_DEFAULT, Rope
 
 SPEC_KINDS = ("local", "te")
 
@@ -55,14 +57,13 @@ def zeppelin_layer_spec(
     *,
     normalization: str = "RMSNorm",
     qk_layernorm: bool = False,
-    rotary_base: float | None = 10000.0,
-    rotary_percent: float = 1.0,
+    rope: Rope | None = MEGATRON_DEFAULT,
 ) -> ModuleSpec:
     """Megatron's GPT layer spec of ``kind`` (``local`` or ``te``) with Zeppelin's core attention.
 
-    ``rotary_base=None`` turns Zeppelin's per-document RoPE off (for models with learned
-    absolute positions). Build the model with ``position_embedding_type='none'`` otherwise, so
-    RoPE is applied once.
+    ``rope`` holds the rotary settings (``Rope.from_args`` of Megatron's flags); ``None`` turns
+    Zeppelin's per-document RoPE off (for models with learned absolute positions). Build the
+    model with ``position_embedding_type='none'`` otherwise, so RoPE is applied once.
     """
     if kind not in SPEC_KINDS:
         raise ValueError(f"unknown spec kind {kind!r}: use one of {', '.join(SPEC_KINDS)}")
@@ -75,8 +76,7 @@ def zeppelin_layer_spec(
     attention = spec.submodules.self_attention
     assert hasattr(attention.submodules, "core_attention"), "not a SelfAttention spec"
     attention.submodules.core_attention = ModuleSpec(
-        module=ZeppelinCoreAttention,
-        params={"rotary_base": rotary_base, "rotary_percent": rotary_percent},
+        module=ZeppelinCoreAttention, params={"rope": rope}
     )
     return spec
 

@@ -3,8 +3,10 @@
 The cases are the block shapes a ring produces (``attention/layout.py``): a *diagonal* block
 (causal, queries and keys of the same rows), a *suffix* block (causal, a chunk's queries against
 its own keys and a longer prefix: the mask aligned bottom-right) and an *off-diagonal* block
-(unmasked, a later chunk's queries against an earlier chunk's keys, of unequal lengths). Each
-case packs several pairs, one-row pairs included, with grouped-query K/V.
+(unmasked, a later chunk's queries against an earlier chunk's keys, of unequal lengths), and the
+two a sliding window adds: a *windowed* block (causal with a left window, the diagonal band) and
+a *window-edge* block (square pairs whose query ``i`` sees keys ``j >= i``: unmasked with a left
+window of 0). Each case packs several pairs, one-row pairs included, with grouped-query K/V.
 
 ``kernel_errors`` draws inputs in the kernel's dtype on the device, computes the reference in
 float64 on the same (rounded) inputs, and returns the relative error (``tolerances.py``) of the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -39,23 +41,19 @@ class KernelCase:
     num_heads: int = 8
     num_kv_heads: int = 2
     head_dim: int = 128
+    window: int | None = None
+    """The call's left window (``kernel_api.VarlenBatch.window``), ``None`` for none."""
 
     def with_head_dim(self, head_dim: int) -> KernelCase:
-        return KernelCase(
-            self.block,
-            self.lengths_q,
-            self.lengths_k,
-            self.causal,
-            self.num_heads,
-            self.num_kv_heads,
-            head_dim,
-        )
+        return replace(self, head_dim=head_dim)
 
 
 BLOCKS: dict[str, KernelCase] = {
     "diagonal": KernelCase("diagonal", (1, 128, 77, 300, 1024), (1, 128, 77, 300, 1024), True),
     "suffix": KernelCase("suffix", (64, 200, 1, 33), (300, 200, 50, 97), True),
     "off-diagonal": KernelCase("off-diagonal", (64, 300, 77, 1), (200, 100, 77, 5), False),
+    "windowed": KernelCase("windowed", (1, 128, 300, 64), (1, 228, 300, 64), True, window=100),
+    "window-edge": KernelCase("window-edge", (1, 64, 200), (1, 64, 200), False, window=0),
 }
 
 
@@ -93,11 +91,16 @@ def kernels_errors(
     k, v = draw(sum(case.lengths_k), nkv), draw(sum(case.lengths_k), nkv)
     dout = draw(q.shape[0], nq)
     scale = 1.0 / math.sqrt(d)
-    batch = VarlenBatch(case.lengths_q, case.lengths_k, causal=case.causal)
+    batch = VarlenBatch(case.lengths_q, case.lengths_k, causal=case.causal, window=case.window)
 
     leaves = [x.double().requires_grad_() for x in (q, k, v)]
     ref, ref_lse = pair_attention(
-        *leaves, case.lengths_q, case.lengths_k, causal=case.causal, scale=scale
+        *leaves,
+        case.lengths_q,
+        case.lengths_k,
+        causal=case.causal,
+        scale=scale,
+        window=case.window,
     )
     ref.backward(dout.double())
     want = {

@@ -2,7 +2,10 @@
 
 ``reference_attention`` computes causal attention inside each document of a packed batch in
 float64, one dense score matrix per document, with autograd: slow, obviously right, and only for
-small test inputs. The packed ("global") layout lists the documents back to back in the order
+small test inputs. It takes Megatron's two attention variants too: a sliding window (query
+``i`` sees keys ``i - window .. i`` of its document, ``--window-size window,0``) and a sink
+(one logit per head that joins every row's softmax denominator with a value of zero,
+``--softmax-type``). The packed ("global") layout lists the documents back to back in the order
 given (for a plan: ``plan.sequences``, ids increasing); ``attention_rows`` / ``linear_rows`` say
 which packed rows make up a rank's attention or linear buffer, so a test can cut a global tensor
 into per-rank inputs and glue per-rank outputs back together.
@@ -47,10 +50,14 @@ def reference_attention(
     *,
     softmax_scale: float | None = None,
     return_lse: bool = False,
+    window: int | None = None,
+    sink_n: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Causal attention within each document, in float64 (gradients flow to the inputs).
+    """Causal attention within each document, in float64 (gradients flow to the inputs and to
+    ``sink_n``). ``window``: each query sees only the ``window`` keys before it and itself;
+    ``sink_n``: one logit per query head added to every row's softmax denominator.
 
-    Returns ``out_tnd`` in float64, and ``lse_tn`` too with ``return_lse``.
+    Returns ``out_tnd`` in float64, and ``lse_tn`` too with ``return_lse`` (the sink included).
     """
     t, nq, d = q_tnd.shape
     nkv = k_tnd.shape[1]
@@ -63,7 +70,12 @@ def reference_attention(
         raise ValueError(f"{nq} query heads do not group over {nkv} K/V heads")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(d)
     q, k, v = (x.to(torch.float64) for x in (q_tnd, k_tnd, v_tnd))
-    out, lse = pair_attention(q, k, v, lengths, lengths, causal=True, scale=scale)
+    out, lse = pair_attention(q, k, v, lengths, lengths, causal=True, scale=scale, window=window)
+    if sink_n is not None:
+        # The sink is one more key of value zero: it adds to the denominator only.
+        with_sink = torch.logaddexp(lse, sink_n.to(torch.float64)[None, :])
+        out = out * torch.exp(lse - with_sink).unsqueeze(-1)
+        lse = with_sink
     return (out, lse) if return_lse else out
 
 
@@ -76,10 +88,12 @@ def pair_attention(
     *,
     causal: bool,
     scale: float,
+    window: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of every pair (the query rows of pair ``p`` against its key rows) in
-    ``q``'s dtype, the causal mask aligned bottom-right as ``attention/kernel_api.py`` defines
-    it: ``(out_tnd, lse_tn)``, differentiable. ``reference_attention`` is its causal case."""
+    ``q``'s dtype, the causal mask and the left ``window`` aligned bottom-right as
+    ``attention/kernel_api.py`` defines them: ``(out_tnd, lse_tn)``, differentiable.
+    ``reference_attention`` is its causal case."""
     if not len(lengths_q):
         return q.new_zeros((0, *q.shape[1:])), q.new_zeros((0, q.shape[1]))
     outs, lses = [], []
@@ -90,9 +104,13 @@ def pair_attention(
         kp = k[k0 : k0 + lk].repeat_interleave(group, 1)
         vp = v[k0 : k0 + lk].repeat_interleave(group, 1)
         scores = torch.einsum("qnd,knd->nqk", qp, kp) * scale
+        hidden = torch.zeros(lq, lk, dtype=torch.bool, device=q.device)
+        everything = torch.ones_like(hidden)
         if causal:
-            hidden = torch.ones(lq, lk, dtype=torch.bool, device=q.device)
-            scores = scores.masked_fill(hidden.triu(diagonal=lk - lq + 1), float("-inf"))
+            hidden |= everything.triu(diagonal=lk - lq + 1)
+        if window is not None:
+            hidden |= everything.tril(diagonal=lk - lq - window - 1)
+        scores = scores.masked_fill(hidden, float("-inf"))
         lse = scores.logsumexp(-1)
         probs = torch.exp(scores - torch.where(lse.isinf(), 0.0, lse).unsqueeze(-1))
         outs.append(torch.einsum("nqk,knd->qnd", probs, vp))

@@ -1,6 +1,7 @@
-"""Launch ``python -m megatron_zeppelin.pretrain_gpt`` on N local gloo processes, as torchrun
-would (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), through the
-test-only CPU adapter, and read back what Megatron logged."""
+"""Launch ``python -m megatron_zeppelin.pretrain_gpt`` (or another entry point, such as the
+test-only ``megatron_reference``) on N local gloo processes, as torchrun would (``RANK``,
+``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), through the test-only CPU
+adapter, and read back what Megatron logged."""
 
 from __future__ import annotations
 
@@ -21,6 +22,8 @@ ROOT = HERE.parents[1]
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eEnaif]+) \|")
 # evaluate_and_print_results: " validation loss at iteration 4 on test set | lm loss value: ..."
 VALIDATION = re.compile(r" validation loss at (.+?) \| lm loss value: ([-+0-9.eEnaif]+) \|")
+# "> number of parameters on (tensor, gtp_weight_remat, pipeline) model parallel rank (0, 0, 0): 8"
+PARAMETERS = re.compile(r"number of parameters on .*? model parallel rank \([\d, ]+\): (\d+)")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,13 @@ class Run:
         ``"iteration 4 on test set"`` (after it)."""
         return {where: float(v) for where, v in VALIDATION.findall(self.outputs[-1])}
 
+    @property
+    def num_parameters(self) -> int:
+        """The parameter count Megatron prints for TP rank 0's model (rank 0's output)."""
+        found = PARAMETERS.findall(self.outputs[0])
+        assert found, self.tail()
+        return int(found[0])
+
     def tail(self, chars: int = 4000) -> str:
         parts = [f"--- launcher ---\n{self.launcher[-chars:]}"]
         parts += [f"--- rank {r} ---\n{out[-chars:]}" for r, out in enumerate(self.outputs)]
@@ -72,10 +82,12 @@ def launch(
     log_dir: Path,
     timeout_s: float,
     grad_dir: Path | None = None,
+    module: str = "megatron_zeppelin.pretrain_gpt",
 ) -> Run:
-    """Run ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size`` processes (``run_on_cpu.py``);
-    kill them all when the time runs out, so a hang fails the test instead of stalling it.
-    ``grad_dir``: every rank writes each iteration's gradients there (``grad_dump.py``)."""
+    """Run ``python -m MODULE ARGS`` on ``world_size`` processes (``run_on_cpu.py``; ``module``
+    is the plugin's entry point unless given); kill them all when the time runs out, so a hang
+    fails the test instead of stalling it. ``grad_dir``: every rank writes each iteration's
+    gradients there (``grad_dump.py``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ)
     env.pop("ZEPPELIN_TEST_GRAD_DIR", None)
@@ -91,7 +103,7 @@ def launch(
     )
     command = [
         sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
-        "--log-dir", str(log_dir), "-m", "megatron_zeppelin.pretrain_gpt", *args,
+        "--log-dir", str(log_dir), "-m", module, *args,
     ]  # fmt: skip
     launcher_log = log_dir / "launcher.log"
     with open(launcher_log, "w") as out:
