@@ -113,6 +113,8 @@ class _State:
         """``feed.MicroBatchFeed`` over the sampler: micro-batches with their plans."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
+        self.kernel: Any = None
+        """``report.KernelChoice``: the attention kernel every rank runs, and why."""
 
 
 _STATE = _State()
@@ -184,6 +186,14 @@ def setup(args: argparse.Namespace) -> None:
             f" x data-parallel size ({per_rank}): change --global-batch-size"
         )
     cost_model = build_cost_model(planner_model(args), topology, calibration=config.calibration)
+    device, dtype = _activations(args)
+    kernel = chosen_kernel(
+        config.kernel,
+        device=device,
+        dtype=dtype,
+        calibration=config.calibration,
+        model=cost_model.model,
+    )
     exchanger, _ = create_transport(topology, ctx, config)
     _STATE.config = config
     _STATE.args = args
@@ -204,7 +214,9 @@ def setup(args: argparse.Namespace) -> None:
             timeout_s=config.comm_timeout_s,
             backend=str(dist.get_backend()),
         ),
+        kernel=kernel.name,
     )
+    _STATE.kernel = kernel
     _STATE.num_micro_batches = args.global_batch_size // per_rank
     _log_startup(args, tp)
 
@@ -230,9 +242,7 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
 
     if not _is_logging_rank():
         return
-    device, dtype = _activations(args)
-    kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
-    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
+    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=_STATE.kernel)
     hint = collector_line(bool(getattr(args, "manual_gc", False)))
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
