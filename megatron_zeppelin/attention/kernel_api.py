@@ -16,9 +16,9 @@ the gradient of each pair exact on its own. Kernels live one per module (``kerne
 ``kernel_te.py``); ``kernels.py`` is the registry that picks one.
 
 Nothing a kernel does per call may block the host on the device: index tensors a kernel needs
-on the GPU are built once per batch on the host and sent with ``to_device`` (pinned memory, a
-copy the stream orders), never with a plain ``.to(device)``, whose copy from pageable memory
-waits for every kernel queued before it.
+on the GPU are built once per batch on the host and sent with ``devices.to_device`` (pinned
+memory, a copy the stream orders), never with a plain ``.to(device)``, whose copy from pageable
+memory waits for every kernel queued before it.
 
 Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq % nkv == 0``
 (grouped-query attention: query head ``h`` uses key/value head ``h // (nq // nkv)``); ``lse_tn``
@@ -37,6 +37,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
+from megatron_zeppelin.devices import to_device
+
 __all__ = [
     "AttentionKernel",
     "VarlenBatch",
@@ -45,7 +47,6 @@ __all__ = [
     "compute_dtype",
     "cuda_capability",
     "installed_version",
-    "to_device",
     "version_tuple",
 ]
 
@@ -97,18 +98,6 @@ def version_tuple(version: str) -> tuple[tuple[int, int, int], bool]:
     major, minor, patch, rest = found.groups()
     pre = re.match(r"^[.\-_]?(a|b|rc|dev)", rest) is not None
     return (int(major), int(minor), int(patch or 0)), pre
-
-
-def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host data ``x`` as a tensor on ``device``. To a GPU the copy goes through pinned memory
-    and is ordered on the current stream (``non_blocking``): the host does not wait. A plain
-    ``.to("cuda")`` from pageable memory synchronizes the stream first, so the host would wait
-    for every kernel queued before it (the caching host allocator keeps the pinned block alive
-    until the copy has run)."""
-    tensor = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
-    if device.type != "cuda":
-        return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -38,9 +38,9 @@ from megatron_zeppelin.attention.kernel_api import (
     check_shapes,
     compute_dtype,
     cuda_capability,
-    to_device,
 )
 from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.devices import to_device
 
 __all__ = ["TorchCudnnKernel", "cudnn_unavailable"]
 

@@ -54,9 +54,9 @@ from megatron_zeppelin.attention.kernel_api import (
     compute_dtype,
     cuda_capability,
     installed_version,
-    to_device,
     version_tuple,
 )
+from megatron_zeppelin.devices import to_device
 
 __all__ = ["TEFusedKernel", "TEModules", "TERelease", "te_release", "te_unavailable"]
 
