@@ -43,17 +43,19 @@ from megatron_zeppelin.topology.model import Topology
 
 
 class StubClock:
-    """Seconds spent inside the stub kernel and the stub transport (``inside``: one is running)."""
+    """Seconds spent inside the stub kernel and the stub transport (``inside``: one is running;
+    ``clock``: the clock they are read on)."""
 
     seconds = 0.0
     inside = 0
+    clock = time.perf_counter
 
     def __enter__(self) -> None:
         StubClock.inside += 1
-        self._start = time.perf_counter()
+        self._start = StubClock.clock()
 
     def __exit__(self, *exc: object) -> None:
-        StubClock.seconds += time.perf_counter() - self._start
+        StubClock.seconds += StubClock.clock() - self._start
         StubClock.inside -= 1
 
 

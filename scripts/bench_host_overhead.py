@@ -19,12 +19,14 @@ with ``--heads`` heads of dim ``--head-dim`` (8 and 0: every operator is dispatc
 Python, its shape checks and its allocations, over rows that hold no elements but the
 log-sum-exp), which is what the host pays per operator on a GPU short of the launch. Each pass
 also counts the operators that are not views (each launches at least one kernel on a GPU), and
-the table adds ``--launch-us`` per operator for the launches. ``--device cuda`` times it on a
-GPU with the model's real heads: what the calls take to return, the launches included, the
-kernels not waited for. (Meta tensors would compute nothing too, but several operators shape
-meta tensors through Python references that cost more than the CUDA path they stand for.)
+the table adds ``--launch-us`` per operator for the launches; the times are the thread's CPU time
+(``time.thread_time``), so a shared machine's other processes do not inflate them. ``--device
+cuda`` times it on a GPU with the model's real heads, on the wall clock: what the calls take to
+return, the launches included, the kernels not waited for. (Meta tensors would compute nothing
+too, but several operators shape meta tensors through Python references that cost more than the
+CUDA path they stand for.)
 
-    python scripts/bench_host_overhead.py [--device meta] [--tokens-per-gpu 4096 8192 16384]
+    python scripts/bench_host_overhead.py [--device cpu|cuda] [--tokens-per-gpu 4096 8192 16384]
 """
 
 from __future__ import annotations
@@ -75,15 +77,16 @@ def _batch(dist: str, per_gpu: int, world: int, long_share: float | None, seed: 
 
 
 def _median_host_ms(fn, repeats: int, device: torch.device) -> float:  # noqa: ANN001
-    """Median host milliseconds of ``fn`` less the stubs' own time."""
+    """Median host milliseconds of ``fn`` less the stubs' own time, on ``StubClock.clock``."""
+    clock = StubClock.clock
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
             torch.cuda.synchronize()  # an empty queue: the timed call never waits for room
         stub = StubClock.seconds
-        start = time.perf_counter()
+        start = clock()
         fn()
-        samples.append((time.perf_counter() - start - (StubClock.seconds - stub)) * 1e3)
+        samples.append((clock() - start - (StubClock.seconds - stub)) * 1e3)
     return statistics.median(samples)
 
 
@@ -146,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     device = torch.device(args.device)
+    # On the CPU the thread's own CPU time: the host's work, not the time other processes of a
+    # shared machine hold its core. On a GPU the wall clock: a host that waits shows.
+    StubClock.clock = time.perf_counter if device.type == "cuda" else time.thread_time
     topo = get_topology("dgx-h100", num_nodes=2)
     cost = apply_calibration(
         CostModel.default(get_model("llama-7b"), topo), load_calibration(CALIBRATION),
