@@ -37,14 +37,14 @@ def test_a_layer_runs_on_meta_tensors(plan_name: str) -> None:
     def rank_fn(rank: int, exchanger) -> tuple:  # noqa: ANN001
         engine = ZeppelinAttention(plan, rank, exchanger, kernel="torch")
         t = engine.num_tokens
-        q, k, v = (torch.empty(t, n, 8, device=META, requires_grad=True) for n in (12, 6, 6))
+        q, k, v = (torch.empty(t, n, 8, device=META, requires_grad=True) for n in (24, 12, 12))
         out = engine(q, k, v)
         out.backward(torch.empty_like(out))
         return out.shape, q.grad.shape, k.grad.shape
 
     for rank, (out, dq, dk) in enumerate(run_ranks(rank_fn, plan.world_size, timeout_s=120)):
         t = plan.num_attention_tokens(rank)
-        assert tuple(out) == tuple(dq) == (t, 12, 8) and tuple(dk) == (t, 6, 8)
+        assert tuple(out) == tuple(dq) == (t, 24, 8) and tuple(dk) == (t, 12, 8)
 
 
 def test_meta_tensors_catch_a_host_wait() -> None:

@@ -140,14 +140,10 @@ class HeadAllToAll:
         if all(c == mine for c in cuts.values()):
             # One cut for every destination: cut once, then take each one's rows.
             joined = _cut(sources, mine)
-            payload = {(me, dst): self._take(joined, rows) for dst, rows in exchange.sends.items()}
+            parts = self._rows_of(joined, exchange)
         else:
-            taken: dict[int, list[torch.Tensor]] = {}  # each source's rows, gathered once
-            payload = {}
-            for dst, rows in exchange.sends.items():
-                if id(rows) not in taken:
-                    taken[id(rows)] = [self._take(x, rows) for x in sources]
-                payload[(me, dst)] = _cut(taken[id(rows)], cuts[dst])
+            parts = self._heads_of(sources, exchange, cuts)
+        payload = {(me, dst): part for dst, part in parts.items()}
         row_shape = (sum(b - a for a, b in mine), sources[0].shape[-1])
         pending = self.exchanger.start(
             exchange.messages, payload, row_shape=row_shape, dtype=sources[0].dtype, tag=tag
@@ -164,6 +160,65 @@ class HeadAllToAll:
 
     def _take(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         return _take(x, self.on(rows, x.device))
+
+    def _rows_of(self, x: torch.Tensor, exchange: HeadExchange) -> dict[int, torch.Tensor]:
+        """Each destination's rows of ``x``: runs as views, the indexed ones in one gather for
+        all of them, then cut apart (views of one new tensor)."""
+        picked = [(dst, rows) for dst, rows in exchange.sends.items() if _is_index(rows)]
+        parts = {dst: _take(x, rows) for dst, rows in exchange.sends.items() if not _is_index(rows)}
+        if len(picked) < 2:
+            parts.update({dst: self._take(x, rows) for dst, rows in picked})
+            return parts
+        key = (id(exchange), "sends", str(x.device))
+        if key not in self._joined:
+            self._joined[key] = to_device(torch.cat([rows for _, rows in picked]), x.device)
+        taken, offset = x.index_select(0, self._joined[key]), 0
+        for dst, rows in picked:
+            parts[dst] = taken[offset : offset + rows.shape[0]]
+            offset += rows.shape[0]
+        return parts
+
+    def _heads_of(self, sources, exchange: HeadExchange, cuts) -> dict[int, torch.Tensor]:  # noqa: ANN001
+        """Each destination's rows of ``sources`` cut to its heads. Where every destination
+        takes the same rows and as many heads (the head layout's way in), the heads are put in
+        destination order in one gather and the rows split by destination in one copy."""
+        sends = exchange.sends
+        rows = next(iter(sends.values()))
+        widths = {sum(b - a for a, b in c) for c in cuts.values()}
+        same_rows = all(r is rows or (not _is_index(r) and r == rows) for r in sends.values())
+        if not (same_rows and len(widths) == 1 and len(sends) > 2):
+            taken: dict[int, list[torch.Tensor]] = {}  # each source's rows, gathered once
+            parts = {}
+            for dst, dst_rows in sends.items():
+                if id(dst_rows) not in taken:
+                    taken[id(dst_rows)] = [self._take(x, dst_rows) for x in sources]
+                parts[dst] = _cut(taken[id(dst_rows)], cuts[dst])
+            return parts
+        base = [self._take(x, rows) for x in sources]
+        joined = torch.cat(base, dim=1) if len(base) > 1 else base[0]
+        widths_in = tuple(x.shape[1] for x in sources)
+        key = (
+            id(exchange),
+            "heads",
+            tuple(map(tuple, cuts.values())),
+            widths_in,
+            str(joined.device),
+        )
+        if key not in self._joined:
+            starts = [0]
+            for x in sources[:-1]:
+                starts.append(starts[-1] + x.shape[1])
+            heads = [
+                h
+                for c in cuts.values()
+                for s, (a, b) in zip(starts, c)
+                for h in range(a + s, b + s)
+            ]
+            self._joined[key] = to_device(torch.tensor(heads), joined.device)
+        t, d, width = joined.shape[0], joined.shape[-1], widths.pop()
+        arranged = joined.index_select(1, self._joined[key]).view(t, len(sends), width, d)
+        blocks = arranged.transpose(0, 1).contiguous()
+        return {dst: blocks[i] for i, dst in enumerate(cuts)}
 
     def finish(
         self,
@@ -248,3 +303,7 @@ def _disjoint(ranges: Sequence[Sequence[tuple[int, int]]]) -> bool:
         if len(heads) != len(set(heads)):
             return False
     return True
+
+
+def _is_index(rows: Rows) -> bool:
+    return isinstance(rows, torch.Tensor)
