@@ -59,6 +59,6 @@ def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tenso
     for every kernel queued before it (the caching host allocator keeps the pinned block alive
     until the copy has run)."""
     tensor = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
-    if device.type != "cuda":
+    if device.type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     return tensor.pin_memory().to(device, non_blocking=True)

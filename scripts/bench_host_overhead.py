@@ -35,9 +35,9 @@ import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
-from bench_engine_overhead import InstantExchanger, NoopKernel, StubClock
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
@@ -51,6 +51,11 @@ from megatron_zeppelin.planner.schemes import every_two_d
 from megatron_zeppelin.planner.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
+# The stubs of the engine-overhead benchmark, beside this script (found however it is run).
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_engine_overhead import InstantExchanger, NoopKernel, StubClock  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 CALIBRATION = "configs/calibration/h100-bf16-llama-7b.json"
 
 
@@ -154,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     StubClock.clock = time.perf_counter if device.type == "cuda" else time.thread_time
     topo = get_topology("dgx-h100", num_nodes=2)
     cost = apply_calibration(
-        CostModel.default(get_model("llama-7b"), topo), load_calibration(CALIBRATION),
+        CostModel.default(get_model("llama-7b"), topo), load_calibration(str(ROOT / CALIBRATION)),
         source=CALIBRATION,
     )  # fmt: skip
     register_kernel("noop", NoopKernel)
