@@ -25,7 +25,10 @@ THRESHOLD_WORDS = ("auto", "off")
 NEVER_SPLIT = 1 << 40
 """The threshold of a tier that is ``off``: no document reaches it, so the tier splits only what
 capacity forces."""
-KERNELS = ("auto", "torch", "torch-flash", "flash", "flash3")
+KERNELS = (
+    "auto", "cudnn", "flash", "flash3", "te", "torch", "torch-fa3", "torch-fa4", "torch-flash",
+)  # fmt: skip
+"""The attention kernels of ``attention.kernels`` (a test keeps the two lists equal)."""
 LONG_DOCUMENTS = ("split", "truncate")
 
 
@@ -57,10 +60,14 @@ class ZeppelinConfig:
     """Shortest document worth splitting across nodes, in tokens; 'auto' derives it from the
     cost model, 'off' never splits across nodes unless capacity forces it."""
     kernel: str = field(default="auto", metadata={"choices": KERNELS})
-    """Attention kernel: 'flash3' (FlashAttention-3, Hopper), 'flash' (flash-attn 2),
-    'torch-flash' (PyTorch's own flash kernels), 'torch' (tiled, runs everywhere, CPU included),
-    or 'auto' (the first of flash3, flash, torch-flash that runs here, else torch; the start-up
-    summary says which and why). A kernel named here that cannot run stops with an error."""
+    """Attention kernel: 'te' (TransformerEngine's cuDNN fused attention), 'cudnn' (PyTorch's
+    cuDNN attention), 'flash3' (FlashAttention-3, Hopper), 'torch-fa3' / 'torch-fa4'
+    (FlashAttention-3/4 through PyTorch's switch), 'flash' (flash-attn 2), 'torch-flash'
+    (PyTorch's own flash kernels), 'torch' (tiled, runs everywhere, CPU included), or 'auto':
+    the first that runs here in the order of measured speed where --zeppelin-calibration
+    measured kernels on this GPU, else cuDNN-class kernels first on Hopper and newer,
+    flash-attn first before; torch where none runs. The start-up summary says which and why.
+    A kernel named here that cannot run stops with an error."""
     routing: bool = True
     """Split inter-node ring messages over proxy GPUs so that every NIC carries a share."""
     remap: bool = True

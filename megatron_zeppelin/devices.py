@@ -1,14 +1,17 @@
 """Which device a process computes on: the one place that maps a device name, and this
 process's ``LOCAL_RANK``, to a ``torch.device`` (the profiler, the cost-model validation and the
-training job use it), and the check that a job has a GPU for every process."""
+training job use it), the check that a job has a GPU for every process, and how host data
+(index tensors built once per plan) reaches a device without making the host wait
+(``to_device``)."""
 
 from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 
-__all__ = ["cuda_count", "require_gpus", "resolve_device"]
+__all__ = ["cuda_count", "require_gpus", "resolve_device", "to_device"]
 
 
 def cuda_count() -> int:
@@ -47,3 +50,15 @@ def require_gpus(processes: int, *, fix: str) -> None:
             f"--device cuda runs one process per GPU: {processes} processes need {processes} "
             f"GPUs and {cuda_count()} are visible; {fix}"
         )
+
+
+def to_device(x: np.ndarray | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host data ``x`` as a tensor on ``device``. To a GPU the copy goes through pinned memory
+    and is ordered on the current stream (``non_blocking``): the host does not wait. A plain
+    ``.to("cuda")`` from pageable memory synchronizes the stream first, so the host would wait
+    for every kernel queued before it (the caching host allocator keeps the pinned block alive
+    until the copy has run)."""
+    tensor = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)

@@ -43,20 +43,25 @@ from megatron_zeppelin.topology.model import Topology
 
 
 class StubClock:
-    """Seconds spent inside the stub kernel and the stub transport."""
+    """Seconds spent inside the stub kernel and the stub transport (``inside``: one is running;
+    ``clock``: the clock they are read on)."""
 
     seconds = 0.0
+    inside = 0
+    clock = time.perf_counter
 
     def __enter__(self) -> None:
-        self._start = time.perf_counter()
+        StubClock.inside += 1
+        self._start = StubClock.clock()
 
     def __exit__(self, *exc: object) -> None:
-        StubClock.seconds += time.perf_counter() - self._start
+        StubClock.seconds += StubClock.clock() - self._start
+        StubClock.inside -= 1
 
 
 class NoopKernel:
-    """Returns fresh zeros of the right shapes (the engine may write into a kernel's outputs):
-    what is left of a call is the engine's own work."""
+    """Returns fresh zeros of the right shapes, on the inputs' device (the engine may write into
+    a kernel's outputs): what is left of a call is the engine's own work."""
 
     name = "noop"
 
@@ -71,19 +76,24 @@ class NoopKernel:
 
 
 class InstantPending:
-    def __init__(self, received: list) -> None:
-        self._received = received
+    def __init__(self, received: list, device: torch.device) -> None:
+        self._received, self._device = received, device
 
     def wait(self) -> dict:
         with StubClock():
-            return {key: torch.zeros(shape, dtype=dtype) for key, (shape, dtype) in self._received}
+            return {
+                key: torch.zeros(shape, dtype=dtype, device=self._device)
+                for key, (shape, dtype) in self._received
+            }
 
 
 class InstantExchanger:
-    """Delivers zeros for every message to this rank at once (no peers, no waiting)."""
+    """Delivers zeros for every message to this rank at once (no peers, no waiting), on
+    ``device``."""
 
-    def __init__(self, rank: int, world_size: int) -> None:
+    def __init__(self, rank: int, world_size: int, device: str = "cpu") -> None:
         self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
 
     def start(self, messages, payload, *, row_shape, dtype, tag):  # noqa: ANN001
         return InstantPending(
@@ -91,7 +101,8 @@ class InstantExchanger:
                 ((m.src, m.dst), ((m.num_tokens, *row_shape), dtype))
                 for m in messages
                 if m.dst == self.rank
-            ]
+            ],
+            self.device,
         )
 
 
@@ -228,12 +239,16 @@ def main() -> None:
             )
 
 
-def _time_passes(engine: ZeppelinAttention, shape: tuple[int, ...], repeats: int):
-    """Median forward and backward milliseconds of ``engine`` on random inputs."""
+def _time_passes(
+    engine: ZeppelinAttention, shape: tuple[int, ...], repeats: int, device: str = "cpu"
+):
+    """Median forward and backward milliseconds of ``engine`` on random inputs (and of the
+    engine's own work, the stubs' time taken out)."""
     t, nq, nkv, d = shape
-    q = torch.randn(t, nq, d, requires_grad=True)
-    k = torch.randn(t, nkv, d, requires_grad=True)
-    v = torch.randn(t, nkv, d, requires_grad=True)
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    q, k, v = (
+        torch.zeros(t, n, d, device=device, dtype=dtype, requires_grad=True) for n in (nq, nkv, nkv)
+    )
     out = engine(q, k, v)  # warm-up: per-device index tensors, kernel tile tables
     out.backward(torch.ones_like(out), retain_graph=True)  # warm-up: the autograd engine
     fwd = _median_ms_and_engine_ms(lambda: engine(q, k, v), repeats)

@@ -1,6 +1,6 @@
 """Attention kernels on one GPU: accuracy against float64, and throughput against dense SDPA.
 
-    python scripts/bench_kernels.py [--json FILE] [--tokens 131072] [--kernels torch-flash,torch]
+    python scripts/bench_kernels.py [--json FILE] [--tokens 131072] [--kernels te,cudnn,torch]
 
 1. Accuracy: every kernel that runs here (``attention/kernels.py``), in bfloat16, on the block
    shapes a ring produces (diagonal, suffix, off-diagonal; ``testing/kernel_check.py``), head
@@ -12,8 +12,13 @@
    the same documents as a batch, forward and forward+backward. TFLOP/s count the causal
    half: forward ``2 * 2 * docs * L * (L + 1) / 2 * d * heads``, backward 2.5 times that.
    Times are medians of CUDA-event-timed repeats after a warm-up.
+3. Ring blocks: the same tokens as the blocks a zigzag ring computes beside whole documents, per
+   document of length ``L``: a *suffix* block (the last ``L/2`` queries against all ``L`` keys,
+   causal aligned bottom-right: where ``cudnn`` runs its cut) and an *unmasked* block (``L/2``
+   queries against ``L/2`` earlier keys), forward+backward TFLOP/s over the visible pairs. No
+   dense SDPA call computes these shapes, so there is no reference column.
 
-Needs CUDA; prints two tables and, with ``--json``, writes every figure.
+Needs CUDA; prints three tables and, with ``--json``, writes every figure.
 """
 
 from __future__ import annotations
@@ -28,10 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernels import choose_kernel, get_kernel
+from megatron_zeppelin.attention.kernels import CUDA_KERNELS, choose_kernel, get_kernel
+from megatron_zeppelin.planner.costmodel import causal_pairs
 from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors
 
-KERNELS = ("flash3", "flash", "torch-flash", "torch")
+KERNELS = (*CUDA_KERNELS, "torch")
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
 
@@ -127,6 +133,48 @@ def throughput_row(kernel: str, length: int, tokens: int, repeats: int) -> dict:
     }
 
 
+def ring_block_row(kernel: str, length: int, tokens: int, repeats: int, block: str) -> dict:
+    """Forward+backward of one varlen call over ``tokens // length`` ring blocks (docstring)."""
+    docs, half = tokens // length, length // 2
+    keys, causal = (length, True) if block == "suffix" else (half, False)
+    gen = torch.Generator(device="cuda").manual_seed(length + 7)
+
+    def draw(rows: int, heads: int) -> torch.Tensor:
+        x = torch.randn(rows, heads, HEAD_DIM, generator=gen, device="cuda")
+        return x.to(torch.bfloat16)
+
+    q, dout = draw(docs * half, HEADS), draw(docs * half, HEADS)
+    k, v = draw(docs * keys, KV_HEADS), draw(docs * keys, KV_HEADS)
+    impl, batch = get_kernel(kernel), VarlenBatch([half] * docs, [keys] * docs, causal=causal)
+    scale = 1.0 / math.sqrt(HEAD_DIM)
+
+    def fwd_bwd() -> None:
+        o, s = impl.forward(q, k, v, batch, softmax_scale=scale)
+        impl.backward(dout, q, k, v, o, s, batch, softmax_scale=scale)
+
+    pairs = causal_pairs(length - half, length, 0, length) if causal else half * half
+    flops = 3.5 * 4.0 * docs * pairs * HEAD_DIM * HEADS
+    total_ms = median_ms(fwd_bwd, repeats)
+    return {"kernel": kernel, "length": length, "block": block, "fwd_bwd_ms": total_ms,
+            "fwd_bwd_tflops": flops / total_ms / 1e9}  # fmt: skip
+
+
+def print_ring_blocks(names: list[str], lengths: list[int], args: argparse.Namespace) -> list:
+    print(f"\nring blocks ({args.tokens} tokens as L/2-query blocks, forward+backward)")
+    print(f"{'length':>7} {'kernel':12} {'suffix TF/s':>12} {'unmasked TF/s':>14}")
+    rows = []
+    for length in lengths:
+        for kernel in names:
+            if kernel == "torch" and length > args.tiled_max_length:
+                continue
+            pair = [ring_block_row(kernel, length, args.tokens, args.repeats, block)
+                    for block in ("suffix", "unmasked")]  # fmt: skip
+            rows += pair
+            print(f"{length:>7} {kernel:12} {pair[0]['fwd_bwd_tflops']:12.1f} "
+                  f"{pair[1]['fwd_bwd_tflops']:14.1f}", flush=True)  # fmt: skip
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=131072, help="tokens per call")
@@ -173,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['fwd_bwd_ms']:8.2f} {r['fwd_bwd_tflops']:9.1f}",
                 flush=True,
             )
+    blocks = print_ring_blocks(names, lengths, args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(
@@ -181,6 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                     "torch": torch.__version__,
                     "accuracy": acc,
                     "throughput": rows,
+                    "ring_blocks": blocks,
                 },
                 f,
                 indent=1,

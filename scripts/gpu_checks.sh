@@ -3,17 +3,22 @@
 #
 #   bash scripts/gpu_checks.sh OUT_DIR [STEP...]
 #
-# Steps (all by default): tests (pytest -m gpu), kernels (scripts/bench_kernels.py: accuracy
-# against float64, TFLOP/s against dense SDPA), profile (zeppelin profile in bf16 into
-# OUT_DIR/<gpu>-bf16.json), validate (validate-cost-model with that file), train (the training
-# job on one GPU in bf16, world 1). Each step's log goes to OUT_DIR/<step>.log; a failed step
-# is reported and the next one still runs; the exit status is 1 if any failed.
+# Steps (all by default, in this order): tests (pytest -m gpu: every CUDA kernel against float64
+# on the ring's block shapes, head dims 64 and 128, GQA; the ring engine on thread-ranks of the
+# GPU with every kernel), kernels (scripts/bench_kernels.py: accuracy, TFLOP/s against dense
+# SDPA, ring blocks), profile (zeppelin profile in bf16 into OUT_DIR/<gpu>-bf16.json: every
+# kernel that runs, one curve each), train (the training job on one GPU in bf16, world 1, with
+# the kernel the profile found fastest), validate (validate-cost-model with that file), host
+# (scripts/bench_host_overhead.py --device cuda: host work per layer next to the calibrated GPU
+# time), compare (zeppelin compare with the profile: same kernel and as deployed, TE's kernel
+# measured where TransformerEngine is installed). Each step's log goes to OUT_DIR/<step>.log; a
+# failed step is reported and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [STEP...]}"
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests kernels train profile validate)
+[ ${#steps[@]} -gt 0 ] || steps=(tests kernels profile train validate host compare)
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -21,6 +26,15 @@ gpu="$("$python" -c 'import torch; print(torch.cuda.get_device_name().split()[1]
   { echo "gpu_checks: no CUDA GPU visible" >&2; exit 1; }
 calibration="$out/$gpu-bf16.json"
 model=${MODEL:-llama-7b}
+
+# The kernel the profile found fastest (its file's "kernel"), else auto.
+fastest_kernel() {
+  "$python" -c 'import json, sys
+try:
+    print(json.load(open(sys.argv[1])).get("kernel") or "auto")
+except OSError:
+    print("auto")' "$calibration"
+}
 
 run_step() {
   case "$1" in
@@ -33,10 +47,15 @@ run_step() {
                 --json "$out/validate.json" ;;
     train) "$python" -m torch.distributed.run --nproc-per-node 1 \
              -m megatron_zeppelin.megatron.train_cpu --device cuda --dtype bf16 \
+             --zeppelin-kernel "$(fastest_kernel)" \
              --zeppelin-nodes 1 --zeppelin-capacity 16384 --tokens-per-step 16384 \
              --zeppelin-max-document-length 8192 --num-layers 4 --hidden-size 1024 --num-heads 16 \
              --num-kv-heads 4 --ffn-hidden-size 2816 --lr 5e-4 --steps 300 \
              --dataset-tokens 2000000 --run-dir "${TMPDIR:-/tmp}/zeppelin-gpu-train" --json "$out/train.json" ;;
+    host) "$python" scripts/bench_host_overhead.py --device cuda ;;
+    compare) "$python" -m megatron_zeppelin.cli compare --topology dgx-h100 --nodes 2 \
+               --model "$model" --dist wikipedia --tokens 262144 --steps 4 --quiet \
+               --cost-model "$calibration" --json "$out/compare.json" ;;
     *) echo "gpu_checks: no step called $1" >&2; return 2 ;;
   esac
 }

@@ -27,6 +27,7 @@ from megatron_zeppelin.attention.kernel_flash import (
     flash3_release,
 )
 from megatron_zeppelin.attention.kernel_torch import TorchKernel
+from megatron_zeppelin.config import KERNELS
 from megatron_zeppelin.testing.reference import random_qkv
 from megatron_zeppelin.testing.tolerances import assert_close
 
@@ -152,30 +153,53 @@ def test_the_release_decides_the_calling_convention() -> None:
         flash3_release("2.8.3")
 
 
-def _probes(monkeypatch, **problems: str | None) -> None:  # noqa: ANN001
-    table = {"flash3": None, "flash": None, "torch-flash": None}
+def _probes(monkeypatch, capability=(9, 0), **problems: str | None) -> None:  # noqa: ANN001
+    """Every CUDA kernel can run on a GPU of ``capability`` but those given a problem."""
+    table = dict.fromkeys(kernels.CUDA_KERNELS)
     table.update({k.replace("_", "-"): v for k, v in problems.items()})
     monkeypatch.setattr(kernels, "_UNAVAILABLE", {k: (lambda v=v: v) for k, v in table.items()})
+    monkeypatch.setattr(kernels, "cuda_capability", lambda: capability)
 
 
-def test_auto_takes_flash3_then_flash_then_torch_flash_then_torch(monkeypatch) -> None:
+def test_auto_puts_cudnn_class_kernels_first_on_hopper(monkeypatch) -> None:
     cuda = {"device": "cuda:0", "dtype": torch.bfloat16}
     _probes(monkeypatch)
+    name, why = kernels.choose_kernel("auto", **cuda)
+    assert name == "te" and "Hopper order" in why
+    _probes(monkeypatch, te="TransformerEngine is not installed")
+    name, why = kernels.choose_kernel("auto", **cuda)
+    assert name == "cudnn" and "TransformerEngine is not installed" in why
+    _probes(monkeypatch, te="no te", cudnn="no cudnn")
     assert kernels.choose_kernel("auto", **cuda)[0] == "flash3"
-    _probes(monkeypatch, flash3="FlashAttention-3 is not installed")
-    name, why = kernels.choose_kernel("auto", **cuda)
-    assert name == "flash" and "FlashAttention-3 is not installed" in why
-    _probes(monkeypatch, flash3="no fa3", flash="flash-attn is not installed")
+    _probes(monkeypatch, te="a", cudnn="b", flash3="c", torch_fa3="d", torch_fa4="e", flash="f")
     assert kernels.choose_kernel("auto", **cuda)[0] == "torch-flash"
-    _probes(monkeypatch, flash3="no fa3", flash="no fa2", torch_flash="built without")
+    everything = {name.replace("-", "_"): "missing" for name in kernels.CUDA_KERNELS}
+    _probes(monkeypatch, **everything)
     name, why = kernels.choose_kernel("auto", **cuda)
-    assert name == "torch" and all(w in why for w in ("no fa3", "no fa2", "built without"))
+    assert name == "torch" and why.count("missing") == len(kernels.CUDA_KERNELS)
+    # Before Hopper flash-attn 2 leads; Blackwell skips FlashAttention-3.
+    _probes(monkeypatch, capability=(8, 0))
+    assert kernels.choose_kernel("auto", **cuda)[0] == "flash"
+    _probes(monkeypatch, capability=(10, 0), te="no te", cudnn="no cudnn")
+    assert kernels.choose_kernel("auto", **cuda)[0] == "torch-fa4"
     # Not CUDA, or not half precision: the tiled kernel, and the reason says which.
     _probes(monkeypatch)
     name, why = kernels.choose_kernel("auto", device="cpu", dtype=torch.bfloat16)
     assert name == "torch" and "CUDA" in why
     name, why = kernels.choose_kernel("auto", device="cuda:0", dtype=torch.float32)
     assert name == "torch" and "float32" in why
+
+
+def test_auto_follows_measured_speed_where_given(monkeypatch) -> None:
+    cuda = {"device": "cuda:0", "dtype": torch.bfloat16}
+    _probes(monkeypatch, te="TransformerEngine is not installed")
+    measured = (["te", "torch-flash", "cudnn", "no-such-kernel"], "calibration h100.json")
+    name, why = kernels.choose_kernel("auto", measured=measured, **cuda)
+    assert name == "torch-flash"
+    assert "measured speed (calibration h100.json)" in why and "te: TransformerEngine" in why
+    # Kernels the calibration did not measure come after, in the fixed order.
+    _probes(monkeypatch, torch_flash="x", cudnn="y", te="z")
+    assert kernels.choose_kernel("auto", measured=measured, **cuda)[0] == "flash3"
 
 
 def test_a_kernel_named_but_missing_is_one_clear_error(monkeypatch) -> None:
@@ -195,16 +219,22 @@ def test_a_window_keeps_kernels_without_one_away(monkeypatch, fake_hopper) -> No
     class NoWindow(TorchKernel):
         supports_window = False
 
-    _probes(monkeypatch)
+    _probes(monkeypatch, torch_fa3="not installed", torch_fa4="not installed")
     for name, factory in (("flash3", NoWindow), ("flash", TorchKernel), ("torch-flash", NoWindow)):
         monkeypatch.setitem(kernels._FACTORIES, name, factory)
     cuda = {"device": "cuda:0", "dtype": torch.bfloat16}
-    assert kernels.choose_kernel("auto", **cuda)[0] == "flash3"
+    assert kernels.choose_kernel("auto", **cuda)[0] == "te"
     name, why = kernels.choose_kernel("auto", **cuda, window=True)
-    assert name == "flash" and "'flash3' has no sliding-window mask" in why
+    assert name == "flash"
+    for skipped in ("te", "cudnn", "flash3"):
+        assert f"'{skipped}' has no sliding-window mask" in why
     assert kernels.get_kernel("auto", **cuda, window=True).supports_window
     with pytest.raises(ValueError, match="'torch-flash' cannot run here: .*sliding-window"):
         kernels.choose_kernel("torch-flash", **cuda, window=True)
     with pytest.raises(ValueError, match="sliding-window"):
         kernels.get_kernel("flash3", **cuda, window=True)
     assert kernels.get_kernel("flash3", **cuda).name == "torch"  # the stand-in, no window asked
+
+
+def test_the_flag_offers_every_registered_kernel() -> None:
+    assert list(KERNELS) == kernels.available_kernels()

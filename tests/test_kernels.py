@@ -16,6 +16,7 @@ import torch
 from megatron_zeppelin.attention.kernel_api import VarlenBatch
 from megatron_zeppelin.attention.kernel_torch import TorchKernel, _tile_chunks
 from megatron_zeppelin.attention.kernels import (
+    CUDA_KERNELS,
     choose_kernel,
     flash_available,
     get_kernel,
@@ -255,7 +256,7 @@ def _cuda_kernel_or_skip(name: str):  # noqa: ANN202
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["flash3", "flash", "torch-flash", "torch"])
+@pytest.mark.parametrize("name", [*CUDA_KERNELS, "torch"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("block", sorted(BLOCKS))
 def test_cuda_kernels_match_float64(name: str, head_dim: int, block: str) -> None:

@@ -26,6 +26,7 @@ from megatron_zeppelin.profile.runner import (
     _median_over_rounds,
     build_calibration,
     profile,
+    write_calibration,
 )
 from megatron_zeppelin.profile.timing import TimingOptions
 from megatron_zeppelin.profile.validate import (
@@ -133,7 +134,7 @@ def test_compare_command_prints_measured_and_default_sources(calibration_file, c
     assert f"attention={calibration_file}" in out and "nic=default" in out
 
 
-def _synthetic(eff: Efficiency, link: LinkCost) -> RankMeasurements:
+def _points(eff: Efficiency) -> list[AttentionPoint]:
     model = get_model("tiny")
     attention = []
     shapes = [
@@ -151,6 +152,15 @@ def _synthetic(eff: Efficiency, link: LinkCost) -> RankMeasurements:
         attention.append(
             AttentionPoint(1, num_q, num_k, causal, pairs, flops, seconds / 3, seconds * 2 / 3)
         )
+    return attention
+
+
+def _synthetic(eff: Efficiency, link: LinkCost, **kernels: Efficiency) -> RankMeasurements:
+    """A rank's measurements: kernel ``torch`` at ``eff`` unless ``kernels`` names others."""
+    model = get_model("tiny")
+    attention = {
+        name.replace("_", "-"): _points(e) for name, e in (kernels or {"torch": eff}).items()
+    }
     linear = []
     for n in (32, 256, 2048):
         flops = n * model.linear_flops_per_token()
@@ -184,6 +194,23 @@ def test_fits_reproduce_synthetic_points():
         assert cal.links[name].fit.latency_s == pytest.approx(link.latency_s, rel=1e-6)
     for point in extra["attention"]:
         assert point["predicted_s"] == pytest.approx(point["forward_s"] + point["backward_s"])
+
+
+@pytest.mark.pure
+def test_every_kernel_measured_gets_its_curves_and_the_fastest_leads(tmp_path):
+    link = LinkCost(bytes_per_s=3e9, latency_s=5e-5)
+    slow = Efficiency(flops_per_s=1e10, half_tokens=300.0, overhead_s=2e-4)
+    fast = Efficiency(flops_per_s=3e10, half_tokens=300.0, overhead_s=2e-4)
+    rank = _synthetic(slow, link, torch_flash=slow, te=fast)
+    cal, extra = build_calibration(tiny_settings(), [rank])
+    assert cal.kernel == "te" and set(cal.kernels) == {"te", "torch-flash"}
+    assert cal.attention.fit.flops_per_s == pytest.approx(fast.flops_per_s, rel=1e-6)
+    assert cal.kernels["torch-flash"].attention.fit.flops_per_s == pytest.approx(1e10, rel=1e-6)
+    assert extra["kernel_used"] == "te" and extra["kernels_measured"] == ["te", "torch-flash"]
+    assert {p["kernel"] for p in extra["attention"]} == {"te", "torch-flash"}
+    path = str(tmp_path / "two.json")
+    write_calibration(cal, path, extra=extra)
+    assert load_calibration(path).kernels == cal.kernels
 
 
 @pytest.mark.pure

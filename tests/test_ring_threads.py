@@ -108,10 +108,16 @@ def run_engine(
     routing=True,
     counters=None,
     seed=0,
+    device="cpu",
+    kernel="torch",
+    head_dim=8,
 ):  # noqa: ANN001
-    """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv."""
+    """Run the engine on every rank; return (reference, gathered) dicts of out/dq/dk/dv (on the
+    CPU). Each rank's inputs reach ``device`` from the main thread."""
     nq, nkv = heads
-    q, k, v = random_qkv(plan.num_tokens, num_heads=nq, num_kv_heads=nkv, head_dim=8, seed=seed)
+    q, k, v = random_qkv(
+        plan.num_tokens, num_heads=nq, num_kv_heads=nkv, head_dim=head_dim, seed=seed
+    )
     q, k, v = (x.to(dtype).requires_grad_() for x in (q, k, v))
     ref_out = reference_attention(q, k, v, plan.lengths)
     dout = torch.randn(
@@ -120,13 +126,21 @@ def run_engine(
     ref_out.backward(dout)
     ref = {"out": ref_out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 
+    inputs = {
+        rank: [x.detach()[attention_rows(plan, rank)].to(device) for x in (q, k, v, dout)]
+        for rank in range(plan.world_size)
+    }
+
     def rank_fn(rank: int, exchanger: ThreadExchanger):
         rows = attention_rows(plan, rank)
-        ql, kl, vl = (x.detach()[rows].clone().requires_grad_() for x in (q, k, v))
-        out = ZeppelinAttention(plan, rank, exchanger, kernel="torch")(ql, kl, vl)
+        *leaves, dout_rows = inputs[rank]
+        ql, kl, vl = (x.clone().requires_grad_() for x in leaves)
+        out = ZeppelinAttention(plan, rank, exchanger, kernel=kernel)(ql, kl, vl)
+        assert not torch.autograd.is_multithreading_enabled()  # the rank runs its own backward
         if backward:
-            out.backward(dout[rows].to(dtype))
-        return rows, out.detach(), ql.grad, kl.grad, vl.grad
+            out.backward(dout_rows.to(dtype))
+        grads = [None if x.grad is None else x.grad.cpu() for x in (ql, kl, vl)]
+        return rows, out.detach().cpu(), *grads
 
     results = run_ranks(rank_fn, plan.world_size, routing=routing, counters=counters, timeout_s=120)
     got = {name: torch.zeros_like(t, dtype=dtype) for name, t in ref.items()}

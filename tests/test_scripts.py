@@ -63,6 +63,23 @@ def test_engine_overhead_benchmark_runs_on_a_small_plan() -> None:
 
 
 @pytest.mark.dist
+def test_host_overhead_benchmark_prints_host_against_gpu_time() -> None:
+    out = run_script(
+        "scripts/bench_host_overhead.py",
+        "--tokens-per-gpu",
+        "4096",
+        "--distributions",
+        "wikipedia",
+        "--repeats",
+        "1",
+    )
+    rows = [line for line in out.splitlines() if line.startswith("| 4096 | wikipedia |")]
+    assert [row.split("|")[3].strip() for row in rows] == ["flat", "2-D"]
+    host, gpu, ratio = (float(cell) for cell in rows[0].split("|")[8:11])
+    assert host > 0 and gpu > 0 and ratio == pytest.approx(host / gpu, abs=0.01)
+
+
+@pytest.mark.dist
 def test_fault_drill_resumes_a_torn_checkpoint_with_the_same_losses(tmp_path) -> None:
     out = run_script(
         "scripts/fault_drill.py",

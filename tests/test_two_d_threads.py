@@ -42,6 +42,7 @@ pytestmark = pytest.mark.threads
 TOPO_2X2 = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)
 TOPO_3X2 = Topology(num_nodes=3, gpus_per_node=2, nics_per_node=1)
 TOPO_2X3 = Topology(num_nodes=2, gpus_per_node=3, nics_per_node=3)
+TOPO_2X4 = Topology(num_nodes=2, gpus_per_node=4, nics_per_node=4)
 
 
 def mixed_plan(topology: Topology, docs, *, spans=None, routed: bool = False) -> Plan:  # noqa: ANN001
@@ -106,6 +107,12 @@ PLANS = {
             (19, (2, 3), False),
             (7, (5,), False),
         ],
+    ),
+    # Four GPUs per node: every rank sends the same rows to three others, each with its own heads
+    # (the all-to-all's one-gather path), K/V heads replicated over pairs of GPUs.
+    "2x4": lambda: mixed_plan(
+        TOPO_2X4,
+        [(61, (0, 1, 2, 3, 4, 5, 6, 7), "zigzag"), (17, (4, 5, 6), False), (9, (2,), False)],
     ),
     # Three GPUs per node; a token layout of the document's own (ranks hold single chunks).
     "2x3-own-layout": lambda: mixed_plan(

@@ -16,7 +16,13 @@ Every kernel returns the output AND the log-sum-exp of the scaled scores per que
 (natural log, ``-inf`` where a row sees no key, with a zero output there), so partial results
 can be merged (``merge.py``); its backward takes the final (merged) output and lse, which makes
 the gradient of each pair exact on its own. Kernels live one per module (``kernel_torch.py``,
-``kernel_flash.py``, ``kernel_aten.py``); ``kernels.py`` is the registry that picks one.
+``kernel_flash.py``, ``kernel_aten.py``, ``kernel_fa_switch.py``, ``kernel_cudnn.py``,
+``kernel_te.py``); ``kernels.py`` is the registry that picks one.
+
+Nothing a kernel does per call may block the host on the device: index tensors a kernel needs
+on the GPU are built once per batch on the host and sent with ``devices.to_device`` (pinned
+memory, a copy the stream orders), never with a plain ``.to(device)``, whose copy from pageable
+memory waits for every kernel queued before it.
 
 Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq % nkv == 0``
 (grouped-query attention: query head ``h`` uses key/value head ``h // (nq // nkv)``); ``lse_tn``
@@ -25,19 +31,28 @@ Shapes: ``q_tnd`` ``(t, nq, d)``, ``k_tnd``/``v_tnd`` ``(t, nkv, d)`` with ``nq 
 
 from __future__ import annotations
 
+import importlib
+import importlib.metadata
+import importlib.util
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
 import torch
 
+from megatron_zeppelin.devices import to_device
+
 __all__ = [
     "AttentionKernel",
     "VarlenBatch",
+    "capability_problem",
     "check_shapes",
     "compute_dtype",
     "cuda_capability",
+    "installed_version",
     "supports_window",
+    "version_tuple",
 ]
 
 
@@ -48,6 +63,46 @@ def cuda_capability() -> tuple[int, int] | None:
         return None
     major, minor = torch.cuda.get_device_capability()
     return int(major), int(minor)
+
+
+def capability_problem(
+    capability: tuple[int, int] | None, least: tuple[int, int], what: str
+) -> str | None:
+    """Why ``what`` cannot run on a GPU of ``capability`` (``None``: no GPU) when it needs
+    ``least``; ``None`` when it can."""
+    if capability is None:
+        return f"{what} needs a CUDA GPU and none is visible"
+    if capability < least:
+        return (
+            f"{what} needs compute capability {least[0]}.{least[1]} or newer; this GPU has "
+            f"{capability[0]}.{capability[1]}"
+        )
+    return None
+
+
+def installed_version(distribution: str, module: str) -> str | None:
+    """The installed version of ``distribution`` (``None`` when ``module`` is absent); found
+    without importing the module where the package metadata says it."""
+    try:
+        if importlib.util.find_spec(module) is None:
+            return None
+    except (ImportError, ValueError):  # a parent package that fails to import
+        return None
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return getattr(importlib.import_module(module), "__version__", None) or "unknown"
+
+
+def version_tuple(version: str) -> tuple[tuple[int, int, int], bool]:
+    """``(major, minor, patch)`` of a library's version and whether it is a pre-release
+    (``3.0.0b1``, ``3.0.0.b1``); ``2.8.0+cu12`` and ``2.4.0+3cd6870c`` read as releases."""
+    found = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?(.*)$", version)
+    if found is None:
+        raise ValueError(f"cannot read the version {version!r}")
+    major, minor, patch, rest = found.groups()
+    pre = re.match(r"^[.\-_]?(a|b|rc|dev)", rest) is not None
+    return (int(major), int(minor), int(patch or 0)), pre
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -105,7 +160,7 @@ class VarlenBatch:
         key = ("cu_seqlens", str(device))
         if key not in self.cache:
             self.cache[key] = tuple(
-                torch.from_numpy(cu.astype(np.int32)).to(device)
+                to_device(cu.astype(np.int32), torch.device(device))
                 for cu in (self.cu_seqlens_q, self.cu_seqlens_k)
             )
         return self.cache[key]

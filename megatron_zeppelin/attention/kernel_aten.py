@@ -27,15 +27,23 @@ uses); calls without one leave both unset.
 On a CPU-only build both operators exist and raise for CPU tensors; with meta tensors they
 return the shapes above, which the tests use. Calls run on the caller's current CUDA stream.
 Shapes as in ``kernel_api.py``.
+
+The implementation behind the two operators can be switched, process-wide, by
+``torch.nn.attention.activate_flash_attention_impl("FA3" | "FA4")`` (``FlashSwitch``;
+``kernel_fa_switch.py`` has the kernels that use it). This kernel is FlashAttention-2, so it
+puts PyTorch's own implementation back (``restore_flash_attention_impl``) before a call if
+another one is active: kernels measured one after another each run what they are called.
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 
 from megatron_zeppelin.attention.kernel_api import VarlenBatch, check_shapes, cuda_capability
 
-__all__ = ["TorchFlashKernel", "torch_flash_unavailable"]
+__all__ = ["FlashSwitch", "TorchFlashKernel", "torch_flash_unavailable"]
 
 HALF = (torch.float16, torch.bfloat16)
 
@@ -63,37 +71,71 @@ def _window_kwargs(batch: VarlenBatch) -> dict[str, int]:
     return {"window_size_left": left, "window_size_right": right}
 
 
+class FlashSwitch:
+    """PyTorch's switch of the implementation behind its flash operators: the functions of
+    ``torch.nn.attention`` (``activate_flash_attention_impl``, ``current_flash_attention_impl``,
+    ``restore_flash_attention_impl``, ``list_flash_attention_impls``), or a stand-in of them."""
+
+    def __init__(self, api: object | None = None) -> None:
+        self._api = api if api is not None else importlib.import_module("torch.nn.attention")
+
+    @property
+    def present(self) -> bool:
+        """Whether this PyTorch has the switch (torch 2.11 and later)."""
+        return hasattr(self._api, "activate_flash_attention_impl")
+
+    def offers(self, impl: str) -> bool:
+        return self.present and impl in self._api.list_flash_attention_impls()
+
+    def use(self, impl: str | None) -> None:
+        """Make ``impl`` (``None``: PyTorch's FlashAttention-2) the active implementation; a
+        no-op when it already is (one call of ``current_flash_attention_impl``)."""
+        if not self.present:
+            assert impl is None, f"{impl} needs PyTorch's flash-attention switch"
+            return
+        if self._api.current_flash_attention_impl() == impl:
+            return
+        if impl is None:
+            self._api.restore_flash_attention_impl()
+        else:
+            self._api.activate_flash_attention_impl(impl)
+
+
 class TorchFlashKernel:
     """PyTorch's FlashAttention varlen operators (fp16/bf16 on CUDA). ``ops`` defaults to
-    ``torch.ops.aten`` (tests pass a stand-in with the operators' contract)."""
+    ``torch.ops.aten`` and ``switch`` to PyTorch's own (tests pass stand-ins with their
+    contract). ``impl`` is the implementation the operators must run (``None``:
+    FlashAttention-2, PyTorch's own)."""
 
     name = "torch-flash"
     supports_window = True
+    impl: str | None = None
 
-    def __init__(self, *, ops: object | None = None) -> None:
+    def __init__(self, *, ops: object | None = None, switch: FlashSwitch | None = None) -> None:
         if ops is None:
             problem = torch_flash_unavailable()
             if problem is not None:
-                raise ValueError(f"kernel 'torch-flash' cannot run: {problem}")
+                raise ValueError(f"kernel {self.name!r} cannot run: {problem}")
             ops = torch.ops.aten
         self._ops = ops
+        self._switch = switch if switch is not None else FlashSwitch()
 
-    @staticmethod
-    def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
+    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
         check_shapes(q, k, v, batch)
         if q.dtype not in HALF:
             raise ValueError(
-                f"kernel 'torch-flash' takes float16 or bfloat16 inputs, got {q.dtype}: use "
+                f"kernel {self.name!r} takes float16 or bfloat16 inputs, got {q.dtype}: use "
                 "kernel 'torch' (or 'auto', which picks it for other dtypes)"
             )
         if q.shape[-1] % 8 or q.shape[-1] > 256:
             raise ValueError(
-                "kernel 'torch-flash' takes head dims that are multiples of 8 up to 256, got "
+                f"kernel {self.name!r} takes head dims that are multiples of 8 up to 256, got "
                 f"{q.shape[-1]}: use kernel 'torch'"
             )
 
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
         self._check(q_tnd, k_tnd, v_tnd, batch)
+        self._switch.use(self.impl)
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)
         out, lse, *_ = self._ops._flash_attention_forward(
@@ -115,6 +157,7 @@ class TorchFlashKernel:
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
         self._check(q_tnd, k_tnd, v_tnd, batch)
+        self._switch.use(self.impl)
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)
         rng_state = torch.zeros((2,), dtype=torch.uint64, device=q.device)

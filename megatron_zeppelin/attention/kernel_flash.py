@@ -48,13 +48,19 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import importlib.util
-import re
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch, check_shapes, cuda_capability
+from megatron_zeppelin.attention.kernel_api import (
+    VarlenBatch,
+    capability_problem,
+    check_shapes,
+    cuda_capability,
+    installed_version,
+    version_tuple,
+)
 
 __all__ = [
     "Flash2Kernel",
@@ -80,19 +86,9 @@ class FlashRelease:
     ``window_size`` tuple)."""
 
 
-def _version_tuple(version: str) -> tuple[tuple[int, int, int], bool]:
-    """``(major, minor, patch)`` and whether it is a pre-release (``3.0.0b1``, ``3.0.0.b1``)."""
-    found = re.match(r"^\s*(\d+)\.(\d+)(?:\.(\d+))?(.*)$", version)
-    if found is None:
-        raise ValueError(f"cannot read the version {version!r}")
-    major, minor, patch, rest = found.groups()
-    pre = re.match(r"^[.\-_]?(a|b|rc|dev)", rest) is not None
-    return (int(major), int(minor), int(patch or 0)), pre
-
-
 def flash2_release(version: str) -> FlashRelease:
     """The convention of flash-attn ``version``; ``ValueError`` for releases before 2.6."""
-    (major, minor, _), _pre = _version_tuple(version)
+    (major, minor, _), _pre = version_tuple(version)
     if (major, minor) < (2, 6):
         raise ValueError(
             f"flash-attn {version} is older than 2.6, the oldest release kernel 'flash' knows: "
@@ -103,7 +99,7 @@ def flash2_release(version: str) -> FlashRelease:
 
 def flash3_release(version: str) -> FlashRelease:
     """The convention of FlashAttention-3 (``flash_attn_3``) ``version``."""
-    (major, _, _), pre = _version_tuple(version)
+    (major, _, _), pre = version_tuple(version)
     if major != 3:
         raise ValueError(
             f"flash_attn_3 {version} is not a FlashAttention-3 release kernel 'flash3' knows "
@@ -112,37 +108,16 @@ def flash3_release(version: str) -> FlashRelease:
     return FlashRelease(f"FlashAttention-3 {version}", window_split=not pre)
 
 
-def _installed(distribution: str, module: str) -> str | None:
-    """The installed version of ``distribution`` (``None`` when ``module`` is absent)."""
-    if importlib.util.find_spec(module) is None:
-        return None
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return getattr(importlib.import_module(module), "__version__", None) or "unknown"
-
-
-def _needs(capability: tuple[int, int] | None, least: tuple[int, int], what: str) -> str | None:
-    if capability is None:
-        return f"{what} needs a CUDA GPU and none is visible"
-    if capability < least:
-        return (
-            f"{what} needs compute capability {least[0]}.{least[1]} or newer; this GPU has "
-            f"{capability[0]}.{capability[1]}"
-        )
-    return None
-
-
 def flash2_unavailable() -> str | None:
     """Why kernel ``"flash"`` cannot run here (``None`` when it can)."""
-    version = _installed("flash_attn", "flash_attn")
+    version = installed_version("flash_attn", "flash_attn")
     if version is None:
         return "flash-attn is not installed (pip install flash-attn)"
     try:
         flash2_release(version)
     except ValueError as exc:
         return str(exc)
-    return _needs(cuda_capability(), (8, 0), f"flash-attn {version}")
+    return capability_problem(cuda_capability(), (8, 0), f"flash-attn {version}")
 
 
 def flash3_unavailable() -> str | None:
@@ -160,7 +135,7 @@ def flash3_unavailable() -> str | None:
         flash3_release(version)
     except ValueError as exc:
         return str(exc)
-    return _needs(cuda_capability(), (9, 0), f"FlashAttention-3 {version}")
+    return capability_problem(cuda_capability(), (9, 0), f"FlashAttention-3 {version}")
 
 
 def _check_inputs(
@@ -221,7 +196,7 @@ class Flash2Kernel:
             if problem is not None:
                 raise ValueError(f"kernel 'flash' cannot run: {problem}")
             interface = importlib.import_module("flash_attn.flash_attn_interface")
-            version = _installed("flash_attn", "flash_attn")
+            version = installed_version("flash_attn", "flash_attn")
         self.release = flash2_release(version or "unknown")
         self._forward = interface.flash_attn_varlen_func
         self._backward = interface._flash_attn_varlen_backward

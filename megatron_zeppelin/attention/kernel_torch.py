@@ -20,6 +20,7 @@ import torch
 
 from megatron_zeppelin.attention.kernel_api import VarlenBatch, check_shapes, compute_dtype
 from megatron_zeppelin.attention.merge import merge_rows_
+from megatron_zeppelin.devices import to_device
 
 __all__ = ["TorchKernel"]
 
@@ -31,17 +32,30 @@ class _TileChunk:
     and key row, how many of its rows are real, and its two diagonal offsets: key ``j`` is
     visible to query ``i`` of the tile when ``low <= j - i <= diag`` (``low`` from a window).
     ``masked``: some tile hides an entry (padding, the causal diagonal or the window's edge);
-    chunks of full, unmasked tiles skip every mask."""
+    chunks of full, unmasked tiles skip every mask. ``groups``: the distinct query rows the
+    tiles gather and each gathered row's place among them, for the merge (found once here, not
+    on the device at every call)."""
 
-    def __init__(self, size: int, q_start, q_len, k_start, k_len, diag, low, masked: bool) -> None:  # noqa: ANN001
+    def __init__(  # noqa: ANN001
+        self, size: int, q_start, q_len, k_start, k_len, diag, low, masked: bool, groups=None
+    ) -> None:
         self.size, self.q_start, self.q_len = size, q_start, q_len
         self.k_start, self.k_len, self.diag, self.low = k_start, k_len, diag, low
         self.masked = masked
+        self.groups = groups
+
+    def with_groups(self, total_q: int) -> _TileChunk:
+        """This chunk with ``groups`` for a call of ``total_q`` query rows (host arrays)."""
+        rows = np.minimum(self.q_start[:, None] + np.arange(self.size), total_q - 1)
+        touched, inverse = np.unique(rows.reshape(-1), return_inverse=True)
+        arrays = (self.q_start, self.q_len, self.k_start, self.k_len, self.diag, self.low)
+        return _TileChunk(self.size, *arrays, self.masked, (touched, inverse.reshape(-1)))
 
     def to(self, device: torch.device) -> _TileChunk:
-        move = lambda x: torch.from_numpy(np.ascontiguousarray(x)).to(device)
+        move = lambda x: to_device(x, device)  # noqa: E731
         arrays = (self.q_start, self.q_len, self.k_start, self.k_len, self.diag, self.low)
-        return _TileChunk(self.size, *map(move, arrays), self.masked)
+        groups = tuple(map(move, self.groups)) if self.groups is not None else None
+        return _TileChunk(self.size, *map(move, arrays), self.masked, groups)
 
 
 def _ceil_div(a: np.ndarray, b: int) -> np.ndarray:
@@ -130,7 +144,7 @@ class TorchKernel:
                 min_tile=self.min_tile,
                 tiles_per_chunk=lambda size: max(1, budget // (size * size)),
             )
-            batch.cache[key] = [c.to(device) for c in chunks]
+            batch.cache[key] = [c.with_groups(batch.total_q).to(device) for c in chunks]
         return batch.cache[key]
 
     @staticmethod
@@ -189,6 +203,7 @@ class TorchKernel:
                 part.reshape(w * s, nq, d),
                 part_lse.reshape(w * s, nq),
                 unique=False,
+                groups=chunk.groups,
             )
         return out, lse
 

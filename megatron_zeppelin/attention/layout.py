@@ -100,6 +100,9 @@ class KernelCall:
     k_index: Rows
     q_unique: bool
     """Each query row appears once, so merging needs no scatter-reduce."""
+    q_groups: tuple[torch.Tensor, torch.Tensor] | None = None
+    """Where rows repeat: the distinct query rows and each row's place among them
+    (``merge.merge_rows_``'s ``groups``), found here so that no layer has to."""
 
 
 def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list[KernelCall]:
@@ -131,7 +134,11 @@ def kernel_calls(pairs: list[Pair], *, num_q_rows: int, num_k_rows: int) -> list
         # not per row: a call can cover a hundred thousand rows).
         spans = sorted((p.q_start, p.q_end) for p in chosen)
         unique = all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
-        calls.append(KernelCall(batch, q_index, k_index, unique))
+        groups = None
+        if not unique:
+            touched, inverse = np.unique(q_index.numpy(), return_inverse=True)
+            groups = (torch.from_numpy(touched), torch.from_numpy(inverse.reshape(-1)))
+        calls.append(KernelCall(batch, q_index, k_index, unique, groups))
     return calls
 
 

@@ -7,10 +7,14 @@ log-sum-exp ``lse_i`` of the block's scaled scores. The exact result over the un
     lse = log(sum_i exp(lse_i))
     o   = sum_i exp(lse_i - lse) * o_i
 
-A piece in which the query sees no key at all (fully masked or empty) has ``lse_i = -inf`` and
-weight zero; merging it changes nothing, and a query that saw no key anywhere keeps
-``o = 0, lse = -inf`` instead of turning into NaN. Partial outputs must be finite (kernels write
-zeros for rows without keys), because ``0 * NaN`` would still be NaN.
+Two pieces merge as ``o = lerp(o_a, o_b, w)`` with ``w = sigmoid(lse_b - lse_a)``, the share
+of piece b (``exp(lse_b) / (exp(lse_a) + exp(lse_b))``), and ``lse = logaddexp(lse_a, lse_b)``:
+five elementwise operators per merge, which the engine runs several times per layer (each one a
+kernel the host launches). A piece in which the query sees no key at all (fully masked or
+empty) has ``lse_i = -inf`` and weight zero; merging it changes nothing, and a query that saw no
+key anywhere keeps ``o = 0, lse = -inf`` instead of turning into NaN (``-inf - -inf`` is NaN, a
+share of 0). Partial outputs must be finite (kernels write zeros for rows without keys),
+because ``0 * NaN`` would still be NaN.
 
 Attention sinks (Megatron's ``--softmax-type off-by-one`` and ``learnable``) add one logit
 ``s_h`` per head to every row's softmax denominator, as one more key whose value is zero. It
@@ -37,6 +41,11 @@ import torch
 __all__ = ["add_sink_", "merge", "merge_rows", "merge_rows_", "sink_gradient"]
 
 
+def _share(lse_a: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
+    """Piece b's weight in the merge of a and b (0 where neither saw a key)."""
+    return torch.nan_to_num(torch.sigmoid(lse_b - lse_a), nan=0.0)
+
+
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
     # A running maximum of -inf means "no key seen yet"; shifting by 0 keeps exp() at 0, not NaN.
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
@@ -51,11 +60,8 @@ def merge(
             f"cannot merge partial results of shapes {tuple(out_a.shape)} and "
             f"{tuple(out_b.shape)}: both pieces must cover the same query rows and heads"
         )
-    lse = torch.logaddexp(lse_a, lse_b)
-    shift = _finite_or_zero(lse)
-    weight_a = torch.exp(lse_a - shift).unsqueeze(-1)
-    weight_b = torch.exp(lse_b - shift).unsqueeze(-1)
-    return weight_a * out_a + weight_b * out_b, lse
+    share = _share(lse_a, lse_b).to(out_a.dtype).unsqueeze(-1)
+    return torch.lerp(out_a, out_b.to(out_a.dtype), share), torch.logaddexp(lse_a, lse_b)
 
 
 def merge_rows(
@@ -98,6 +104,7 @@ def merge_rows_(
     part_lse: torch.Tensor,
     *,
     unique: bool,
+    groups: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """In-place ``merge_rows`` that only touches the named rows.
 
@@ -106,7 +113,9 @@ def merge_rows_(
     whether an index tensor ``rows`` names each row at most once (the caller knows it from the
     layout); then the merge is a gather, an elementwise ``merge`` and a scatter. Otherwise the
     named rows are merged in a compact copy so the cost follows the piece size, not the size of
-    ``out``.
+    ``out``; ``groups`` are the distinct rows and each piece row's place among them
+    (``torch.unique(rows, return_inverse=True)``), worked out on the host when the layout is
+    built: found here, on a GPU, they would make the host wait for the device.
     """
     if rows is None or isinstance(rows, slice):
         view_out, view_lse = (out, lse) if rows is None else (out[rows], lse[rows])
@@ -115,18 +124,16 @@ def merge_rows_(
                 f"cannot merge pieces of shape {tuple(part_out.shape)} into rows of shape "
                 f"{tuple(view_out.shape)}: a piece must cover the rows it names"
             )
-        new_lse = torch.logaddexp(view_lse, part_lse)
-        shift = _finite_or_zero(new_lse)
-        # Same arithmetic as ``merge``, written into the running result: on a large buffer,
-        # fresh full-size temporaries cost more than the maths.
-        view_out.mul_(torch.exp(view_lse - shift).unsqueeze(-1))
-        view_out.add_(part_out * torch.exp(part_lse - shift).unsqueeze(-1))
-        view_lse.copy_(new_lse)
+        # ``merge``'s arithmetic written into the running result: on a large buffer, fresh
+        # full-size temporaries cost more than the maths.
+        share = _share(view_lse, part_lse).to(view_out.dtype).unsqueeze(-1)
+        view_out.lerp_(part_out.to(view_out.dtype), share)
+        torch.logaddexp(view_lse, part_lse, out=view_lse)
         return
     if unique:
         new_out, new_lse = merge(out[rows], lse[rows], part_out, part_lse)
     else:
-        touched, inverse = torch.unique(rows, return_inverse=True)
+        touched, inverse = groups if groups is not None else torch.unique(rows, return_inverse=True)
         new_out, new_lse = merge_rows(out[touched], lse[touched], inverse, part_out, part_lse)
         rows = touched
     out.index_copy_(0, rows, new_out.to(out.dtype))

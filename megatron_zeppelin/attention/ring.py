@@ -64,6 +64,7 @@ from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep,
 from megatron_zeppelin.attention.merge import add_sink_, merge_rows_, sink_gradient
 from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.comm.protocol import Exchanger, Pending
+from megatron_zeppelin.devices import to_device
 
 __all__ = ["Buffers", "Gradients", "RingAttentionFunction", "RingRuntime", "interleave"]
 
@@ -185,12 +186,13 @@ class RingRuntime:
         return self.softmax_scale if self.softmax_scale is not None else head_dim**-0.5
 
     def on(self, index: Rows, device: torch.device) -> Rows:
-        """``index`` on ``device``, moved once per layout (shared by every layer)."""
+        """``index`` on ``device``, moved once per layout (shared by every layer) by a copy the
+        stream orders (``devices.to_device``: the host never waits for it)."""
         if not isinstance(index, torch.Tensor) or device.type == "cpu":
             return index
         key = (id(index), str(device))
         if key not in self._moved:
-            self._moved[key] = index.to(device)
+            self._moved[key] = to_device(index, device)
         return self._moved[key]
 
     def _rows(self, x: torch.Tensor, index: Rows) -> torch.Tensor:
@@ -273,7 +275,10 @@ class RingRuntime:
                     _put(out, q_rows, part)
                     _put(lse, q_rows, part_lse)
                     continue
-            merge_rows_(out, lse, q_rows, part, part_lse, unique=call.q_unique)
+            groups = call.q_groups
+            if groups is not None:
+                groups = (self.on(groups[0], q.device), self.on(groups[1], q.device))
+            merge_rows_(out, lse, q_rows, part, part_lse, unique=call.q_unique, groups=groups)
         if out is None:
             out = q.new_zeros(q.shape, dtype=dtype)
             lse = q.new_full(q.shape[:2], float("-inf"), dtype=dtype)
@@ -377,6 +382,7 @@ class RingRuntime:
         b = g.buffers
         dtype = compute_dtype(b.q.dtype)
         empty = b.k.new_zeros((0, 2, *b.k.shape[1:]))
+        no_grad = empty.to(dtype)  # what a step that holds nothing sends back: nothing
         pending = self._start(tier, tier.steps[0], (b.k, b.v), grad=False)
         yield
         before, returning = None, None
@@ -384,18 +390,22 @@ class RingRuntime:
             held = self._received(step, pending, empty)
             if following is not None:
                 pending = self._start(tier, following, held, grad=False)
-            block = (held.shape[0], *b.k.shape[1:])
-            dk_held, dv_held = _RowSum(block, dtype, b.k.device), _RowSum(block, dtype, b.k.device)
-            with self._compute(tier.tier.value):
-                self.backward_calls(
-                    step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held
-                )
-            dkv = torch.stack((dk_held.result(), dv_held.result()), 1)
+            # A rank outside every ring of the tier at this step still takes part in its
+            # exchanges (they are matched in program order), at no cost beyond that.
+            dkv = no_grad if held.shape[0] == 0 else self._held_grads(tier, step, held, g, dtype)
             if before is not None:  # the gradient of these blocks from the ranks before this one
                 self._add_grads(before, returning, dkv, g.dk, g.dv)
             before, returning = step, self._start(tier, step, dkv, grad=True)
             yield
         self._add_grads(before, returning, None, g.dk, g.dv)
+
+    def _held_grads(self, tier: TierLayout, step: RingStep, held, g: Gradients, dtype):  # noqa: ANN001, ANN202
+        """dK and dV of the blocks ``held`` at ``step``, ``(t, 2, nkv, d)`` (dQ goes to ``g``)."""
+        block = (held.shape[0], *held.shape[2:])
+        dk_held, dv_held = _RowSum(block, dtype, held.device), _RowSum(block, dtype, held.device)
+        with self._compute(tier.tier.value):
+            self.backward_calls(step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held)
+        return torch.stack((dk_held.result(), dv_held.result()), 1)
 
     def _add_grads(self, step: RingStep, pending: Pending, dkv, dk, dv) -> None:  # noqa: ANN001
         """Add the gradients received in ``step`` to the next held buffer's ``dkv`` (still

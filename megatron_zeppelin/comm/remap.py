@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.comm.watch import CommWatch
+from megatron_zeppelin.devices import to_device
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.planner.remap_layout import (
     RemapLayout,
@@ -63,7 +64,7 @@ def all_to_all_rows(
             f"tensor has {x_t.shape[0]} rows: pass the rank's tokens in that layout's buffer order"
         )
     device = x_t.device
-    send = x_t.index_select(0, torch.as_tensor(layout.send_index, device=device)).contiguous()
+    send = x_t.index_select(0, _index(layout, "send_index", device)).contiguous()
     recv = x_t.new_empty((layout.num_dst_rows, *x_t.shape[1:]))
 
     def issue(async_op: bool):
@@ -80,7 +81,17 @@ def all_to_all_rows(
         issue(False)
     else:
         watch.run(what, issue, layer=layer, phase=phase, cuda=send.is_cuda)
-    return recv.index_select(0, torch.as_tensor(layout.recv_index, device=device))
+    return recv.index_select(0, _index(layout, "recv_index", device))
+
+
+def _index(layout: RemapLayout, name: str, device: torch.device) -> torch.Tensor:
+    """``layout``'s index ``name`` on ``device``, copied once per layout (every layer reuses it)
+    by a copy the stream orders: a copy from pageable memory in every layer would make the host
+    wait for the device each time."""
+    key = (name, str(device))
+    if key not in layout.on_device:
+        layout.on_device[key] = to_device(getattr(layout, name), device)
+    return layout.on_device[key]
 
 
 class _RemapFunction(torch.autograd.Function):

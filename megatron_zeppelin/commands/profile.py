@@ -86,7 +86,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tensor-parallel", type=int, default=1, help="TP size inside a rank")
     parser.add_argument("--dtype", default="float32", help="float32, bf16 or fp16")
     parser.add_argument("--device", default="auto", help="auto (CUDA where present), cpu, cuda")
-    parser.add_argument("--kernel", default="auto", help="attention kernel: torch, flash, auto")
+    parser.add_argument(
+        "--kernel",
+        default="auto",
+        help="attention kernel to measure (te, cudnn, torch-flash, ...); auto: every kernel that "
+        "runs here, each with its own curves, the fastest leading the file",
+    )
     parser.add_argument(
         "--emulate",
         metavar="NODESxGPUS",

@@ -8,8 +8,13 @@ Examples::
         --capacity 32768 --model llama-7b --steps 5 --plot compare.png --json compare.json
 
 Every builder plans the same batches (``--steps`` batches drawn with seeds ``seed, seed+1, ...``)
-and the simulator times them with the same cost model. Speedups are ratios of mean step times.
-``compare_batches`` and ``summarize`` are the library form, used by ``scripts/compare_sweep.py``.
+and the simulator times them. Speedups are ratios of mean step times. ``compare`` prices every
+system twice: with the same cost model for all ("same kernel": the method alone), and "as
+deployed", each system with the attention curve of the kernel it runs
+(``planner/kernel_curves.py``: Zeppelin the fastest kernel the calibration measured, TE ring CP
+and Megatron's dynamic CP TransformerEngine's fused attention, or its stand-in). Without a
+calibration the two coincide. ``compare_batches`` and ``summarize`` are the library form, used
+by ``scripts/compare_sweep.py``.
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ from megatron_zeppelin.commands.plan import (
 )
 from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.planner.baselines import BASELINES, build_baseline
+from megatron_zeppelin.planner.calibration import load_calibration
+from megatron_zeppelin.planner.kernel_curves import Deployment, deployed
 from megatron_zeppelin.planner.partition import collector_paused
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.planner.simulator import simulate_rounds
@@ -81,14 +88,17 @@ def compare_batches(
     options=None,
     remap: bool = True,
     on_result: Callable[[int, str, float, object], None] | None = None,
+    cost_models: dict | None = None,
 ) -> dict[str, list]:
     """Per builder, one ``SimResult`` per batch, or the ``ValueError`` text where it could not
     plan the batch (a baseline's capacity rule, say). ``on_result(batch, builder, seconds,
-    outcome)`` is called after each builder has planned and simulated a batch."""
+    outcome)`` is called after each builder has planned and simulated a batch. ``cost_models``
+    (builder -> cost model) prices a builder with its own model, else ``cost_model``."""
     builders = tuple(builders or builder_names())
     results: dict[str, list] = {name: [] for name in builders}
     for index, lengths in enumerate(batches):
         for name in builders:
+            cost = (cost_models or {}).get(name, cost_model)
             start = time.perf_counter()
             try:
                 with collector_paused():
@@ -96,12 +106,12 @@ def compare_batches(
                         name,
                         lengths,
                         topology=topology,
-                        cost_model=cost_model,
+                        cost_model=cost,
                         capacity=capacity,
                         options=options,
                     )
                     # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
-                    results[name].append(simulate_rounds(plans, cost_model, remap=remap))
+                    results[name].append(simulate_rounds(plans, cost, remap=remap))
                     # Freed while the collector is off: it would otherwise walk them all once.
                     del plans
             except ValueError as exc:
@@ -151,26 +161,42 @@ def summarize(results: dict[str, list]) -> list[dict]:
     return rows
 
 
-def format_table(rows: list[dict]) -> str:
-    """The comparison as a plain-text table."""
+def format_table(rows: list[dict], deployed_rows: list[dict] | None = None) -> str:
+    """The comparison as a plain-text table; with ``deployed_rows`` (the same builders priced
+    as deployed) their kernel, step time and speedups in columns of their own."""
 
     def ratio(x: float | None) -> str:
         return f"{x:.2f}x" if x is not None else "-"
 
-    header = (
-        f"{'builder':<21} {'step ms':>10} {'vs TE':>7} {'vs Mcore':>8} {'eff':>6} "
-        f"{'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}"
-    )
+    def times(row: dict) -> str:
+        step = row.get("step_time_s")
+        return (
+            f"{step * 1e3 if step else float('nan'):9.1f} {ratio(row.get('speedup_vs_te')):>6} "
+            f"{ratio(row.get('speedup_vs_megatron')):>8}"
+        )
+
+    two = deployed_rows is not None
+    by_builder = {row["builder"]: row for row in deployed_rows or []}
+    columns = f"{'step ms':>9} {'vs TE':>6} {'vs Mcore':>8}"
+    header = f"{'builder':<21} {columns}"
+    if two:
+        header += f"  {'kernel':<11} {columns}"
+    header += f" {'eff':>6} {'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}"
     lines = [header, "-" * len(header)]
+    if two:
+        width = len(columns)
+        lines.insert(0, f"{'':21} {'same kernel':^{width}}  {'as deployed':^{width + 12}}".rstrip())
     for row in rows:
         if "error" in row:
             lines.append(f"{row['builder']:<21} cannot plan: {row['error']}")
             continue
+        line = f"{row['builder']:<21} {times(row)}"
+        if two:
+            other = by_builder.get(row["builder"], {})
+            line += f"  {other.get('kernel') or '-':<11} {times(other)}"
         link = row["link_bytes"]
         lines.append(
-            f"{row['builder']:<21} {row['step_time_s'] * 1e3:10.1f} "
-            f"{ratio(row['speedup_vs_te']):>7} {ratio(row['speedup_vs_megatron']):>8} "
-            f"{row['efficiency']:6.3f} {row['mfu']:6.3f} {row['rounds']:6.2f}  "
+            f"{line} {row['efficiency']:6.3f} {row['mfu']:6.3f} {row['rounds']:6.2f}  "
             f"{format_bytes(link.get('nvlink', 0)):>12} {format_bytes(link.get('nic', 0)):>12}"
         )
     return "\n".join(lines)
@@ -241,18 +267,26 @@ def _run_compare(args: argparse.Namespace) -> int:
     batches = read_batches(args, args.steps)
     capacity = capacity_for(args, batches, topology)
     options = planner_options(args, cost)
-    with _progress(len(batches) * len(builders), args.quiet) as bar:
-        results = compare_batches(
-            batches,
-            topology=topology,
-            cost_model=cost,
-            capacity=capacity,
-            builders=builders,
-            options=options,
-            remap=not args.no_remap,
-            on_result=_reporter(bar, len(batches), args.quiet),
+    cal = load_calibration(args.cost_model) if args.cost_model else None
+    deployment = deployed(cost, cal, source=args.cost_model or "")
+    priced = {b: deployment.cost_model(b, cost) for b in builders}
+    # Builders priced as deployed with the same figures are not planned twice.
+    again = [b for b in builders if priced[b] != cost]
+    total = len(batches) * (len(builders) + len(again))
+    with _progress(total, args.quiet) as bar:
+        report = _reporter(bar, len(batches), args.quiet)
+        common = dict(
+            topology=topology, capacity=capacity, options=options, remap=not args.no_remap
         )
+        results = compare_batches(
+            batches, cost_model=cost, builders=builders, on_result=report, **common
+        )
+        retimed = compare_batches(
+            batches, cost_model=cost, builders=again, on_result=report, cost_models=priced,
+            **common,
+        ) if again else {}  # fmt: skip
     rows = summarize(results)
+    deployed_rows = _deployed_rows({**results, **retimed}, deployment)
     tokens = sum(len(b) for b in batches) / len(batches)
     print(
         f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "
@@ -260,10 +294,17 @@ def _run_compare(args: argparse.Namespace) -> int:
         f"capacity {capacity} tokens/GPU"
     )
     print(cost_sources_line(cost))
-    print(format_table(rows))
+    print("\n".join(_deployment_lines(deployment)))
+    print(format_table(rows, deployed_rows))
     if args.json:
         payload = {
             "rows": rows,
+            "as_deployed": {
+                "rows": deployed_rows,
+                "kernels": {b: deployment.kernel(b) for b in builders},
+                "notes": {b: p.note for b, p in deployment.builders.items()},
+                "unpriced": deployment.unpriced,
+            },
             "capacity": capacity,
             "topology": topology.to_dict(),
             "model": cost.model.name,
@@ -281,6 +322,28 @@ def _run_compare(args: argparse.Namespace) -> int:
             "no builder could plan these batches (see the table): raise --capacity or add GPUs"
         )
     return 0
+
+
+def _deployed_rows(results: dict[str, list], deployment: Deployment) -> list[dict]:
+    """``summarize`` of the builders priced as deployed, each with the kernel it runs."""
+    rows = summarize(results)
+    for row in rows:
+        row["kernel"] = deployment.kernel(row["builder"])
+    return rows
+
+
+def _deployment_lines(deployment: Deployment) -> list[str]:
+    """What "as deployed" prices each system with, and where each curve comes from."""
+    if not deployment.builders:
+        return [f"as deployed: {deployment.unpriced} (the two columns agree)"]
+    by_kernel: dict[tuple[str, str], list[str]] = {}
+    for builder, priced in deployment.builders.items():
+        by_kernel.setdefault((priced.kernel, priced.note), []).append(builder)
+    lines = ["same kernel: every system priced with the cost model above; as deployed:"]
+    lines += [f"  {', '.join(b)} run {kernel}: {note}" for (kernel, note), b in by_kernel.items()]
+    if deployment.unpriced:
+        lines.append(f"  {deployment.unpriced}")
+    return lines
 
 
 compare = SimpleNamespace(add_arguments=_add_compare_arguments, run=_run_compare)

@@ -139,6 +139,8 @@ class _State:
         """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``)."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
+        self.kernel: Any = None
+        """``report.KernelChoice``: the attention kernel every rank runs, and why."""
         self.evaluation: dict[str, evaluation.EvalStream] = {}
         """Validation and test micro-batches, by split (``evaluation.py``)."""
 
@@ -219,6 +221,15 @@ def setup(args: argparse.Namespace) -> None:
         )
     spec = planner_model(args, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
     cost_model = build_cost_model(spec, topology, calibration=config.calibration)
+    device, dtype = _activations(args)
+    kernel = chosen_kernel(
+        config.kernel,
+        device=device,
+        dtype=dtype,
+        window=_windowed(args),
+        calibration=config.calibration,
+        model=cost_model.model,
+    )
     exchanger, _ = create_transport(topology, ctx, config)
     _STATE.config = config
     _STATE.args = args
@@ -239,7 +250,9 @@ def setup(args: argparse.Namespace) -> None:
             timeout_s=config.comm_timeout_s,
             backend=str(dist.get_backend()),
         ),
+        kernel=kernel.name,
     )
+    _STATE.kernel = kernel
     _STATE.num_micro_batches = args.global_batch_size // per_rank
     _STATE.pipeline_parallel = pp
     _STATE.num_chunks = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
@@ -274,9 +287,7 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
 
     if not _is_stage_logging_rank():
         return
-    device, dtype = _activations(args)
-    kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype, window=_windowed(args))
-    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
+    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=_STATE.kernel)
     hint = collector_line(bool(getattr(args, "manual_gc", False)))
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 

@@ -5,8 +5,9 @@ The Megatron hooks and the CPU job print the same lines (rank 0 only):
 * ``startup_lines``: the Zeppelin node shape (ranks and NICs per node, and the physical node
   and tensor-parallel size it comes from), the cost model's source (model layers, under
   pipeline parallelism the stage's own with which they are; heads, K/V heads, dtype and K/V
-  bytes per token; tier thresholds; datasheet figures or the calibration file),
-  and the attention kernel with the reason it was chosen (``chosen_kernel``);
+  bytes per token; tier thresholds; datasheet figures or the calibration file), and the
+  attention kernel with the reason it was chosen (``chosen_kernel``: with ``auto``, in the
+  order of speed the calibration measured on this GPU, else the registry's fixed order);
 * ``plan_line``: one micro-batch's plan (``runtime.plan_summary``).
 """
 
@@ -16,9 +17,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.fileio import format_bytes
+from megatron_zeppelin.planner.calibration import load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.kernel_curves import speed_order
+from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
 _DTYPE_NAMES = {2: "16-bit (bf16/fp16)", 4: "fp32"}
@@ -32,15 +38,46 @@ class KernelChoice:
     why: str
 
 
-def chosen_kernel(requested: str, *, device: Any, dtype: Any, window: bool = False) -> KernelChoice:
-    """The kernel the engine resolves ``--zeppelin-kernel requested`` to for activations of
+def chosen_kernel(
+    requested: str,
+    *,
+    device: Any,
+    dtype: Any,
+    window: bool = False,
+    calibration: str | None = None,
+    model: ModelSpec | None = None,
+) -> KernelChoice:
+    """The kernel the engine runs for ``--zeppelin-kernel requested`` with activations of
     ``dtype`` on ``device`` (with a sliding window when ``window``), and why (the kernel
-    registry's own ``choose_kernel``)."""
-    # start-up checked it
-    name, why = choose_kernel(requested, device=device, dtype=dtype, window=window)
+    registry's own ``choose_kernel``); ``auto`` follows the speed order ``calibration``
+    measured for ``model`` where it measured kernels on this GPU (``measured_order``)."""
+    measured, note = (None, "")
+    if requested == "auto":
+        measured, note = measured_order(calibration, model, device)
+    name, why = choose_kernel(
+        requested, device=device, dtype=dtype, window=window, measured=measured
+    )
     if requested != "auto":
         return KernelChoice(name, "requested with --zeppelin-kernel")
-    return KernelChoice(name, f"auto: {why}")
+    return KernelChoice(name, f"auto: {why}{note}")
+
+
+def measured_order(
+    calibration: str | None, model: ModelSpec | None, device: Any
+) -> tuple[tuple[list[str], str] | None, str]:
+    """The kernels ``calibration`` measured on this CUDA device, fastest first, with where they
+    were measured (``choose_kernel``'s ``measured``), or ``None`` and why not (a note for the
+    start-up line; empty where there is nothing to say)."""
+    if calibration is None or model is None or torch.device(device).type != "cuda":
+        return None, ""
+    cal = load_calibration(calibration)
+    here = torch.cuda.get_device_name(torch.device(device))
+    if cal.device.strip().lower() != here.strip().lower():
+        return None, f"; calibration {calibration} was measured on {cal.device}, not this {here}"
+    order = speed_order(cal, model)
+    if not order:
+        return None, f"; calibration {calibration} names no attention kernel it measured"
+    return (order, f"calibration {os.path.relpath(calibration)}"), ""
 
 
 def node_shape_line(topology: Topology, *, tensor_parallel: int) -> str:

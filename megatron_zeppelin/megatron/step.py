@@ -62,6 +62,9 @@ class StepRuntime:
     watch: Any = None
     """``comm.watch.CommWatch`` bounding the step's collectives by the Zeppelin timeout and naming
     a stalled rank; ``None``: plain collectives."""
+    kernel: str = "auto"
+    """The attention kernel the engine runs: ``config.kernel``, with ``auto`` resolved at
+    start-up where a calibration ranks the kernels (``report.chosen_kernel``)."""
 
     @classmethod
     def create(
@@ -76,6 +79,7 @@ class StepRuntime:
         tensor_parallel: int,
         sequence_parallel: bool,
         watch: Any = None,
+        kernel: str | None = None,
     ) -> StepRuntime:
         return cls(
             config=config,
@@ -87,6 +91,7 @@ class StepRuntime:
             remap_group=remap_group,
             pad_multiple=tensor_parallel if sequence_parallel else 1,
             watch=watch,
+            kernel=kernel or config.kernel,
         )
 
     @property
@@ -138,7 +143,7 @@ def run_micro_batch(
         exchanger=runtime.exchanger.for_plan(plan),
         remap_group=runtime.remap_group,
         positions=batch.position_ids_t,
-        kernel=runtime.config.kernel,
+        kernel=runtime.kernel,
         watch=runtime.watch,
     )
     losses_bs = forward_batch(model, batch, params)

@@ -216,6 +216,13 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     exchanger, counters = create_transport(topology, ctx, config)
     # As Megatron does, sequence parallelism is off without tensor parallelism.
     sequence_parallel = args.sequence_parallel and ctx.tensor_parallel > 1
+    kernel = chosen_kernel(
+        config.kernel,
+        device=device.type,
+        dtype=dtype,
+        calibration=calibration,
+        model=cost_model.model,
+    )
     runtime = StepRuntime.create(
         config=config,
         topology=topology,
@@ -226,6 +233,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
         tensor_parallel=ctx.tensor_parallel,
         sequence_parallel=sequence_parallel,
         watch=watch,
+        kernel=kernel.name,
     )
     dataset = _dataset(args, dist.get_rank(), watch)
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
@@ -246,7 +254,6 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:
-        kernel = chosen_kernel(config.kernel, device=device.type, dtype=dtype)
         lines = startup_lines(
             runtime, tensor_parallel=ctx.tensor_parallel, kernel=kernel, calibration_why=why
         )

@@ -65,6 +65,17 @@ Doc = tuple[int, int]  # (sequence id, length)
 Group = tuple[tuple[int, ...], list[int], list[float]]  # ring, tokens per position, cost per rank
 
 BASELINES = ("te-ring-cp", "llama3-allgather-cp", "hybrid-dp", "megatron-dynamic-cp", "flexsp")
+BASELINE_KERNELS = {
+    "te-ring-cp": "te",
+    "llama3-allgather-cp": "te",
+    "hybrid-dp": "te",
+    "megatron-dynamic-cp": "te",
+    "flexsp": "flash",
+}
+"""The attention kernel each baseline runs as deployed (names of ``attention.kernels``): the four
+that run inside Megatron-LM use TransformerEngine's fused attention (TE's ring and all-gather CP,
+and core attention of Megatron's dynamic CP and data-parallel ranks); FlexSP calls flash-attn 2's
+varlen kernels. ``planner/kernel_curves.py`` prices each with that kernel's curve."""
 
 
 # --- shared pieces ---------------------------------------------------------------------------

@@ -14,6 +14,9 @@ refused rather than silently mis-planning. Format (JSON, every section but the h
                            "fall_tokens": ... or null},
                    "fit_error": 0.07},
      "attention_diagonal": {...same...},
+     "kernel": "te",
+     "kernels": {"te": {"attention": {...}, "attention_diagonal": {...}},
+                 "torch-flash": {...}},
      "linear": {...same...},
      "links": {"nvlink": {"points": [[num_bytes, seconds], ...],
                           "fit": {"bytes_per_s": ..., "latency_s": ...}, "fit_error": ...},
@@ -21,7 +24,12 @@ refused rather than silently mis-planning. Format (JSON, every section but the h
      "profile": {...}}
 
 ``attention`` holds unmasked blocks, ``attention_diagonal`` blocks cut by the causal diagonal
-(``costmodel``); a file without ``attention_diagonal`` prices both with ``attention``. A compute
+(``costmodel``); a file without ``attention_diagonal`` prices both with ``attention``. Those two
+are the curves of the attention kernel named by ``kernel`` (the one ``auto`` picks from the
+measurements); ``kernels`` holds the two curves of every kernel the profile measured, that one
+included (``KernelCurves``; ``planner/kernel_curves.py`` ranks them and prices each system with
+the kernel it runs). Files written before these two fields load with ``kernel`` null (not
+recorded) and no ``kernels``. A compute
 point's ``num_tokens`` is the query count of one block and ``flops`` the whole call's: a call that
 packs several equal blocks is one point (the cost model charges each block at its own rate and
 the overhead once, so such a point fits the same curve); it carries a fourth number, the call's
@@ -49,7 +57,10 @@ from megatron_zeppelin.planner.models import ModelSpec
 CALIBRATION_FORMAT = "zeppelin-calibration/1"
 LINK_NAMES = ("nvlink", "nic", "alltoall")
 COMPUTE_NAMES = ("attention", "attention_diagonal", "linear")
-_HEADER = ("format", "device", "machine", "dtype", "model", "versions", "date", "links")
+_HEADER = (
+    "format", "device", "machine", "dtype", "model", "versions", "date", "links", "kernel",
+    "kernels",
+)  # fmt: skip
 # Model dimensions that change per-layer kernel shapes; a file measured with other values is
 # refused. num_layers and vocab_size do not enter per-layer figures.
 MODEL_DIMS = (
@@ -84,6 +95,19 @@ class ComputeFigure:
 
 def _call_tokens(point: Sequence[float]) -> int:
     return int(point[3]) if len(point) > 3 else int(point[0])
+
+
+@dataclass(frozen=True)
+class KernelCurves:
+    """One attention kernel's two curves: unmasked blocks, and blocks cut by the diagonal
+    (``None``: priced like unmasked ones)."""
+
+    attention: ComputeFigure
+    attention_diagonal: ComputeFigure | None = None
+
+    @property
+    def diagonal(self) -> ComputeFigure:
+        return self.attention_diagonal or self.attention
 
 
 @dataclass(frozen=True)
@@ -122,22 +146,15 @@ class Calibration:
     links: dict[str, LinkFigure] = field(default_factory=dict)
     attention_diagonal: ComputeFigure | None = None
     """Blocks cut by the causal diagonal; ``None``: ``attention`` prices them."""
+    kernel: str | None = None
+    """The attention kernel ``attention``/``attention_diagonal`` measure (``None``: a file that
+    does not say)."""
+    kernels: dict[str, KernelCurves] = field(default_factory=dict)
+    """Every attention kernel measured, by its registry name."""
     extra: dict[str, Any] = field(default_factory=dict, compare=False)
     """Top-level sections the format does not define (the profiler's ``profile``), verbatim."""
 
     def to_dict(self) -> dict[str, Any]:
-        def compute(fig: ComputeFigure | None) -> dict | None:
-            if fig is None:
-                return None
-            f = fig.fit
-            fit = {
-                "flops_per_s": f.flops_per_s,
-                "half_tokens": f.half_tokens,
-                "overhead_s": f.overhead_s,
-                "fall_tokens": f.fall_tokens,
-            }
-            return {"points": [list(p) for p in fig.points], "fit": fit, "fit_error": fig.fit_error}
-
         extra = {k: v for k, v in self.extra.items() if k not in (*_HEADER, *COMPUTE_NAMES)}
         return {
             "format": CALIBRATION_FORMAT,
@@ -147,9 +164,17 @@ class Calibration:
             "model": self.model,
             "versions": dict(self.versions),
             "date": self.date,
-            "attention": compute(self.attention),
-            "attention_diagonal": compute(self.attention_diagonal),
-            "linear": compute(self.linear),
+            "attention": _compute_dict(self.attention),
+            "attention_diagonal": _compute_dict(self.attention_diagonal),
+            "kernel": self.kernel,
+            "kernels": {
+                name: {
+                    "attention": _compute_dict(curves.attention),
+                    "attention_diagonal": _compute_dict(curves.attention_diagonal),
+                }
+                for name, curves in self.kernels.items()
+            },
+            "linear": _compute_dict(self.linear),
             "links": {
                 name: {
                     "points": [list(p) for p in fig.points],
@@ -200,6 +225,8 @@ class Calibration:
                 data.get("attention_diagonal"), "attention_diagonal", where
             ),
             linear=_compute_figure(data.get("linear"), "linear", where),
+            kernel=_kernel_name(data.get("kernel"), where),
+            kernels=_kernel_curves(data.get("kernels"), where),
             links={
                 name: _link_figure(links_data[name], f"links.{name}", where)
                 for name in LINK_NAMES
@@ -207,6 +234,44 @@ class Calibration:
             },
             extra={k: v for k, v in data.items() if k not in (*_HEADER, *COMPUTE_NAMES)},
         )
+
+
+def _compute_dict(fig: ComputeFigure | None) -> dict | None:
+    if fig is None:
+        return None
+    f = fig.fit
+    fit = {
+        "flops_per_s": f.flops_per_s,
+        "half_tokens": f.half_tokens,
+        "overhead_s": f.overhead_s,
+        "fall_tokens": f.fall_tokens,
+    }
+    return {"points": [list(p) for p in fig.points], "fit": fit, "fit_error": fig.fit_error}
+
+
+def _kernel_name(value: Any, where: str) -> str | None:
+    if value is not None and not (isinstance(value, str) and value):
+        raise ValueError(f"{where}: field 'kernel' must be a kernel's name or null")
+    return value
+
+
+def _kernel_curves(data: Any, where: str) -> dict[str, KernelCurves]:
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{where}: field 'kernels' must map kernel names to their curves")
+    curves = {}
+    for name, section in data.items():
+        label = f"kernels.{name}"
+        if not isinstance(section, dict) or section.get("attention") is None:
+            raise ValueError(f"{where}: field '{label}' must hold an 'attention' curve")
+        curves[str(name)] = KernelCurves(
+            _compute_figure(section["attention"], f"{label}.attention", where),
+            _compute_figure(
+                section.get("attention_diagonal"), f"{label}.attention_diagonal", where
+            ),
+        )
+    return curves
 
 
 def _field(data: dict, key: str, kind: type, where: str) -> Any:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +48,9 @@ class RemapLayout:
     recv_index: np.ndarray  # int64, len sum(recv_counts): received row of each destination row
     num_src_rows: int
     num_dst_rows: int
+    on_device: dict = field(default_factory=dict, compare=False, repr=False)
+    """The two indices as tensors on the devices that used them (``comm/remap.py`` fills it, so
+    every layer of a micro-batch reuses one copy)."""
 
     def __post_init__(self) -> None:
         assert len(self.send_index) == sum(self.send_counts) == self.num_src_rows

@@ -22,6 +22,11 @@ overhead to the per-block cost. Each shape runs through the registry's kernel
 then ``forward`` and ``backward`` timed apart. On CUDA a dense ``scaled_dot_product_attention``
 of each causal length is timed as a reference point.
 
+``kernels_to_measure`` says which kernels a profile measures: the one named, or for ``auto``
+every kernel that runs here (on CUDA in fp16/bf16, each CUDA kernel of the registry whose library
+is installed and runs on this GPU; elsewhere what ``auto`` picks). Dense SDPA is timed beside the
+first of them only: it does not depend on the kernel.
+
 Shape suffixes: ``t`` rows (tokens), ``n`` heads, ``d`` head dim.
 """
 
@@ -34,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernels import get_kernel
+from megatron_zeppelin.attention.kernels import CUDA_KERNELS, choose_kernel, get_kernel
 from megatron_zeppelin.planner.costmodel import causal_pairs
 from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.profile.timing import DEFAULT_TIMING, TimingOptions, median_seconds
@@ -174,6 +179,22 @@ def block_pairs(num_q: int, num_k: int, causal: bool) -> int:
     return causal_pairs(num_k - num_q, num_k, 0, num_k)
 
 
+def kernels_to_measure(requested: str, *, device: torch.device, dtype: torch.dtype) -> list[str]:
+    """The kernels a profile measures for ``requested`` (module docstring)."""
+    if requested != "auto":
+        return [requested]
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+        return [choose_kernel("auto", device=device, dtype=dtype)[0]]
+    runs = []
+    for name in CUDA_KERNELS:
+        try:
+            choose_kernel(name, device=device, dtype=dtype)
+        except ValueError:
+            continue
+        runs.append(name)
+    return runs or ["torch"]
+
+
 def measure_attention(
     model: ModelSpec,
     *,
@@ -183,11 +204,12 @@ def measure_attention(
     kernel: str = "auto",
     timing: TimingOptions = DEFAULT_TIMING,
     before_point: Callable[[], object] | None = None,
+    sdpa: bool = True,
 ) -> list[AttentionPoint]:
     """Time ``kernel`` on every shape of ``grid`` with ``model``'s heads (one tensor-parallel
     shard). ``before_point`` runs untimed before every timed call (a barrier: emulated ranks
     start each call together, so every measurement sees the contention of all ranks busy at
-    once, as in a training step)."""
+    once, as in a training step). ``sdpa``: time dense SDPA beside the causal shapes (CUDA)."""
     impl = get_kernel(kernel, device=device, dtype=dtype)
     tp = model.tensor_parallel
     num_heads = max(1, model.num_heads // tp)
@@ -213,7 +235,7 @@ def measure_attention(
             call.backward, device=device, options=timing, setup=before_point
         )
         sdpa_s = None
-        if device.type == "cuda" and causal and num_docs == 1:
+        if sdpa and device.type == "cuda" and causal and num_docs == 1:
             sdpa_s = _dense_sdpa_seconds(q_tnd, k_tnd, v_tnd, device=device, timing=timing)
         pairs = num_docs * block_pairs(num_q, num_k, causal)
         points.append(

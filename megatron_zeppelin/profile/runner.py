@@ -15,6 +15,9 @@ Three ways to run, picked from the situation:
 Points are combined over ranks by the median and fitted with ``fit_efficiency`` / ``fit_link``:
 unmasked attention blocks into ``attention``, causal ones into ``attention_diagonal`` (when each
 kind has the 3 points a fit needs; otherwise one curve over all of them, as older files have).
+Every attention kernel measured (``kernels.kernels_to_measure``: with ``auto``, every one that
+runs here) gets its two curves in ``kernels``; the fastest of them (``kernel_curves.rank_curves``)
+is the file's ``kernel`` and gives the top-level curves, the ones ``auto`` will run.
 The file is written atomically by ``save_calibration``: it appears whole at the very end, so an
 interrupted profile (Ctrl-C, an exception halfway) leaves no file, or the previous one untouched.
 
@@ -37,19 +40,20 @@ from importlib import metadata
 import torch
 import torch.distributed as dist
 
-from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import (
     LINK_NAMES,
     MODEL_DIMS,
     Calibration,
     ComputeFigure,
+    KernelCurves,
     LinkFigure,
     fit_efficiency,
     fit_link,
     normalize_dtype,
     save_calibration,
 )
+from megatron_zeppelin.planner.kernel_curves import rank_curves
 from megatron_zeppelin.planner.models import ModelSpec, get_model
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
@@ -112,7 +116,8 @@ class ProfileSettings:
 class RankMeasurements:
     """What one rank measured."""
 
-    attention: list[kernel_profile.AttentionPoint]
+    attention: dict[str, list[kernel_profile.AttentionPoint]]
+    """Per attention kernel measured, its points."""
     linear: list[linear_profile.LinearPoint]
     links: list[link_profile.LinkPoint]
     device_name: str
@@ -180,24 +185,28 @@ def measure_rank(
             "breaks the lockstep of a distributed profile; set repeats instead"
         )
     say = progress or (lambda message: None)
-    attention_rounds, linear_rounds = [], []
+    kernels = kernel_profile.kernels_to_measure(settings.kernel, device=device, dtype=dtype)
+    attention_rounds: dict[str, list] = {name: [] for name in kernels}
+    linear_rounds = []
     load_during = None
     for i in range(settings.rounds):
-        say(
-            f"attention kernel {settings.kernel!r}, {len(settings.grid.shapes())} shapes, "
-            f"pass {i + 1} of {settings.rounds}"
-        )
-        attention_rounds.append(
-            kernel_profile.measure_attention(
-                model,
-                grid=settings.grid,
-                device=device,
-                dtype=dtype,
-                kernel=settings.kernel,
-                timing=settings.timing,
-                before_point=lockstep,
+        for name in kernels:
+            say(
+                f"attention kernel {name!r}, {len(settings.grid.shapes())} shapes, "
+                f"pass {i + 1} of {settings.rounds}"
             )
-        )
+            attention_rounds[name].append(
+                kernel_profile.measure_attention(
+                    model,
+                    grid=settings.grid,
+                    device=device,
+                    dtype=dtype,
+                    kernel=name,
+                    timing=settings.timing,
+                    before_point=lockstep,
+                    sdpa=name == kernels[0],
+                )
+            )
         load_during = _load_average()
         say(f"linear modules, {len(settings.linear_tokens)} token counts")
         linear_rounds.append(
@@ -210,7 +219,7 @@ def measure_rank(
                 before_point=lockstep,
             )
         )
-    attention = _median_over_rounds(attention_rounds)
+    attention = {name: _median_over_rounds(r) for name, r in attention_rounds.items()}
     linear = _median_over_rounds(linear_rounds)
     links: list[link_profile.LinkPoint] = []
     if distributed and topology.world_size > 1:
@@ -252,19 +261,22 @@ def build_calibration(
 ) -> tuple[Calibration, dict]:
     """Fit the measured points (median over ranks); returns the calibration and the file's extra
     ``profile`` section."""
-    attention = _median_compute(
-        [r.attention for r in results], lambda p: (p.num_docs, p.num_q, p.num_k, p.causal)
-    )
+    same_shape = lambda p: (p.num_docs, p.num_q, p.num_k, p.causal)  # noqa: E731
+    attention = {
+        name: _median_compute([r.attention[name] for r in results], same_shape)
+        for name in results[0].attention
+    }
     linear = _median_compute([r.linear for r in results], lambda p: p.num_tokens)
     links = [p for r in results for p in r.links]
-    figures = attention_figures(attention)
+    curves = {name: KernelCurves(**attention_figures(points)) for name, points in attention.items()}
+    model = settings.model_spec
+    fastest = rank_curves(curves, model)[0]
     linear_rows = tuple((p.num_tokens, p.flops, p.seconds) for p in linear)
     link_figures = {}
     for name, kind in (("nvlink", "nvlink"), ("nic", "nic"), ("alltoall", "a2a-world")):
         rows = tuple(link_profile.points_of(links, kind))
         if len(rows) >= 2:
             link_figures[name] = LinkFigure(rows, fit_link(rows))
-    model = settings.model_spec
     calibration = Calibration(
         device=results[0].device_name,
         machine=socket.gethostname(),
@@ -272,32 +284,25 @@ def build_calibration(
         model={key: getattr(model, key) for key in MODEL_DIMS},
         versions=_versions(),
         date=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        attention=figures["attention"],
-        attention_diagonal=figures.get("attention_diagonal"),
+        attention=curves[fastest].attention,
+        attention_diagonal=curves[fastest].attention_diagonal,
         linear=ComputeFigure(linear_rows, fit_efficiency(linear_rows)),
         links=link_figures,
+        kernel=fastest,
+        kernels=curves,
     )
-    diagonal = calibration.attention_diagonal or calibration.attention
     extra = {
         "settings": _settings_dict(settings),
         "model_name": model.name,
         "num_ranks": len(results),
-        # What ``settings.kernel`` ran as here (``"auto"`` resolves per device and dtype).
-        "kernel_used": choose_kernel(
-            settings.kernel,
-            device=resolve_device(settings.device),
-            dtype=resolve_dtype(settings.dtype),
-        )[0],
+        # What ``auto`` runs from these measurements (the fastest kernel measured).
+        "kernel_used": fastest,
+        "kernels_measured": rank_curves(curves, model),
         "load_average_during": [r.load_average for r in results],
         "attention": [
-            {
-                **asdict(p),
-                "curve": "attention_diagonal" if p.causal else "attention",
-                "predicted_s": (diagonal if p.causal else calibration.attention).fit.time(
-                    p.flops, p.num_q, call_tokens=p.total_q
-                ),
-            }
-            for p in attention
+            _point_record(p, name, curves[name])
+            for name, points in attention.items()
+            for p in points
         ],
         "linear": [
             {**asdict(p), "predicted_s": calibration.linear.fit.time(p.flops, p.num_tokens)}
@@ -307,6 +312,20 @@ def build_calibration(
         "links_note": links_note(link_figures, len(results)),
     }
     return calibration, extra
+
+
+def _point_record(point: kernel_profile.AttentionPoint, kernel: str, curves: KernelCurves) -> dict:
+    """One measured call as the file's ``profile`` section lists it, with its kernel, the curve
+    it was fitted into and that curve's prediction."""
+    figure = curves.diagonal if point.causal else curves.attention
+    return {
+        **asdict(point),
+        "kernel": kernel,
+        "curve": "attention_diagonal"
+        if point.causal and curves.attention_diagonal
+        else "attention",
+        "predicted_s": figure.fit.time(point.flops, point.num_q, call_tokens=point.total_q),
+    }
 
 
 def links_note(link_figures: dict[str, LinkFigure], num_ranks: int) -> str:
@@ -402,6 +421,16 @@ def summary_lines(calibration: Calibration) -> list[str]:
                 f"{fit.half_tokens:7.0f} tokens{fall}, {fit.overhead_s * 1e6:7.1f} us per call "
                 f"({len(figure.points)} points, fit error {figure.fit_error:.1%})"
             )
+    if calibration.kernels:
+        ranked = ", ".join(
+            f"{name} {curves.attention.fit.flops_per_s / 1e12:.4g} / "
+            f"{curves.diagonal.fit.flops_per_s / 1e12:.4g}"
+            for name, curves in calibration.kernels.items()
+        )
+        lines.append(
+            f"kernels   {calibration.kernel} leads (auto runs it); peak TFLOP/s unmasked / "
+            f"diagonal: {ranked}"
+        )
     for name, link in calibration.links.items():
         lines.append(
             f"{name:9s} {link.fit.bytes_per_s / 1e9:8.3f} GB/s, {link.fit.latency_s * 1e6:7.1f} us "

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
@@ -71,6 +72,8 @@ class ValidationSettings:
     dtype: str = "float32"
     device: str = "auto"
     kernel: str = "auto"
+    """``auto``: the kernel whose curves the calibration's top level holds, where it runs here
+    (``engine_kernel``), else the registry's ``auto``."""
     emulate: tuple[int, int] = (2, 2)
     """``(nodes, gpus_per_node)`` of the emulated cluster (CPU only)."""
     dist: str = "prolong"
@@ -151,6 +154,21 @@ def _median_time(step, barrier, device: torch.device, settings: ValidationSettin
     return statistics.median(samples)
 
 
+def engine_kernel(settings: ValidationSettings) -> str:
+    """The kernel the measured layers run: the one the prediction's curves describe."""
+    if settings.kernel != "auto" or settings.calibration is None:
+        return settings.kernel
+    measured = load_calibration(settings.calibration).kernel
+    if measured is None:
+        return "auto"
+    device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
+    try:
+        choose_kernel(measured, device=device, dtype=dtype)
+    except ValueError:
+        return "auto"
+    return measured
+
+
 def measure_plan(
     plan: Plan,
     rank: int,
@@ -162,7 +180,7 @@ def measure_plan(
     device, dtype = resolve_device(settings.device), resolve_dtype(settings.dtype)
     model = get_model(settings.model)
     num_tokens = plan.num_attention_tokens(rank)
-    engine = ZeppelinAttention(plan, rank, exchanger, kernel=settings.kernel)
+    engine = ZeppelinAttention(plan, rank, exchanger, kernel=engine_kernel(settings))
     gen = torch.Generator().manual_seed(settings.seed * 1009 + rank)
 
     def rand(heads: int) -> torch.Tensor:

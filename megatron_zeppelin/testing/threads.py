@@ -13,6 +13,13 @@ real transport would make.
 ``run_ranks(fn, world_size)`` runs ``fn(rank, exchanger)`` on one thread per rank and returns
 the results by rank; a rank that raises stops the others and the error names the rank; ranks
 still running after ``timeout_s`` fail the call instead of hanging it.
+
+Each rank's thread runs its backward itself (``torch.autograd.set_multithreading_enabled(False)``).
+By default PyTorch's autograd engine runs the backward of CUDA tensors on one worker thread per
+device, for every thread that calls ``backward``: thread-ranks on one GPU then queue their ring
+backwards on that one thread, the first blocks waiting for a gradient another rank has not sent
+(its backward is queued behind), and every rank hangs. Processes with a GPU each (the NCCL
+path) never share a device's worker, and CPU backwards run on the calling thread anyway.
 """
 
 from __future__ import annotations
@@ -206,7 +213,8 @@ def run_ranks(
             counters=counters[rank] if counters is not None else None,
         )
         try:
-            results[rank] = fn(rank, exchanger)
+            with torch.autograd.set_multithreading_enabled(False):
+                results[rank] = fn(rank, exchanger)
         except BaseException as exc:  # noqa: BLE001 - reported to the caller below
             errors[rank] = exc
             hub.aborted.set()
