@@ -145,14 +145,15 @@ def planning_text(planning: dict, *, manual_gc: str = "") -> str:
 
 
 def plan_line(step: int, summary: dict) -> str:
-    """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
-    class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""
+    """One line of ``runtime.plan_summary``: tiers, imbalance, the bytes one layer's attention
+    sends per link class (forward and backward, 2-D documents included) with the per-NIC split;
+    ``step`` counts from 0."""
     tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
     links = summary["link_bytes"]
     nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
     return (
         f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
         f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
-        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
+        f"{summary['linear_imbalance']:.2f}; attention bytes/layer (fwd+bwd) nvlink "
         f"{format_bytes(links['nvlink'])} nic {format_bytes(links['nic'])} [{nics}]"
     )
