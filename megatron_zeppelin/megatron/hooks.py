@@ -85,7 +85,7 @@ from megatron_zeppelin.megatron.runtime import (
     plan_summary,
 )
 from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
-from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
+from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, layers_of, model_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.planner.models import model_from_config
 
@@ -226,21 +226,29 @@ def _check_kernel(requested: str, args: argparse.Namespace) -> None:
 
 
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
-    """The start-up summary (node shape, cost model source, kernel) on rank 0."""
+    """The start-up summary (node shape, cost model source, experts, kernel) on rank 0."""
 
     if not _is_logging_rank():
         return
     device, dtype = _activations(args)
     kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
-    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=kernel)
+    lines = startup_lines(
+        _STATE.runtime,
+        tensor_parallel=tensor_parallel,
+        kernel=kernel,
+        expert_parallel=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+        dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
+    )
     hint = collector_line(bool(getattr(args, "manual_gc", False)))
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
-def _layer_spec(args: argparse.Namespace):
+def _layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | None = None):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
-    with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
-    is refused, since the plan's layouts would then reach a module that cannot read them."""
+    from the run's ``TransformerConfig`` as Megatron's GPT builder builds it
+    (``spec.model_spec``: MoE layers, norms, QK norms, ...); a ``--spec`` without Zeppelin's
+    core attention is refused, since the plan's layouts would then reach a module that cannot
+    read them."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
     if named:
@@ -251,7 +259,10 @@ def _layer_spec(args: argparse.Namespace):
         else:
             spec = import_module(tuple(named))
             try:
-                ours = core_attention_of(spec).module is ZeppelinCoreAttention
+                ours = all(
+                    core_attention_of(layer).module is ZeppelinCoreAttention
+                    for layer in layers_of(spec)
+                )
             except AttributeError:  # not a layer spec at all (None, a function, a block spec)
                 ours = False
             if not ours:
@@ -261,12 +272,12 @@ def _layer_spec(args: argparse.Namespace):
                 )
             return spec
     rope = args.position_embedding_type == "rope"
-    spec = zeppelin_layer_spec(
-        kind,
-        normalization=args.normalization,
-        qk_layernorm=args.qk_layernorm,
+    spec = model_spec(
+        config,
+        kind=kind,
         rotary_base=args.rotary_base if rope else None,
         rotary_percent=args.rotary_percent,
+        vp_stage=vp_stage,
     )
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
@@ -302,7 +313,7 @@ def model_provider(
     rope = args.position_embedding_type == "rope"
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args),
+        transformer_layer_spec=_layer_spec(args, config, vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -5,7 +5,8 @@ The Megatron hooks and the CPU job print the same lines (rank 0 only):
 * ``startup_lines``: the Zeppelin node shape (ranks and NICs per node, and the physical node
   and tensor-parallel size it comes from), the cost model's source (model heads, K/V heads,
   dtype and K/V bytes per token; tier thresholds; datasheet figures or the calibration file),
-  and the attention kernel with the reason it was chosen (``chosen_kernel``);
+  a MoE model's experts (count, top-k, expert parallelism, dispatcher, what the cost model
+  prices), and the attention kernel with the reason it was chosen (``chosen_kernel``);
 * ``plan_line``: one micro-batch's plan (``runtime.plan_summary``).
 """
 
@@ -18,6 +19,7 @@ from typing import Any
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.models import ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
 _DTYPE_NAMES = {2: "16-bit (bf16/fp16)", 4: "fp32"}
@@ -83,13 +85,38 @@ def cost_model_line(cost_model: CostModel, options: Any, *, why: str = "") -> st
     )
 
 
+def moe_line(spec: ModelSpec, *, expert_parallel: int, dispatcher: str) -> str:
+    """The experts a MoE model runs and how the cost model prices them."""
+    shared = (
+        f" and a shared FFN of {spec.moe_shared_ffn_hidden_size}"
+        if spec.moe_shared_ffn_hidden_size
+        else ""
+    )
+    return (
+        f"zeppelin: MoE {spec.num_experts} experts, top-{spec.moe_topk}, EP {expert_parallel} "
+        f"({dispatcher} dispatcher, dropless) in {spec.num_moe_layers} of {spec.num_layers} "
+        f"layers; the cost model prices each token's router, {spec.moe_topk} expert FFNs of "
+        f"{spec.moe_ffn_hidden_size}{shared}"
+    )
+
+
 def startup_lines(
-    runtime: Any, *, tensor_parallel: int, kernel: KernelChoice, calibration_why: str = ""
+    runtime: Any,
+    *,
+    tensor_parallel: int,
+    kernel: KernelChoice,
+    calibration_why: str = "",
+    expert_parallel: int = 1,
+    dispatcher: str = "",
 ) -> list[str]:
-    """The start-up summary of a run (``runtime``: a ``step.StepRuntime``)."""
+    """The start-up summary of a run (``runtime``: a ``step.StepRuntime``); a MoE model's
+    experts with ``expert_parallel`` and ``dispatcher`` (Megatron's flags)."""
+    spec = runtime.cost_model.model
+    moe = [moe_line(spec, expert_parallel=expert_parallel, dispatcher=dispatcher)]
     return [
         node_shape_line(runtime.topology, tensor_parallel=tensor_parallel),
         cost_model_line(runtime.cost_model, runtime.options, why=calibration_why),
+        *(moe if spec.num_experts else []),
         f"zeppelin: attention kernel {kernel.name} ({kernel.why})",
         planning_line(runtime.config),
     ]
