@@ -4,15 +4,14 @@
 ``validate_megatron_args`` runs after Megatron's own validation and refuses combinations Zeppelin
 cannot run, each with the flag to change:
 
-* Zeppelin *replaces* context parallelism, so ``--context-parallel-size`` must stay 1;
-* pipeline parallelism is not supported yet;
+* every Megatron flag's answer (``coverage``: supported, refused at start-up, or irrelevant)
+  is checked first; context parallelism (Zeppelin *replaces* it), pipeline parallelism,
+  attention dropout, MoE token dropping and the other refused flags stop the run here;
 * tensor parallelism runs inside a Zeppelin rank: Zeppelin spans the data-parallel ranks of one
   tensor-parallel index, so the Zeppelin world is ``world_size / tp``; the topology flags
   describe the physical node and ``zeppelin_node`` derives the Zeppelin ranks per node
   (GPUs / tp) and their NICs;
 * each micro-batch is one packed row (``--micro-batch-size 1``);
-* attention dropout is refused (``--attention-dropout 0``): the ring attention applies none, and
-  dropping it silently would train another model than the one asked for;
 * sequence parallelism is supported: each rank's linear layout is padded to a multiple of the
   tensor-parallel size (``batch.py``), padding that the loss and the plan never see;
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
@@ -29,6 +28,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.config import ZeppelinConfig
+from megatron_zeppelin.megatron import coverage
 from megatron_zeppelin.topology import presets
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.probe import detect_topology
@@ -164,19 +164,9 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     config = ZeppelinConfig.from_args(args)
     if not config.enabled:
         return config
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    if cp != 1:
-        raise ValueError(
-            f"--zeppelin replaces context parallelism: set --context-parallel-size 1 (got {cp}); "
-            "Zeppelin spreads long documents over the data-parallel ranks instead"
-        )
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if pp != 1:
-        raise ValueError(
-            f"--zeppelin does not support pipeline parallelism yet: set "
-            f"--pipeline-model-parallel-size 1 (got {pp}) and use tensor parallelism or more "
-            "data-parallel ranks"
-        )
+    refusal = coverage.first_refusal(args)
+    if refusal:
+        raise ValueError(refusal)
     tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
     zeppelin_world = zeppelin_world_size(world_size, tp)
     micro_batch = int(getattr(args, "micro_batch_size", 1) or 1)
@@ -184,22 +174,6 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
         raise ValueError(
             f"--zeppelin packs each micro-batch's documents into one row: set "
             f"--micro-batch-size 1 (got {micro_batch}); the token budget sets its size"
-        )
-    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
-    if dropout:
-        raise ValueError(
-            f"--zeppelin's ring attention applies no attention dropout: set "
-            f"--attention-dropout 0 (got {dropout:g}; Megatron's default is 0.1)"
-        )
-    position = getattr(args, "position_embedding_type", "rope")
-    if position not in ("rope", "none", "learned_absolute"):
-        raise ValueError(
-            f"--zeppelin supports --position-embedding-type rope, none or learned_absolute, "
-            f"not {position!r}"
-        )
-    if getattr(args, "rotary_interleaved", False):
-        raise ValueError(
-            "--zeppelin applies RoPE in Megatron's default layout: drop --rotary-interleaved"
         )
     resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.

@@ -126,30 +126,6 @@ def reset() -> None:
     _STATE = _State()
 
 
-def _refuse_unsupported(args: argparse.Namespace) -> None:
-    """Megatron flags the hooks cannot honour, each with the change to make."""
-    if getattr(args, "use_rope_scaling", False):
-        raise ValueError(
-            "--zeppelin applies plain RoPE per document: drop --use-rope-scaling (Llama 3.1 "
-            "frequency scaling is not implemented in Zeppelin's rotary yet)"
-        )
-    if getattr(args, "rampup_batch_size", None):
-        raise ValueError(
-            "--zeppelin draws one optimizer step of documents at a time with a fixed number of "
-            "micro-batches: drop --rampup-batch-size"
-        )
-    if int(getattr(args, "eval_iters", 0) or 0) > 0 and not getattr(args, "skip_train", False):
-        raise ValueError(
-            "--zeppelin has no validation split yet (its sampler walks the whole dataset): "
-            "set --eval-iters 0"
-        )
-    if "eval_interval" in vars(args) and not args.eval_interval:  # Megatron's default: None
-        raise ValueError(
-            "Megatron divides --train-iters by --eval-interval when it counts samples, even with "
-            "--eval-iters 0: add --eval-interval (any positive number, e.g. --eval-interval 1000)"
-        )
-
-
 def planner_model(args: argparse.Namespace):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
@@ -163,7 +139,6 @@ def planner_model(args: argparse.Namespace):
 
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
-    _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
     _check_kernel(config.kernel, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -363,8 +338,8 @@ def train_valid_test_datasets_provider(
     args = get_args()
     if _STATE.config is None:
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
-    if not args.data_path or len(args.data_path) != 1:
-        raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX (no blend)")
+    if not args.data_path:  # a blend is refused at start-up (coverage: --data-path)
+        raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX")
     config, runtime = _STATE.config, _STATE.runtime
     _STATE.dataset = DocumentDataset(args.data_path[0])
     per_gpu = min(args.seq_length, config.capacity or args.seq_length)
