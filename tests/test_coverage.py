@@ -1,7 +1,7 @@
 """Tier: pure. The registry of Megatron flags (``megatron.coverage``): every flag one of three
 answers, a supported flag names a test that exists, a refused one stops the start-up checks in
 one line naming the flag and what to change, and docs/MEGATRON.md's table is generated from it.
-Megatron's real parser is walked in the host tier (``tests/host/test_coverage.py``)."""
+Megatron's real parser is walked in the host tier (``tests/host/test_megatron_flags.py``)."""
 
 from __future__ import annotations
 

@@ -4,14 +4,14 @@
 ``validate_megatron_args`` runs after Megatron's own validation and refuses combinations Zeppelin
 cannot run, each with the flag to change:
 
+* each micro-batch is one packed row (``--micro-batch-size 1``);
 * every Megatron flag's answer (``coverage``: supported, refused at start-up, or irrelevant)
-  is checked first; context parallelism (Zeppelin *replaces* it), pipeline parallelism,
+  is checked; context parallelism (Zeppelin *replaces* it), pipeline parallelism,
   attention dropout, MoE token dropping and the other refused flags stop the run here;
 * tensor parallelism runs inside a Zeppelin rank: Zeppelin spans the data-parallel ranks of one
   tensor-parallel index, so the Zeppelin world is ``world_size / tp``; the topology flags
   describe the physical node and ``zeppelin_node`` derives the Zeppelin ranks per node
   (GPUs / tp) and their NICs;
-* each micro-batch is one packed row (``--micro-batch-size 1``);
 * sequence parallelism is supported: each rank's linear layout is padded to a multiple of the
   tensor-parallel size (``batch.py``), padding that the loss and the plan never see;
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
@@ -164,17 +164,17 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     config = ZeppelinConfig.from_args(args)
     if not config.enabled:
         return config
-    refusal = coverage.first_refusal(args)
-    if refusal:
-        raise ValueError(refusal)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    zeppelin_world = zeppelin_world_size(world_size, tp)
     micro_batch = int(getattr(args, "micro_batch_size", 1) or 1)
     if micro_batch != 1:
         raise ValueError(
             f"--zeppelin packs each micro-batch's documents into one row: set "
             f"--micro-batch-size 1 (got {micro_batch}); the token budget sets its size"
         )
+    refusal = coverage.first_refusal(args)
+    if refusal:
+        raise ValueError(refusal)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    zeppelin_world = zeppelin_world_size(world_size, tp)
     resolve_topology(config, zeppelin_world, tensor_parallel=tp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True

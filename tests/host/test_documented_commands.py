@@ -82,7 +82,7 @@ def test_the_docs_list_commands_to_check() -> None:
 
 # --- refusals through the whole start-up: a documented command and one refused value ----------
 # (every refused flag of megatron/coverage/ is refused through Megatron's parser in
-# tests/host/test_coverage.py; these go through parsing, validation and the plugin's checks)
+# tests/host/test_megatron_flags.py; these go through parsing, validation and the plugin's checks)
 
 # A value each of these constraints refuses, added to a command that starts.
 VIOLATIONS = {

@@ -5,7 +5,7 @@ Zeppelin (``answers.py`` says what each means). No flag gets a fourth answer.
 The flags are those of the argument groups of Megatron's parser (megatron-core 0.19's
 ``megatron/training/arguments.py``) named in ``COVERED_GROUPS``: a host test walks the real
 parser and fails on a flag of these groups without an answer, so a Megatron release with a new
-model flag cannot be silently ignored (``tests/host/test_coverage.py``). The other groups
+model flag cannot be silently ignored (``tests/host/test_megatron_flags.py``). The other groups
 (logging, profiling, checkpoint I/O, the optimizer's hyper-parameters and schedule, inference,
 RL, other model families, fault tolerance) act outside the model's maths and the data.
 

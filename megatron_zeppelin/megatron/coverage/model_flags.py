@@ -405,7 +405,13 @@ LAYERS = [
     *supported(
         "--recompute-num-layers", "how many layers recompute (full granularity)", test=MOE_EP1
     ),
-    *irrelevant("--distribute-saved-activations --recompute-modules", KERNEL),
+    *irrelevant("--recompute-modules", KERNEL),
+    *refused(
+        "--distribute-saved-activations",
+        "it cuts each saved activation into equal chunks over the tensor-parallel ranks, and a "
+        "Zeppelin rank's rows need not divide into them",
+        change="drop --distribute-saved-activations",
+    ),
     *refused(
         "--enable-cuda-graph",
         "CUDA graphs replay fixed shapes, and a Zeppelin rank's rows change every micro-batch",

@@ -10,6 +10,7 @@ Tier: host.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import warnings
 
@@ -53,12 +54,16 @@ NOT_PARSED = {
 }
 
 
-def _parser() -> argparse.ArgumentParser:
+@functools.cache
+def _parser(*, zeppelin: bool = False) -> argparse.ArgumentParser:
+    """Megatron's parser (as ``parse_args`` builds it), with the plugin's flags or without;
+    built once: parsing does not change it."""
     from megatron.training.arguments import add_megatron_arguments
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+        parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    return hooks.extra_args_provider(parser) if zeppelin else parser
 
 
 def _covered_actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
@@ -133,17 +138,12 @@ def test_runs_megatron_validates_meet_no_refusal(extra, world_size, monkeypatch)
     [a for a in coverage.ANSWERS if a.kind == coverage.REFUSED and a.flag not in NOT_PARSED],
     ids=lambda a: a.flag,
 )
-def test_each_refused_flag_set_through_megatrons_parser_is_refused(answer, monkeypatch) -> None:
+def test_each_refused_flag_set_through_megatrons_parser_is_refused(answer) -> None:
     action = next(a for a in _parser()._actions if answer.flag in a.option_strings)
     values = REFUSED_VALUES.get(answer.flag)
     if values is None:
         values = [] if action.nargs == 0 else ["2"]
-    from megatron.training.arguments import parse_args
-
-    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, answer.flag, *values])
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        args = parse_args(hooks.extra_args_provider)
+    args = _parser(zeppelin=True).parse_args([*BASE, answer.flag, *values])
     refusal = answer.refusal(args)
     assert refusal and refusal.startswith(answer.flag) and "\n" not in refusal, refusal
     assert coverage.first_refusal(args) is not None
