@@ -38,7 +38,7 @@ import megatron.core.datasets as datasets
 from megatron.core.datasets import utils
 from megatron.core.enums import ModelType
 
-from megatron_zeppelin.megatron import hooks
+from megatron_zeppelin.megatron import evaluation, hooks
 from megatron_zeppelin.megatron.args import validate_megatron_args
 
 # What upstream pretrain_gpt.py passes: the tokenizer used when --tokenizer-type is not given.
@@ -111,6 +111,7 @@ def check_plugin_args(args) -> None:
     (``hooks.setup`` runs them again once the process groups exist); raises ``ValueError``
     saying which flag to change."""
     validate_megatron_args(args, world_size=args.world_size)
+    evaluation.check_flags(args)  # the data and evaluation flags, and the datasets' headers
 
 
 def _pretrain_with_container(training, model_type) -> None:

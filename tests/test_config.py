@@ -139,7 +139,20 @@ def test_without_zeppelin_nothing_is_checked_or_changed() -> None:
     "megatron,world,match",
     [
         (dict(context_parallel_size=2), 4, "--context-parallel-size 1"),
-        (dict(pipeline_model_parallel_size=2), 4, "pipeline"),
+        (dict(pipeline_model_parallel_size=3), 4, "does not divide the 4 processes"),
+        (
+            dict(pipeline_model_parallel_size=2, use_tp_pp_dp_mapping=True),
+            4,
+            "drop --use-tp-pp-dp-mapping",
+        ),
+        (
+            # Megatron's default dispatcher, as its parser sets it
+            dict(
+                pipeline_model_parallel_size=2, num_experts=4, moe_token_dispatcher_type="allgather"
+            ),
+            4,
+            "--moe-token-dispatcher-type alltoall",
+        ),
         (dict(micro_batch_size=4), 4, "--micro-batch-size 1"),
         (dict(attention_dropout=0.1), 4, "--attention-dropout 0"),
         (dict(tensor_model_parallel_size=3), 4, "does not divide"),
@@ -173,6 +186,27 @@ def test_presets_and_capacity_contradiction_through_megatron_flags() -> None:
     bad += ["--zeppelin-capacity", "1024", "--zeppelin-max-document-length", "4096"]
     with pytest.raises(ValueError, match="smaller than the longest document"):
         validate_megatron_args(_megatron_args(bad), world_size=4)
+
+
+def test_pipeline_parallelism_runs_a_zeppelin_world_per_stage() -> None:
+    # 8 processes, PP 2 on 2 nodes of 4 GPUs: each stage's 4 data-parallel ranks fill a node.
+    args = _megatron_args(CLUSTER, pipeline_model_parallel_size=2)
+    config = validate_megatron_args(args, world_size=8)
+    assert zeppelin_world_size(8, 1, 2) == 4
+    topology = resolve_topology(config, 4, pipeline_parallel=2)
+    assert (topology.num_nodes, topology.gpus_per_node) == (1, 4)
+    # TP 2 x PP 2 x DP 2: the stage's Zeppelin worlds, Megatron's rank order (TP fastest).
+    assert zeppelin_ranks(8, 2, 0, pipeline_parallel=2, pp_rank=0) == [0, 2]
+    assert zeppelin_ranks(8, 2, 1, pipeline_parallel=2, pp_rank=1) == [5, 7]
+    every = sorted(
+        r
+        for pp in range(2)
+        for tp in range(2)
+        for r in zeppelin_ranks(8, 2, tp, pipeline_parallel=2, pp_rank=pp)
+    )
+    assert every == list(range(8))
+    with pytest.raises(ValueError, match="pipeline stage 2 outside"):
+        zeppelin_ranks(8, 2, 0, pipeline_parallel=2, pp_rank=2)
 
 
 def test_zeppelin_worlds_are_the_data_parallel_ranks_of_one_tp_index() -> None:

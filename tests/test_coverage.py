@@ -80,7 +80,7 @@ def test_the_start_up_checks_enforce_the_registry() -> None:
         "multi_latent_attention": (True, "--multi-latent-attention (on): "),
         "window_size": ([64, 0], "--window-size 64 0: "),
         "softmax_type": ("learnable", "--softmax-type learnable: "),
-        "pipeline_model_parallel_size": (2, "--pipeline-model-parallel-size 2: "),
+        "multiple_validation_sets": (True, "--multiple-validation-sets (on): "),
     }
     for field, (value, start) in cases.items():
         with pytest.raises(ValueError) as refused:
@@ -94,7 +94,9 @@ def test_the_start_up_checks_enforce_the_registry() -> None:
 
 def test_moe_dispatchers_cope_with_token_counts_that_differ_per_rank() -> None:
     def refusal(**fields):
-        return checks.token_dispatcher(_args(**fields))
+        return checks.token_dispatcher(_args(num_experts=8, **fields))
+
+    assert checks.token_dispatcher(_args(pipeline_model_parallel_size=2)) is None  # dense
 
     assert refusal(moe_token_dispatcher_type="alltoall", expert_model_parallel_size=4) is None
     assert refusal(moe_token_dispatcher_type="allgather", expert_model_parallel_size=1) is None
@@ -114,6 +116,10 @@ def test_moe_dispatchers_cope_with_token_counts_that_differ_per_rank() -> None:
         assert message.startswith("--moe-token-dispatcher-type allgather")
         assert message.endswith("use --moe-token-dispatcher-type alltoall")
     assert "alltoall" in refusal(moe_token_dispatcher_type="flex")
+    # Pipeline stages exchange rows whose count changes per micro-batch (variable_seq_lengths).
+    message = refusal(moe_token_dispatcher_type="allgather", pipeline_model_parallel_size=2)
+    assert "pipeline parallelism" in message and message.endswith("alltoall")
+    assert refusal(moe_token_dispatcher_type="alltoall", pipeline_model_parallel_size=2) is None
 
 
 def test_moe_load_balancing_is_refused_where_it_depends_on_a_ranks_tokens() -> None:
@@ -128,15 +134,19 @@ def test_moe_load_balancing_is_refused_where_it_depends_on_a_ranks_tokens() -> N
     assert message.startswith("--moe-router-load-balancing-type sinkhorn: sinkhorn balances")
 
 
-def test_blends_splits_and_head_dims_are_refused_and_the_defaults_are_not() -> None:
-    assert checks.data_path(_args(data_path=["/data/a"])) is None
-    assert "no blend" in checks.data_path(_args(data_path=["0.3", "/data/a", "0.7", "/data/b"]))
-    assert checks.split(_args(split=checks.LEGACY_DEFAULT_SPLIT)) is None
-    assert checks.split(_args(split="998,1,1")).startswith("--split 998,1,1: ")
+def test_limits_of_supported_flags_are_refused_and_their_defaults_are_not() -> None:
     assert checks.kv_channels(_args(kv_channels=16)) is None  # 64 / 4
     assert checks.kv_channels(_args(kv_channels=32)).endswith("drop --kv-channels")
-    assert checks.eval_iters(_args(eval_iters=10, skip_train=True)) is None
-    assert checks.eval_iters(_args(eval_iters=10)).endswith("set --eval-iters 0")
+    assert checks.eval_micro_batch_size(_args(eval_micro_batch_size=None)) is None
+    assert "set --eval-micro-batch-size 1" in checks.eval_micro_batch_size(
+        _args(eval_micro_batch_size=2)
+    )
+    assert checks.dataloader_type(_args(dataloader_type="cyclic")) is None
+    assert checks.dataloader_type(_args(dataloader_type="external")).endswith("external")
+    assert checks.rank_mapping(_args(use_tp_pp_dp_mapping=True)) is None  # no pipeline
+    mapped = _args(use_tp_pp_dp_mapping=True, pipeline_model_parallel_size=2)
+    assert checks.rank_mapping(mapped).endswith("drop --use-tp-pp-dp-mapping")
+    assert checks.eval_interval(_args(eval_interval=None)).startswith("--eval-interval: ")
 
 
 def test_the_megatron_doc_tables_are_generated_from_the_code() -> None:

@@ -220,13 +220,49 @@ def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
 
 
 @pytest.mark.threads
+def test_under_pipeline_parallelism_a_micro_batch_without_documents_still_runs_every_stage(
+    megatron_training, one_rank, dataset_prefix, monkeypatch
+) -> None:
+    """Megatron's pipeline schedules pass activations between the stages for every
+    micro-batch, so a micro-batch without documents runs each stage's model on one padding row:
+    the first stage sends a hidden state, the last returns a loss that counts no token."""
+    from megatron_zeppelin.megatron.feed import FedMicroBatch
+    from megatron_zeppelin.megatron.sampler import StepBatch
+
+    args = _megatron_args(dataset_prefix)
+    megatron_training(args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        last = hooks.model_provider(pre_process=True, post_process=True)
+        first = hooks.model_provider(pre_process=True, post_process=False)
+    hooks.train_valid_test_datasets_provider([4, 0, 0])
+    hooks._STATE.pipeline_parallel = 2  # what setup records for a pipeline-parallel run
+    empty = FedMicroBatch(StepBatch(step=0, epoch=0, micro_batches=((), ())), 0, None)
+    feed = hooks._STATE.feed
+    monkeypatch.setattr(feed, "next", lambda: empty)
+    hidden, _ = hooks.forward_step(None, first)
+    assert hidden.shape == (1, 1, args.hidden_size) and hidden.requires_grad
+    output, loss_func = hooks.forward_step(None, last)
+    loss, num_tokens, report = loss_func(output)
+    assert output.shape == (1, 1) and int(num_tokens) == 0 and float(loss.detach()) == 0.0
+    loss.backward()
+    grads = [p.grad for p in last.parameters() if p.requires_grad]
+    assert all(g is not None and not g.any() for g in grads)
+
+
+@pytest.mark.threads
 def test_megatron_flags_the_hooks_cannot_honour_are_refused(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
     args = _megatron_args(dataset_prefix)
-    args.eval_iters = 10
+    args.eval_iters, args.multiple_validation_sets = 10, True
     megatron_training(args)
-    with pytest.raises(ValueError, match="--eval-iters 0"):
+    with pytest.raises(ValueError, match="drop --multiple-validation-sets"):
+        hooks.model_provider(pre_process=True, post_process=True)
+    args = _megatron_args(dataset_prefix)
+    args.eval_iters = 10  # 8 documents: Megatron's default split holds none out
+    megatron_training(args)
+    with pytest.raises(ValueError, match="the validation split holds no document .*--split 969"):
         hooks.model_provider(pre_process=True, post_process=True)
     args = _megatron_args(dataset_prefix)
     args.eval_interval = None  # Megatron's default: train_iters // eval_interval would fail
@@ -293,12 +329,16 @@ def test_resume_restores_the_sampler_saved_beside_the_checkpoint_or_replays_it(
 ) -> None:
     from megatron_zeppelin.megatron.resume import sampler_state_path
     from megatron_zeppelin.megatron.sampler import DocumentSampler
+    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
     save = str(tmp_path / "ckpt")
+    other = str(tmp_path / "other")  # a blend of two datasets: the state holds both places
+    write_synthetic_dataset(other, lengths=[9, 33, 4, 70, 18, 26], vocab_size=VOCAB)
 
     def start(**extra):
         hooks.reset()
         args = _megatron_args(dataset_prefix)
+        args.data_path = ["0.4", dataset_prefix, "0.6", other]
         args.save, args.save_interval, args.train_iters = save, 2, 3
         for key, value in extra.items():
             setattr(args, key, value)
@@ -310,6 +350,8 @@ def test_resume_restores_the_sampler_saved_beside_the_checkpoint_or_replays_it(
         return model
 
     whole = _draw(start(), 8)  # 4 steps of 2 micro-batches
+    sources = {hooks._STATE.dataset.locate(s.doc)[0].path_prefix for mb in whole for s in mb}
+    assert sources == {dataset_prefix, other}
     # Written for the iterations Megatron saves at: every 2nd and the last (--train-iters 3).
     for iteration, there in ((1, False), (2, True), (3, True), (4, True)):
         assert os.path.exists(sampler_state_path(save, iteration)) == there

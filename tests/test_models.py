@@ -6,8 +6,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import causal_pairs
-from megatron_zeppelin.planner.models import MODEL_PRESETS, get_model
+from megatron_zeppelin.megatron.sampler import DocumentCost
+from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.planner.models import MODEL_PRESETS, ModelSpec, PipelineStage, get_model
+from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
 
@@ -115,6 +119,62 @@ def test_the_cpu_jobs_model_is_the_tiny_preset() -> None:
     assert spec == dataclasses.replace(get_model("tiny", tensor_parallel=2), name="cpu-gpt")
 
 
+def _stage(model: ModelSpec, index: int, layers: tuple[int, ...], num_stages: int = 2):
+    stage = PipelineStage(
+        index=index,
+        num_stages=num_stages,
+        layers=layers,
+        embedding=index == 0,
+        output_layer=index == num_stages - 1,
+    )
+    return ModelSpec(**{**model.to_dict(), "num_layers": len(layers), "pipeline": stage})
+
+
+def test_a_pipeline_stage_is_priced_by_its_own_layers_and_the_last_by_its_output_layer() -> None:
+    whole = get_model("llama-7b")
+    first, last = _stage(whole, 0, tuple(range(16))), _stage(whole, 1, tuple(range(16, 32)))
+    assert first.pipeline.describe() == "PP stage 0 of 2, layers 0-15, embedding"
+    assert last.pipeline.describe() == "PP stage 1 of 2, layers 16-31, output layer and loss"
+    # The output layer: 2 x hidden x vocab FLOPs per token forward, 3x that with its backward,
+    # only where it runs; the embedding is a lookup.
+    assert last.output_flops_per_token() == 3 * 2 * 4096 * 32000
+    assert first.output_flops_per_token() == 0
+    assert whole.output_flops_per_token() == last.output_flops_per_token()
+    # Layers add up: the stages together run the whole model's GEMMs once.
+    assert first.stage_flops_per_token() + last.stage_flops_per_token() == pytest.approx(
+        whole.stage_flops_per_token()
+    )
+    assert last.stage_flops_per_token() > first.stage_flops_per_token()
+    # Virtual stages interleave the layers; the description keeps them apart.
+    interleaved = _stage(whole, 0, (0, 1, 4, 5), num_stages=2)
+    assert interleaved.pipeline.describe() == "PP stage 0 of 2, layers 0-1, 4-5, embedding"
+    with pytest.raises(ValueError, match="its pipeline stage holds 4"):
+        ModelSpec(**{**interleaved.to_dict(), "num_layers": 3, "pipeline": interleaved.pipeline})
+
+
+def test_every_pipeline_stage_plans_the_same_plan() -> None:
+    """Every stage plans from its own model, yet the next stage expects the rows the plan's
+    linear layout gives a rank: the plans must be the same, and a stage's predicted time its
+    own layers' share."""
+    topology = get_topology("dgx-h100", num_nodes=1)
+    whole = get_model("llama-7b")
+    stages = [_stage(whole, 0, tuple(range(12))), _stage(whole, 1, tuple(range(12, 32)))]
+    lengths = sample_lengths("prolong", num_tokens=6 * 16_384, seed=3)
+    plans = [
+        plan_batch(
+            lengths, topology=topology, cost_model=CostModel.default(m, topology), capacity=16_384
+        )
+        for m in [whole, *stages]
+    ]
+    assert plans[0] == plans[1] == plans[2]
+    # The sampler weighs documents by the same per-layer figures: every stage draws the same.
+    assert DocumentCost.from_model(stages[0]) == DocumentCost.from_model(stages[1])
+    assert plans[0].linear == plans[1].linear == plans[2].linear
+    predicted = [p.meta["predicted_step_s"] for p in plans]
+    assert predicted[1] == pytest.approx(predicted[0] * 12 / 32)
+    assert predicted[2] == pytest.approx(predicted[0] * 20 / 32)
+
+
 def test_a_moe_layer_is_priced_by_the_experts_a_token_runs_through() -> None:
     """Attention projections + router + top-k experts + shared experts, not every expert and
     not the dense FFN; a layer without experts (``--moe-layer-freq``) keeps the dense FFN."""
@@ -162,5 +222,9 @@ def test_a_moe_layer_is_priced_by_the_experts_a_token_runs_through() -> None:
         model_from_config(_megatron_config(**base, **{**moe, "moe_layer_freq": 2}), vocab_size=64)
         == half
     )
+    # A pipeline stage counts the MoE layers among its own.
+    stage = PipelineStage(index=1, num_stages=2, layers=(1,), embedding=False, output_layer=True)
+    config = _megatron_config(**base, **{**moe, "moe_layer_freq": [1, 0]})
+    assert model_from_config(config, vocab_size=64, pipeline=stage).num_moe_layers == 0
     with pytest.raises(ValueError, match="moe-layer-freq"):
         model_from_config(_megatron_config(**base, **{**moe, "moe_layer_freq": [1]}), vocab_size=64)

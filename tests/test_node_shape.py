@@ -99,3 +99,42 @@ def test_startup_summary_shows_node_shape_cost_model_source_and_kernel() -> None
     assert chosen_kernel("torch", device="cpu", dtype=None) == KernelChoice(
         "torch", "requested with --zeppelin-kernel"
     )
+
+
+def test_a_pipeline_stage_fills_whole_nodes_or_shares_one() -> None:
+    # 4 DGX nodes, TP 2, PP 2: a stage is 16 GPUs, 2 whole nodes of 4 Zeppelin ranks each.
+    config = ZeppelinConfig(enabled=True, topology="dgx-h100").validate()
+    shape = resolve_topology(config, 8, tensor_parallel=2, pipeline_parallel=2)
+    assert shape == zeppelin_node(get_topology("dgx-h100", num_nodes=2), 2)
+    # One DGX node, PP 2: each stage holds 4 GPUs of the node and the NICs next to them.
+    shape = resolve_topology(config, 4, pipeline_parallel=2)
+    assert (shape.num_nodes, shape.gpus_per_node, shape.nics_per_node) == (1, 4, 4)
+    assert shape.nic_gbit == get_topology("dgx-h100", num_nodes=1).nic_gbit
+    # Cluster A (a NIC per pair of GPUs), PP 8 on one node: the two stages of a pair share it.
+    a = ZeppelinConfig(enabled=True, topology="zeppelin-A").validate()
+    shape = resolve_topology(a, 1, pipeline_parallel=8)
+    assert (shape.gpus_per_node, shape.nic_gbit) == (
+        1,
+        get_topology("zeppelin-A", num_nodes=1).nic_gbit / 2,
+    )
+    # 3 nodes of 8, PP 2: a stage of 12 GPUs straddles a node.
+    with pytest.raises(ValueError, match="fill whole nodes"):
+        resolve_topology(config, 12, pipeline_parallel=2)
+
+
+def test_the_startup_summary_names_the_pipeline_stage_the_plan_is_for() -> None:
+    from megatron_zeppelin.planner.models import ModelSpec, PipelineStage
+
+    topology = get_topology("dgx-h100", num_nodes=2)
+    whole = get_model("llama-7b")
+    stage = PipelineStage(
+        index=1, num_stages=2, layers=range(16, 32), embedding=False, output_layer=True
+    )
+    spec = ModelSpec(**{**whole.to_dict(), "num_layers": 16, "pipeline": stage})
+    config = ZeppelinConfig(enabled=True, topology="dgx-h100")
+    cost = CostModel.default(spec, topology)
+    line = cost_model_line(cost, config.planner_options(cost))
+    assert line.startswith(
+        "zeppelin: cost model 16 layers (PP stage 1 of 2, layers 16-31, output layer and loss), "
+        "32 heads"
+    )

@@ -52,7 +52,8 @@ def _epochs(sampler: DocumentSampler, num_epochs: int, max_steps: int = 5000):
     steps = []
     while True:
         state = sampler.state_dict()
-        if state["epoch"] >= num_epochs and all(c[3] >= num_epochs for c in state["carry"]):
+        epoch = min(source[0] for source in state["sources"])
+        if epoch >= num_epochs and all(c[3] >= num_epochs for c in state["carry"]):
             return steps
         steps.append(sampler.next_step())
         assert len(steps) < max_steps

@@ -112,3 +112,14 @@ def test_plan_ahead_benchmark_runs_every_planner() -> None:
     # With the collector off (``--manual-gc``) it makes no full pass of its own.
     assert rows["processes 1, collector off"].split("|")[5].strip().startswith("0 (")
     assert "unpickled in" in out
+
+
+@pytest.mark.pure
+def test_pipeline_shapes_benchmark_counts_and_prices_both_ways() -> None:
+    out = run_script(
+        "scripts/bench_pipeline_shapes.py", "--steps", "1", "--micro-batches", "2",
+        "--corpus-tokens", "2000000", "--seq-length", "4096", "--nodes", "1",
+    )  # fmt: skip
+    fill = float(out.split("mean ")[1].split(",")[0])
+    assert 0.5 < fill <= 1.0
+    assert "padded shape:" in out and "shape messages:" in out

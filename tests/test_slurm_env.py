@@ -132,8 +132,8 @@ def test_the_env_section_never_becomes_a_megatron_flag(cluster) -> None:
 def test_the_megatron_command_line_keeps_what_the_user_set_and_adds_extra_args(tmp_path) -> None:
     default = exported(source_env(tmp_path, "dgx-h100"))
     args = default["ZEPPELIN_TRAIN_ARGS"].split()
-    # No hard-coded split (Zeppelin trains on every document); each part has its default.
-    assert "--split" not in args
+    # Each part has its default, the split and validation among them.
+    assert args[args.index("--split") + 1] == "998,1,1" and "--eval-iters" in args
     assert args[:2] == ["--spec", "megatron_zeppelin.megatron.spec"]
     assert "--lr" in args and "--data-path" in args and default["EXTRA_ARGS"] == ""
     # A part replaced (or emptied) before sbatch, and flags added after everything.
@@ -144,13 +144,14 @@ def test_the_megatron_command_line_keeps_what_the_user_set_and_adds_extra_args(t
             SPEC_ARGS="--spec megatron_zeppelin.megatron.spec local",
             LR_ARGS="--lr 1e-4",
             OPTIMIZER_ARGS="",
+            DATA_ARGS="--data-path /data/a --split 90,5,5",
             EXTRA_ARGS="--seed 7 --moe-token-dispatcher-type alltoall",
         )
     )
     args = env["ZEPPELIN_TRAIN_ARGS"].split()
     assert args[:3] == ["--spec", "megatron_zeppelin.megatron.spec", "local"]
     assert args[args.index("--lr") + 1] == "1e-4" and "--lr-decay-style" not in args
-    assert "--weight-decay" not in args and "--data-path" in args
+    assert "--weight-decay" not in args and args[args.index("--split") + 1] == "90,5,5"
     pretrain = env["ZEPPELIN_PRETRAIN"]
     assert pretrain.endswith(" --seed 7 --moe-token-dispatcher-type alltoall")
     assert env["ZEPPELIN_TRAIN_ARGS"] in pretrain

@@ -12,8 +12,10 @@ the flat tiers (``two_d.py``).
 
 Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
 across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
-``start``. When the exchanger has ``set_plan`` (the routed transports do), the engine hands it
-the plan once, at construction, so routes always match the plan being executed. ``timer`` (a
+``start``. When the exchanger has ``for_plan`` (the routed transports do), the engine keeps a
+view of it bound to the plan, made at construction, so routes always match the plan being
+executed, in the backward too, whatever micro-batches ran in between (a transport with only
+``set_plan`` is handed the plan instead). ``timer`` (a
 ``step_timing.RingTimer``, optional) records compute and communication per tier and ring step.
 On CUDA every kernel runs on the caller's current stream (``ring.py`` says how the transfers
 overlap it).
@@ -73,7 +75,11 @@ class ZeppelinAttention:
             )
         if softmax_scale is not None and not softmax_scale > 0:
             raise ValueError(f"softmax_scale must be positive, got {softmax_scale}")
-        if hasattr(exchanger, "set_plan") and getattr(exchanger, "plan", None) is not plan:
+        if hasattr(exchanger, "for_plan"):
+            # Its own view: the backward of this micro-batch may run after the forwards of later
+            # ones (pipeline schedules), and must still send along this plan's routes.
+            exchanger = exchanger.for_plan(plan)
+        elif hasattr(exchanger, "set_plan") and getattr(exchanger, "plan", None) is not plan:
             exchanger.set_plan(plan)
         self.plan = plan
         self.rank = rank

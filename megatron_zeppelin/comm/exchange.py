@@ -36,6 +36,7 @@ Shapes: ``payload[(src, dst)]`` is ``(t, *row_shape)``, ``t`` the message's toke
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -59,7 +60,8 @@ __all__ = ["DistExchanger", "Exchanger", "Pending", "ZeppelinCommError"]
 class DistExchanger:
     """``Exchanger`` over torch.distributed P2P on the groups of ``ZeppelinGroups``.
 
-    Routes come from the plan (``plan=`` or ``set_plan`` per micro-batch); with ``routing=False``
+    Routes come from the plan (``plan=``, ``set_plan``, or a view per micro-batch from
+    ``for_plan``, what the attention engine takes); with ``routing=False``
     every message goes direct. ``counters`` (optional) counts every send this rank makes.
     ``overlap``: relay routed parts from a helper thread as soon as they land (``RelayPending``);
     default on for gloo, off (``StagedPending``) for NCCL, where it is refused (``pending.py``
@@ -123,6 +125,13 @@ class DistExchanger:
         self.plan = plan
         self._routes = {(r.src, r.dst): r for r in plan.routes}
         return self
+
+    def for_plan(self, plan: Plan) -> DistExchanger:
+        """A view of this exchanger bound to ``plan``'s routes (sharing its groups and
+        counters); the exchanger itself keeps its own. Several micro-batches may be in flight at
+        once (a pipeline schedule runs forwards ahead of their backwards), each sending along
+        its own plan's routes."""
+        return copy.copy(self).set_plan(plan)
 
     def start(
         self,

@@ -65,7 +65,8 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
     rank: int = 0
     """This process's Zeppelin rank (its data-parallel rank)."""
     exchanger: Exchanger | None = None
-    """The ring transport, e.g. ``comm.exchange.DistExchanger``, set to this plan."""
+    """The ring transport, e.g. ``comm.exchange.DistExchanger``, bound to this plan
+    (``for_plan``)."""
     remap_group: dist.ProcessGroup | None = None
     """Process group of the Zeppelin ranks for the remap all-to-all; ``None``: the world."""
     positions: torch.Tensor | None = None

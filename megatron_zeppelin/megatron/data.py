@@ -28,6 +28,7 @@ import json
 import os
 import struct
 import warnings
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -39,8 +40,18 @@ from megatron_zeppelin.fileio import atomic_write_text
 # int64 sequence pointers (byte offsets into the .bin) and int64 document indices.
 _IDX_MAGIC = b"MMIDIDX\x00\x00"
 _IDX_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
-_DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}
-"""Item size of each megatron-core ``DType`` code (uint8 .. uint16)."""
+_DTYPES = {
+    1: np.uint8,
+    2: np.int8,
+    3: np.int16,
+    4: np.int32,
+    5: np.int64,
+    6: np.float64,
+    7: np.float32,
+    8: np.uint16,
+}
+"""The token dtype of each megatron-core ``DType`` code."""
+_DTYPE_SIZES = {code: np.dtype(dtype).itemsize for code, dtype in _DTYPES.items()}
 
 
 def indexed_dataset_module() -> ModuleType:
@@ -57,16 +68,48 @@ def indexed_dataset_module() -> ModuleType:
     return indexed_dataset
 
 
-def _check_files(path_prefix: str) -> None:
-    """Validate ``PREFIX.idx`` against ``PREFIX.bin`` with plain reads; raise ``ValueError``."""
-    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
-    for path in (idx_path, bin_path):
+def strip_suffix(path_prefix: str) -> str:
+    """The dataset's path prefix, whether given as ``PREFIX``, ``PREFIX.bin`` or ``PREFIX.idx``."""
+    path_prefix = os.fspath(path_prefix)
+    for suffix in (".bin", ".idx"):
+        if path_prefix.endswith(suffix):
+            return path_prefix[: -len(suffix)]
+    return path_prefix
+
+
+def _require_files(path_prefix: str) -> None:
+    for path in (path_prefix + ".idx", path_prefix + ".bin"):
         if not os.path.isfile(path):
             raise ValueError(
                 f"dataset file {path} does not exist: pass the path prefix of a Megatron "
                 "indexed dataset (PREFIX.bin and PREFIX.idx, as written by preprocess_data.py "
                 "or `zeppelin make-dataset`)"
             )
+
+
+@dataclass(frozen=True)
+class IndexHeader:
+    """What the first bytes of an ``.idx`` say."""
+
+    dtype: np.dtype
+    """Token dtype on disk."""
+    num_sequences: int
+    num_documents: int
+
+
+def index_header(path_prefix: str) -> IndexHeader:
+    """The header of ``PREFIX.idx`` (34 bytes read; both files must exist): cheap enough for
+    start-up checks of every dataset of a blend. Raises ``ValueError`` naming the file."""
+    path_prefix = strip_suffix(path_prefix)
+    _require_files(path_prefix)
+    code, num_sequences, num_doc_indices = _read_header(path_prefix + ".idx")
+    return IndexHeader(np.dtype(_DTYPES[code]), num_sequences, num_doc_indices - 1)
+
+
+def _check_files(path_prefix: str) -> None:
+    """Validate ``PREFIX.idx`` against ``PREFIX.bin`` with plain reads; raise ``ValueError``."""
+    idx_path, bin_path = path_prefix + ".idx", path_prefix + ".bin"
+    _require_files(path_prefix)
     code, num_sequences, num_doc_indices = _read_header(idx_path)
     idx_size = os.path.getsize(idx_path)
     needed = _IDX_HEADER_BYTES + 4 * num_sequences + 8 * num_sequences + 8 * num_doc_indices
@@ -210,10 +253,7 @@ class DocumentDataset:
     def __init__(self, path_prefix: str, *, mmap: bool = True, checksum: bool = True) -> None:
         IndexedDataset = indexed_dataset_module().IndexedDataset  # noqa: N806
 
-        path_prefix = os.fspath(path_prefix)
-        for suffix in (".bin", ".idx"):
-            if path_prefix.endswith(suffix):
-                path_prefix = path_prefix[: -len(suffix)]
+        path_prefix = strip_suffix(path_prefix)
         _check_files(path_prefix)
         if checksum:  # reads both files once: pass checksum=False where it was just checked
             verify_checksum(path_prefix)
@@ -229,7 +269,9 @@ class DocumentDataset:
         seq_cumsum = np.concatenate(([0], np.cumsum(seq_lengths)))
         self.lengths: np.ndarray = seq_cumsum[doc_index[1:]] - seq_cumsum[doc_index[:-1]]
         """Tokens per document, ``int64``."""
-        self._first_sequence = doc_index[:-1]
+        self.first_sequences: np.ndarray = doc_index[:-1]
+        """Index of each document's first sequence (Megatron's ``--split`` counts sequences)."""
+        self.num_sequences = int(seq_lengths.shape[0])
         self.num_tokens_read = 0
 
     # --- shape -----------------------------------------------------------------------------
@@ -267,7 +309,7 @@ class DocumentDataset:
             return np.zeros(0, dtype=np.int64)
         # The sequences of a document are contiguous in the .bin, so a read that starts in the
         # first sequence may run on through the following ones.
-        tokens = self._indexed.get(int(self._first_sequence[doc]), offset=start, length=end - start)
+        tokens = self._indexed.get(int(self.first_sequences[doc]), offset=start, length=end - start)
         return np.asarray(tokens, dtype=np.int64)
 
     def _check_doc(self, doc: int) -> None:

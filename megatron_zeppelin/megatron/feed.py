@@ -171,7 +171,13 @@ class MicroBatchFeed:
     background thread with ``workers=0``."""
 
     def __init__(
-        self, sampler: DocumentSampler, plan_fn: PlanFn, *, ahead: int = 2, workers: int = 0
+        self,
+        sampler: DocumentSampler,
+        plan_fn: PlanFn,
+        *,
+        ahead: int = 2,
+        workers: int = 0,
+        planner: _PlannerThread | PlannerProcesses | None = None,
     ) -> None:
         if ahead < 0:
             raise ValueError(f"micro-batches planned ahead must be >= 0, got {ahead}")
@@ -182,10 +188,11 @@ class MicroBatchFeed:
         self._plan_fn = plan_fn
         self._ahead = ahead
         self._stats_lock = threading.Lock()
-        self._planner: _PlannerThread | PlannerProcesses | None = None
-        if ahead and workers:
+        self._planner: _PlannerThread | PlannerProcesses | None = planner
+        self._owns_planner = planner is None
+        if planner is None and ahead and workers:
             self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
-        elif ahead:
+        elif planner is None and ahead:
             self._planner = _PlannerThread(plan_fn, self._add_planning)
         # Planner processes are waited for once, before the first plan (``stats.startup_s``).
         self._starting = isinstance(self._planner, PlannerProcesses)
@@ -200,6 +207,11 @@ class MicroBatchFeed:
         ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``)."""
         config = recipe.config
         return cls(sampler, recipe, ahead=config.plan_ahead, workers=config.planner_processes)
+
+    def beside(self, sampler: DocumentSampler) -> MicroBatchFeed:
+        """A feed over another sampler (evaluation) that plans with this feed's planner, as far
+        ahead, its planning time counted here; closing it leaves the planner running."""
+        return MicroBatchFeed(sampler, self._plan_fn, ahead=self._ahead, planner=self._planner)
 
     def _add_planning(self, seconds: float) -> None:
         """A planner's seconds on one plan (the planner thread, or a planner process's reader
@@ -265,7 +277,7 @@ class MicroBatchFeed:
         for _, _, future in self._queue:
             if future is not None:
                 future.cancel()
-        if self._planner is not None:
+        if self._planner is not None and self._owns_planner:
             self._planner.close()
-            self._planner = None
+        self._planner = None
         self._collector.stop()

@@ -2,8 +2,9 @@
 
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
 modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
-``feed``, ``resume``, ``report``, ``batch``, ``sampler``). ``megatron.training`` is imported
-only inside the functions, so this module imports anywhere megatron-core does.
+``feed``, ``pipeline``, ``resume``, ``report``, ``batch``, ``sampler``, ``blend``,
+``evaluation``). ``megatron.training`` is imported only inside the functions, so this module
+imports anywhere megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 
@@ -12,8 +13,9 @@ The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 * ``build_train_valid_test_data_iterators`` calls ``train_valid_test_datasets_provider(
   num_samples)`` (with ``vp_stage=`` under virtual pipelining), wraps what it returns in its
   ``DataLoader`` / ``MegatronPretrainingSampler`` and hands ``forward_step`` an iterator;
-* the schedules call ``forward_step(data_iterator, model)`` and then ``loss_func(output)``,
-  which returns ``(loss sum, token count, {"lm loss": [sum, count]})``: with
+* the schedules call ``forward_step(data_iterator, model)`` (once per micro-batch and model
+  chunk under pipeline parallelism) and then, on the last stage, ``loss_func(output)``, which
+  returns ``(loss sum, token count, {"lm loss": [sum, count]})``: with
   ``calculate_per_token_loss`` Megatron sums both over the data-parallel ranks and divides once.
 
 Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use it):
@@ -21,21 +23,28 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
 1. ``extra_args_provider`` adds the ``--zeppelin*`` flags;
 2. Megatron parses and initializes; the first ``model_provider`` call runs ``setup(args)``, which
    validates the flags, resolves the topology of the Zeppelin ranks (the data-parallel ranks of
-   this TP index, ``args.zeppelin_node`` shaping the physical node for TP), creates the process
-   groups and the ring exchanger once, builds the cost model from the ``TransformerConfig``
-   Megatron builds (``planner.models.model_from_config``) and prints the start-up summary
-   (``report.startup_lines``). It must run there: after Megatron's initialization, before the
-   model and the data;
+   this TP index and pipeline stage, ``args.stage_node`` and ``args.zeppelin_node`` shaping the
+   physical node for PP and TP), creates the process groups and the ring exchanger once, builds
+   the cost model from the ``TransformerConfig`` Megatron builds (``planner.models.
+   model_from_config``; under pipeline parallelism of this stage's layers) and prints the
+   start-up summary (``report.startup_lines``). It must run there: after Megatron's
+   initialization, before the model and the data;
 3. ``model_provider`` builds ``GPTModel`` with Zeppelin's spec (``position_embedding_type``
-   'none' for RoPE models: RoPE is per document inside core attention);
-4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` dataset and the document
-   sampler, brought to a resumed iteration from the state saved beside the checkpoint
-   (``resume.py``); Megatron's loader only counts micro-batches;
-5. ``forward_step`` takes the next micro-batch and its plan (planned ahead by planner
-   processes, ``feed.py``, ``plan_workers.py``) and runs the one micro-batch step of the CPU
-   job and the check (``step.run_micro_batch``), returning Megatron's per-token loss function
-   (a micro-batch without documents skips the model: zero loss, zero tokens). After a step's
-   last micro-batch it writes the sampler state when Megatron will save at the next iteration.
+   'none' for RoPE models: RoPE is per document inside core attention); under pipeline
+   parallelism its config gets ``variable_seq_lengths`` (a rank's rows change per micro-batch);
+4. ``train_valid_test_datasets_provider`` opens the ``.bin/.idx`` datasets the data flags
+   name, split by documents as Megatron splits them (``blend.py``), the training sampler,
+   brought to a resumed iteration from the state saved beside the checkpoint (``resume.py``),
+   and the validation and test streams (``evaluation.py``); Megatron's loaders only count
+   micro-batches, over markers that say their split; asked again for the other model chunks
+   of a virtual pipeline, it hands them the same markers;
+5. ``forward_step`` takes the next micro-batch of the marker's split and its plan (planned
+   ahead by planner processes, ``feed.py``, ``plan_workers.py``; every model chunk in turn,
+   ``pipeline.ChunkCursors``) and runs the one micro-batch step of the CPU job and the check
+   (``step.run_micro_batch``), returning Megatron's per-token loss function (a micro-batch
+   without documents skips the model: zero loss, zero tokens; under pipeline parallelism it
+   runs every stage on padding, ``empty_plan``). After a training step's last micro-batch it
+   writes the sampler state when Megatron will save at the next iteration.
 
 Token budget: a micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or
 --seq-length)`` tokens of whole documents; one optimizer step draws ``--global-batch-size /
@@ -53,23 +62,27 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.transformer.spec_utils import import_module
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
+from megatron.core.utils import get_attr_wrapped_model
 
 from megatron_zeppelin.attention.kernels import choose_kernel
 from megatron_zeppelin.comm.watch import CommWatch
+from megatron_zeppelin.megatron import evaluation
 from megatron_zeppelin.megatron.args import (
     extra_args_provider,
     is_enabled,
     resolve_topology,
     validate_megatron_args,
 )
+from megatron_zeppelin.megatron.blend import SPLITS, data_blends, open_document_sets
 from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-from megatron_zeppelin.megatron.data import DocumentDataset
 from megatron_zeppelin.megatron.feed import MicroBatchFeed
 from megatron_zeppelin.megatron.loss import megatron_loss_func
 from megatron_zeppelin.megatron.norms import (
     needs_sequence_parallel_norms,
     sequence_parallel_spec,
 )
+from megatron_zeppelin.megatron.pipeline import ChunkCursors, pipeline_stage
 from megatron_zeppelin.megatron.report import (
     chosen_kernel,
     collector_line,
@@ -88,6 +101,7 @@ from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, layers_of, model_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.planner.models import model_from_config
+from megatron_zeppelin.planner.plan import Plan
 
 __all__ = [
     "extra_args_provider",
@@ -111,8 +125,26 @@ class _State:
         self.dataset: Any = None
         self.feed: Any = None
         """``feed.MicroBatchFeed`` over the sampler: micro-batches with their plans."""
+        self.cursors: dict[str, ChunkCursors] = {}
+        """By split, ``pipeline.ChunkCursors`` over its feed: each micro-batch for every model
+        chunk."""
+        self.markers: tuple = (None, None, None)
+        """What the datasets provider returned Megatron (handed again to later model chunks)."""
+        self.num_chunks: int = 1
+        """Model chunks of this pipeline stage (virtual stages; 1 without them)."""
+        self.pipeline_parallel: int = 1
+        """Pipeline stages (Megatron's ``--pipeline-model-parallel-size``)."""
         self.num_micro_batches: int = 1
         self.micro_batches_done: int = 0
+        self.evaluation: dict[str, evaluation.EvalStream] = {}
+        """Validation and test micro-batches, by split (``evaluation.py``)."""
+
+    def close_feeds(self) -> None:
+        for stream in self.evaluation.values():
+            stream.close()  # before the training feed: they share its planner
+        if self.feed is not None:
+            self.feed.close()
+        self.evaluation, self.feed, self.cursors = {}, None, {}
 
 
 _STATE = _State()
@@ -121,25 +153,31 @@ _STATE = _State()
 def reset() -> None:
     """Forget what ``setup`` built (tests, or a second run in one process)."""
     global _STATE
-    if _STATE.feed is not None:
-        _STATE.feed.close()
+    _STATE.close_feeds()
     _STATE = _State()
 
 
-def planner_model(args: argparse.Namespace):
+def planner_model(args: argparse.Namespace, *, pp_rank: int = 0):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
-    ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size)."""
+    ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size); under pipeline
+    parallelism the model of stage ``pp_rank``, its own layers (``pipeline.pipeline_stage``)."""
     # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
     from megatron.training.arguments import core_transformer_config_from_args
 
     config = core_transformer_config_from_args(args)
-    return model_from_config(config, vocab_size=args.padded_vocab_size, name="megatron")
+    stage = pipeline_stage(
+        config, pp_rank=pp_rank, vp_size=getattr(args, "virtual_pipeline_model_parallel_size", None)
+    )
+    return model_from_config(
+        config, vocab_size=args.padded_vocab_size, name="megatron", pipeline=stage
+    )
 
 
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
     config = validate_megatron_args(args, world_size=dist.get_world_size())
+    evaluation.check_flags(args)  # the data and evaluation flags, and the datasets' headers
     _check_kernel(config.kernel, args)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     group = parallel_state.get_data_parallel_group()
@@ -151,14 +189,18 @@ def setup(args: argparse.Namespace) -> None:
         global_ranks=tuple(dist.get_process_group_ranks(group)),
         dp_group=group,
     )
-    topology = resolve_topology(config, ctx.zeppelin_world, tensor_parallel=tp)
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    topology = resolve_topology(
+        config, ctx.zeppelin_world, tensor_parallel=tp, pipeline_parallel=pp
+    )
     per_rank = args.micro_batch_size * ctx.zeppelin_world
     if args.global_batch_size % per_rank:
         raise ValueError(
             f"--global-batch-size {args.global_batch_size} is not a multiple of micro-batch size"
             f" x data-parallel size ({per_rank}): change --global-batch-size"
         )
-    cost_model = build_cost_model(planner_model(args), topology, calibration=config.calibration)
+    spec = planner_model(args, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    cost_model = build_cost_model(spec, topology, calibration=config.calibration)
     exchanger, _ = create_transport(topology, ctx, config)
     _STATE.config = config
     _STATE.args = args
@@ -181,6 +223,8 @@ def setup(args: argparse.Namespace) -> None:
         ),
     )
     _STATE.num_micro_batches = args.global_batch_size // per_rank
+    _STATE.pipeline_parallel = pp
+    _STATE.num_chunks = int(getattr(args, "virtual_pipeline_model_parallel_size", None) or 1)
     _log_startup(args, tp)
 
 
@@ -201,9 +245,10 @@ def _check_kernel(requested: str, args: argparse.Namespace) -> None:
 
 
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
-    """The start-up summary (node shape, cost model source, experts, kernel) on rank 0."""
+    """The start-up summary (node shape, cost model source, experts, kernel) on rank 0, and
+    under pipeline parallelism on the first rank of every stage (its cost model is its own)."""
 
-    if not _is_logging_rank():
+    if not _is_stage_logging_rank():
         return
     device, dtype = _activations(args)
     kernel = chosen_kernel(_STATE.config.kernel, device=device, dtype=dtype)
@@ -218,12 +263,15 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
-def _layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | None = None):
+def _layer_spec(
+    args: argparse.Namespace, config: Any, *, num_layers: int, vp_stage: int | None = None
+):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
     from the run's ``TransformerConfig`` as Megatron's GPT builder builds it
     (``spec.model_spec``: MoE layers, norms, QK norms, ...); a ``--spec`` without Zeppelin's
     core attention is refused, since the plan's layouts would then reach a module that cannot
-    read them."""
+    read them. ``num_layers``: the layers of the model chunk being built (a block spec lists
+    them); ``vp_stage``: its virtual pipeline stage (MoE's block spec slices the layers)."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
     if named:
@@ -256,7 +304,7 @@ def _layer_spec(args: argparse.Namespace, config: Any, vp_stage: int | None = No
     )
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
-        return sequence_parallel_spec(spec, args.num_layers)
+        return sequence_parallel_spec(spec, num_layers)
     return spec
 
 
@@ -285,10 +333,16 @@ def model_provider(
         config = core_transformer_config_from_args(args)
     # Ranks hold different token counts: the schedules must not divide by a per-rank count.
     config.calculate_per_token_loss = True
+    num_layers = args.num_layers
+    if _STATE.pipeline_parallel > 1:
+        # Each stage sends its linear layout's rows: a shape that changes per micro-batch.
+        config.variable_seq_lengths = True
+        pp_rank = parallel_state.get_pipeline_model_parallel_rank()
+        num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     rope = args.position_embedding_type == "rope"
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, config, vp_stage),
+        transformer_layer_spec=_layer_spec(args, config, num_layers=num_layers, vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -302,34 +356,16 @@ def model_provider(
     )
 
 
-class MicroBatchMarkers(torch.utils.data.Dataset):
-    """What Megatron's data loader iterates: one integer per micro-batch sample, nothing else.
-
-    Zeppelin draws whole documents itself (a seeded, resumable sampler over ``--data-path``);
-    Megatron's loop only needs an indexable dataset of the length it asked for, so its own
-    sampler, ``DataLoader`` and consumed-sample bookkeeping work unchanged.
-    """
-
-    def __init__(self, num_samples: int) -> None:
-        self.num_samples = int(num_samples)
-
-    def __len__(self) -> int:
-        return self.num_samples
-
-    def __getitem__(self, index: int) -> int:
-        if not 0 <= index < self.num_samples:
-            raise IndexError(index)
-        return index
-
-
 def train_valid_test_datasets_provider(
     train_val_test_num_samples: list[int], vp_stage: int | None = None
 ):
-    """Open the dataset and the document sampler; return ``(markers, None, None)``.
+    """Open the datasets the data flags name (``blend.py``: ``--split`` by documents, blends),
+    the training sampler and the evaluation streams (``evaluation.py``); return Megatron a
+    marker dataset per split (``None`` for a split without documents).
 
-    Resuming (``args.iteration > 0``) restores the sampler from the state saved beside the
-    checkpoint (``resume.py``), or replays it to that step where the checkpoint has none: it is
-    deterministic in its seed and the document lengths, so every rank lands on the same
+    Resuming (``args.iteration > 0``) restores the training sampler from the state saved beside
+    the checkpoint (``resume.py``), or replays it to that step where the checkpoint has none: it
+    is deterministic in its seed and the document lengths, so every rank lands on the same
     documents either way.
     """
     # lazy: megatron.training exists only beside Megatron-LM (tests install a stand-in).
@@ -338,54 +374,138 @@ def train_valid_test_datasets_provider(
     args = get_args()
     if _STATE.config is None:
         raise RuntimeError("hooks.setup has not run: build the model before the datasets")
-    if not args.data_path:  # a blend is refused at start-up (coverage: --data-path)
-        raise ValueError("--zeppelin reads one dataset: give --data-path PREFIX")
-    config, runtime = _STATE.config, _STATE.runtime
-    _STATE.dataset = DocumentDataset(args.data_path[0])
+    if vp_stage:
+        # Megatron asks once per model chunk; every chunk takes its micro-batches from the
+        # feeds the first call opened (``pipeline.ChunkCursors``).
+        return _STATE.markers
+    documents = dict(zip(SPLITS, open_document_sets(data_blends(args))))
+    _STATE.close_feeds()
+    _STATE.dataset = documents["train"]
+    if _STATE.dataset is not None:
+        sampler = _sampler(_STATE.dataset, _STATE.num_micro_batches)
+        iteration = int(getattr(args, "iteration", 0) or 0)
+        restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
+        _STATE.feed = MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+    world = _STATE.runtime.topology.world_size
+    _STATE.evaluation = evaluation.evaluation_streams(
+        args,
+        documents,
+        make_sampler=_sampler,
+        make_feed=_STATE.feed.beside if _STATE.feed else _feed_of_run,
+        data_parallel=world,
+        restore=partial(_restore_validation, getattr(args, "load", None)),
+        save=_save_validation_state if getattr(args, "save", None) else None,
+    )
+    counts = evaluation.marker_counts(args, train_val_test_num_samples, _STATE.evaluation, world)
+    feeds = {"train": _STATE.feed, **_STATE.evaluation}
+    _STATE.cursors = {split: _cursors(feed) for split, feed in feeds.items() if feed is not None}
+    _STATE.markers = tuple(
+        evaluation.Markers(counts[split], split) if split in _STATE.cursors else None
+        for split in SPLITS
+    )
+    return _STATE.markers
+
+
+def _cursors(feed) -> ChunkCursors:
+    """Every model chunk's turn at ``feed``'s micro-batches; each draw looks ``feed.next`` up
+    when it happens."""
+    return ChunkCursors(lambda: feed.next(), _STATE.num_chunks)
+
+
+def _feed_of_run(sampler: DocumentSampler) -> MicroBatchFeed:
+    return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+
+
+def _restore_validation(directory: str | None, sampler: DocumentSampler, step: int) -> None:
+    restore_sampler(sampler, directory, step, log=_log, split="valid")
+
+
+def _save_validation_state(step: int, state: dict) -> None:
+    """Rank 0 keeps the validation stream's state at the end of an evaluation."""
+    if _is_writing_rank():
+        save_sampler_state(_STATE.args.save, step, state, split="valid")
+
+
+def _sampler(documents, num_micro_batches: int, num_epochs: int | None = None) -> DocumentSampler:
+    """A sampler over ``documents`` (a ``blend.DocumentSet``) with the run's budget: a
+    micro-batch holds up to ``zeppelin_world x (--zeppelin-capacity or --seq-length)`` tokens
+    of whole documents, and a step ``num_micro_batches`` of them."""
+    args, config, runtime = _STATE.args, _STATE.config, _STATE.runtime
     per_gpu = min(args.seq_length, config.capacity or args.seq_length)
     micro_batch_tokens = per_gpu * runtime.topology.world_size
-    sampler = DocumentSampler(
-        _STATE.dataset.lengths,
-        tokens_per_step=micro_batch_tokens * _STATE.num_micro_batches,
-        num_micro_batches=_STATE.num_micro_batches,
+    return DocumentSampler(
+        documents.lengths,
+        tokens_per_step=micro_batch_tokens * num_micro_batches,
+        num_micro_batches=num_micro_batches,
         seed=args.seed,
         max_length=min(config.max_document_length or args.seq_length, micro_batch_tokens),
         long_documents=config.long_documents,
         micro_batch_capacity=micro_batch_tokens,
+        # Per-layer weights: the same on every pipeline stage, which must draw the same.
         cost=DocumentCost.from_model(runtime.cost_model.model),
+        source_sizes=documents.source_sizes,
+        weights=documents.weights,
+        num_epochs=num_epochs,
     )
-    iteration = int(getattr(args, "iteration", 0) or 0)
-    restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
-    if _STATE.feed is not None:
-        _STATE.feed.close()
-    _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
-    return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 
 def forward_step(data_iterator, model, checkpoint_activations_microbatch: bool | None = None):
     """Megatron's ``forward_step``: the next micro-batch through ``step.run_micro_batch``.
 
     Returns ``(per-token losses [1, s], loss_func)``; ``loss_func(output)`` gives Megatron's
-    per-token triple. ``checkpoint_activations_microbatch`` (pipeline schedules only) is
-    accepted for the call's shape; Zeppelin refuses pipeline parallelism.
+    per-token triple (the schedules call it on the last pipeline stage only; the other stages
+    return the hidden states the model gives them). The marker Megatron's loader hands over
+    says the split: validation and test micro-batches come from their own streams
+    (``evaluation.py``), training ones from the training sampler. Under virtual pipelining
+    each model chunk takes every micro-batch in turn (``pipeline.ChunkCursors``).
+    ``checkpoint_activations_microbatch`` (pipeline schedules only) is accepted for the call's
+    shape.
     """
-    if data_iterator is not None:
-        next(data_iterator)  # keeps Megatron's consumed-sample count in step with ours
-    item = _STATE.feed.next()
-    if item.is_last_of_step:
+    # The marker also keeps Megatron's consumed-sample count in step with ours.
+    split = "train" if data_iterator is None else evaluation.marker_split(next(data_iterator))
+    chunk = get_attr_wrapped_model(model, "vp_stage") or 0
+    item, drawn = _STATE.cursors[split].next(chunk)
+    if split != "train":
+        return _run(model, item, _STATE.evaluation[split].documents)
+    if drawn and item.is_last_of_step:
         _save_sampler_state(item.step.step + 1)
-    if item.plan is None:
-        return empty_micro_batch(model)
-    runtime = _STATE.runtime
-    _STATE.micro_batches_done += 1
-    every = _STATE.config.log_plan_every
-    if every and _STATE.micro_batches_done % every == 0 and _is_logging_rank():
-        summary = plan_summary(item.plan, runtime.cost_model.model, routing=runtime.config.routing)
-        print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
-        planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
-        print(f"zeppelin planning: {planning}", flush=True)
-    run = run_micro_batch(model, item.slices, item.plan, runtime, _STATE.dataset)
+    if drawn and item.plan is not None:
+        _STATE.micro_batches_done += 1
+        _log_plan(item.plan)
+    return _run(model, item, _STATE.dataset)
+
+
+def _run(model, item, documents):
+    """One micro-batch through the model; Megatron's per-token loss function with it."""
+    plan = item.plan
+    if plan is None:
+        if _STATE.pipeline_parallel == 1:
+            return empty_micro_batch(model)
+        # The stages still exchange activations: run the model on padding rows alone.
+        plan = empty_plan(_STATE.runtime.topology)
+    run = run_micro_batch(model, item.slices, plan, _STATE.runtime, documents)
     return run.losses_bs, partial(megatron_loss_func, run.loss_mask_bs)
+
+
+def _log_plan(plan: Plan) -> None:
+    """Every ``--zeppelin-log-plan-every`` micro-batches: the plan line and how planning goes,
+    on rank 0 and, under pipeline parallelism, the first rank of every stage (every stage runs
+    the same plan: the same digest)."""
+    every = _STATE.config.log_plan_every
+    if not every or _STATE.micro_batches_done % every or not _is_stage_logging_rank():
+        return
+    runtime = _STATE.runtime
+    summary = plan_summary(plan, runtime.cost_model.model, routing=runtime.config.routing)
+    print(f"zeppelin micro-batch {plan_line(_STATE.micro_batches_done - 1, summary)}")
+    planning = planning_text(_STATE.feed.stats.to_dict(), manual_gc="--manual-gc")
+    print(f"zeppelin planning: {planning}", flush=True)
+
+
+def empty_plan(topology) -> Plan:
+    """The plan of a micro-batch without documents: no token anywhere. A rank's batch is then
+    padding alone (``batch.pad_linear_batch``), which core attention answers with zeros and
+    the loss never counts, so every stage still runs its model and passes activations on."""
+    return Plan(topology=topology, sequences=(), linear=((),) * topology.world_size)
 
 
 def _save_sampler_state(iteration: int) -> None:
@@ -416,6 +536,16 @@ def _is_logging_rank() -> bool:
 
 
 _is_writing_rank = _is_logging_rank
+
+
+def _is_stage_logging_rank() -> bool:
+    """Rank 0, and under pipeline parallelism the first rank of every stage."""
+    if _STATE.pipeline_parallel == 1:
+        return _is_logging_rank()
+    return (
+        parallel_state.get_data_parallel_rank() == 0
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
 
 
 def _log(line: str) -> None:

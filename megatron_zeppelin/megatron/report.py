@@ -3,10 +3,11 @@
 The Megatron hooks and the CPU job print the same lines (rank 0 only):
 
 * ``startup_lines``: the Zeppelin node shape (ranks and NICs per node, and the physical node
-  and tensor-parallel size it comes from), the cost model's source (model heads, K/V heads,
-  dtype and K/V bytes per token; tier thresholds; datasheet figures or the calibration file),
-  a MoE model's experts (count, top-k, expert parallelism, dispatcher, what the cost model
-  prices), and the attention kernel with the reason it was chosen (``chosen_kernel``);
+  and tensor-parallel size it comes from), the cost model's source (model layers, under
+  pipeline parallelism the stage's own with which they are; heads, K/V heads, dtype and K/V
+  bytes per token; tier thresholds; datasheet figures or the calibration file), a MoE
+  model's experts (count, top-k, expert parallelism, dispatcher, what the cost model prices),
+  and the attention kernel with the reason it was chosen (``chosen_kernel``);
 * ``plan_line``: one micro-batch's plan (``runtime.plan_summary``).
 """
 
@@ -77,8 +78,9 @@ def cost_model_line(cost_model: CostModel, options: Any, *, why: str = "") -> st
     if why:
         source += f" (calibration {why})"
     dtype = _DTYPE_NAMES.get(spec.dtype_bytes, f"{spec.dtype_bytes}-byte")
+    stage = f" ({spec.pipeline.describe()})" if spec.pipeline else ""
     return (
-        f"zeppelin: cost model {spec.num_layers} layers, {spec.num_heads} heads, "
+        f"zeppelin: cost model {spec.num_layers} layers{stage}, {spec.num_heads} heads, "
         f"{spec.num_kv_heads} K/V heads, {dtype}, TP {spec.tensor_parallel}: "
         f"{format_bytes(spec.kv_bytes_per_token())} of K/V per token per layer per GPU; "
         f"{thresholds}; {source}"

@@ -12,6 +12,11 @@ before a save that never happened is still right for that iteration.
 On ``--load``, the file of the loaded iteration restores the sampler in O(1). A checkpoint
 without one (saved on a signal or a time limit, or by an older version) falls back to
 replaying the sampler step by step, and says so in the log.
+
+The validation stream (``evaluation.py``) is kept the same way, by the number of validation
+steps it has handed out: ``SAVE/zeppelin_sampler/valid_NNNNNNN.json`` is written at the end of
+every evaluation, and a resumed run restores the one Megatron's count of consumed validation
+samples points at (replaying where it is missing).
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from typing import Any
 from megatron_zeppelin.fileio import atomic_write_text
 
 SAMPLER_DIR = "zeppelin_sampler"
+_FILES = {"train": "iter", "valid": "valid"}
+_STEPS = {"train": "iteration", "valid": "validation step"}
 
 
-def sampler_state_path(directory: str, iteration: int) -> str:
-    """Where the sampler state of ``iteration`` lives under a checkpoint directory."""
-    return os.path.join(directory, SAMPLER_DIR, f"iter_{iteration:07d}.json")
+def sampler_state_path(directory: str, iteration: int, split: str = "train") -> str:
+    """Where the sampler state of ``iteration`` (for ``split="valid"``: of the validation
+    stream after that many steps) lives under a checkpoint directory."""
+    return os.path.join(directory, SAMPLER_DIR, f"{_FILES[split]}_{iteration:07d}.json")
 
 
 def is_save_iteration(args: Namespace, iteration: int) -> bool:
@@ -41,23 +49,31 @@ def is_save_iteration(args: Namespace, iteration: int) -> bool:
     return iteration == getattr(args, "train_iters", None)
 
 
-def save_sampler_state(directory: str, iteration: int, state: dict[str, Any]) -> str:
+def save_sampler_state(
+    directory: str, iteration: int, state: dict[str, Any], split: str = "train"
+) -> str:
     """Write ``state`` for ``iteration`` (atomically); returns the file's path."""
-    path = sampler_state_path(directory, iteration)
+    path = sampler_state_path(directory, iteration, split)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     atomic_write_text(path, json.dumps(state, sort_keys=True))
     return path
 
 
 def restore_sampler(
-    sampler: Any, directory: str | None, iteration: int, *, log: Callable[[str], None]
+    sampler: Any,
+    directory: str | None,
+    iteration: int,
+    *,
+    log: Callable[[str], None],
+    split: str = "train",
 ) -> str:
     """Bring ``sampler`` to ``iteration``: from its saved state when the file is there (O(1)),
     else by replaying ``iteration`` steps. Returns ``"restored"``, ``"replayed"`` or
     ``"fresh"`` (iteration 0); says which in ``log``."""
     if iteration <= 0:
         return "fresh"
-    path = sampler_state_path(directory, iteration) if directory else None
+    what = f"{_STEPS[split]} {iteration}"
+    path = sampler_state_path(directory, iteration, split) if directory else None
     if path and os.path.exists(path):
         try:
             with open(path) as f:
@@ -69,15 +85,15 @@ def restore_sampler(
             ) from exc
         if int(state.get("step", -1)) != iteration:
             raise ValueError(
-                f"{path} holds the sampler state of step {state.get('step')}, not of iteration "
-                f"{iteration}: the checkpoint directory is mixed up"
+                f"{path} holds the sampler state of step {state.get('step')}, not of {what}: "
+                "the checkpoint directory is mixed up"
             )
         sampler.load_state_dict(state)
-        log(f"zeppelin: sampler restored at iteration {iteration} from {path}")
+        log(f"zeppelin: sampler restored at {what} from {path}")
         return "restored"
     where = f"in {os.path.dirname(path)}" if path else "(no --load directory)"
     log(
-        f"zeppelin: no sampler state for iteration {iteration} {where}: replaying the sampler "
+        f"zeppelin: no sampler state for {what} {where}: replaying the sampler "
         f"{iteration} steps to reach it (checkpoints saved at a --save-interval, "
         "--exit-interval or the last iteration carry the state)"
     )

@@ -15,6 +15,7 @@ and the gradient sum.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from dataclasses import dataclass
 
@@ -210,8 +211,11 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
 
 
 def plan_digest(plan: Plan) -> str:
-    """Short content hash of a plan (to compare plans across runs and ranks)."""
-    return hashlib.sha256(plan.to_json().encode()).hexdigest()[:16]
+    """Short content hash of a plan's placement (to compare plans across runs, ranks and
+    pipeline stages): its ``meta`` is left out, the builder's own figures, which differ
+    between stages that run the same plan (a stage's predicted time counts its own layers)."""
+    placement = {key: value for key, value in plan.to_dict().items() if key != "meta"}
+    return hashlib.sha256(json.dumps(placement, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def plan_summary(plan: Plan, spec: ModelSpec, *, routing: bool) -> dict:

@@ -1,10 +1,9 @@
 """Seeded, resumable sampling of whole documents into steps and cost-balanced micro-batches.
 
-A training step takes documents in a shuffled order (one permutation per epoch, drawn from the
-seed and the epoch number) until the next one would overrun ``tokens_per_step``. A document
-longer than ``max_length`` is either cut into near-equal pieces of at most ``max_length`` tokens
-(``long_documents="split"``; each piece is planned as its own sequence) or keeps only its first
-``max_length`` tokens (``"truncate"``). Empty documents are skipped.
+A training step takes units (whole documents, or pieces of long ones) from a
+``stream.DocumentStream`` until the next one would overrun ``tokens_per_step``: one or more
+sources (a Megatron blend), each walked in seeded epochs, interleaved in proportion to their
+weights by tokens (see ``stream.py``).
 
 The step's units are then spread over ``num_micro_batches`` micro-batches by **cost**, not by
 count: attention grows with ``L^2`` and the linear layers with ``L``, so a micro-batch that
@@ -14,34 +13,29 @@ room (``micro_batch_capacity``), which keeps every micro-batch within one unit's
 mean. A unit that fits nowhere waits at the head of the next step and is placed first there.
 
 Everything is a pure function of the seed and the state: every rank computes the same batches
-without talking to the others, and ``state_dict()`` / ``load_state_dict()`` resume exactly.
+without talking to the others, and ``state_dict()`` / ``load_state_dict()`` resume exactly,
+every source's place included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-LONG_DOCUMENT_POLICIES = ("split", "truncate")
-_STATE_FORMAT = "zeppelin-sampler/1"
+from megatron_zeppelin.megatron.stream import LONG_DOCUMENT_POLICIES, DocumentSlice, DocumentStream
 
-
-@dataclass(frozen=True)
-class DocumentSlice:
-    """Tokens ``[start, end)`` of dataset document ``doc``; one planned sequence."""
-
-    doc: int
-    start: int
-    end: int
-    epoch: int = field(default=0, compare=False)
-    """Epoch the slice was drawn in (for logs and checks; not part of its identity)."""
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
+__all__ = [
+    "LONG_DOCUMENT_POLICIES",
+    "DocumentCost",
+    "DocumentSampler",
+    "DocumentSlice",
+    "StepBatch",
+    "balance_by_cost",
+]
+_STATE_FORMAT = "zeppelin-sampler/2"
 
 
 @dataclass(frozen=True)
@@ -120,7 +114,12 @@ def balance_by_cost(
 
 
 class DocumentSampler:
-    """Yields ``StepBatch`` objects forever; see the module docstring."""
+    """Yields ``StepBatch`` objects; see the module docstring.
+
+    ``source_sizes`` and ``weights`` describe a blend (``stream.DocumentStream``); with
+    ``num_epochs`` the stream ends after that many epochs of every source, and the steps after
+    its end are empty (``exhausted`` says when).
+    """
 
     def __init__(
         self,
@@ -133,18 +132,12 @@ class DocumentSampler:
         long_documents: str = "split",
         micro_batch_capacity: int | None = None,
         cost: DocumentCost | None = None,
+        source_sizes: Sequence[int] | None = None,
+        weights: Sequence[float] | None = None,
+        num_epochs: int | None = None,
     ) -> None:
-        self.lengths = np.asarray(lengths, dtype=np.int64)
-        if self.lengths.ndim != 1 or (self.lengths < 0).any():
-            raise ValueError("document lengths must be a flat list of non-negative integers")
-        if not (self.lengths > 0).any():
-            raise ValueError("the dataset has no non-empty document to sample")
         if tokens_per_step < 1 or num_micro_batches < 1:
             raise ValueError("tokens_per_step and num_micro_batches must be positive")
-        if long_documents not in LONG_DOCUMENT_POLICIES:
-            raise ValueError(
-                f"long_documents must be one of {LONG_DOCUMENT_POLICIES}, got {long_documents!r}"
-            )
         if micro_batch_capacity is not None and (
             micro_batch_capacity < 1 or tokens_per_step > num_micro_batches * micro_batch_capacity
         ):
@@ -161,59 +154,30 @@ class DocumentSampler:
                 f"max_length {max_length} must lie in 1..{limit} (the step budget and the "
                 "micro-batch capacity): lower max_length or raise tokens_per_step"
             )
+        self.stream = DocumentStream(
+            lengths,
+            seed=seed,
+            max_length=max_length,
+            long_documents=long_documents,
+            source_sizes=source_sizes,
+            weights=weights,
+            num_epochs=num_epochs,
+        )
+        self.lengths = self.stream.lengths
         self.tokens_per_step = int(tokens_per_step)
         self.num_micro_batches = int(num_micro_batches)
-        self.seed = int(seed)
-        self.max_length = int(max_length)
-        self.long_documents = long_documents
         self.micro_batch_capacity = micro_batch_capacity
         self.cost = cost if cost is not None else DocumentCost()
-        # Cursor: the next unit is piece ``piece`` of document ``order(epoch)[position]``.
-        self._epoch = 0
-        self._position = 0
-        self._piece = 0
         self._step = 0
         self._carry: list[DocumentSlice] = []
-        self._order_cache: tuple[int, np.ndarray] | None = None
-        self._units_cache: tuple[tuple[int, int], list[DocumentSlice]] | None = None
 
-    # --- the stream of units ---------------------------------------------------------------
-    def epoch_order(self, epoch: int) -> np.ndarray:
-        """Document order of one epoch: a permutation drawn from ``(seed, epoch)`` only."""
-        if self._order_cache is None or self._order_cache[0] != epoch:
-            rng = np.random.default_rng(np.random.SeedSequence([self.seed, epoch]))
-            self._order_cache = (epoch, rng.permutation(self.lengths.shape[0]))
-        return self._order_cache[1]
+    @property
+    def max_length(self) -> int:
+        return self.stream.max_length
 
     def pieces(self, doc: int, *, epoch: int = 0) -> list[DocumentSlice]:
         """The units one document becomes under ``max_length`` and the long-document policy."""
-        length = int(self.lengths[doc])
-        if length <= self.max_length:
-            return [DocumentSlice(doc, 0, length, epoch)] if length else []
-        if self.long_documents == "truncate":
-            return [DocumentSlice(doc, 0, self.max_length, epoch)]
-        num_pieces = -(-length // self.max_length)
-        cuts = [round(j * length / num_pieces) for j in range(num_pieces + 1)]
-        return [DocumentSlice(doc, cuts[j], cuts[j + 1], epoch) for j in range(num_pieces)]
-
-    def _peek(self) -> DocumentSlice:
-        """The unit under the cursor, skipping empty documents (moves past them)."""
-        while True:
-            order = self.epoch_order(self._epoch)
-            if self._position >= order.shape[0]:
-                self._epoch, self._position, self._piece = self._epoch + 1, 0, 0
-                continue
-            key = (self._epoch, self._position)
-            if self._units_cache is None or self._units_cache[0] != key:
-                units = self.pieces(int(order[self._position]), epoch=self._epoch)
-                self._units_cache = (key, units)  # a split document is peeked once per piece
-            units = self._units_cache[1]
-            if self._piece < len(units):
-                return units[self._piece]
-            self._position, self._piece = self._position + 1, 0
-
-    def _advance(self) -> None:
-        self._piece += 1
+        return self.stream.pieces(doc, epoch=epoch)
 
     # --- steps -----------------------------------------------------------------------------
     def next_step(self) -> StepBatch:
@@ -222,12 +186,11 @@ class DocumentSampler:
         num_carried = len(units)
         total = sum(u.num_tokens for u in units)
         while True:
-            unit = self._peek()
-            if total + unit.num_tokens > self.tokens_per_step:
+            unit = self.stream.peek()
+            if unit is None or total + unit.num_tokens > self.tokens_per_step:
                 break
-            units.append(unit)
+            units.append(self.stream.take())
             total += unit.num_tokens
-            self._advance()
         bins, left_over = balance_by_cost(
             [u.num_tokens for u in units],
             self.num_micro_batches,
@@ -237,10 +200,10 @@ class DocumentSampler:
         )
         # Left-over units keep their draw order so the next step is the same after a resume.
         self._carry = [units[i] for i in left_over]
-        assert len(left_over) < len(units), "max_length <= capacity guarantees progress"
+        assert not units or len(left_over) < len(units), "max_length <= capacity: progress"
         batch = StepBatch(
             step=self._step,
-            epoch=max(u.epoch for u in units),
+            epoch=max((u.epoch for u in units), default=0),
             micro_batches=tuple(tuple(units[i] for i in b) for b in bins),
         )
         self._step += 1
@@ -250,16 +213,17 @@ class DocumentSampler:
         while True:
             yield self.next_step()
 
+    @property
+    def exhausted(self) -> bool:
+        """Whether every step from here on is empty (only with ``num_epochs``)."""
+        return not self._carry and self.stream.peek() is None
+
     # --- resume ----------------------------------------------------------------------------
     def _fingerprint(self) -> dict[str, Any]:
         return {
-            "seed": self.seed,
-            "num_documents": int(self.lengths.shape[0]),
-            "num_tokens": int(self.lengths.sum()),
+            **self.stream.fingerprint(),
             "tokens_per_step": self.tokens_per_step,
             "num_micro_batches": self.num_micro_batches,
-            "max_length": self.max_length,
-            "long_documents": self.long_documents,
             "micro_batch_capacity": self.micro_batch_capacity,
         }
 
@@ -269,16 +233,19 @@ class DocumentSampler:
             "format": _STATE_FORMAT,
             "config": self._fingerprint(),
             "step": self._step,
-            "epoch": self._epoch,
-            "position": self._position,
-            "piece": self._piece,
+            "sources": self.stream.state_dict(),
             "carry": [[u.doc, u.start, u.end, u.epoch] for u in self._carry],
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume from ``state_dict()``; refuses a state saved with other settings or data."""
         if not isinstance(state, dict) or state.get("format") != _STATE_FORMAT:
-            raise ValueError("not a sampler state: expected a dict from DocumentSampler.state_dict")
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(
+                f"not a sampler state of this version (format {found!r}, expected "
+                f"{_STATE_FORMAT!r}, from DocumentSampler.state_dict): resume with the version "
+                "that wrote it, or delete the state file to replay the sampler instead"
+            )
         saved, mine = state["config"], self._fingerprint()
         changed = sorted(k for k in mine if saved.get(k) != mine[k])
         if changed:
@@ -287,10 +254,8 @@ class DocumentSampler:
                 f"the sampler state was saved with other settings or another dataset ({details});"
                 " resume with the same dataset and data flags, or start a new run"
             )
+        self.stream.load_state_dict(state["sources"])
         self._step = int(state["step"])
-        self._epoch = int(state["epoch"])
-        self._position = int(state["position"])
-        self._piece = int(state["piece"])
         self._carry = [DocumentSlice(*map(int, unit)) for unit in state["carry"]]
 
     @property

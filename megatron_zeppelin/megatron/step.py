@@ -135,7 +135,7 @@ def run_micro_batch(
     params = ZeppelinPackedSeqParams(
         plan=plan,
         rank=runtime.zeppelin_rank,
-        exchanger=runtime.exchanger.set_plan(plan),
+        exchanger=runtime.exchanger.for_plan(plan),
         remap_group=runtime.remap_group,
         positions=batch.position_ids_t,
         kernel=runtime.config.kernel,

@@ -11,6 +11,13 @@ the ``TransformerConfig`` Megatron builds from its arguments, the CPU job the on
 built from, and the CLI's presets (``MODEL_PRESETS``) are written as the same config fields.
 So a preset and a Megatron run of the same model price attention, K/V bytes and thresholds
 alike (heads, K/V heads, dtype, tensor parallelism are read in one place).
+
+Under pipeline parallelism a GPU runs one stage: ``num_layers`` counts that stage's layers and
+``pipeline`` (a ``PipelineStage``) says which they are and whether the stage also runs the
+embedding (first stage) and the output layer with the loss (last stage). Every stage plans the
+same plan (the next stage receives exactly the rows the plan's linear layout gives a rank), and
+it does: the planner's choices rest on per-layer figures, which are the same on every stage;
+the stage's layers scale its predicted step time.
 """
 
 from __future__ import annotations
@@ -21,6 +28,45 @@ from typing import Any
 
 ATTN_BWD_OVER_FWD = 2.5
 GEMM_BWD_OVER_FWD = 2.0
+
+
+@dataclass(frozen=True)
+class PipelineStage:
+    """The part of the model one pipeline stage runs (Megatron's own split of the layers, read
+    by ``megatron/pipeline.py``). Stages and layers count from 0, as Megatron numbers pipeline
+    ranks and the layers in its checkpoints."""
+
+    index: int
+    num_stages: int
+    layers: tuple[int, ...]
+    """The transformer layers this stage holds, over its virtual-pipeline chunks, ascending."""
+    embedding: bool
+    """Runs the input embedding (the first stage)."""
+    output_layer: bool
+    """Runs the output layer and the loss (the last stage)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layers", tuple(int(n) for n in self.layers))
+        if not 0 <= self.index < self.num_stages:
+            raise ValueError(f"pipeline stage {self.index} outside 0..{self.num_stages - 1}")
+        if list(self.layers) != sorted(set(self.layers)):
+            raise ValueError(f"pipeline stage {self.index}: layers {self.layers} not ascending")
+
+    def describe(self) -> str:
+        """``"PP stage 1 of 2, layers 2-3, output layer and loss"``."""
+        runs: list[list[int]] = []
+        for layer in self.layers:
+            if runs and layer == runs[-1][-1] + 1:
+                runs[-1].append(layer)
+            else:
+                runs.append([layer])
+        spans = ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else f"{r[0]}" for r in runs)
+        parts = [f"PP stage {self.index} of {self.num_stages}", f"layers {spans or 'none'}"]
+        if self.embedding:
+            parts.append("embedding")
+        if self.output_layer:
+            parts.append("output layer and loss")
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -38,6 +84,9 @@ class ModelSpec:
     """Bytes per activation element (2 for bf16/fp16, 4 for fp32)."""
     tensor_parallel: int = 1
     """Tensor-parallel size inside one Zeppelin rank: per-GPU work divides by it."""
+    pipeline: PipelineStage | None = None
+    """The pipeline stage this GPU runs (``num_layers`` are its layers); ``None``: the whole
+    model, embedding and output layer included."""
     num_experts: int = 0
     """Experts of each MoE layer; 0: a dense model."""
     moe_topk: int = 0
@@ -47,7 +96,8 @@ class ModelSpec:
     moe_shared_ffn_hidden_size: int = 0
     """FFN size of the shared experts every token runs through (0: none)."""
     num_moe_layers: int = 0
-    """Layers with experts (Megatron's ``--moe-layer-freq``); the others are dense."""
+    """Layers with experts (Megatron's ``--moe-layer-freq``) of the ``num_layers``; the others
+    are dense."""
 
     def __post_init__(self) -> None:
         for label in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size"):
@@ -79,6 +129,11 @@ class ModelSpec:
                 f"model {self.name}: tensor_parallel {self.tensor_parallel} does not divide "
                 f"num_kv_heads {self.num_kv_heads}"
             )
+        if self.pipeline is not None and len(self.pipeline.layers) != self.num_layers:
+            raise ValueError(
+                f"model {self.name}: {self.num_layers} layers but its pipeline stage holds "
+                f"{len(self.pipeline.layers)}"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -109,6 +164,20 @@ class ModelSpec:
             )
         return (qkv + proj + mlp) * (1.0 + GEMM_BWD_OVER_FWD) / self.tensor_parallel
 
+    def output_flops_per_token(self) -> float:
+        """Forward+backward FLOPs of the output layer (logits GEMM) for one token, per GPU, on a
+        GPU that runs it (every GPU without pipeline parallelism, the last stage with it); the
+        embedding is a lookup, no GEMM."""
+        if self.pipeline is not None and not self.pipeline.output_layer:
+            return 0.0
+        logits = 2.0 * self.hidden_size * self.vocab_size
+        return logits * (1.0 + GEMM_BWD_OVER_FWD) / self.tensor_parallel
+
+    def stage_flops_per_token(self) -> float:
+        """Forward+backward GEMM FLOPs of one token through everything this GPU runs: its
+        layers' linear modules and, where it runs it, the output layer."""
+        return self.num_layers * self.linear_flops_per_token() + self.output_flops_per_token()
+
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V of one token in one layer, per GPU (what a ring step carries)."""
         return 2 * self.num_kv_heads * self.head_dim * self.dtype_bytes // self.tensor_parallel
@@ -136,11 +205,18 @@ def dtype_bytes_of(config: Any) -> int:
     return 2 if params_dtype in ("torch.bfloat16", "torch.float16") else 4
 
 
-def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -> ModelSpec:
+def model_from_config(
+    config: Any,
+    *,
+    vocab_size: int,
+    name: str = "megatron",
+    pipeline: PipelineStage | None = None,
+) -> ModelSpec:
     """The planner's model of a Megatron ``TransformerConfig`` (or any object with its field
     names): layers, hidden size, query heads, K/V heads (``num_query_groups``, which Megatron
     sets only with ``--group-query-attention``; ``None`` means one per query head), FFN size,
-    dtype (``dtype_bytes_of``), tensor-parallel size, and the experts (``moe_fields``)."""
+    dtype (``dtype_bytes_of``), tensor-parallel size, and the experts (``moe_fields``). With
+    ``pipeline``, the model of that stage: its own layers."""
     heads = int(config.num_attention_heads)
     kv_channels = getattr(config, "kv_channels", None)
     if kv_channels is not None and int(kv_channels) * heads != int(config.hidden_size):
@@ -151,7 +227,7 @@ def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -
         )
     return ModelSpec(
         name=name,
-        num_layers=int(config.num_layers),
+        num_layers=len(pipeline.layers) if pipeline else int(config.num_layers),
         hidden_size=int(config.hidden_size),
         num_heads=heads,
         num_kv_heads=int(getattr(config, "num_query_groups", None) or heads),
@@ -159,31 +235,34 @@ def model_from_config(config: Any, *, vocab_size: int, name: str = "megatron") -
         vocab_size=int(vocab_size),
         dtype_bytes=dtype_bytes_of(config),
         tensor_parallel=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
-        **moe_fields(config),
+        pipeline=pipeline,
+        **moe_fields(config, pipeline=pipeline),
     )
 
 
-def moe_layer_count(freq: Any, num_layers: int) -> int:
-    """Layers with experts under Megatron's ``moe_layer_freq``: an integer N puts experts in
+def moe_layers(freq: Any, num_layers: int) -> list[int]:
+    """The layers with experts under Megatron's ``moe_layer_freq``: an integer N puts experts in
     every N-th layer from the first, a list marks each layer (1: experts, 0: dense)."""
     if isinstance(freq, int):
-        return len(range(0, num_layers, freq))
+        return list(range(0, num_layers, freq))
     pattern = list(freq)
     if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
         raise ValueError(
             f"--moe-layer-freq {pattern} must give 0 or 1 for each of the {num_layers} layers"
         )
-    return sum(pattern)
+    return [layer for layer, experts in enumerate(pattern) if experts]
 
 
-def moe_fields(config: Any) -> dict[str, int]:
+def moe_fields(config: Any, *, pipeline: PipelineStage | None = None) -> dict[str, int]:
     """``ModelSpec``'s expert fields from a Megatron config (``num_moe_experts``,
     ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_shared_expert_intermediate_size``,
-    ``moe_layer_freq``); empty for a dense model."""
+    ``moe_layer_freq``; with ``pipeline``, the MoE layers among the stage's); empty for a dense
+    model."""
     experts = int(getattr(config, "num_moe_experts", None) or 0)
     if not experts:
         return {}
-    layers = int(config.num_layers)
+    with_experts = moe_layers(getattr(config, "moe_layer_freq", 1), int(config.num_layers))
+    held = pipeline.layers if pipeline else range(int(config.num_layers))
     return {
         "num_experts": experts,
         "moe_topk": int(config.moe_router_topk),
@@ -193,7 +272,7 @@ def moe_fields(config: Any) -> dict[str, int]:
         "moe_shared_ffn_hidden_size": int(
             getattr(config, "moe_shared_expert_intermediate_size", None) or 0
         ),
-        "num_moe_layers": moe_layer_count(getattr(config, "moe_layer_freq", 1), layers),
+        "num_moe_layers": len(set(with_experts) & set(held)),
     }
 
 

@@ -17,6 +17,7 @@ still running after ``timeout_s`` fail the call instead of hanging it.
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 import time
@@ -137,6 +138,13 @@ class ThreadExchanger:
         self.plan = plan
         self._routes = {(r.src, r.dst): r for r in plan.routes}
         return self
+
+    def for_plan(self, plan: Plan) -> ThreadExchanger:
+        """A view of this exchanger bound to ``plan``'s routes (sharing its groups and
+        counters); the exchanger itself keeps its own. Several micro-batches may be in flight at
+        once (a pipeline schedule runs forwards ahead of their backwards), each sending along
+        its own plan's routes."""
+        return copy.copy(self).set_plan(plan)
 
     def _legs(self, msg: Message) -> tuple[Leg, ...]:
         route = self._routes.get((msg.src, msg.dst)) if self.routing else None

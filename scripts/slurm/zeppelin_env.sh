@@ -134,23 +134,25 @@ export NCCL_DEBUG NCCL_DEBUG_SUBSYS=INIT,NET
 #   OPTIMIZER_ARGS  weight decay, clipping, Adam
 #   CHECKPOINT_ARGS where and how often to save, and what to load
 #   LOG_ARGS        logging and TensorBoard
+#   DATA_ARGS       the dataset and its train/valid/test split (by documents)
+#   EVAL_ARGS       validation: how often and how many iterations
 #   EXTRA_ARGS      anything else, e.g. EXTRA_ARGS="--seed 7 --moe-token-dispatcher-type alltoall"
 #   ZEPPELIN_TRAIN_ARGS  all of the above at once: set, it is used as it is (EXTRA_ARGS still
 #                   follows it)
-# There is no --split: Zeppelin's sampler trains on every document of DATA_PREFIX (validation
-# during training is not supported with --zeppelin yet; docs/MEGATRON.md).
 ZEPPELIN_YAMLS="$ZEPPELIN_DIR/configs/models/$MODEL.yaml $ZEPPELIN_DIR/configs/clusters/$CLUSTER.yaml"
 : "${SPEC_ARGS=--spec megatron_zeppelin.megatron.spec te}"
 : "${LR_ARGS=--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100}"
 : "${OPTIMIZER_ARGS=--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --use-distributed-optimizer}"
 : "${CHECKPOINT_ARGS=--save $RUN_DIR/checkpoints --load $RUN_DIR/checkpoints --save-interval 500}"
 : "${LOG_ARGS=--log-interval 10 --tensorboard-dir $RUN_DIR/tensorboard}"
+: "${DATA_ARGS=--data-path $DATA_PREFIX --split 998,1,1}"
+: "${EVAL_ARGS=--eval-interval 1000 --eval-iters 0}"
 : "${EXTRA_ARGS=}"
 : "${ZEPPELIN_TRAIN_ARGS=$SPEC_ARGS\
  --micro-batch-size 1 --global-batch-size $GLOBAL_BATCH_SIZE --train-iters $TRAIN_ITERS\
  $LR_ARGS $OPTIMIZER_ARGS\
- --data-path $DATA_PREFIX $TOKENIZER_ARGS --distributed-backend nccl\
- $CHECKPOINT_ARGS $LOG_ARGS --eval-interval 1000 --eval-iters 0 --manual-gc}"
+ $DATA_ARGS $TOKENIZER_ARGS --distributed-backend nccl\
+ $CHECKPOINT_ARGS $LOG_ARGS $EVAL_ARGS --manual-gc}"
 # The program every rank runs, as one shell string for `bash -c` (inside the container).
 ZEPPELIN_PRETRAIN="python $MEGATRON_DIR/pretrain_gpt.py\
  \$(python $ZEPPELIN_DIR/scripts/yaml_to_args.py $ZEPPELIN_YAMLS) $ZEPPELIN_TRAIN_ARGS $EXTRA_ARGS"

@@ -13,15 +13,18 @@ core_v0.16.1 checkout) on CPU and reading its source
     ``_initialize_distributed`` creates the model-parallel groups, and ``_set_random_seed``
     seeds the model-parallel RNG tracker, only when a device is counted.
 ``torch.cuda.current_device`` -> 0, ``torch.cuda.set_device`` -> nothing
-    Megatron places each rank on ``cuda:LOCAL_RANK``; here every rank's device is the CPU.
+    Megatron places each rank on ``cuda:LOCAL_RANK``; here every rank's device is the CPU (the
+    pipeline schedules' buffers, ``p2p_communication``'s received activations and shape
+    messages among them, are made on ``current_device()``: device 0 means the CPU below).
 ``torch.cuda.get_device_properties`` -> a Hopper GPU
     ``validate_args`` asks for the GPU architecture when TP or CP is above 1
     (``get_device_arch_version``), to decide about ``CUDA_DEVICE_MAX_CONNECTIONS``.
 ``torch.cuda.Stream``, ``current_stream``, ``stream``, ``synchronize``
-    ``get_model`` wraps DDP construction in a side stream and makes the default stream wait, and
-    the timers synchronize, and the MoE all-to-all dispatcher records an event on a side stream
-    and waits for it before reading its token counts; CPU work is synchronous, so ordering
-    calls have nothing to do and every event has happened.
+    ``get_model`` wraps DDP construction in a side stream and makes the default stream wait, the
+    timers synchronize, so does the pipeline's exchange of activation shapes
+    (``_communicate_shapes``), and the MoE all-to-all dispatcher records an event on a side
+    stream and waits for it before reading its token counts; CPU work is synchronous, so
+    ordering calls have nothing to do and every event has happened.
 ``torch.cuda.get_rng_state``, ``torch.cuda.random.get_rng_state`` -> a CPU generator's state
     the RNG tracker (``CudaRNGStatesTracker.add``, ``fork``) and the checkpoint read the GPU
     generator's state, which would initialize CUDA; a CPU ``torch.Generator`` per process

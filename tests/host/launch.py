@@ -17,10 +17,15 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grad_dump import GRAD_DIR
+from init_by_name import INIT_BY_NAME
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 # Megatron's training_log line: "iteration        3/       4 | ... | lm loss: 4.789168E+00 |"
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([-+0-9.eEnaif]+) \|")
+# evaluate_and_print_results: " validation loss at iteration 4 on test set | lm loss value: ..."
+VALIDATION = re.compile(r" validation loss at (.+?) \| lm loss value: ([-+0-9.eEnaif]+) \|")
 
 
 @dataclass(frozen=True)
@@ -46,6 +51,13 @@ class Run:
             logged[1] = (second_iteration, 2 * mean - first)
         return dict(logged)
 
+    @property
+    def evaluations(self) -> dict[str, float]:
+        """What each evaluation printed (last rank): ``lm loss`` by where Megatron evaluated,
+        e.g. ``"iteration 2"`` (during training), ``"iteration 4 on validation set"`` and
+        ``"iteration 4 on test set"`` (after it)."""
+        return {where: float(v) for where, v in VALIDATION.findall(self.outputs[-1])}
+
     def tail(self, chars: int = 4000) -> str:
         parts = [f"--- launcher ---\n{self.launcher[-chars:]}"]
         parts += [f"--- rank {r} ---\n{out[-chars:]}" for r, out in enumerate(self.outputs)]
@@ -61,16 +73,28 @@ def _free_port() -> int:
 @dataclass(frozen=True)
 class Job:
     """One launch of ``launch_jobs``: ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size``
-    processes, logs in ``log_dir``, with ``env`` (the test-only probes of ``probes.py``)."""
+    processes, logs in ``log_dir``; with ``grad_dir`` every rank writes each iteration's
+    gradients there (``grad_dump.py``); ``env``: more variables (``init_by_name.py``)."""
 
     args: list[str]
     world_size: int
     log_dir: Path
+    grad_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+
+    def environment(self) -> dict[str, str]:
+        """This job's own variables: its rendezvous port, the probes it asks for."""
+        env = {**self.env, "MASTER_PORT": str(_free_port())}
+        if self.grad_dir is not None:
+            self.grad_dir.mkdir(parents=True, exist_ok=True)
+            env[GRAD_DIR] = str(self.grad_dir)
+        return env
 
 
 def _environment() -> dict[str, str]:
     env = dict(os.environ)
+    for probe in (GRAD_DIR, INIT_BY_NAME):  # only where a job asks for them
+        env.pop(probe, None)
     env.update(
         MASTER_ADDR="127.0.0.1",
         PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
@@ -111,17 +135,19 @@ def launch(
     world_size: int,
     log_dir: Path,
     timeout_s: float,
-    env: dict[str, str] | None = None,
+    grad_dir: Path | None = None,
 ) -> Run:
     """Run ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size`` processes (``run_on_cpu.py``)
-    within ``timeout_s``. ``env``: more environment variables (the probes of ``probes.py``)."""
+    within ``timeout_s``. ``grad_dir``: every rank writes each iteration's gradients there
+    (``grad_dump.py``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
         "--log-dir", str(log_dir), "-m", "megatron_zeppelin.pretrain_gpt", *args,
     ]  # fmt: skip
-    full_env = {**_environment(), **(env or {}), "MASTER_PORT": str(_free_port())}
-    returncode = _run(command, cwd=log_dir, env=full_env, timeout_s=timeout_s)
+    job = Job(args, world_size, log_dir, grad_dir)
+    env = {**_environment(), **job.environment()}
+    returncode = _run(command, cwd=log_dir, env=env, timeout_s=timeout_s)
     return _read(log_dir, world_size, returncode, (log_dir / "launcher.log").read_text())
 
 
@@ -135,14 +161,13 @@ def launch_jobs(jobs: list[Job], *, work_dir: Path, timeout_s: float) -> list[Ru
     for job in jobs:
         job.log_dir.mkdir(parents=True, exist_ok=True)
         (job.log_dir / "exit_status").unlink(missing_ok=True)
-        env = {**job.env, "MASTER_PORT": str(_free_port())}
         plan.append(
             {
                 "ranks": job.world_size,
                 "log_dir": str(job.log_dir),
                 "module": "megatron_zeppelin.pretrain_gpt",
                 "argv": job.args,
-                "env": env,
+                "env": job.environment(),
             }
         )
     (work_dir / "jobs.json").write_text(json.dumps(plan))

@@ -102,13 +102,19 @@ def documented_commands() -> list[Command]:
             for i, word in enumerate(words):
                 if word.endswith(ENTRY_POINTS[0]) or word == ENTRY_POINTS[1]:
                     world = _launcher_world(words[:i])
-                    commands.append(Command(where, tuple(words[i + 1 :]), world))
+                    env = tuple(_assignments(words[:i]).items())
+                    commands.append(Command(where, tuple(words[i + 1 :]), world, env=env))
                     break
     return commands
 
 
+def _assignments(words: list[str]) -> dict[str, str]:
+    """``NAME=value`` words of a command line: what it exports to the launched ranks."""
+    return dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_][A-Z0-9_]*=", w))
+
+
 def _slurm_command(words: list[str], where: str) -> Command:
-    env = dict(w.split("=", 1) for w in words if re.match(r"^[A-Z_][A-Z0-9_]*=", w))
+    env = _assignments(words)
     nodes = 2
     for i, word in enumerate(words):
         if word in ("--nodes", "-N"):

@@ -1,7 +1,8 @@
 """``python tests/host/run_on_cpu.py --ranks N --log-dir DIR -m MODULE ARGS...``: what torchrun
 does on one node for ``python -m MODULE ARGS...``, on CPU, with the test-only adapter installed
 in every rank (``cpu_adapter.py`` says what it changes and why), and the test-only probes the
-environment asks for (``probes.py``: gradients written after every step, weights drawn by name).
+environment asks for: the gradient dump of ``grad_dump.py`` (``ZEPPELIN_TEST_GRAD_DIR``), weights
+drawn by name (``init_by_name.py``, ``ZEPPELIN_TEST_INIT_BY_NAME``).
 
 Every rank runs MODULE as ``__main__`` exactly as ``python -m`` does, with ``RANK``,
 ``LOCAL_RANK`` and ``WORLD_SIZE`` set, its output in ``DIR/rankR.log``. The ranks are forked
@@ -26,7 +27,8 @@ import signal
 import sys
 
 import cpu_adapter  # next to this file: sys.path[0]
-import probes
+import grad_dump
+import init_by_name
 
 # Imported once before forking (what every rank imports first anyway).
 PRELOAD = ("torch", "megatron.training.training", "megatron_zeppelin.megatron.hooks")
@@ -39,7 +41,8 @@ def _run_rank(rank: int, world_size: int, log_dir: str, module: str, argv: list[
     os.dup2(log, 2)
     sys.argv = [module, *argv]
     cpu_adapter.install()
-    probes.install()
+    grad_dump.install()  # only where ZEPPELIN_TEST_GRAD_DIR is set
+    init_by_name.install()  # only where ZEPPELIN_TEST_INIT_BY_NAME is set
     code = 0
     try:
         runpy.run_module(module, run_name="__main__", alter_sys=True)

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.host
 FLAGS = [
     *MODEL,
     *"--micro-batch-size 1 --global-batch-size 1 --train-iters 1 --lr 1e-3".split(),
-    *"--eval-iters 0 --eval-interval 10 --data-path unused".split(),
+    *"--eval-iters 0 --eval-interval 10".split(),
     *ON_CPU,
     *"--zeppelin --zeppelin-topology custom --zeppelin-nodes 1 --zeppelin-kernel torch".split(),
 ]
@@ -44,11 +44,21 @@ CASES = {
 }
 
 
-def _parsed(extra: str, monkeypatch):
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> str:
+    """A small dataset: the start-up checks read its header."""
+    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+
+    prefix = str(tmp_path_factory.mktemp("model-spec") / "docs")
+    write_synthetic_dataset(prefix, lengths=[50, 30, 20] * 10, vocab_size=128)
+    return prefix
+
+
+def _parsed(extra: str, data: str, monkeypatch):
     """Megatron's parsed, validated and global arguments for ``FLAGS + extra``."""
     from megatron.training.arguments import parse_and_validate_args
 
-    argv = [*FLAGS, *extra.split()]
+    argv = [*FLAGS, "--data-path", data, *extra.split()]
     if "tied" in extra or "LayerNorm" in extra:
         argv.remove("--untie-embeddings-and-output-weights")
     monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
@@ -115,10 +125,12 @@ def _modules(model) -> dict[str, str]:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_zeppelin_builds_the_model_megatron_builds(case: str, one_rank, monkeypatch) -> None:
+def test_zeppelin_builds_the_model_megatron_builds(
+    case: str, data: str, one_rank, monkeypatch
+) -> None:
     from megatron.training import global_vars
 
-    args = _parsed(CASES[case], monkeypatch)
+    args = _parsed(CASES[case], data, monkeypatch)
     hooks.reset()
     try:
         with warnings.catch_warnings():

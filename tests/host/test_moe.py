@@ -13,7 +13,8 @@ shared expert of 64, dropless, no auxiliary loss) trains 3 iterations on the sam
 
 Megatron draws expert weights per expert-parallel rank, so runs of different expert parallelism
 would start from different models: every run draws each weight from its global name instead
-(``probes.py``), and writes every gradient after Megatron's ``finalize_model_grads``. The
+(``init_by_name.py``), and writes every gradient after Megatron's ``finalize_model_grads``
+(``grad_dump.py``). The
 optimizer is SGD: Adam's first steps move a weight by the learning rate whatever its gradient's
 size, so a gradient that is zero up to float32 rounding (sums taken in another order) would
 move a weight in one run and not in the other; SGD moves each weight by its gradient.
@@ -29,8 +30,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from grad_dump import load_gradients
+from init_by_name import INIT_BY_NAME
 from launch import Job, Run, finite, launch_jobs
-from probes import GRADIENTS, INIT_FROM_NAMES
 from test_pretrain_loop import CAPACITY, MODEL, ON_CPU, ZEPPELIN, dataset, work  # noqa: F401
 
 pytestmark = pytest.mark.host
@@ -70,7 +72,7 @@ def _args(ranks: int, nodes: int, capacity: int, extra: str, data: str) -> list[
         *TRAINING,
         *ON_CPU,
         "--data-path",
-        data,
+        *data.split(),
         "--global-batch-size",
         str(2 * ranks),  # two micro-batches per step on every run
         *ZEPPELIN.format(nodes=nodes, capacity=capacity).split(),
@@ -83,10 +85,9 @@ def runs(work: Path, dataset: str) -> dict[str, tuple[Run, Path]]:  # noqa: F811
     jobs, gradients = [], {}
     for name, (ranks, nodes, capacity, extra) in RUNS.items():
         gradients[name] = work / f"moe-{name}-gradients"
-        gradients[name].mkdir()
-        env = {GRADIENTS: str(gradients[name]), INIT_FROM_NAMES: "1"}
         args = _args(ranks, nodes, capacity, extra, dataset)
-        jobs.append(Job(args, ranks, work / f"moe-{name}", env))
+        env = {INIT_BY_NAME: "1"}
+        jobs.append(Job(args, ranks, work / f"moe-{name}", gradients[name], env))
     done = launch_jobs(jobs, work_dir=work / "moe", timeout_s=TIMEOUT_S)
     return {name: (run, gradients[name]) for name, run in zip(RUNS, done)}
 
@@ -97,38 +98,29 @@ def _trained(run: Run) -> dict[int, float]:
     return run.losses
 
 
-def _gradients(directory: Path, iteration: int) -> dict[int, dict[str, torch.Tensor]]:
-    """Rank -> {global name: gradient} of one iteration."""
+def _held(directory: Path, iteration: int) -> dict[int, set[str]]:
+    """Rank -> the names of the parameters it holds, in the whole model (``grad_dump.py``)."""
     found = {}
     for path in sorted(directory.glob(f"rank*-iter{iteration}.pt")):
         rank = int(path.name.split("-")[0][len("rank") :])
-        found[rank] = torch.load(path)
+        found[rank] = set(torch.load(path)["grads"])
     return found
 
 
-def _assert_trains_as_one_process(runs, name: str) -> dict[int, dict[str, torch.Tensor]]:
-    """Losses and every gradient of every iteration equal the reference's; returns the last
-    iteration's gradients by rank."""
+def _assert_trains_as_one_process(runs, name: str) -> None:
+    """Losses and every gradient of every iteration equal the reference's."""
     (run, grads), (reference, reference_grads) = runs[name], runs["one"]
     expected = _trained(reference)
     losses = _trained(run)
     for iteration, loss in expected.items():
         assert abs(losses[iteration] - loss) <= TOLERANCE, (iteration, losses, expected)
     for iteration in range(1, ITERATIONS + 1):
-        (ref,) = _gradients(reference_grads, iteration).values()
-        by_rank = _gradients(grads, iteration)
-        assert len(by_rank) == 4, sorted(grads.iterdir())
-        merged = {}
-        for rank_grads in by_rank.values():
-            for key, grad in rank_grads.items():
-                merged.setdefault(key, grad)
-                # A parameter held by several ranks has the same (all-reduced) gradient on each.
-                torch.testing.assert_close(grad, merged[key], rtol=0, atol=0, msg=key)
-        assert sorted(merged) == sorted(ref), "the runs hold different parameters"
-        for key, grad in merged.items():
+        ref = load_gradients(str(reference_grads), iteration, gated=True)
+        got = load_gradients(str(grads), iteration, gated=True)
+        assert sorted(got) == sorted(ref), "the runs hold different parameters"
+        for key, grad in got.items():
             error = float((grad - ref[key]).abs().max() / ref[key].abs().max().clamp_min(1e-30))
             assert error <= TOLERANCE, (iteration, key, error)
-    return by_rank
 
 
 def _summary(run: Run) -> list[str]:
@@ -137,8 +129,8 @@ def _summary(run: Run) -> list[str]:
 
 def test_moe_with_ep1_trains_as_one_process(runs) -> None:
     _assert_trains_as_one_process(runs, "ep1")
-    reference_grads = _gradients(runs["one"][1], 1)[0]
-    experts = {m.group(1) for key in reference_grads for m in [LOCAL_EXPERT.search(key)] if m}
+    (reference_names,) = _held(runs["one"][1], 1).values()
+    experts = {m.group(1) for key in reference_names for m in [LOCAL_EXPERT.search(key)] if m}
     assert experts == {str(e) for e in range(EXPERTS)}, "the reference has no experts"
     summary = _summary(runs["ep1"][0])
     assert any(
@@ -152,10 +144,12 @@ def test_moe_with_ep1_trains_as_one_process(runs) -> None:
 
 
 def test_moe_with_ep2_trains_as_one_process(runs) -> None:
-    by_rank = _assert_trains_as_one_process(runs, "ep2")
+    _assert_trains_as_one_process(runs, "ep2")
     # Expert parallelism 2: ranks 0 and 2 hold experts 0 and 1, ranks 1 and 3 experts 2 and 3.
-    for rank, grads in by_rank.items():
-        held = {int(m.group(1)) for key in grads for m in [LOCAL_EXPERT.search(key)] if m}
+    by_rank = _held(runs["ep2"][1], ITERATIONS)
+    assert sorted(by_rank) == [0, 1, 2, 3]
+    for rank, names in by_rank.items():
+        held = {int(m.group(1)) for key in names for m in [LOCAL_EXPERT.search(key)] if m}
         assert held == ({0, 1} if rank % 2 == 0 else {2, 3}), (rank, held)
     summary = _summary(runs["ep2"][0])
     assert any("MoE 4 experts, top-2, EP 2 (alltoall dispatcher" in line for line in summary)

@@ -3,18 +3,23 @@
 process does.
 
 A tiny GPT (2 layers, hidden 64, dropout 0, weights drawn on CPU from the seed, so every
-tensor-parallel size starts from the same model) trains a few iterations on a dataset written by
-``zeppelin make-dataset``. Every run's sampler sees the same micro-batch budget (4 x 64 tokens),
-so every run trains the same global batches:
+tensor-parallel size starts from the same model) trains a few iterations on a blend of two
+datasets written by ``zeppelin make-dataset`` (``--data-path 0.3 A 0.7 B --split 8,1,1``), and
+evaluates every 2 iterations, after training and on the test split. Every run's sampler sees the
+same micro-batch budget (4 x 64 tokens), so every run trains and evaluates the same global
+batches of the same documents:
 
 * one process (the reference): every document whole on the one rank;
 * TP 1 on 4 ranks, 64 tokens per GPU: a node holds 128 tokens, so longer documents ring across
   nodes, and some micro-batches hold a single document (fewer documents than ranks);
 * TP 2 with sequence parallelism on 4 ranks: 2 Zeppelin ranks of 128 tokens, one per node.
 
-Every iteration's loss must be finite and equal the reference's within 1e-5. The TP 1 run saves a
-checkpoint at iteration 2 (what a run killed after iteration 2 leaves on disk); new processes
-``--load`` it, and their iterations 3 and 4 must equal the uninterrupted run's.
+Every iteration's loss, and every validation and test loss Megatron prints, must be finite and
+equal the reference's within 1e-5. The TP 1 run saves a checkpoint at iteration 2 (what a run
+killed after iteration 2 leaves on disk); new processes ``--load`` it, and their iterations 3 and
+4, and the evaluations after them, must equal the uninterrupted run's: the sampler state saved
+beside the checkpoint covers both datasets of the blend, and the validation stream continues
+where Megatron's count of consumed validation samples says.
 
 Tier: host. The processes run through ``run_on_cpu.py`` (the test-only ``cpu_adapter``).
 """
@@ -41,6 +46,7 @@ SAVE_AT = 2
 TIMEOUT_S = 420.0
 TOLERANCE = 1e-5
 # Up to 250 tokens: over one node's 128 tokens (inter-node rings), and alone in a micro-batch.
+# Dataset A; with --split 8,1,1 documents 0-23 train, 24-26 validate and 27-29 test.
 LENGTHS = (
     250,
     7,
@@ -74,6 +80,11 @@ LENGTHS = (
     100,
 )
 
+# Dataset B: 20 shorter documents (0-15 train, 16-17 validate, 18-19 test).
+LENGTHS_B = (9, 64, 31, 120, 4, 77, 15, 48, 101, 22, 3, 58, 36, 90, 12, 70, 27, 140, 50, 8)
+BLEND = "0.3 {a} 0.7 {b}"
+EVAL_INTERVAL = 2
+
 MODEL = (
     "--num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --swiglu "
     "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
@@ -83,8 +94,11 @@ MODEL = (
 ).split()
 TRAINING = (
     f"--micro-batch-size 1 --train-iters {ITERATIONS} --lr 1e-3 --clip-grad 1.0 "
-    "--eval-iters 0 --eval-interval 1000 --log-interval 1"
+    f"--eval-iters 1 --eval-interval {EVAL_INTERVAL} --split 8,1,1 --log-interval 1"
 ).split()
+# What Megatron evaluates in a run of 4 iterations: during training, then after it.
+EVALUATIONS = ["iteration 2", "iteration 4", "iteration 4 on validation set"]
+TEST = "iteration 4 on test set"
 # Megatron on CPU: no Apex / TransformerEngine kernels, gloo, no loader workers (see cpu_adapter).
 ON_CPU = (
     "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
@@ -111,7 +125,7 @@ def _args(*, ranks: int, tp: int, nodes: int, capacity: int, data: str, extra=()
         *TRAINING,
         *ON_CPU,
         "--data-path",
-        data,
+        *data.split(),
         "--global-batch-size",
         str(global_batch),
         "--tensor-model-parallel-size",
@@ -126,12 +140,11 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pretrain")
 
 
-@pytest.fixture(scope="module")
-def dataset(work: Path) -> str:
+def _make_dataset(work: Path, name: str, lengths: tuple[int, ...]) -> str:
     """Written by ``zeppelin make-dataset``, as a user would."""
-    lengths = work / "lengths.txt"
-    lengths.write_text(" ".join(map(str, LENGTHS)))
-    prefix = str(work / "docs")
+    listed = work / f"{name}.txt"
+    listed.write_text(" ".join(map(str, lengths)))
+    prefix = str(work / name)
     done = subprocess.run(
         [
             sys.executable,
@@ -141,7 +154,7 @@ def dataset(work: Path) -> str:
             "--output",
             prefix,
             "--lengths",
-            str(lengths),
+            str(listed),
             "--vocab-size",
             str(VOCAB),
         ],
@@ -154,16 +167,36 @@ def dataset(work: Path) -> str:
     return prefix
 
 
+@pytest.fixture(scope="module")
+def dataset(work: Path) -> str:
+    """The ``--data-path`` values: a weighted blend of two datasets."""
+    a, b = _make_dataset(work, "docs", LENGTHS), _make_dataset(work, "more", LENGTHS_B)
+    return BLEND.format(a=a, b=b)
+
+
 def _trained(run: Run) -> dict[int, float]:
     assert run.returncode == 0, run.tail()
     assert finite(run.losses), run.tail()
     return run.losses
 
 
+def _evaluated(run: Run) -> dict[str, float]:
+    """The validation and test losses Megatron printed: every evaluation, each finite."""
+    assert run.returncode == 0, run.tail()
+    assert sorted(run.evaluations) == sorted([*EVALUATIONS, TEST]), run.tail()
+    assert finite(run.evaluations), run.tail()
+    return run.evaluations
+
+
 @pytest.fixture(scope="module")
-def reference(work: Path, dataset: str) -> dict[int, float]:
+def reference_run(work: Path, dataset: str) -> Run:
     args = _args(ranks=1, tp=1, nodes=1, capacity=4 * CAPACITY, data=dataset)
-    losses = _trained(launch(args, world_size=1, log_dir=work / "one", timeout_s=TIMEOUT_S))
+    return launch(args, world_size=1, log_dir=work / "one", timeout_s=TIMEOUT_S)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Run) -> dict[int, float]:
+    losses = _trained(reference_run)
     assert sorted(losses) == list(range(1, ITERATIONS + 1))
     return losses
 
@@ -175,7 +208,7 @@ def tp1_run(work: Path, dataset: str) -> Run:
     return launch(args, world_size=4, log_dir=work / "tp1", timeout_s=TIMEOUT_S)
 
 
-def _assert_close(losses: dict[int, float], expected: dict[int, float]) -> None:
+def _assert_close(losses: dict, expected: dict) -> None:
     assert sorted(losses) == sorted(expected), (losses, expected)
     for iteration, loss in expected.items():
         assert abs(losses[iteration] - loss) <= TOLERANCE, (iteration, losses, expected)
@@ -207,7 +240,17 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert plans and plans == sorted(plans) and plans[-1] > 1, tp1_run.tail()
 
 
-def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
+def test_validation_and_test_losses_equal_the_one_process_values(
+    tp1_run: Run, reference_run: Run
+) -> None:
+    # The same held-out documents (Megatron's split of each dataset of the blend), evaluated
+    # forward only over 4 ranks: the per-token loss over all their tokens, as one process has it.
+    _assert_close(_evaluated(tp1_run), _evaluated(reference_run))
+
+
+def test_tp2_with_sequence_parallelism_trains_as_one_process(
+    work, dataset, reference, reference_run
+) -> None:
     # With --manual-gc, as docs/MEGATRON.md runs it: Megatron turns the collector off itself.
     args = _args(
         ranks=4,
@@ -219,6 +262,7 @@ def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, refe
     )
     run = launch(args, world_size=4, log_dir=work / "tp2-sp", timeout_s=TIMEOUT_S)
     _assert_close(_trained(run), reference)
+    _assert_close(_evaluated(run), _evaluated(reference_run))
     assert not any("collector" in line for line in _startup_summary(run)), run.tail()
     shape, cost_model = _startup_summary(run)[:2]
     assert shape.startswith("zeppelin: node shape 2 nodes x 1 Zeppelin ranks")
@@ -232,5 +276,11 @@ def test_resuming_from_a_checkpoint_continues_the_uninterrupted_run(
     uninterrupted = _trained(tp1_run)
     load = ["--load", str(work / "checkpoints"), "--ckpt-step", str(SAVE_AT)]
     args = _args(ranks=4, tp=1, nodes=2, capacity=CAPACITY, data=dataset, extra=load)
-    resumed = _trained(launch(args, world_size=4, log_dir=work / "resumed", timeout_s=TIMEOUT_S))
-    _assert_close(resumed, {i: v for i, v in uninterrupted.items() if i > SAVE_AT})
+    run = launch(args, world_size=4, log_dir=work / "resumed", timeout_s=TIMEOUT_S)
+    _assert_close(_trained(run), {i: v for i, v in uninterrupted.items() if i > SAVE_AT})
+    # Restored from the state saved beside the checkpoint (both datasets' places), not replayed.
+    assert f"zeppelin: sampler restored at iteration {SAVE_AT}" in run.outputs[0], run.tail()
+    # Evaluations after the resume continue the validation stream where it stood.
+    later = {k: v for k, v in _evaluated(tp1_run).items() if k != f"iteration {SAVE_AT}"}
+    _assert_close(run.evaluations, later)
+    assert finite(run.evaluations)

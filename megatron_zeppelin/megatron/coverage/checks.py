@@ -10,8 +10,6 @@ from megatron_zeppelin.megatron.coverage.answers import shown
 POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
 BALANCING_WITHOUT_LOSS = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
 """Load-balancing kinds that are a loss, inert at coefficient 0, or nothing at all."""
-LEGACY_DEFAULT_SPLIT = "969, 30, 1"
-"""What Megatron's ``validate_args`` sets ``--split`` to when ``--data-path`` comes without it."""
 
 
 def _as_list(value) -> list:
@@ -19,11 +17,20 @@ def _as_list(value) -> list:
 
 
 def token_dispatcher(args: argparse.Namespace) -> str | None:
-    """All-to-all always; all-gather only where the ranks it gathers over hold the same rows."""
+    """All-to-all always; all-gather only where the ranks it gathers over hold the same rows,
+    and without pipeline parallelism (its stages exchange rows whose count changes per
+    micro-batch: Megatron's ``variable_seq_lengths``, which the all-gather dispatcher refuses)."""
     kind = getattr(args, "moe_token_dispatcher_type", "allgather")
-    if kind == "alltoall":
-        return None
+    if kind == "alltoall" or not getattr(args, "num_experts", None):
+        return None  # a dense model dispatches nothing
     if kind == "allgather":
+        if int(getattr(args, "pipeline_model_parallel_size", 1) or 1) > 1:
+            return (
+                "--moe-token-dispatcher-type allgather: --zeppelin with pipeline parallelism "
+                "sends each stage a row count that changes per micro-batch, which Megatron's "
+                "allgather token dispatcher does not support: use --moe-token-dispatcher-type "
+                "alltoall"
+            )
         ep = int(getattr(args, "expert_model_parallel_size", 1) or 1)
         tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
         etp = int(getattr(args, "expert_tensor_parallel_size", None) or tp)
@@ -85,17 +92,6 @@ def weight_remat(flag: str, remat_dest: str):
     return check
 
 
-def eval_iters(args: argparse.Namespace) -> str | None:
-    """No validation during training yet (``--skip-train`` runs evaluation only)."""
-    iters = int(getattr(args, "eval_iters", 0) or 0)
-    if not iters or getattr(args, "skip_train", False):
-        return None
-    return (
-        f"--eval-iters {iters}: Zeppelin has no validation split yet (its sampler walks the "
-        "whole dataset): set --eval-iters 0"
-    )
-
-
 def eval_interval(args: argparse.Namespace) -> str | None:
     """Megatron divides ``--train-iters`` by it when it counts samples, even with
     ``--eval-iters 0``; its default (``None``) fails there with a ``TypeError``."""
@@ -141,22 +137,28 @@ def transformer_impl(args: argparse.Namespace) -> str | None:
     )
 
 
-def data_path(args: argparse.Namespace) -> str | None:
-    """One dataset prefix; blends (weights and several prefixes) are refused."""
-    paths = getattr(args, "data_path", None)
-    if paths is None or len(paths) == 1:
+def eval_micro_batch_size(args: argparse.Namespace) -> str | None:
+    value = getattr(args, "eval_micro_batch_size", None)
+    if value in (None, 1):
         return None
     return (
-        f"--data-path {shown(paths)}: Zeppelin reads one dataset (no blend of several yet): "
-        "give --data-path PREFIX"
+        f"--zeppelin packs each micro-batch's documents into one row: set "
+        f"--eval-micro-batch-size 1 (got {value})"
     )
 
 
-def split(args: argparse.Namespace) -> str | None:
-    value = getattr(args, "split", None)
-    if value is None or value == LEGACY_DEFAULT_SPLIT:
+def dataloader_type(args: argparse.Namespace) -> str | None:
+    if getattr(args, "dataloader_type", None) != "external":
+        return None
+    return "--zeppelin draws the documents itself: drop --dataloader-type external"
+
+
+def rank_mapping(args: argparse.Namespace) -> str | None:
+    """A pipeline stage's data-parallel ranks on consecutive GPUs (``args.stage_node``)."""
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    if pp == 1 or not getattr(args, "use_tp_pp_dp_mapping", False):
         return None
     return (
-        f"--split {value}: Zeppelin's sampler walks every document of --data-path (no "
-        "train/valid/test split yet): drop --split"
+        "--zeppelin needs each pipeline stage's data-parallel ranks on consecutive GPUs "
+        "(Megatron's default rank order): drop --use-tp-pp-dp-mapping"
     )

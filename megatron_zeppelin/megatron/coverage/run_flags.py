@@ -19,6 +19,18 @@ from megatron_zeppelin.megatron.coverage.model_flags import (
 )
 
 HOOKS = "tests/test_hooks.py::test_megatron_flags_the_hooks_cannot_honour_are_refused"
+PIPELINE = "tests/host/test_pipeline.py::test_1f1b_stages_train_as_one_process"
+INTERLEAVED = "tests/host/test_pipeline.py::test_interleaved_stages_resume_the_pipeline_checkpoint"
+STAGE_LAYERS = (
+    "tests/host/test_pipeline.py::test_a_stage_plans_with_the_layers_megatron_builds_on_it"
+)
+VALIDATION_LOSSES = (
+    "tests/host/test_pretrain_loop.py::test_validation_and_test_losses_equal_the_one_process_values"
+)
+EVALUATION = "tests/test_evaluation.py::"
+REFUSED_FLAGS = EVALUATION + "test_data_and_evaluation_flags_zeppelin_cannot_honour_are_refused"
+BLEND = "tests/test_blend.py::"
+DATA_FLAGS = BLEND + "test_every_form_of_megatrons_data_flags"
 RESUME = (
     "tests/host/test_pretrain_loop.py::"
     "test_resuming_from_a_checkpoint_continues_the_uninterrupted_run"
@@ -62,30 +74,60 @@ PARALLEL = [
         change="drop --max-seqlen-per-dp-cp-rank (--zeppelin-capacity bounds a rank's tokens)",
     ),
     *irrelevant("--cp-comm-type", ONLY_WITH.format("--context-parallel-size above 1")),
-    *refused(
+    *supported(
         "--pipeline-model-parallel-size",
-        "pipeline parallelism is not supported with --zeppelin yet",
-        change="set --pipeline-model-parallel-size 1 and use tensor parallelism or more "
-        "data-parallel ranks",
-        allowed=(1,),
+        "each stage's data-parallel group is a Zeppelin world planning the same plans; stages "
+        "exchange their rows with Megatron's variable_seq_lengths (1F1B); a stage's GPUs fill "
+        "whole nodes or share one",
+        test=PIPELINE,
     ),
-    *refused(
+    *supported(
         "--num-layers-per-virtual-pipeline-stage",
-        "virtual pipeline stages are not supported with --zeppelin yet",
-        change="drop --num-layers-per-virtual-pipeline-stage",
+        "Megatron's interleaved schedule: every model chunk runs every micro-batch's plan",
+        test=INTERLEAVED,
     ),
-    *refused(
+    *supported(
         "--num-virtual-stages-per-pipeline-rank",
-        "virtual pipeline stages are not supported with --zeppelin yet",
-        change="drop --num-virtual-stages-per-pipeline-rank",
+        "Megatron's interleaved schedule: every model chunk runs every micro-batch's plan",
+        test=INTERLEAVED,
+    ),
+    *supported(
+        "--decoder-first-pipeline-num-layers",
+        "Megatron's own split of the layers; a stage's cost model counts the layers Megatron "
+        "builds there",
+        test=STAGE_LAYERS,
+    ),
+    *supported(
+        "--decoder-last-pipeline-num-layers",
+        "Megatron's own split of the layers; a stage's cost model counts the layers Megatron "
+        "builds there",
+        test=STAGE_LAYERS,
+    ),
+    *supported(
+        "--account-for-embedding-in-pipeline-split",
+        "Megatron's own split of the layers; a stage's cost model counts the layers Megatron "
+        "builds there",
+        test=STAGE_LAYERS,
+    ),
+    *supported(
+        "--account-for-loss-in-pipeline-split",
+        "Megatron's own split of the layers; a stage's cost model counts the layers Megatron "
+        "builds there",
+        test=STAGE_LAYERS,
+    ),
+    *supported(
+        "--pipeline-model-parallel-layout",
+        "Megatron's own split of the layers; a stage's cost model counts the layers Megatron "
+        "builds there",
+        test=STAGE_LAYERS,
     ),
     *irrelevant(
-        "--pipeline-model-parallel-comm-backend --decoder-first-pipeline-num-layers "
-        "--decoder-last-pipeline-num-layers --pipeline-model-parallel-layout "
-        "--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split "
-        "--no-overlap-p2p-communication --overlap-p2p-communication-warmup-flush "
+        "--pipeline-model-parallel-comm-backend --no-overlap-p2p-communication "
+        "--overlap-p2p-communication-warmup-flush "
         "--microbatch-group-size-per-virtual-pipeline-stage --use-ring-exchange-p2p",
-        ONLY_WITH.format("--pipeline-model-parallel-size above 1"),
+        "how Megatron's schedules send activations between stages and order the micro-batches; "
+        "every model chunk takes the micro-batches in the order the schedule runs them "
+        "(megatron/pipeline.py)",
     ),
     *irrelevant(
         "--expert-tensor-parallel-size",
@@ -157,10 +199,12 @@ PARALLEL = [
         "process-group set-up and diagnostics; Zeppelin creates its own groups over the "
         "data-parallel ranks",
     ),
-    *irrelevant(
+    *refused(
         "--use-tp-pp-dp-mapping",
-        "with pipeline parallelism 1 (required) both rank orders put a tensor-parallel group's "
-        "ranks next to each other, as Zeppelin's node shape assumes",
+        "with pipeline parallelism a stage's data-parallel ranks must be consecutive GPUs "
+        "(Megatron's default order); without it both orders put the same ranks together",
+        change="drop --use-tp-pp-dp-mapping",
+        check=checks.rank_mapping,
     ),
 ]
 
@@ -245,7 +289,7 @@ TRAINING = [
         "--manual-gc --manual-gc-interval --no-manual-gc-eval "
         "--no-check-for-nan-in-loss-and-grad --check-for-large-grads "
         "--result-rejected-tracker-filename --use-mcore-models --batch-size "
-        "--dataloader-type --enable-experimental",
+        "--enable-experimental",
         "bookkeeping of Megatron's loop (the sampler's state is saved beside the checkpoints "
         "Megatron writes, docs/MEGATRON.md)",
     ),
@@ -266,11 +310,11 @@ TRAINING = [
 ]
 
 VALIDATION = [
-    *refused(
+    *supported(
         "--eval-iters",
-        "no validation split with --zeppelin yet (its sampler walks the whole dataset)",
-        change="set --eval-iters 0",
-        check=checks.eval_iters,
+        "each evaluation iteration is one step of whole held-out documents, forward only "
+        "through Zeppelin's path",
+        test=VALIDATION_LOSSES,
     ),
     *supported(
         "--eval-interval",
@@ -278,52 +322,81 @@ VALIDATION = [
         test=HOOKS,
         check=checks.eval_interval,
     ),
-    *irrelevant(
-        "--start-eval-at-iter --eval-global-batch-size --eval-micro-batch-size "
-        "--full-validation --multiple-validation-sets --validation-set-names",
-        ONLY_WITH.format("--eval-iters above 0"),
+    *supported(
+        "--eval-global-batch-size",
+        "a multiple of the data-parallel size; / DP micro-batches per evaluation iteration",
+        test=EVALUATION + "test_per_split_datasets_and_the_evaluation_batch_size",
     ),
-    *irrelevant("--skip-train --test-mode", "nothing trains"),
+    *supported(
+        "--eval-micro-batch-size",
+        "must be 1, as --micro-batch-size",
+        test=REFUSED_FLAGS,
+        check=checks.eval_micro_batch_size,
+    ),
+    *supported(
+        "--full-validation",
+        "every evaluation passes over every validation document once",
+        test=EVALUATION + "test_full_validation_passes_over_every_validation_document_each_time",
+    ),
+    *supported(
+        "--skip-train",
+        "evaluates validation and test from the start of each split",
+        test=EVALUATION
+        + "test_each_split_gets_its_markers_and_evaluation_reads_only_held_out_documents",
+    ),
+    *irrelevant(
+        "--start-eval-at-iter",
+        "when Megatron evaluates; Zeppelin's validation stream follows Megatron's count of "
+        "consumed validation samples",
+    ),
+    *refused(
+        "--multiple-validation-sets",
+        "Zeppelin evaluates one validation set (the datasets of --valid-data-path are "
+        "evaluated as one blend)",
+        change="drop --multiple-validation-sets",
+    ),
+    *irrelevant("--validation-set-names", ONLY_WITH.format("--multiple-validation-sets")),
+    *irrelevant("--test-mode", "a check of Megatron's own loop"),
 ]
 
 DATA = [
     *supported(
         "--data-path",
-        "one PREFIX of a .bin/.idx dataset, read document by document (blends are refused)",
+        "PREFIX, PREFIX PREFIX ... or WEIGHT PREFIX ... of .bin/.idx datasets: a blend, drawn "
+        "by tokens in proportion to the weights; files, token dtypes and weights checked at "
+        "start-up",
         test=HOST_TP1,
-        check=checks.data_path,
     ),
-    *refused(
+    *supported(
         "--split",
-        "no train/valid/test split with --zeppelin yet (its sampler walks every document; "
-        "Megatron's default split, set when --split is not given, is not refused)",
-        change="drop --split",
-        check=checks.split,
+        "Megatron's split (default 969, 30, 1), by documents: a run holds out the documents "
+        "Megatron's own split holds out",
+        test=BLEND + "test_held_out_documents_are_the_ones_megatrons_builder_holds_out",
     ),
-    *refused(
+    *supported("--data-args-path", "the --data-path list, read from a file", test=DATA_FLAGS),
+    *supported(
         "--train-data-path",
-        "Zeppelin reads one dataset from --data-path",
-        change="give --data-path PREFIX",
+        "a blend per split, each split every document of its datasets",
+        test=DATA_FLAGS,
     ),
-    *refused(
+    *supported(
         "--valid-data-path",
-        "no validation with --zeppelin yet",
-        change="drop --valid-data-path",
+        "a blend per split, each split every document of its datasets",
+        test=DATA_FLAGS,
     ),
-    *refused(
+    *supported(
         "--test-data-path",
-        "no test split with --zeppelin yet",
-        change="drop --test-data-path",
+        "a blend per split, each split every document of its datasets",
+        test=DATA_FLAGS,
     ),
-    *refused(
-        "--data-args-path",
-        "Zeppelin reads one dataset from --data-path",
-        change="give --data-path PREFIX",
+    *supported(
+        "--per-split-data-args-path", "the per-split blends, read from a file", test=DATA_FLAGS
     ),
-    *refused(
-        "--per-split-data-args-path",
-        "Zeppelin reads one dataset from --data-path",
-        change="give --data-path PREFIX",
+    *supported(
+        "--dataloader-type",
+        "single or cyclic: Megatron's loaders only count micro-batches (external is refused)",
+        test=REFUSED_FLAGS,
+        check=checks.dataloader_type,
     ),
     *refused(
         "--phase-transition-iterations",
