@@ -1,8 +1,11 @@
 """Pipeline parallelism with Zeppelin under megatron-core 0.19's real ``pretrain()``: 1F1B and
-interleaved schedules, tensor and sequence parallelism inside the stages, and a pipeline
-checkpoint resumed; every loss and every gradient equal to one process's.
+interleaved schedules, tensor and sequence parallelism inside the stages, validation and test
+through every stage, and a pipeline checkpoint resumed on a blend of two datasets; every loss
+and every gradient equal to one process's.
 
-A 4-layer GPT (otherwise the model of ``test_pretrain_loop.py``) on the same dataset. Megatron
+A 4-layer GPT (otherwise the model of ``test_pretrain_loop.py``) on the same blend of two
+datasets (``--data-path 0.3 A 0.7 B --split 8,1,1``), evaluated at iteration 4 and after
+training. Megatron
 draws a stage's weights from a seed of its own (``seed + 100 x stage``), so a pipeline run
 starts from another model than one process does; every pipeline run here therefore starts from
 a checkpoint, and is compared from there on:
@@ -19,7 +22,10 @@ a checkpoint, and is compared from there on:
 
 Every run sees the same micro-batch budget (256 tokens) and two micro-batches per step, so all
 train the same global batches. Losses within 1e-5 of the reference's, every parameter's gradient
-(as the optimizer gets it, dumped by ``grad_dump.py``) within 1e-5 of the reference's. The LR is
+(as the optimizer gets it, dumped by ``grad_dump.py``) within 1e-5 of the reference's, and
+every validation and test loss Megatron prints after the resume within 1e-5 of the reference's
+(the validation stream continues where the checkpoint's count of consumed validation samples
+says). The LR is
 constant and ``--override-opt_param-scheduler`` lets a run of another global batch size load
 the scheduler (it counts samples).
 
@@ -47,6 +53,11 @@ TOLERANCE = 1e-5
 MICRO_BATCH_TOKENS = 256
 LENGTHS = (250, 7, 200, 40, 180, 30, 150, 20, 130, 12, 90, 8, 60, 5, 3, 110, 45, 70, 25, 140)
 LENGTHS += (16, 95, 33, 11, 6, 220, 2, 80, 18, 100)
+LENGTHS_B = (9, 64, 31, 120, 4, 77, 15, 48, 101, 22, 3, 58, 36, 90, 12, 70, 27, 140, 50, 8)
+# The first evaluation comes after every checkpoint a run here loads: a resumed run places its
+# validation stream by Megatron's count of consumed validation samples, which counts samples of
+# the global batch size of the run that saved (one process's is half a pipeline run's here).
+EVAL_INTERVAL = 4
 MODEL = (
     "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --swiglu "
     "--normalization RMSNorm --position-embedding-type rope --disable-bias-linear "
@@ -56,7 +67,8 @@ MODEL = (
 ).split()
 TRAINING = (
     f"--micro-batch-size 1 --train-iters {ITERATIONS} --lr 1e-3 --lr-decay-style constant "
-    "--clip-grad 1.0 --eval-iters 0 --eval-interval 1000 --log-interval 1"
+    f"--clip-grad 1.0 --eval-iters 1 --eval-interval {EVAL_INTERVAL} --split 8,1,1 "
+    "--log-interval 1"
 ).split()
 ON_CPU = (
     "--transformer-impl local --no-gradient-accumulation-fusion --no-persist-layer-norm "
@@ -76,7 +88,7 @@ def _args(*, data: str, dp: int, nodes: int, extra: list[str]) -> list[str]:
         *TRAINING,
         *ON_CPU,
         "--data-path",
-        data,
+        *data.split(),
         "--global-batch-size",
         str(2 * dp),  # two micro-batches per step
         *ZEPPELIN.format(nodes=nodes, capacity=capacity).split(),
@@ -99,16 +111,22 @@ def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pipeline")
 
 
-@pytest.fixture(scope="module")
-def dataset(work: Path) -> str:
-    lengths = work / "lengths.txt"
-    lengths.write_text(" ".join(map(str, LENGTHS)))
-    prefix = str(work / "docs")
+def _make_dataset(work: Path, name: str, lengths: tuple[int, ...]) -> str:
+    listed = work / f"{name}.txt"
+    listed.write_text(" ".join(map(str, lengths)))
+    prefix = str(work / name)
     command = [sys.executable, "-m", "megatron_zeppelin.cli", "make-dataset", "--output", prefix]
-    command += ["--lengths", str(lengths), "--vocab-size", "128"]
+    command += ["--lengths", str(listed), "--vocab-size", "128"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return prefix
+
+
+@pytest.fixture(scope="module")
+def dataset(work: Path) -> str:
+    """The ``--data-path`` values: a weighted blend of two datasets."""
+    a, b = _make_dataset(work, "docs", LENGTHS), _make_dataset(work, "more", LENGTHS_B)
+    return f"0.3 {a} 0.7 {b}"
 
 
 def _trained(run: Run) -> dict[int, float]:
@@ -118,19 +136,36 @@ def _trained(run: Run) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def reference(work: Path, dataset: str) -> dict[int, float]:
+def reference_run(work: Path, dataset: str) -> Run:
     save = ["--save", str(work / "one" / "ckpt"), "--save-interval", str(REFERENCE_SAVE)]
     args = _args(data=dataset, dp=1, nodes=1, extra=save)
-    run = launch(
+    return launch(
         args,
         world_size=1,
         log_dir=work / "one",
         timeout_s=TIMEOUT_S,
         grad_dir=work / "one" / "grads",
     )
-    losses = _trained(run)
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run: Run) -> dict[int, float]:
+    losses = _trained(reference_run)
     assert sorted(losses) == list(range(1, ITERATIONS + 1))
     return losses
+
+
+def _assert_same_evaluations(run: Run, reference_run: Run, first: int) -> None:
+    """Every validation and test loss ``run`` printed equals the reference's at the same
+    place; ``run`` evaluated at every evaluation interval from ``first`` on and after training."""
+    assert run.returncode == 0, run.tail()
+    after = [f"iteration {ITERATIONS} on validation set", f"iteration {ITERATIONS} on test set"]
+    during = [f"iteration {i}" for i in range(first, ITERATIONS + 1) if i % EVAL_INTERVAL == 0]
+    assert sorted(run.evaluations) == sorted(during + after), run.tail()
+    assert finite(run.evaluations), run.tail()
+    for where, loss in run.evaluations.items():
+        expected = reference_run.evaluations[where]
+        assert abs(loss - expected) <= TOLERANCE, (where, run.evaluations, expected)
 
 
 @pytest.fixture(scope="module")
@@ -171,8 +206,11 @@ def _summary(output: str) -> list[str]:
     return [line for line in output.splitlines() if line.startswith("zeppelin: cost model")]
 
 
-def test_1f1b_stages_train_as_one_process(work: Path, reference, one_f_one_b: Run) -> None:
+def test_1f1b_stages_train_as_one_process(
+    work: Path, reference, reference_run: Run, one_f_one_b: Run
+) -> None:
     _assert_close(_trained(one_f_one_b), reference, first=REFERENCE_SAVE + 1)
+    _assert_same_evaluations(one_f_one_b, reference_run, first=REFERENCE_SAVE + 1)
     _assert_same_gradients(work, "1f1b", range(REFERENCE_SAVE + 1, ITERATIONS + 1))
     # The first rank of each stage names its stage, and logs every plan: both stages run the
     # same plans (digests), documents ring across the stage's two nodes.
@@ -189,7 +227,7 @@ def test_1f1b_stages_train_as_one_process(work: Path, reference, one_f_one_b: Ru
 
 
 def test_interleaved_stages_resume_the_pipeline_checkpoint(
-    work, dataset, reference, one_f_one_b
+    work, dataset, reference, reference_run, one_f_one_b
 ) -> None:
     extra = ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]
     extra += _resume(work / "1f1b" / "ckpt", PIPELINE_SAVE)
@@ -201,11 +239,16 @@ def test_interleaved_stages_resume_the_pipeline_checkpoint(
     _assert_close(_trained(run), _trained(one_f_one_b), first=PIPELINE_SAVE + 1)
     _assert_close(run.losses, reference, first=PIPELINE_SAVE + 1)
     _assert_same_gradients(work, "vp", range(PIPELINE_SAVE + 1, ITERATIONS + 1))
+    _assert_same_evaluations(run, reference_run, first=PIPELINE_SAVE + 1)
+    # Restored from the state saved beside the pipeline checkpoint (both datasets' places).
+    assert f"zeppelin: sampler restored at iteration {PIPELINE_SAVE}" in run.outputs[0]
     assert "(PP stage 0 of 2, layers 0, 2, embedding)" in _summary(run.outputs[0])[0]
     assert "(PP stage 1 of 2, layers 1, 3, output layer and loss)" in _summary(run.outputs[2])[0]
 
 
-def test_tensor_and_sequence_parallelism_inside_pipeline_stages(work, dataset, reference) -> None:
+def test_tensor_and_sequence_parallelism_inside_pipeline_stages(
+    work, dataset, reference, reference_run
+) -> None:
     extra = ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]
     extra += [
         "--sequence-parallel",
@@ -218,6 +261,7 @@ def test_tensor_and_sequence_parallelism_inside_pipeline_stages(work, dataset, r
     )
     _assert_close(_trained(run), reference, first=REFERENCE_SAVE + 1)
     _assert_same_gradients(work, "tp", range(REFERENCE_SAVE + 1, ITERATIONS + 1))
+    _assert_same_evaluations(run, reference_run, first=REFERENCE_SAVE + 1)
     assert "TP 2" in _summary(run.outputs[0])[0]
 
 
@@ -251,10 +295,12 @@ def _parsed(argv: list[str], world_size: int, monkeypatch):
         (["--decoder-last-pipeline-num-layers", "1"], [(0, 1, 2), (3,)]),
     ],
 )
-def test_a_stage_plans_with_the_layers_megatron_builds_on_it(flags, stages, monkeypatch) -> None:
+def test_a_stage_plans_with_the_layers_megatron_builds_on_it(
+    flags, stages, dataset, monkeypatch
+) -> None:
     from megatron_zeppelin.megatron import hooks
 
-    argv = _args(data="unused", dp=2, nodes=4, extra=["--pipeline-model-parallel-size", "2"])
+    argv = _args(data=dataset, dp=2, nodes=4, extra=["--pipeline-model-parallel-size", "2"])
     args = _parsed(argv + flags, 4, monkeypatch)
     args.padded_vocab_size = 256  # what Megatron's tokenizer set-up pads --vocab-size 200 to
     specs = [hooks.planner_model(args, pp_rank=stage) for stage in range(2)]
