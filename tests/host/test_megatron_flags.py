@@ -41,6 +41,7 @@ REFUSED_VALUES = {
     "--fp8-format": ["hybrid"],
     "--fp4-format": ["e2m1"],
     "--rampup-batch-size": ["16", "16", "1000"],
+    "--use-tp-pp-dp-mapping": ["--pipeline-model-parallel-size", "2"],  # refused with stages
     "--experimental-attention-variant": ["gated_delta_net"],
     "--eval-iters": ["10"],
 }

@@ -142,15 +142,18 @@ def eval_micro_batch_size(args: argparse.Namespace) -> str | None:
     if value in (None, 1):
         return None
     return (
-        f"--zeppelin packs each micro-batch's documents into one row: set "
-        f"--eval-micro-batch-size 1 (got {value})"
+        f"--eval-micro-batch-size {value}: --zeppelin packs each micro-batch's documents into "
+        "one row: set --eval-micro-batch-size 1"
     )
 
 
 def dataloader_type(args: argparse.Namespace) -> str | None:
     if getattr(args, "dataloader_type", None) != "external":
         return None
-    return "--zeppelin draws the documents itself: drop --dataloader-type external"
+    return (
+        "--dataloader-type external: --zeppelin draws the documents itself: drop "
+        "--dataloader-type external"
+    )
 
 
 def rank_mapping(args: argparse.Namespace) -> str | None:
@@ -159,6 +162,6 @@ def rank_mapping(args: argparse.Namespace) -> str | None:
     if pp == 1 or not getattr(args, "use_tp_pp_dp_mapping", False):
         return None
     return (
-        "--zeppelin needs each pipeline stage's data-parallel ranks on consecutive GPUs "
-        "(Megatron's default rank order): drop --use-tp-pp-dp-mapping"
+        "--use-tp-pp-dp-mapping: --zeppelin needs each pipeline stage's data-parallel ranks on "
+        "consecutive GPUs (Megatron's default rank order): drop --use-tp-pp-dp-mapping"
     )
