@@ -106,10 +106,10 @@ def require_checkpoint_packages(args) -> None:
 
 
 def check_plugin_args(args) -> None:
-    """The plugin's start-up checks on Megatron's parsed and validated arguments, before
-    Megatron initializes (``hooks.setup`` runs them again once the process groups exist);
-    raises ``ValueError`` saying which flag to change."""
-    hooks._refuse_unsupported(args)
+    """The plugin's start-up checks on Megatron's parsed and validated arguments (every flag's
+    answer in ``megatron.coverage``, then Zeppelin's own), before Megatron initializes
+    (``hooks.setup`` runs them again once the process groups exist); raises ``ValueError``
+    saying which flag to change."""
     validate_megatron_args(args, world_size=args.world_size)
     evaluation.check_flags(args)  # the data and evaluation flags, and the datasets' headers
 

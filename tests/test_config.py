@@ -146,7 +146,10 @@ def test_without_zeppelin_nothing_is_checked_or_changed() -> None:
             "drop --use-tp-pp-dp-mapping",
         ),
         (
-            dict(pipeline_model_parallel_size=2, num_experts=4),
+            # Megatron's default dispatcher, as its parser sets it
+            dict(
+                pipeline_model_parallel_size=2, num_experts=4, moe_token_dispatcher_type="allgather"
+            ),
             4,
             "--moe-token-dispatcher-type alltoall",
         ),

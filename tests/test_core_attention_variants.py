@@ -152,11 +152,11 @@ def test_a_spec_of_ones_own_gets_the_flags_rotary_settings() -> None:
         rope_scaling_factor=32.0,
         sequence_parallel=False,
     )
-    spec = hooks._layer_spec(args, num_layers=2)
+    spec = hooks._layer_spec(args, None, num_layers=2)
     assert core_attention_of(spec).params["rope"] == Rope(500000.0, 1.0, True, None, 32.0)
     assert core_attention_of(OWN_SPEC).params["rope"] == Rope(base=7.0)  # left as it was
     args.position_embedding_type = "learned_absolute"
-    assert core_attention_of(hooks._layer_spec(args, num_layers=2)).params["rope"] is None
+    assert core_attention_of(hooks._layer_spec(args, None, num_layers=2)).params["rope"] is None
 
 
 def _own_spec():  # noqa: ANN202

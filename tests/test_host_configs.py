@@ -32,7 +32,7 @@ NODES = 4
 RUN_FLAGS = [
     "--micro-batch-size", "1", "--global-batch-size", "64", "--train-iters", "10",
     "--lr", "1e-4", "--tokenizer-type", "NullTokenizer", "--vocab-size", "32000",
-    "--data-path", "/data/corpus", "--eval-iters", "0",
+    "--data-path", "/data/corpus", "--eval-iters", "0", "--eval-interval", "1000",
 ]  # fmt: skip
 
 

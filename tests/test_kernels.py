@@ -186,7 +186,7 @@ def test_whole_tiles_skip_masks_and_match_dense(causal: bool) -> None:
 
 
 @pytest.mark.pure
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
     lengths = [3, 50, 20]
     q, k, v = random_qkv(sum(lengths), num_heads=4, num_kv_heads=2, head_dim=16, seed=6)

@@ -173,3 +173,58 @@ def test_every_pipeline_stage_plans_the_same_plan() -> None:
     predicted = [p.meta["predicted_step_s"] for p in plans]
     assert predicted[1] == pytest.approx(predicted[0] * 12 / 32)
     assert predicted[2] == pytest.approx(predicted[0] * 20 / 32)
+
+
+def test_a_moe_layer_is_priced_by_the_experts_a_token_runs_through() -> None:
+    """Attention projections + router + top-k experts + shared experts, not every expert and
+    not the dense FFN; a layer without experts (``--moe-layer-freq``) keeps the dense FFN."""
+    from megatron_zeppelin.planner.models import model_from_config
+
+    base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
+    dense = model_from_config(_megatron_config(**base), vocab_size=64)
+    moe = dict(num_moe_experts=8, moe_router_topk=2, moe_ffn_hidden_size=32, moe_layer_freq=1)
+    top2 = model_from_config(_megatron_config(**base, **moe), vocab_size=64)
+    assert (top2.num_experts, top2.moe_topk, top2.num_moe_layers) == (8, 2, 2)
+    h, gemm = 64, 3.0  # forward + backward
+    mlp = lambda ffn: 2.0 * 3 * h * ffn * gemm  # noqa: E731 - a SwiGLU MLP per token
+    router = 2.0 * h * 8 * gemm
+    # The same layer with a dense FFN of the two experts' size, plus the router.
+    assert top2.linear_flops_per_token() == pytest.approx(
+        dense.linear_flops_per_token() - mlp(128) + 2 * mlp(32) + router
+    )
+    # More experts at the same top-k add only router work; a larger top-k adds expert FFNs.
+    more = model_from_config(
+        _megatron_config(**base, **{**moe, "num_moe_experts": 64}), vocab_size=64
+    )
+    assert more.linear_flops_per_token() - top2.linear_flops_per_token() == pytest.approx(
+        2.0 * h * 56 * gemm
+    )
+    top4 = model_from_config(
+        _megatron_config(**base, **{**moe, "moe_router_topk": 4}), vocab_size=64
+    )
+    assert top4.linear_flops_per_token() - top2.linear_flops_per_token() == pytest.approx(
+        2 * mlp(32)
+    )
+    shared = {**moe, "moe_shared_expert_intermediate_size": 48}
+    with_shared = model_from_config(_megatron_config(**base, **shared), vocab_size=64)
+    assert with_shared.linear_flops_per_token() - top2.linear_flops_per_token() == pytest.approx(
+        mlp(48)
+    )
+    # Experts in the first layer only: the mean of a MoE layer and a dense one.
+    half = model_from_config(
+        _megatron_config(**base, **{**moe, "moe_layer_freq": [1, 0]}), vocab_size=64
+    )
+    assert half.num_moe_layers == 1
+    assert half.linear_flops_per_token() == pytest.approx(
+        (top2.linear_flops_per_token() + dense.linear_flops_per_token()) / 2
+    )
+    assert (
+        model_from_config(_megatron_config(**base, **{**moe, "moe_layer_freq": 2}), vocab_size=64)
+        == half
+    )
+    # A pipeline stage counts the MoE layers among its own.
+    stage = PipelineStage(index=1, num_stages=2, layers=(1,), embedding=False, output_layer=True)
+    config = _megatron_config(**base, **{**moe, "moe_layer_freq": [1, 0]})
+    assert model_from_config(config, vocab_size=64, pipeline=stage).num_moe_layers == 0
+    with pytest.raises(ValueError, match="moe-layer-freq"):
+        model_from_config(_megatron_config(**base, **{**moe, "moe_layer_freq": [1]}), vocab_size=64)

@@ -127,3 +127,38 @@ def test_the_env_section_never_becomes_a_megatron_flag(cluster) -> None:
     argv = tool.to_argv(tool.load_flags([str(ROOT / f"configs/clusters/{cluster}.yaml")]))
     assert not [a for a in argv if "env" in a.lower() or "NCCL" in a or "mlx5" in a]
     assert os.path.basename(spec.origin) == "yaml_to_args.py"
+
+
+def test_the_megatron_command_line_keeps_what_the_user_set_and_adds_extra_args(tmp_path) -> None:
+    default = exported(source_env(tmp_path, "dgx-h100"))
+    args = default["ZEPPELIN_TRAIN_ARGS"].split()
+    # Each part has its default, the split and validation among them.
+    assert args[args.index("--split") + 1] == "998,1,1" and "--eval-iters" in args
+    assert args[:2] == ["--spec", "megatron_zeppelin.megatron.spec"]
+    assert "--lr" in args and "--data-path" in args and default["EXTRA_ARGS"] == ""
+    # A part replaced (or emptied) before sbatch, and flags added after everything.
+    env = exported(
+        source_env(
+            tmp_path,
+            "dgx-h100",
+            SPEC_ARGS="--spec megatron_zeppelin.megatron.spec local",
+            LR_ARGS="--lr 1e-4",
+            OPTIMIZER_ARGS="",
+            DATA_ARGS="--data-path /data/a --split 90,5,5",
+            EXTRA_ARGS="--seed 7 --moe-token-dispatcher-type alltoall",
+        )
+    )
+    args = env["ZEPPELIN_TRAIN_ARGS"].split()
+    assert args[:3] == ["--spec", "megatron_zeppelin.megatron.spec", "local"]
+    assert args[args.index("--lr") + 1] == "1e-4" and "--lr-decay-style" not in args
+    assert "--weight-decay" not in args and args[args.index("--split") + 1] == "90,5,5"
+    pretrain = env["ZEPPELIN_PRETRAIN"]
+    assert pretrain.endswith(" --seed 7 --moe-token-dispatcher-type alltoall")
+    assert env["ZEPPELIN_TRAIN_ARGS"] in pretrain
+    # The whole training command line set by the user is used as it is.
+    mine = "--micro-batch-size 1 --global-batch-size 64 --lr 2e-4 --data-path /data/mine"
+    env = exported(
+        source_env(tmp_path, "dgx-h100", ZEPPELIN_TRAIN_ARGS=mine, EXTRA_ARGS="--seed 3")
+    )
+    assert env["ZEPPELIN_TRAIN_ARGS"] == mine
+    assert env["ZEPPELIN_PRETRAIN"].endswith(f" {mine} --seed 3")

@@ -8,6 +8,7 @@ import warnings
 import pytest
 import torch
 import torch.distributed as dist
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from megatron_zeppelin.megatron import spec as spec_module
@@ -168,3 +169,36 @@ def test_gpt_with_zeppelin_core_attention_matches_plain_attention(one_rank) -> N
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-5, msg=name)
     with pytest.raises(ValueError, match="ZeppelinPackedSeqParams"):
         model(tokens, None, None, labels=labels)
+
+
+@pytest.mark.pure
+def test_every_parameter_of_megatrons_spec_builders_is_set_from_the_config() -> None:
+    unknown = spec_module.unknown_builder_parameters()
+    assert set(unknown) >= {"get_gpt_layer_local_spec", "get_gpt_decoder_block_spec"}
+    assert not any(unknown.values()), unknown
+
+
+@pytest.mark.threads
+def test_a_moe_config_gets_megatrons_block_spec_with_zeppelin_attention_in_every_layer(
+    one_rank,
+) -> None:
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+    fields = dict(num_layers=3, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    moe = TransformerConfig(
+        **fields, num_moe_experts=4, moe_router_topk=2, moe_layer_freq=[1, 0, 1], qk_layernorm=True
+    )
+    block = spec_module.model_spec(moe, kind="local", rope=Rope(base=500.0))
+    assert isinstance(block, TransformerBlockSubmodules)
+    mlps = [layer.submodules.mlp for layer in block.layer_specs]
+    assert [getattr(m, "module", None) is MoELayer for m in mlps] == [True, False, True]
+    for layer in block.layer_specs:
+        assert core_attention_of(layer).module is ZeppelinCoreAttention
+        assert core_attention_of(layer).params["rope"] == Rope(base=500.0)
+        assert layer.submodules.self_attention.submodules.q_layernorm is not IdentityOp
+    dense = spec_module.model_spec(TransformerConfig(**fields), kind="local", rope=None)
+    assert (
+        isinstance(dense, ModuleSpec) and core_attention_of(dense).module is ZeppelinCoreAttention
+    )

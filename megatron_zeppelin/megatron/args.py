@@ -4,7 +4,10 @@
 ``validate_megatron_args`` runs after Megatron's own validation and refuses combinations Zeppelin
 cannot run, each with the flag to change:
 
-* Zeppelin *replaces* context parallelism, so ``--context-parallel-size`` must stay 1;
+* each micro-batch is one packed row (``--micro-batch-size 1``);
+* every Megatron flag's answer (``coverage``: supported, refused at start-up, or irrelevant)
+  is checked; context parallelism (Zeppelin *replaces* it), attention dropout, MoE token
+  dropping and the other refused flags stop the run here;
 * tensor parallelism runs inside a Zeppelin rank: Zeppelin spans the data-parallel ranks of one
   tensor-parallel index and one pipeline stage, so the Zeppelin world is ``world_size / (tp x
   pp)``; the topology flags describe the physical node and ``zeppelin_node`` derives the
@@ -13,13 +16,10 @@ cannot run, each with the flag to change:
   plans the same plan from the same documents, so a rank sends the next stage as many rows as
   its linear layout holds, which changes per micro-batch: the model's config gets Megatron's
   ``variable_seq_lengths`` (``hooks.model_provider``; the schedules then exchange each
-  activation's shape first), which Megatron's allgather MoE token dispatcher refuses. A
-  stage's GPUs must fill whole nodes or share one (``stage_node``), so
-  ``--use-tp-pp-dp-mapping`` (which strides a stage's data-parallel ranks over the whole job)
-  is refused;
-* each micro-batch is one packed row (``--micro-batch-size 1``);
-* attention dropout is refused (``--attention-dropout 0``): the ring attention applies none, and
-  dropping it silently would train another model than the one asked for;
+  activation's shape first), which Megatron's allgather MoE token dispatcher refuses
+  (``coverage``: ``--moe-token-dispatcher-type``). A stage's GPUs must fill whole nodes or share
+  one (``stage_node``), so ``--use-tp-pp-dp-mapping`` (which strides a stage's data-parallel
+  ranks over the whole job) is refused with pipeline parallelism;
 * sequence parallelism is supported: each rank's linear layout is padded to a multiple of the
   tensor-parallel size (``batch.py``), padding that the loss and the plan never see;
 * the loss is per token (``calculate_per_token_loss`` is switched on), so the result over ranks
@@ -40,7 +40,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.variants import window_left
+from megatron_zeppelin.megatron import coverage
 from megatron_zeppelin.topology import presets
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.probe import detect_topology
@@ -237,37 +237,18 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     config = ZeppelinConfig.from_args(args)
     if not config.enabled:
         return config
-    cp = int(getattr(args, "context_parallel_size", 1) or 1)
-    if cp != 1:
-        raise ValueError(
-            f"--zeppelin replaces context parallelism: set --context-parallel-size 1 (got {cp}); "
-            "Zeppelin spreads long documents over the data-parallel ranks instead"
-        )
-    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
-    if pp > 1:
-        _check_pipeline(args)
-    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
-    zeppelin_world = zeppelin_world_size(world_size, tp, pp)
     micro_batch = int(getattr(args, "micro_batch_size", 1) or 1)
     if micro_batch != 1:
         raise ValueError(
             f"--zeppelin packs each micro-batch's documents into one row: set "
             f"--micro-batch-size 1 (got {micro_batch}); the token budget sets its size"
         )
-    dropout = float(getattr(args, "attention_dropout", 0.0) or 0.0)
-    if dropout:
-        raise ValueError(
-            f"--zeppelin's ring attention applies no attention dropout: set "
-            f"--attention-dropout 0 (got {dropout:g}; Megatron's default is 0.1)"
-        )
-    position = getattr(args, "position_embedding_type", "rope")
-    if position not in ("rope", "none", "learned_absolute"):
-        raise ValueError(
-            f"--zeppelin supports --position-embedding-type rope, none or learned_absolute, "
-            f"not {position!r} (Zeppelin's per-document rotary implements Megatron's rope, with "
-            "--rotary-* and --use-rope-scaling; not YaRN, multimodal or relative embeddings)"
-        )
-    window_left(getattr(args, "window_size", None))
+    refusal = coverage.first_refusal(args)
+    if refusal:
+        raise ValueError(refusal)
+    tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+    pp = int(getattr(args, "pipeline_model_parallel_size", 1) or 1)
+    zeppelin_world = zeppelin_world_size(world_size, tp, pp)
     resolve_topology(config, zeppelin_world, tensor_parallel=tp, pipeline_parallel=pp)
     # Ranks hold different token counts: only a per-token loss matches single-GPU training.
     args.calculate_per_token_loss = True
@@ -276,23 +257,6 @@ def validate_megatron_args(args: argparse.Namespace, *, world_size: int) -> Zepp
     if hasattr(args, "apply_rope_fusion"):
         args.apply_rope_fusion = False
     return config
-
-
-def _check_pipeline(args: argparse.Namespace) -> None:
-    """Pipeline-parallel settings Zeppelin cannot run, each with the flag to change."""
-    if getattr(args, "num_experts", None) and (
-        getattr(args, "moe_token_dispatcher_type", "allgather") == "allgather"
-    ):
-        raise ValueError(
-            "--zeppelin with pipeline parallelism sends each stage a row count that changes per "
-            "micro-batch, which Megatron's allgather token dispatcher does not support: use "
-            "--moe-token-dispatcher-type alltoall"
-        )
-    if getattr(args, "use_tp_pp_dp_mapping", False):
-        raise ValueError(
-            "--zeppelin needs each pipeline stage's data-parallel ranks on consecutive GPUs "
-            "(Megatron's default rank order): drop --use-tp-pp-dp-mapping"
-        )
 
 
 def is_enabled(args: argparse.Namespace) -> bool:

@@ -64,27 +64,10 @@ def eval_batch_size(args: argparse.Namespace) -> int:
 
 
 def check_flags(args: argparse.Namespace) -> None:
-    """Refuse the evaluation flags Zeppelin cannot honour, and check the data the flags name
-    (``blend.check_data_flags``) for the splits the run will read."""
-    if getattr(args, "multiple_validation_sets", False):
-        raise ValueError(
-            "--zeppelin evaluates one validation set: drop --multiple-validation-sets (the "
-            "datasets of --valid-data-path are evaluated as one blend)"
-        )
-    for flag in ("sft", "fim_data"):  # datasets of another kind, and --sft's per-sample loss
-        if getattr(args, flag, False):
-            raise ValueError(
-                f"--zeppelin pretrains on the documents of .bin/.idx datasets: drop "
-                f"--{flag.replace('_', '-')}"
-            )
-    if getattr(args, "dataloader_type", None) == "external":
-        raise ValueError("--zeppelin draws the documents itself: drop --dataloader-type external")
-    eval_micro_batch = getattr(args, "eval_micro_batch_size", None)
-    if eval_micro_batch not in (None, 1):
-        raise ValueError(
-            f"--zeppelin packs each micro-batch's documents into one row: set "
-            f"--eval-micro-batch-size 1 (got {eval_micro_batch})"
-        )
+    """Check the data the flags name (``blend.check_data_flags``) for the splits the run will
+    read. (The evaluation and data flags Zeppelin cannot honour, such as
+    ``--multiple-validation-sets`` or ``--eval-micro-batch-size`` above 1, are refused with every
+    other flag's answer: ``megatron.coverage``.)"""
     splits = [] if getattr(args, "skip_train", False) else ["train"]
     if is_evaluating(args):
         splits += ["valid", "test"]

@@ -100,7 +100,7 @@ from megatron_zeppelin.megatron.runtime import (
     plan_summary,
 )
 from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
-from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, zeppelin_layer_spec
+from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, layers_of, model_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.megatron.variants import window_left
 from megatron_zeppelin.planner.models import model_from_config
@@ -162,20 +162,6 @@ def reset() -> None:
     _STATE = _State()
 
 
-def _refuse_unsupported(args: argparse.Namespace) -> None:
-    """Megatron flags the hooks cannot honour, each with the change to make."""
-    if getattr(args, "rampup_batch_size", None):
-        raise ValueError(
-            "--zeppelin draws one optimizer step of documents at a time with a fixed number of "
-            "micro-batches: drop --rampup-batch-size"
-        )
-    if "eval_interval" in vars(args) and not args.eval_interval:  # Megatron's default: None
-        raise ValueError(
-            "Megatron divides --train-iters by --eval-interval when it counts samples, even with "
-            "--eval-iters 0: add --eval-interval (any positive number, e.g. --eval-interval 1000)"
-        )
-
-
 def planner_model(args: argparse.Namespace, *, pp_rank: int = 0):
     """The planner's model of the run: ``planner.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
@@ -195,7 +181,6 @@ def planner_model(args: argparse.Namespace, *, pp_rank: int = 0):
 
 def setup(args: argparse.Namespace) -> None:
     """Validate the flags and create groups, exchanger, cost model (after Megatron's init)."""
-    _refuse_unsupported(args)
     config = validate_megatron_args(args, world_size=dist.get_world_size())
     evaluation.check_flags(args)  # the data and evaluation flags, and the datasets' headers
     _check_kernel(config.kernel, args)
@@ -282,12 +267,18 @@ def _check_kernel(requested: str, args: argparse.Namespace) -> None:
 
 
 def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
-    """The start-up summary (node shape, cost model source, kernel) on rank 0, and under
-    pipeline parallelism on the first rank of every stage (its cost model is its own)."""
+    """The start-up summary (node shape, cost model source, experts, kernel) on rank 0, and
+    under pipeline parallelism on the first rank of every stage (its cost model is its own)."""
 
     if not _is_stage_logging_rank():
         return
-    lines = startup_lines(_STATE.runtime, tensor_parallel=tensor_parallel, kernel=_STATE.kernel)
+    lines = startup_lines(
+        _STATE.runtime,
+        tensor_parallel=tensor_parallel,
+        kernel=_STATE.kernel,
+        expert_parallel=int(getattr(args, "expert_model_parallel_size", 1) or 1),
+        dispatcher=getattr(args, "moe_token_dispatcher_type", "allgather"),
+    )
     hint = collector_line(bool(getattr(args, "manual_gc", False)))
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
@@ -297,13 +288,18 @@ def _rope(args: argparse.Namespace) -> Rope | None:
     return Rope.from_args(args) if args.position_embedding_type == "rope" else None
 
 
-def _layer_spec(args: argparse.Namespace, *, num_layers: int):
+def _layer_spec(
+    args: argparse.Namespace, config: Any, *, num_layers: int, vp_stage: int | None = None
+):
     """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
-    with the model's norm and rotary settings; a ``--spec`` without Zeppelin's core attention
-    is refused, since the plan's layouts would then reach a module that cannot read them. A
-    spec of the user's with Zeppelin's core attention gets the flags' rotary settings (a copy of
-    it does): they are the model's only rotary, Megatron's own is off for Zeppelin models.
-    ``num_layers``: the layers of the model chunk being built (a block spec lists them)."""
+    from the run's ``TransformerConfig`` as Megatron's GPT builder builds it
+    (``spec.model_spec``: MoE layers, norms, QK norms, ...) with the flags' rotary settings; a
+    ``--spec`` without Zeppelin's core attention is refused, since the plan's layouts would then
+    reach a module that cannot read them. A spec of the user's with Zeppelin's core attention
+    gets the flags' rotary settings (a copy of it does): they are the model's only rotary,
+    Megatron's own is off for Zeppelin models. ``num_layers``: the layers of the model chunk
+    being built (a block spec lists them); ``vp_stage``: its virtual pipeline stage (MoE's
+    block spec slices the layers)."""
     kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
     named = getattr(args, "spec", None)
     if named:
@@ -314,7 +310,10 @@ def _layer_spec(args: argparse.Namespace, *, num_layers: int):
         else:
             spec = import_module(tuple(named))
             try:
-                ours = core_attention_of(spec).module is ZeppelinCoreAttention
+                ours = all(
+                    core_attention_of(layer).module is ZeppelinCoreAttention
+                    for layer in layers_of(spec)
+                )
             except AttributeError:  # not a layer spec at all (None, a function, a block spec)
                 ours = False
             if not ours:
@@ -323,12 +322,11 @@ def _layer_spec(args: argparse.Namespace, *, num_layers: int):
                     "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
                 )
             spec = copy.deepcopy(spec)
-            core = core_attention_of(spec)
-            core.params = {**(core.params or {}), "rope": _rope(args)}
+            for layer in layers_of(spec):
+                core = core_attention_of(layer)
+                core.params = {**(core.params or {}), "rope": _rope(args)}
             return spec
-    spec = zeppelin_layer_spec(
-        kind, normalization=args.normalization, qk_layernorm=args.qk_layernorm, rope=_rope(args)
-    )
+    spec = model_spec(config, kind=kind, rope=_rope(args), vp_stage=vp_stage)
     if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
         # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
         return sequence_parallel_spec(spec, num_layers)
@@ -369,7 +367,7 @@ def model_provider(
     rope = args.position_embedding_type == "rope"
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, num_layers=num_layers),
+        transformer_layer_spec=_layer_spec(args, config, num_layers=num_layers, vp_stage=vp_stage),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

@@ -8,7 +8,8 @@ TransformerEngine's norms do, so that Megatron's ``finalize_model_grads`` (and t
 ``loss.finish_gradients``) sums their gradients over the tensor-parallel ranks, each of which
 normalized only its share of the rows. ``SequenceParallelTorchNorm`` is PyTorch's norm with
 that mark; ``sequence_parallel_spec`` puts it where Megatron's spec has ``WrappedTorchNorm``
-(the layer's two norms and the block's final norm) and leaves every other module as it is.
+(every layer's two norms, dense and MoE layers alike, and the block's final norm) and leaves
+every other module as it is.
 """
 
 from __future__ import annotations
@@ -39,23 +40,42 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def sequence_parallel_spec(layer_spec: ModuleSpec, num_layers: int) -> TransformerBlockSubmodules:
-    """The block of ``num_layers`` layers of ``layer_spec`` with its PyTorch norms swapped for
-    ``SequenceParallelTorchNorm``; ``GPTModel`` takes it as its ``transformer_layer_spec``."""
+def sequence_parallel_spec(spec, num_layers: int) -> TransformerBlockSubmodules:
+    """The block of ``spec`` (a layer spec, repeated ``num_layers`` times, or a block spec) with
+    its PyTorch norms swapped for ``SequenceParallelTorchNorm``; ``GPTModel`` takes it as its
+    ``transformer_layer_spec``."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        layers, final = list(spec.layer_specs), spec.layer_norm
+    else:
+        layers, final = [spec] * num_layers, SequenceParallelTorchNorm
+    swapped = {id(layer): _swap_norms(layer) for layer in layers}
+    if final is WrappedTorchNorm:
+        final = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(
+        layer_specs=[swapped[id(layer)] for layer in layers], layer_norm=final
+    )
+
+
+def _swap_norms(layer_spec: ModuleSpec) -> ModuleSpec:
     layer_spec = copy.deepcopy(layer_spec)
     submodules = layer_spec.submodules
     for name in ("input_layernorm", "pre_mlp_layernorm"):
         if getattr(submodules, name, None) is WrappedTorchNorm:
             setattr(submodules, name, SequenceParallelTorchNorm)
-    return TransformerBlockSubmodules(
-        layer_specs=[layer_spec] * num_layers, layer_norm=SequenceParallelTorchNorm
-    )
+    return layer_spec
 
 
-def needs_sequence_parallel_norms(layer_spec: ModuleSpec) -> bool:
-    """Whether ``layer_spec`` builds a norm that refuses sequence parallelism."""
-    submodules = layer_spec.submodules
+def needs_sequence_parallel_norms(spec) -> bool:
+    """Whether ``spec`` (a layer spec or block spec) builds a norm that refuses sequence
+    parallelism."""
+    if isinstance(spec, TransformerBlockSubmodules):
+        layers = list(spec.layer_specs)
+        if spec.layer_norm is WrappedTorchNorm:
+            return True
+    else:
+        layers = [spec]
     return any(
-        getattr(submodules, name, None) is WrappedTorchNorm
+        getattr(layer.submodules, name, None) is WrappedTorchNorm
+        for layer in layers
         for name in ("input_layernorm", "pre_mlp_layernorm")
     )

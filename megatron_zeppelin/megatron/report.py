@@ -5,9 +5,10 @@ The Megatron hooks and the CPU job print the same lines (rank 0 only):
 * ``startup_lines``: the Zeppelin node shape (ranks and NICs per node, and the physical node
   and tensor-parallel size it comes from), the cost model's source (model layers, under
   pipeline parallelism the stage's own with which they are; heads, K/V heads, dtype and K/V
-  bytes per token; tier thresholds; datasheet figures or the calibration file), and the
-  attention kernel with the reason it was chosen (``chosen_kernel``: with ``auto``, in the
-  order of speed the calibration measured on this GPU, else the registry's fixed order);
+  bytes per token; tier thresholds; datasheet figures or the calibration file), a MoE
+  model's experts (count, top-k, expert parallelism, dispatcher, what the cost model prices),
+  and the attention kernel with the reason it was chosen (``chosen_kernel``: with ``auto``, in
+  the order of speed the calibration measured on this GPU, else the registry's fixed order);
 * ``plan_line``: one micro-batch's plan (``runtime.plan_summary``).
 """
 
@@ -124,13 +125,38 @@ def cost_model_line(cost_model: CostModel, options: Any, *, why: str = "") -> st
     )
 
 
+def moe_line(spec: ModelSpec, *, expert_parallel: int, dispatcher: str) -> str:
+    """The experts a MoE model runs and how the cost model prices them."""
+    shared = (
+        f" and a shared FFN of {spec.moe_shared_ffn_hidden_size}"
+        if spec.moe_shared_ffn_hidden_size
+        else ""
+    )
+    return (
+        f"zeppelin: MoE {spec.num_experts} experts, top-{spec.moe_topk}, EP {expert_parallel} "
+        f"({dispatcher} dispatcher, dropless) in {spec.num_moe_layers} of {spec.num_layers} "
+        f"layers; the cost model prices each token's router, {spec.moe_topk} expert FFNs of "
+        f"{spec.moe_ffn_hidden_size}{shared}"
+    )
+
+
 def startup_lines(
-    runtime: Any, *, tensor_parallel: int, kernel: KernelChoice, calibration_why: str = ""
+    runtime: Any,
+    *,
+    tensor_parallel: int,
+    kernel: KernelChoice,
+    calibration_why: str = "",
+    expert_parallel: int = 1,
+    dispatcher: str = "",
 ) -> list[str]:
-    """The start-up summary of a run (``runtime``: a ``step.StepRuntime``)."""
+    """The start-up summary of a run (``runtime``: a ``step.StepRuntime``); a MoE model's
+    experts with ``expert_parallel`` and ``dispatcher`` (Megatron's flags)."""
+    spec = runtime.cost_model.model
+    moe = [moe_line(spec, expert_parallel=expert_parallel, dispatcher=dispatcher)]
     return [
         node_shape_line(runtime.topology, tensor_parallel=tensor_parallel),
         cost_model_line(runtime.cost_model, runtime.options, why=calibration_why),
+        *(moe if spec.num_experts else []),
         f"zeppelin: attention kernel {kernel.name} ({kernel.why})",
         planning_line(runtime.config),
     ]
@@ -186,14 +212,15 @@ def planning_text(planning: dict, *, manual_gc: str = "") -> str:
 
 
 def plan_line(step: int, summary: dict) -> str:
-    """One line of ``runtime.plan_summary``: tiers, imbalance, predicted ring bytes per link
-    class (per layer, forward) with the per-NIC split; ``step`` counts from 0."""
+    """One line of ``runtime.plan_summary``: tiers, imbalance, the bytes one layer's attention
+    sends per link class (forward and backward, 2-D documents included) with the per-NIC split;
+    ``step`` counts from 0."""
     tiers = ", ".join(f"{k} {v}" for k, v in summary["tiers"].items())
     links = summary["link_bytes"]
     nics = " ".join(f"{k[4:]}={format_bytes(v)}" for k, v in links.items() if k.startswith("nic:"))
     return (
         f"step {step + 1}: plan {summary['digest'][:8]} {summary['num_documents']} docs "
         f"({tiers}); imbalance attention {summary['attention_imbalance']:.2f} linear "
-        f"{summary['linear_imbalance']:.2f}; ring bytes/layer nvlink "
+        f"{summary['linear_imbalance']:.2f}; attention bytes/layer (fwd+bwd) nvlink "
         f"{format_bytes(links['nvlink'])} nic {format_bytes(links['nic'])} [{nics}]"
     )

@@ -40,9 +40,10 @@ from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
 from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
 from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.heads import AttentionShape
 from megatron_zeppelin.planner.models import ModelSpec, model_from_config
 from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.planner.schedule import engine_link_bytes
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -219,7 +220,9 @@ def plan_digest(plan: Plan) -> str:
 
 
 def plan_summary(plan: Plan, spec: ModelSpec, *, routing: bool) -> dict:
-    """Tiers, balance and predicted ring bytes (per layer, forward) of a plan."""
+    """Tiers, balance and the bytes per link class one layer's attention sends for a plan,
+    forward and backward (``schedule.engine_link_bytes``: the flat rings, and for documents on
+    the 2-D scheme their head all-to-alls and rings across nodes)."""
 
     pairs = [0] * plan.world_size
     for seq in plan.sequences:
@@ -235,10 +238,5 @@ def plan_summary(plan: Plan, spec: ModelSpec, *, routing: bool) -> dict:
         "tiers": plan.tier_counts(),
         "attention_imbalance": max(pairs) / mean_pairs if mean_pairs else 1.0,
         "linear_imbalance": max(tokens) / mean_tokens if mean_tokens else 1.0,
-        "link_bytes": link_bytes(
-            plan,
-            ring_schedule(plan),
-            bytes_per_token=spec.kv_bytes_per_token(),
-            routing=routing,
-        ),
+        "link_bytes": engine_link_bytes(plan, AttentionShape.as_sent(spec), routing=routing),
     }

@@ -35,6 +35,7 @@ ring (``schemes.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import defaultdict
 from dataclasses import dataclass
@@ -156,6 +157,13 @@ class AttentionShape:
             value_bytes=model.dtype_bytes,
             grad_value_bytes=model.dtype_bytes,
         )
+
+    @classmethod
+    def as_sent(cls, model: ModelSpec) -> AttentionShape:
+        """``of_model`` with the gradients as the engine sends them: float32 for half-precision
+        inputs."""
+        shape = cls.of_model(model)
+        return dataclasses.replace(shape, grad_value_bytes=max(4, shape.value_bytes))
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,10 @@
 """Transformer dimensions the cost model needs, and presets for the paper's LLaMA sizes.
 
 FLOP counts are per layer, forward plus backward (backward = 2x forward for GEMMs; attention
-backward recomputes the scores, so 2.5x forward, as flash-attention does).
+backward recomputes the scores, so 2.5x forward, as flash-attention does). A mixture-of-experts
+layer is priced by what one token runs through: the attention projections, the router, its
+top-k experts' FFNs and the shared experts' (not every expert's, nor the dense FFN); the linear
+work per token is the mean over the model's layers, dense and MoE.
 
 Every ``ModelSpec`` a run plans with comes from ``model_from_config``: the Megatron hooks hand it
 the ``TransformerConfig`` Megatron builds from its arguments, the CPU job the one its model is
@@ -84,11 +87,33 @@ class ModelSpec:
     pipeline: PipelineStage | None = None
     """The pipeline stage this GPU runs (``num_layers`` are its layers); ``None``: the whole
     model, embedding and output layer included."""
+    num_experts: int = 0
+    """Experts of each MoE layer; 0: a dense model."""
+    moe_topk: int = 0
+    """Experts each token is routed to."""
+    moe_ffn_hidden_size: int = 0
+    """FFN size of one expert."""
+    moe_shared_ffn_hidden_size: int = 0
+    """FFN size of the shared experts every token runs through (0: none)."""
+    num_moe_layers: int = 0
+    """Layers with experts (Megatron's ``--moe-layer-freq``) of the ``num_layers``; the others
+    are dense."""
 
     def __post_init__(self) -> None:
         for label in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "ffn_hidden_size"):
             if getattr(self, label) < 1:
                 raise ValueError(f"model {self.name}: {label} must be >= 1")
+        if self.num_experts:
+            if not 1 <= self.moe_topk <= self.num_experts or self.moe_ffn_hidden_size < 1:
+                raise ValueError(
+                    f"model {self.name}: a MoE model needs 1 <= top-k ({self.moe_topk}) <= "
+                    f"experts ({self.num_experts}) and an expert FFN size "
+                    f"({self.moe_ffn_hidden_size}) >= 1"
+                )
+            if not 0 <= self.num_moe_layers <= self.num_layers:
+                raise ValueError(
+                    f"model {self.name}: {self.num_moe_layers} MoE layers of {self.num_layers}"
+                )
         if self.hidden_size % self.num_heads:
             raise ValueError(
                 f"model {self.name}: hidden_size {self.hidden_size} is not a multiple of "
@@ -120,11 +145,23 @@ class ModelSpec:
         return fwd * (1.0 + ATTN_BWD_OVER_FWD) / self.tensor_parallel
 
     def linear_flops_per_token(self) -> float:
-        """Forward+backward FLOPs of the GEMMs of one layer for one token, per GPU (SwiGLU MLP)."""
+        """Forward+backward FLOPs of the GEMMs of one layer for one token, per GPU (SwiGLU
+        MLPs), the mean over the layers: a MoE layer's FFN work is its router, ``moe_topk``
+        experts and its shared experts."""
         h, kv = self.hidden_size, self.num_kv_heads * self.head_dim
         qkv = 2.0 * h * (h + 2 * kv)
         proj = 2.0 * h * h
-        mlp = 2.0 * 3 * h * self.ffn_hidden_size
+        dense = _glu_flops(h, self.ffn_hidden_size)
+        mlp = dense
+        if self.num_experts:
+            moe = (
+                2.0 * h * self.num_experts  # router
+                + self.moe_topk * _glu_flops(h, self.moe_ffn_hidden_size)
+                + _glu_flops(h, self.moe_shared_ffn_hidden_size)
+            )
+            mlp = (moe * self.num_moe_layers + dense * (self.num_layers - self.num_moe_layers)) / (
+                self.num_layers
+            )
         return (qkv + proj + mlp) * (1.0 + GEMM_BWD_OVER_FWD) / self.tensor_parallel
 
     def output_flops_per_token(self) -> float:
@@ -154,6 +191,11 @@ class ModelSpec:
         return asdict(self)
 
 
+def _glu_flops(hidden: int, ffn: int) -> float:
+    """Forward FLOPs of a gated MLP (three GEMMs) for one token."""
+    return 2.0 * 3 * hidden * ffn
+
+
 def dtype_bytes_of(config: Any) -> int:
     """Bytes per activation element of a Megatron config: 2 with ``bf16``/``fp16`` (the
     activations and the K/V a ring moves are half precision), else its ``params_dtype``'s."""
@@ -173,8 +215,8 @@ def model_from_config(
     """The planner's model of a Megatron ``TransformerConfig`` (or any object with its field
     names): layers, hidden size, query heads, K/V heads (``num_query_groups``, which Megatron
     sets only with ``--group-query-attention``; ``None`` means one per query head), FFN size,
-    dtype (``dtype_bytes_of``) and tensor-parallel size. With ``pipeline``, the model of that
-    stage: its own layers."""
+    dtype (``dtype_bytes_of``), tensor-parallel size, and the experts (``moe_fields``). With
+    ``pipeline``, the model of that stage: its own layers."""
     heads = int(config.num_attention_heads)
     kv_channels = getattr(config, "kv_channels", None)
     if kv_channels is not None and int(kv_channels) * heads != int(config.hidden_size):
@@ -194,7 +236,44 @@ def model_from_config(
         dtype_bytes=dtype_bytes_of(config),
         tensor_parallel=int(getattr(config, "tensor_model_parallel_size", 1) or 1),
         pipeline=pipeline,
+        **moe_fields(config, pipeline=pipeline),
     )
+
+
+def moe_layers(freq: Any, num_layers: int) -> list[int]:
+    """The layers with experts under Megatron's ``moe_layer_freq``: an integer N puts experts in
+    every N-th layer from the first, a list marks each layer (1: experts, 0: dense)."""
+    if isinstance(freq, int):
+        return list(range(0, num_layers, freq))
+    pattern = list(freq)
+    if len(pattern) != num_layers or any(v not in (0, 1) for v in pattern):
+        raise ValueError(
+            f"--moe-layer-freq {pattern} must give 0 or 1 for each of the {num_layers} layers"
+        )
+    return [layer for layer, experts in enumerate(pattern) if experts]
+
+
+def moe_fields(config: Any, *, pipeline: PipelineStage | None = None) -> dict[str, int]:
+    """``ModelSpec``'s expert fields from a Megatron config (``num_moe_experts``,
+    ``moe_router_topk``, ``moe_ffn_hidden_size``, ``moe_shared_expert_intermediate_size``,
+    ``moe_layer_freq``; with ``pipeline``, the MoE layers among the stage's); empty for a dense
+    model."""
+    experts = int(getattr(config, "num_moe_experts", None) or 0)
+    if not experts:
+        return {}
+    with_experts = moe_layers(getattr(config, "moe_layer_freq", 1), int(config.num_layers))
+    held = pipeline.layers if pipeline else range(int(config.num_layers))
+    return {
+        "num_experts": experts,
+        "moe_topk": int(config.moe_router_topk),
+        "moe_ffn_hidden_size": int(
+            getattr(config, "moe_ffn_hidden_size", None) or config.ffn_hidden_size
+        ),
+        "moe_shared_ffn_hidden_size": int(
+            getattr(config, "moe_shared_expert_intermediate_size", None) or 0
+        ),
+        "num_moe_layers": len(set(with_experts) & set(held)),
+    }
 
 
 PRESET_CONFIGS: dict[str, dict[str, Any]] = {

@@ -1,6 +1,7 @@
 # Shared settings of the Zeppelin Slurm launchers; sourced by zeppelin_pretrain.sbatch and
 # zeppelin_torchrun.sbatch, never run on its own. Every variable can be set before sbatch
-# (sbatch exports the submitting shell's environment by default) to override the default here.
+# (sbatch exports the submitting shell's environment by default) to override the default here;
+# EXTRA_ARGS adds Megatron flags to the command line (below, "the Megatron command line").
 
 # --- what to train --------------------------------------------------------------------------
 : "${CLUSTER:=dgx-h100}"          # configs/clusters/$CLUSTER.yaml: Zeppelin flags + topology preset
@@ -124,19 +125,36 @@ export NCCL_DEBUG NCCL_DEBUG_SUBSYS=INIT,NET
 # space, so the strings below are split on white space where they are used. --manual-gc keeps
 # Python's collector from passing over the objects every plan brings while a step runs
 # (docs/MEGATRON.md).
+#
+# Every part can be replaced before sbatch, and EXTRA_ARGS adds flags after all of them (Megatron
+# takes the last value of a flag given twice, so EXTRA_ARGS can also change one):
+#   SPEC_ARGS       the layer spec (the TransformerEngine one by default; "--spec
+#                   megatron_zeppelin.megatron.spec local" without TransformerEngine)
+#   LR_ARGS         learning rate and its schedule
+#   OPTIMIZER_ARGS  weight decay, clipping, Adam
+#   CHECKPOINT_ARGS where and how often to save, and what to load
+#   LOG_ARGS        logging and TensorBoard
+#   DATA_ARGS       the dataset and its train/valid/test split (by documents)
+#   EVAL_ARGS       validation: how often and how many iterations
+#   EXTRA_ARGS      anything else, e.g. EXTRA_ARGS="--seed 7 --moe-token-dispatcher-type alltoall"
+#   ZEPPELIN_TRAIN_ARGS  all of the above at once: set, it is used as it is (EXTRA_ARGS still
+#                   follows it)
 ZEPPELIN_YAMLS="$ZEPPELIN_DIR/configs/models/$MODEL.yaml $ZEPPELIN_DIR/configs/clusters/$CLUSTER.yaml"
-ZEPPELIN_TRAIN_ARGS="\
- --spec megatron_zeppelin.megatron.spec te\
+: "${SPEC_ARGS=--spec megatron_zeppelin.megatron.spec te}"
+: "${LR_ARGS=--lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100}"
+: "${OPTIMIZER_ARGS=--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --use-distributed-optimizer}"
+: "${CHECKPOINT_ARGS=--save $RUN_DIR/checkpoints --load $RUN_DIR/checkpoints --save-interval 500}"
+: "${LOG_ARGS=--log-interval 10 --tensorboard-dir $RUN_DIR/tensorboard}"
+: "${DATA_ARGS=--data-path $DATA_PREFIX --split 998,1,1}"
+: "${EVAL_ARGS=--eval-interval 1000 --eval-iters 0}"
+: "${EXTRA_ARGS=}"
+: "${ZEPPELIN_TRAIN_ARGS=$SPEC_ARGS\
  --micro-batch-size 1 --global-batch-size $GLOBAL_BATCH_SIZE --train-iters $TRAIN_ITERS\
- --lr 3e-4 --min-lr 3e-5 --lr-decay-style cosine --lr-warmup-iters 100\
- --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95\
- --data-path $DATA_PREFIX --split 998,1,1 $TOKENIZER_ARGS\
- --distributed-backend nccl --use-distributed-optimizer\
- --save $RUN_DIR/checkpoints --load $RUN_DIR/checkpoints --save-interval 500\
- --log-interval 10 --eval-interval 1000 --eval-iters 0 --manual-gc\
- --tensorboard-dir $RUN_DIR/tensorboard"
+ $LR_ARGS $OPTIMIZER_ARGS\
+ $DATA_ARGS $TOKENIZER_ARGS --distributed-backend nccl\
+ $CHECKPOINT_ARGS $LOG_ARGS $EVAL_ARGS --manual-gc}"
 # The program every rank runs, as one shell string for `bash -c` (inside the container).
 ZEPPELIN_PRETRAIN="python $MEGATRON_DIR/pretrain_gpt.py\
- \$(python $ZEPPELIN_DIR/scripts/yaml_to_args.py $ZEPPELIN_YAMLS) $ZEPPELIN_TRAIN_ARGS"
-export ZEPPELIN_YAMLS ZEPPELIN_TRAIN_ARGS ZEPPELIN_PRETRAIN
+ \$(python $ZEPPELIN_DIR/scripts/yaml_to_args.py $ZEPPELIN_YAMLS) $ZEPPELIN_TRAIN_ARGS $EXTRA_ARGS"
+export ZEPPELIN_YAMLS ZEPPELIN_TRAIN_ARGS EXTRA_ARGS ZEPPELIN_PRETRAIN
 mkdir -p "$RUN_DIR"

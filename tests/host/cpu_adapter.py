@@ -21,8 +21,10 @@ core_v0.16.1 checkout) on CPU and reading its source
     (``get_device_arch_version``), to decide about ``CUDA_DEVICE_MAX_CONNECTIONS``.
 ``torch.cuda.Stream``, ``current_stream``, ``stream``, ``synchronize``
     ``get_model`` wraps DDP construction in a side stream and makes the default stream wait, the
-    timers synchronize, and so does the pipeline's exchange of activation shapes
-    (``_communicate_shapes``); CPU work is synchronous, so ordering calls have nothing to do.
+    timers synchronize, so does the pipeline's exchange of activation shapes
+    (``_communicate_shapes``), and the MoE all-to-all dispatcher records an event on a side
+    stream and waits for it before reading its token counts; CPU work is synchronous, so
+    ordering calls have nothing to do and every event has happened.
 ``torch.cuda.get_rng_state``, ``torch.cuda.random.get_rng_state`` -> a CPU generator's state
     the RNG tracker (``CudaRNGStatesTracker.add``, ``fork``) and the checkpoint read the GPU
     generator's state, which would initialize CUDA; a CPU ``torch.Generator`` per process
@@ -41,6 +43,11 @@ core_v0.16.1 checkout) on CPU and reading its source
     the GPU, whose generator weights never come from; here they would advance the CPU generator
     that ``--use-cpu-initialization`` draws every weight from, so runs of different TP sizes
     would start from different models.
+``maybe_move_tensor_to_cpu`` in ``megatron.core.transformer.moe.token_dispatcher`` -> a copy
+    the MoE all-to-all dispatcher moves its token counts off the GPU with it and hands them to
+    ``all_to_all_single`` as NumPy split sizes; it converts only tensors on the GPU, so on CPU the
+    counts stayed tensors, which ``all_to_all_single`` refuses. Every tensor here stands for a
+    GPU tensor, so every one is copied and converted as the GPU's would be.
 ``megatron.legacy.fused_kernels.load`` -> nothing (core_v0.16.1 only)
     that release's ``_compile_dependencies`` builds legacy CUDA kernels with nvcc; there is no
     CUDA toolkit here and nothing uses them (0.19 dropped the step).
@@ -68,6 +75,22 @@ from torch.overrides import TorchFunctionMode
 _GENERATOR = torch.Generator()  # answers for this process's GPU generator
 
 
+class _Event:
+    """A CUDA event on CPU: work is synchronous, so every event has happened."""
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
 class _Stream:
     """A CUDA stream on CPU: work is synchronous, so there is nothing to order."""
 
@@ -81,7 +104,7 @@ class _Stream:
         pass
 
     def record_event(self, event: Any = None) -> Any:
-        return event
+        return event if event is not None else _Event()
 
     def synchronize(self) -> None:
         pass
@@ -178,8 +201,22 @@ def _loop_patches() -> list[tuple[Any, str, Any]]:
             _warm_up_on_its_own_generator(initialize._warmup_jit_function),
         ),
         *_accelerator_patches(),
+        *_moe_patches(),
         *_core_v0_16_1_patches(),
     ]
+
+
+def _moe_patches() -> list[tuple[Any, str, Any]]:
+    """The MoE dispatcher's copies off the GPU (see the module docstring)."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+        if not torch.is_tensor(tensor):
+            return tensor
+        copy = tensor.detach().clone()
+        return copy.numpy() if as_numpy else copy
+
+    return [(token_dispatcher, "maybe_move_tensor_to_cpu", to_host)]
 
 
 def _core_v0_16_1_patches() -> list[tuple[Any, str, Any]]:

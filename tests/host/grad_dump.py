@@ -10,8 +10,9 @@ count (``calculate_per_token_loss``): what it leaves in each parameter's ``main_
 gradient the optimizer applies (clipping aside). The wrapper calls it, then saves
 ``DIR/rank{R}-iter{N}.pt``: ``{"ranks": {"tp", "tp_size", "dp"}, "grads": {name: (tensor,
 partition_dim)}}``, names as the whole model has them (a pipeline stage's layer ``i`` is
-renamed to its global index, Megatron's ``layer_number - 1``), ``partition_dim`` the dimension
-tensor parallelism splits (``None``: a full copy).
+renamed to its global index, Megatron's ``layer_number - 1``, and a MoE layer's local expert
+``local_experts.I`` to its global one, this rank's expert-parallel rank x local experts + I),
+``partition_dim`` the dimension tensor parallelism splits (``None``: a full copy).
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from typing import Any
 
 import torch
 
+GRAD_DIR = "ZEPPELIN_TEST_GRAD_DIR"
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"\.local_experts\.(\d+)\.")
 
 
 def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -31,14 +34,28 @@ def _unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
     return chunk
 
 
-def _global_grads(chunk: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+def global_names(chunk: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name in the whole model, parameter)`` of a model chunk (see the module docstring)."""
+    from megatron.core import parallel_state
+
     model = _unwrap(chunk)
-    grads = {}
-    for name, param in model.named_parameters():
+    named = list(model.named_parameters())
+    local = {int(m.group(1)) for name, _ in named for m in [_LOCAL_EXPERT.search(name)] if m}
+    first = parallel_state.get_expert_model_parallel_rank() * len(local)  # its first expert
+    renamed = []
+    for name, param in named:
         found = _LAYER.match(name)
         if found:
             layer = model.decoder.layers[int(found.group(1))].layer_number - 1
             name = f"decoder.layers.{layer}.{name[found.end() :]}"
+        name = _LOCAL_EXPERT.sub(lambda m: f".local_experts.{first + int(m.group(1))}.", name)
+        renamed.append((name, param))
+    return renamed
+
+
+def _global_grads(chunk: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int | None]]:
+    grads = {}
+    for name, param in global_names(chunk):
         grad = getattr(param, "main_grad", None)
         if grad is None:
             grad = param.grad
@@ -49,7 +66,7 @@ def _global_grads(chunk: torch.nn.Module) -> dict[str, tuple[torch.Tensor, int |
 
 def install() -> None:
     """Wrap ``finalize_model_grads`` where ``train()`` reads it (see the module docstring)."""
-    directory = os.environ.get("ZEPPELIN_TEST_GRAD_DIR")
+    directory = os.environ.get(GRAD_DIR)
     if not directory:
         return
     import megatron.training.training as training
@@ -77,8 +94,10 @@ def install() -> None:
 
 
 def load_gradients(directory: str, iteration: int, *, gated: bool) -> dict[str, torch.Tensor]:
-    """The whole model's gradients of ``iteration``: every parameter once, its tensor-parallel
-    slices (from data-parallel rank 0) put back together along their partition dimension.
+    """The whole model's gradients of ``iteration``: every parameter once (the first rank that
+    holds it: after ``finalize_model_grads`` its data-parallel copies are equal, and a MoE
+    layer's experts live on the ranks of their expert-parallel index), its tensor-parallel
+    slices put back together along their partition dimension.
     ``gated`` (SwiGLU): each rank's ``linear_fc1`` holds its slice of the gate and then its
     slice of the up projection, so the gates go first and the ups after them."""
     slices: dict[str, dict[int, tuple[torch.Tensor, int]]] = {}
@@ -87,13 +106,11 @@ def load_gradients(directory: str, iteration: int, *, gated: bool) -> dict[str, 
         if not entry.endswith(f"-iter{iteration}.pt"):
             continue
         dump = torch.load(os.path.join(directory, entry))
-        if dump["ranks"]["dp"] != 0:
-            continue
         for name, (grad, split) in dump["grads"].items():
             if split is None:
-                full[name] = grad
+                full.setdefault(name, grad)
             else:
-                slices.setdefault(name, {})[dump["ranks"]["tp"]] = (grad, split)
+                slices.setdefault(name, {}).setdefault(dump["ranks"]["tp"], (grad, split))
     for name, parts in slices.items():
         ordered = [parts[tp] for tp in sorted(parts)]
         split = ordered[0][1]

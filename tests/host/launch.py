@@ -1,11 +1,13 @@
 """Launch ``python -m megatron_zeppelin.pretrain_gpt`` (or another entry point, such as the
 test-only ``megatron_reference``) on N local gloo processes, as torchrun would (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), through the test-only CPU
-adapter, and read back what Megatron logged."""
+adapter, and read back what Megatron logged; ``launch_jobs`` runs several such launches from
+one import of torch and Megatron."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import re
@@ -13,8 +15,11 @@ import signal
 import socket
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from grad_dump import GRAD_DIR
+from init_by_name import INIT_BY_NAME
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -75,6 +80,65 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(frozen=True)
+class Job:
+    """One launch of ``launch_jobs``: ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size``
+    processes, logs in ``log_dir``; with ``grad_dir`` every rank writes each iteration's
+    gradients there (``grad_dump.py``); ``env``: more variables (``init_by_name.py``)."""
+
+    args: list[str]
+    world_size: int
+    log_dir: Path
+    grad_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+    def environment(self) -> dict[str, str]:
+        """This job's own variables: its rendezvous port, the probes it asks for."""
+        env = {**self.env, "MASTER_PORT": str(_free_port())}
+        if self.grad_dir is not None:
+            self.grad_dir.mkdir(parents=True, exist_ok=True)
+            env[GRAD_DIR] = str(self.grad_dir)
+        return env
+
+
+def _environment() -> dict[str, str]:
+    env = dict(os.environ)
+    for probe in (GRAD_DIR, INIT_BY_NAME):  # only where a job asks for them
+        env.pop(probe, None)
+    env.update(
+        MASTER_ADDR="127.0.0.1",
+        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron asks for it with TP > 1, as on a GPU
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def _run(command: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> int:
+    """Run the launcher in its own session; kill it and all it started when the time runs out,
+    so a hang fails the test instead of stalling it. Its output goes to ``cwd/launcher.log``."""
+    with open(cwd / "launcher.log", "w") as out:
+        proc = subprocess.Popen(
+            command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return -signal.SIGKILL
+    finally:
+        # Whatever the ranks left behind (Megatron's checkpoint writers, worker pools) goes too:
+        # orphans would outlive the test holding half a GB each.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _read(log_dir: Path, world_size: int, returncode: int, launcher: str) -> Run:
+    logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
+    outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
+    return Run(returncode, outputs, launcher)
+
+
 def launch(
     args: list[str],
     *,
@@ -89,45 +153,45 @@ def launch(
     fails the test instead of stalling it. ``grad_dir``: every rank writes each iteration's
     gradients there (``grad_dump.py``)."""
     log_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ)
-    env.pop("ZEPPELIN_TEST_GRAD_DIR", None)
-    if grad_dir is not None:
-        grad_dir.mkdir(parents=True, exist_ok=True)
-        env["ZEPPELIN_TEST_GRAD_DIR"] = str(grad_dir)
-    env.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(_free_port()),
-        PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")])),
-        CUDA_DEVICE_MAX_CONNECTIONS="1",  # Megatron asks for it with TP > 1, as on a GPU
-        OMP_NUM_THREADS="1",
-    )
     command = [
         sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
         "--log-dir", str(log_dir), "-m", module, *args,
     ]  # fmt: skip
-    launcher_log = log_dir / "launcher.log"
-    with open(launcher_log, "w") as out:
-        proc = subprocess.Popen(
-            command,
-            cwd=log_dir,
-            env=env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+    job = Job(args, world_size, log_dir, grad_dir)
+    env = {**_environment(), **job.environment()}
+    returncode = _run(command, cwd=log_dir, env=env, timeout_s=timeout_s)
+    return _read(log_dir, world_size, returncode, (log_dir / "launcher.log").read_text())
+
+
+def launch_jobs(jobs: list[Job], *, work_dir: Path, timeout_s: float) -> list[Run]:
+    """Run ``jobs`` one after the other from one launcher (``run_on_cpu.py --jobs``), which
+    imports torch and Megatron once for all of them: on two cores that import is most of a
+    small launch. ``timeout_s`` bounds them all together; a job the time cut short reports
+    ``-SIGKILL``."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    plan = []
+    for job in jobs:
+        job.log_dir.mkdir(parents=True, exist_ok=True)
+        (job.log_dir / "exit_status").unlink(missing_ok=True)
+        plan.append(
+            {
+                "ranks": job.world_size,
+                "log_dir": str(job.log_dir),
+                "module": "megatron_zeppelin.pretrain_gpt",
+                "argv": job.args,
+                "env": job.environment(),
+            }
         )
-    try:
-        returncode = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        returncode = -signal.SIGKILL
-    finally:
-        # Whatever the ranks left behind (Megatron's checkpoint writers, worker pools) goes too:
-        # orphans would outlive the test holding half a GB each.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
-    outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
-    return Run(returncode, outputs, launcher_log.read_text())
+    (work_dir / "jobs.json").write_text(json.dumps(plan))
+    command = [sys.executable, str(HERE / "run_on_cpu.py"), "--jobs", str(work_dir / "jobs.json")]
+    _run(command, cwd=work_dir, env=_environment(), timeout_s=timeout_s)
+    launcher = (work_dir / "launcher.log").read_text()
+    runs = []
+    for job in jobs:
+        status = job.log_dir / "exit_status"
+        code = int(status.read_text()) if status.exists() else -signal.SIGKILL
+        runs.append(_read(job.log_dir, job.world_size, code, launcher))
+    return runs
 
 
 def finite(losses: dict[int, float]) -> bool:

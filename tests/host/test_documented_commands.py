@@ -21,7 +21,7 @@ import sys
 
 import pytest
 from cpu_adapter import validation_on_cpu
-from launch_commands import ROOT, Command, documented_commands, shipped_configs, slurm_command
+from launch_commands import Command, documented_commands, shipped_configs, slurm_command
 
 pytestmark = pytest.mark.host
 
@@ -111,9 +111,11 @@ def test_the_docs_list_commands_to_check() -> None:
     assert {"docs/MEGATRON.md", "scripts/slurm/README.md"} <= sources
 
 
-# --- refusals: docs/MEGATRON.md's table of Megatron flags Zeppelin constrains ----------------
+# --- refusals through the whole start-up: a documented command and one refused value ----------
+# (every refused flag of megatron/coverage/ is refused through Megatron's parser in
+# tests/host/test_megatron_flags.py; these go through parsing, validation and the plugin's checks)
 
-# A value each documented constraint refuses, added to a command that starts.
+# A value each of these constraints refuses, added to a command that starts.
 VIOLATIONS = {
     "--context-parallel-size": ["--context-parallel-size", "2"],
     "--use-tp-pp-dp-mapping": ["--pipeline-model-parallel-size", "2", "--use-tp-pp-dp-mapping"],
@@ -136,65 +138,6 @@ VIOLATIONS = {
     # Megatron's default (None) cannot be written; 0 is as missing (train_iters // 0).
     "--eval-interval": ["--eval-interval", "0"],
 }
-# Rows that constrain nothing at start-up, each with where it is enforced instead.
-NOT_REFUSED = {
-    "--sequence-parallel": "supported: the llama-13b/30b configs start with it (above)",
-    "--group-query-attention": "read by the cost model (tests/test_hooks.py)",
-    "--num-query-groups": "read by the cost model (tests/test_hooks.py)",
-    "--bf16": "read by the cost model (tests/test_hooks.py)",
-    "--fp16": "read by the cost model (tests/test_hooks.py)",
-    "--seq-length": "sizes the token budget; any value starts",
-    "--calculate-per-token-loss": "switched on: checked by test_every_documented_command_starts",
-    "--no-rope-fusion": "implied: checked by test_every_documented_command_starts",
-    "--eval-iters": "supported: validation and test (tests/host/test_pretrain_loop.py)",
-    "--full-validation": "supported (tests/test_evaluation.py)",
-    "--skip-train": "supported (tests/test_evaluation.py)",
-    "--data-args-path": "supported (tests/test_blend.py)",
-    # Megatron refuses these beside --data-path itself, before the plugin's checks.
-    "--train-data-path": "supported (tests/test_blend.py)",
-    "--valid-data-path": "supported (tests/test_blend.py)",
-    "--test-data-path": "supported (tests/test_blend.py)",
-    "--per-split-data-args-path": "supported (tests/test_blend.py)",
-    "--pipeline-model-parallel-size": "supported: the documented command starts (above); a "
-    "stage that straddles nodes is refused (tests/test_node_shape.py)",
-    "--num-layers-per-virtual-pipeline-stage": "supported (tests/host/test_pipeline.py)",
-    "--num-virtual-stages-per-pipeline-rank": "supported (tests/host/test_pipeline.py)",
-    "--decoder-first-pipeline-num-layers": "Megatron's split (tests/host/test_pipeline.py)",
-    "--decoder-last-pipeline-num-layers": "Megatron's split (tests/host/test_pipeline.py)",
-    "--account-for-embedding-in-pipeline-split": "Megatron's split, read as it builds it",
-    "--account-for-loss-in-pipeline-split": "Megatron's split, read as it builds it",
-    "--pipeline-model-parallel-layout": "Megatron's split, read as it builds it",
-}
-
-
-def constrained_flags() -> list[str]:
-    """The flags of the table under 'Megatron flags Zeppelin reads or constrains'."""
-    text = (ROOT / "docs/MEGATRON.md").read_text()
-    table = text.split("Megatron flags Zeppelin reads or constrains", 1)[1].split("\n\n", 2)[1]
-    flags = []
-    for row in table.splitlines()[2:]:
-        flags += re.findall(r"`(--[a-z0-9-]+)`", row.split("|")[1])
-    return flags
-
-
-def test_the_constrained_flags_are_megatrons_own() -> None:
-    import argparse
-
-    from megatron.training.arguments import add_megatron_arguments
-
-    with validation_on_cpu():
-        known = add_megatron_arguments(argparse.ArgumentParser())._option_string_actions
-    unknown = [flag for flag in constrained_flags() if flag not in known]
-    assert not unknown, f"docs/MEGATRON.md names flags Megatron does not have: {unknown}"
-
-
-def test_every_constrained_flag_has_a_refusal_case() -> None:
-    flags = constrained_flags()
-    assert flags, "the table of constrained Megatron flags moved: update constrained_flags()"
-    missing = [f for f in flags if f not in VIOLATIONS and f not in NOT_REFUSED]
-    assert not missing, f"add a refused value for {missing} to VIOLATIONS"
-    stale = [f for f in [*VIOLATIONS, *NOT_REFUSED] if f not in flags]
-    assert not stale, f"{stale} left the docs' table: drop them here or put them back there"
 
 
 @pytest.mark.parametrize("flag", sorted(VIOLATIONS))
