@@ -99,6 +99,11 @@ class ZeppelinConfig:
     """Processes that plan ahead, each planning every Nth micro-batch; 0 plans ahead in a thread
     of the training process, which holds the interpreter lock the thread launching kernels
     needs. Default: 1 (none with --zeppelin-plan-ahead 0)."""
+    share_plans: bool = True
+    """Plan each micro-batch once: the first rank of every node runs the planner processes and
+    plans every Nth micro-batch (N: the nodes), and every rank receives each plan over a CPU
+    (gloo) group as soon as it is made; off: every rank plans every micro-batch itself. Only
+    with planner processes (not with --zeppelin-plan-workers 0 or --zeppelin-plan-ahead 0)."""
 
     @property
     def planner_processes(self) -> int:

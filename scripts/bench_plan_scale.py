@@ -3,7 +3,7 @@ step it plans.
 
 A planner that plans every micro-batch ahead of training keeps up only where a plan takes less
 than the step it plans (a planner process per node and micro-batches shared out among them,
-``megatron/plan_share.py``, has ``nodes`` times that). Per batch: the CPU seconds of
+``megatron/shared_plans.py``, has ``nodes`` times that). Per batch: the CPU seconds of
 ``plan_batch`` (``time.process_time``, one process; the plan's own validation included), the
 step the simulator predicts for the plan (``simulate``), their ratio, and the plan's efficiency
 (lower bound over the simulated step), with the default options and with ``--no-pool``

@@ -1,13 +1,16 @@
 """The run's micro-batches in training order, each with its plan, planned ahead of training.
 
-Every rank draws the same steps from the sampler and plans the same plans from the same
-lengths (planning is pure and deterministic), so plans need no communication and can be made
-early: while micro-batch ``i`` trains, ``i + 1 .. i + ahead`` are planned, drawing the next step
-from the sampler when the current one runs out. They are planned by ``workers`` planner
-processes (``plan_workers.py``: planning in the training process would hold its interpreter
-lock, and slow the thread that launches the step's kernels), or with ``workers=0`` by a
-background thread of the training process. Both the Megatron hooks and the CPU job take their
-micro-batches from a ``MicroBatchFeed``.
+Every rank draws the same steps from the sampler, and the plan of a micro-batch depends only on
+its lengths (planning is pure and deterministic), so plans can be made early: while micro-batch
+``i`` trains, ``i + 1 .. i + ahead`` are planned, drawing the next step from the sampler when the
+current one runs out. They are planned by ``workers`` planner processes (``plan_workers.py``:
+planning in the training process would hold its interpreter lock, and slow the thread that
+launches the step's kernels), or with ``workers=0`` by a background thread of the training
+process. With ``share`` (``--zeppelin-share-plans``), only the first rank of every node runs
+planner processes, each planning its turn of the micro-batches, and every rank receives each
+plan from the rank that made it (``shared_plans.py``); otherwise every rank plans every
+micro-batch itself. Both the Megatron hooks and the CPU job take their micro-batches from a
+``MicroBatchFeed``.
 
 Rules that keep it safe:
 
@@ -35,6 +38,7 @@ from typing import Any
 
 from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
 from megatron_zeppelin.megatron.sampler import DocumentSampler, DocumentSlice, StepBatch
+from megatron_zeppelin.megatron.shared_plans import SharedPlanner
 from megatron_zeppelin.planner.plan import Plan
 
 PlanFn = Callable[[Sequence[int]], Plan]
@@ -167,11 +171,18 @@ class _PlannerThread:
 class MicroBatchFeed:
     """``next()`` gives the run's micro-batches in order with their plans; see the module
     docstring. ``ahead=0`` plans each micro-batch inside ``next()``; otherwise ``workers``
-    planner processes plan ahead (``plan_fn`` must then pickle: a ``PlanRecipe``), or a
-    background thread with ``workers=0``."""
+    planner processes plan ahead (``plan_fn`` must then pickle: a ``PlanRecipe``), on the
+    planning ranks of ``share`` where given (``comm.plan_share.PlanShare``), or a background
+    thread with ``workers=0``."""
 
     def __init__(
-        self, sampler: DocumentSampler, plan_fn: PlanFn, *, ahead: int = 2, workers: int = 0
+        self,
+        sampler: DocumentSampler,
+        plan_fn: PlanFn,
+        *,
+        ahead: int = 2,
+        workers: int = 0,
+        share: Any = None,
     ) -> None:
         if ahead < 0:
             raise ValueError(f"micro-batches planned ahead must be >= 0, got {ahead}")
@@ -182,24 +193,36 @@ class MicroBatchFeed:
         self._plan_fn = plan_fn
         self._ahead = ahead
         self._stats_lock = threading.Lock()
-        self._planner: _PlannerThread | PlannerProcesses | None = None
-        if ahead and workers:
+        self._planner: _PlannerThread | PlannerProcesses | SharedPlanner | None = None
+        if ahead and workers and share is not None:
+            self._planner = SharedPlanner(plan_fn, workers, share, self._add_planning)  # type: ignore[arg-type]
+        elif ahead and workers:
             self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
         elif ahead:
             self._planner = _PlannerThread(plan_fn, self._add_planning)
         # Planner processes are waited for once, before the first plan (``stats.startup_s``).
-        self._starting = isinstance(self._planner, PlannerProcesses)
+        self._starting = isinstance(self._planner, (PlannerProcesses, SharedPlanner))
         self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
         self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
         self._collector = _CollectorWatch(self.stats)
         self._collector.start()
 
     @classmethod
-    def for_run(cls, sampler: DocumentSampler, recipe: PlanRecipe) -> MicroBatchFeed:
+    def for_run(
+        cls, sampler: DocumentSampler, recipe: PlanRecipe, share: Any = None
+    ) -> MicroBatchFeed:
         """The feed a run's flags ask for: ``--zeppelin-plan-ahead`` micro-batches ahead, in
-        ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``)."""
+        ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``),
+        on the planning ranks of ``share`` (``runtime.create_plan_share``) with
+        ``--zeppelin-share-plans``."""
         config = recipe.config
-        return cls(sampler, recipe, ahead=config.plan_ahead, workers=config.planner_processes)
+        return cls(
+            sampler,
+            recipe,
+            ahead=config.plan_ahead,
+            workers=config.planner_processes,
+            share=share if config.share_plans else None,
+        )
 
     def _add_planning(self, seconds: float) -> None:
         """A planner's seconds on one plan (the planner thread, or a planner process's reader

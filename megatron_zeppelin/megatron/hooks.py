@@ -81,6 +81,7 @@ from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler
 from megatron_zeppelin.megatron.runtime import (
     ParallelContext,
     build_cost_model,
+    create_plan_share,
     create_transport,
     plan_summary,
 )
@@ -185,6 +186,7 @@ def setup(args: argparse.Namespace) -> None:
         )
     cost_model = build_cost_model(planner_model(args), topology, calibration=config.calibration)
     exchanger, _ = create_transport(topology, ctx, config)
+    plan_share = create_plan_share(topology, ctx, config)
     _STATE.config = config
     _STATE.args = args
     _STATE.runtime = StepRuntime.create(
@@ -196,6 +198,7 @@ def setup(args: argparse.Namespace) -> None:
         remap_group=group,
         tensor_parallel=tp,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        plan_share=plan_share,
         # The remap all-to-all is bounded by --zeppelin-comm-timeout-s and a stall names the
         # layer (Megatron's own collectives keep --distributed-timeout-minutes).
         watch=CommWatch(
@@ -372,7 +375,7 @@ def train_valid_test_datasets_provider(
     restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
     if _STATE.feed is not None:
         _STATE.feed.close()
-    _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
+    _STATE.feed = MicroBatchFeed.for_run(sampler, runtime.recipe, runtime.plan_share)
     return MicroBatchMarkers(train_val_test_num_samples[0]), None, None
 
 

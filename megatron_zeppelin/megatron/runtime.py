@@ -28,6 +28,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_zeppelin.comm.counters import LinkCounters
 from megatron_zeppelin.comm.exchange import DistExchanger
 from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.plan_share import PlanShare
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
 from megatron_zeppelin.megatron.norms import (
@@ -206,6 +207,19 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
         groups, routing=config.routing, counters=counters, timeout_s=config.comm_timeout_s
     )
     return exchanger, counters
+
+
+def create_plan_share(
+    topology: Topology, ctx: ParallelContext, config: ZeppelinConfig
+) -> PlanShare | None:
+    """The plan group of this rank's Zeppelin world where plans are shared
+    (``--zeppelin-share-plans`` with planner processes, ``comm/plan_share.py``), else ``None``.
+    Every process calls it, once, in the same order: it creates every Zeppelin world's group."""
+    if not (config.share_plans and config.planner_processes) or ctx.zeppelin_world == 1:
+        return None
+    tp = ctx.tensor_parallel
+    worlds = [zeppelin_ranks(dist.get_world_size(), tp, t) for t in range(tp)]
+    return PlanShare.create(topology, worlds, timeout_s=config.comm_timeout_s)
 
 
 def plan_digest(plan: Plan) -> str:

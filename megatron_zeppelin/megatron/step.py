@@ -62,6 +62,9 @@ class StepRuntime:
     watch: Any = None
     """``comm.watch.CommWatch`` bounding the step's collectives by the Zeppelin timeout and naming
     a stalled rank; ``None``: plain collectives."""
+    plan_share: Any = None
+    """``comm.plan_share.PlanShare`` where one rank per node plans and every rank receives the
+    plans (``runtime.create_plan_share``; the feed's, ``feed.MicroBatchFeed.for_run``)."""
 
     @classmethod
     def create(
@@ -76,6 +79,7 @@ class StepRuntime:
         tensor_parallel: int,
         sequence_parallel: bool,
         watch: Any = None,
+        plan_share: Any = None,
     ) -> StepRuntime:
         return cls(
             config=config,
@@ -87,6 +91,7 @@ class StepRuntime:
             remap_group=remap_group,
             pad_multiple=tensor_parallel if sequence_parallel else 1,
             watch=watch,
+            plan_share=plan_share,
         )
 
     @property
