@@ -167,6 +167,37 @@ def _move_member(
     return False
 
 
+def _moves(
+    busiest: int, lengths: np.ndarray, given: np.ndarray, cost: np.ndarray, room: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's move: to the least loaded other GPU with room for it (ties: the lowest
+    rank), and the load that GPU ends at (``inf`` where none has room). The GPUs sorted by
+    load once, the first with room for a document is where the running most room along them
+    first reaches its length: a search per document, not a pass over every GPU."""
+    order = np.argsort(cost, kind="stable")
+    spare = room.copy()
+    spare[busiest] = -1
+    spare_sorted, cost_sorted = spare[order], cost[order]
+    first = np.searchsorted(np.maximum.accumulate(spare_sorted), lengths)
+    found = first < len(order)
+    at = np.minimum(first, len(order) - 1)
+    dest = order[at]
+    ends = np.where(found, cost_sorted[at] + given, np.inf)
+    # A GPU a little more loaded may end at the very same load once the document is added
+    # (rounding): the lowest rank of those takes it, as a scan of every GPU would choose.
+    # (Equally loaded GPUs come after in rank order: they never take it.)
+    more = np.searchsorted(cost_sorted, cost_sorted[at], side="right")
+    nearly = np.minimum(more, len(order) - 1)
+    tied = found & (more < len(order)) & (cost_sorted[nearly] + given == ends)
+    for i in np.flatnonzero(tied).tolist():
+        q, end, length = int(more[i]), float(ends[i]), int(lengths[i])
+        while q < len(order) and float(cost_sorted[q] + given[i]) == end:
+            if spare_sorted[q] >= length and order[q] < dest[i]:
+                dest[i] = order[q]
+            q += 1
+    return dest, ends
+
+
 def _best_change(
     busiest: int,
     on_rank: list[list[int]],
@@ -184,12 +215,8 @@ def _best_change(
     docs = np.asarray(on_rank[busiest], dtype=np.int64)
     lengths, given = array[docs], work[docs]
     room = capacity - tokens
-    # Moves: each document to the least loaded GPU with room for it.
-    fits = room[None, :] >= lengths[:, None]
-    fits[:, busiest] = False
-    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
-    dest = np.argmin(ends, axis=1)
-    peaks = np.maximum(top - given, ends[np.arange(len(docs)), dest])
+    dest, ends = _moves(busiest, lengths, given, cost, room)
+    peaks = np.maximum(top - given, ends)
     best_peak, best = float(peaks.min()), None
     if best_peak < top * (1 - _MIN_GAIN):
         i = int(np.argmin(peaks))
