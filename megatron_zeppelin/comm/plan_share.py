@@ -91,16 +91,16 @@ class PlanShare:
         try:
             dist.broadcast(header, src=src, group=self._group)
             kind, size = (int(x) for x in header.tolist())
-            body = (
-                torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                if mine
-                else torch.empty(size, dtype=torch.uint8)
-            )
             if size:
+                body = (
+                    torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                    if mine
+                    else torch.empty(size, dtype=torch.uint8)
+                )
                 dist.broadcast(body, src=src, group=self._group)
         except RuntimeError as exc:  # gloo's timeout or a lost peer
             raise PlanShareError(
                 f"the plan of micro-batch {index} was to come from Zeppelin rank {owner} "
                 f"(process {src}), which did not send it: {' '.join(str(exc).split())[:300]}"
             ) from None
-        return kind, payload if mine else body.numpy().tobytes()
+        return kind, payload if mine or not size else body.numpy().tobytes()

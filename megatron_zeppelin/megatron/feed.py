@@ -224,6 +224,12 @@ class MicroBatchFeed:
             share=share if config.share_plans else None,
         )
 
+    @property
+    def planner_pids(self) -> list[int]:
+        """This rank's planner processes (none with a planner thread, or on a rank that
+        receives its plans)."""
+        return list(getattr(self._planner, "pids", []))
+
     def _add_planning(self, seconds: float) -> None:
         """A planner's seconds on one plan (the planner thread, or a planner process's reader
         thread, calls this)."""

@@ -92,15 +92,17 @@ class SharedPlanner:
         failed: PlanShareError | None = None
         while (job := self._jobs.get()) is not None:
             index, mine, future = job
-            if failed is None:
-                try:
-                    kind, payload = self._share.exchange(index, *self._outgoing(mine, future))
-                except PlanShareError as exc:
-                    failed = exc  # the ranks are out of step: every later plan fails alike
-                else:
-                    _deliver(future, kind, payload, index, self._share.owner(index))
-                    continue
-            _resolve(future, failed)
+            if failed is not None:  # the ranks are out of step: every later plan fails alike
+                _resolve(future, failed)
+                continue
+            try:
+                kind, payload = self._share.exchange(index, *self._outgoing(mine, future))
+                _deliver(future, kind, payload, index, self._share.owner(index))
+            except PlanShareError as exc:
+                failed = exc
+                _resolve(future, exc)
+            except Exception as exc:  # noqa: BLE001 - handed to the training thread
+                _resolve(future, exc)
 
     def _outgoing(self, mine: Future | None, future: Future) -> tuple[int, bytes]:
         """What this rank sends for a micro-batch: nothing unless it owns it; the plan's
