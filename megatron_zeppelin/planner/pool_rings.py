@@ -178,29 +178,36 @@ def _in_node(
 def _across(by_node: np.ndarray, node_cost: np.ndarray, size: int) -> tuple[int, ...] | None:
     """``size`` eligible GPUs over two nodes or more: of a window of consecutive nodes where one
     with at most one node more than the ring needs has them all, else the nodes with the most
-    eligible GPUs first (the fewest cross-node edges); the least loaded of each, node by node."""
+    eligible GPUs first (the fewest cross-node edges); the least loaded of each (ties: the lower
+    GPU), node by node."""
     k = by_node.shape[1]
     counts = by_node.sum(axis=1)
     if int(counts.sum()) < size:
         return None
     least = max(2, -(-size // k))
-    order = np.lexsort((node_cost.max(axis=1), -counts))
+    running = np.concatenate(([0], np.cumsum(counts)))
     for num in range(least, min(len(counts), least + 1) + 1):
-        totals = np.lib.stride_tricks.sliding_window_view(counts, num).sum(axis=1)
+        totals = running[num:] - running[:-num]  # eligible GPUs of each window of ``num``
         if totals.max() >= size:
             first = int(np.argmax(totals))
             order = np.arange(first, first + num)
             break
-    ring: list[int] = []
-    for node in order.tolist():
-        free = sorted(np.flatnonzero(by_node[node]).tolist(), key=lambda j: (node_cost[node, j], j))
-        ring.extend(node * k + j for j in sorted(free[: size - len(ring)]))
-        if len(ring) == size:
-            break
-    nodes = sorted({r // k for r in ring})
+    else:
+        order = np.lexsort((node_cost.max(axis=1), -counts))
+    # Each node in order gives its eligible GPUs until the ring has ``size``.
+    have = counts[order]
+    take = np.clip(size - (np.cumsum(have) - have), 0, have)
+    nodes, take = order[take > 0], take[take > 0]
     if len(nodes) < 2:
         return None  # one node's ring is priced on NVLink
-    return tuple(r for n in nodes for r in ring if r // k == n)
+    masked = np.where(by_node[nodes], node_cost[nodes], np.inf)
+    cheapest = np.argsort(masked, axis=1, kind="stable")
+    chosen = sorted(
+        (int(node), int(j))
+        for node, row, count in zip(nodes.tolist(), cheapest, take.tolist())
+        for j in row[:count].tolist()
+    )
+    return tuple(node * k + j for node, j in chosen)
 
 
 def place_on(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Placement:

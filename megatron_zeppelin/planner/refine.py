@@ -233,14 +233,24 @@ def _best_change(
     )
     position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
     owner = np.asarray(light, dtype=np.int64)[position]
-    delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds
-    grow = lengths[:, None] - array[theirs][None, :]  # tokens the light GPU gains
-    ok = (delta > 0) & (grow <= room[owner][None, :]) & (-grow <= room[busiest])
-    peak = np.where(ok, np.maximum(top - delta, cost[owner][None, :] + delta), np.inf)
-    low = float(peak.min())
+    # Only their documents lighter than the busiest GPU's heaviest, with token room on both
+    # sides for a swap with one of its documents, can be swapped: the others are left out of
+    # the matrix (about half of them on a nearly full batch of short documents).
+    their_work, their_length = work[theirs], array[theirs]
+    cols = np.flatnonzero(
+        (their_work < given.max())
+        & (lengths.min() - their_length <= room[owner])
+        & (their_length - lengths.max() <= room[busiest])
+    )
+    delta = given[:, None] - their_work[cols][None, :]  # what the busiest GPU sheds
+    grow = lengths[:, None] - their_length[cols][None, :]  # tokens the light GPU gains
+    ok = (delta > 0) & (grow <= room[owner[cols]][None, :]) & (-grow <= room[busiest])
+    peak = np.where(ok, np.maximum(top - delta, cost[owner[cols]][None, :] + delta), np.inf)
+    low = float(peak.min()) if peak.size else np.inf
     if low < min(best_peak, top * (1 - _MIN_GAIN)):
-        rows, cols = np.nonzero(peak == low)
-        pick = int(np.lexsort((cols, rows, position[cols]))[0])  # ties: the first GPU listed
-        i, j = int(rows[pick]), int(cols[pick])
+        rows, at = np.nonzero(peak == low)
+        col = cols[at]
+        pick = int(np.lexsort((col, rows, position[col]))[0])  # ties: the first GPU listed
+        i, j = int(rows[pick]), int(col[pick])
         best = (int(owner[j]), int(docs[i]), int(theirs[j]))
     return best
