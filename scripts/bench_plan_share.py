@@ -98,13 +98,13 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: dict
             steps.append(item.plan.meta["predicted_step_s"])
             time.sleep(steps[-1])  # the GPUs train the micro-batch
         planner_cpu = sum(map(_cpu_of, feed.planner_pids))  # before they end
-        made = feed.stats.planning_s
+        made = feed.stats.num_made
     finally:
         feed.close()
     now = resource.getrusage(resource.RUSAGE_SELF)
     own = now.ru_utime + now.ru_stime - cpu.ru_utime - cpu.ru_stime
     out[rank] = {"waits": waits, "steps": steps, "planner_cpu": planner_cpu, "own_cpu": own,
-                 "made_s": made, "startup_s": feed.stats.startup_s}  # fmt: skip
+                 "made": made, "startup_s": feed.stats.startup_s}  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -129,8 +129,7 @@ def main() -> None:
     print(f"predicted step {step:.2f} s; first step waited {first:.2f} s (planner processes "
           f"started in {max(r['startup_s'] for r in results):.2f} s); later steps waited "
           f"{max(later):.3f} s at most, {statistics.mean(later):.3f} s on average")  # fmt: skip
-    plans_made = args.steps if not args.share else args.steps / args.ranks
-    planner = statistics.mean(r["planner_cpu"] for r in results) / plans_made
+    planner = sum(r["planner_cpu"] for r in results) / sum(r["made"] for r in results)
     own = statistics.mean(r["own_cpu"] for r in results) / args.steps
     print(f"CPU per plan made: {planner:.2f} s in a planner process; per plan taken: "
           f"{own:.3f} s in the training process")  # fmt: skip

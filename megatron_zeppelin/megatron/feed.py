@@ -68,8 +68,12 @@ class PlanningStats:
     """Where planning time went (seconds, summed over the run)."""
 
     num_plans: int = 0
+    """Plans taken by training."""
+    num_made: int = 0
+    """Plans made on this rank (with plans shared, only its turn of them; none on a rank that
+    receives them all)."""
     planning_s: float = 0.0
-    """Spent planning, in whichever thread or process."""
+    """Spent planning the plans made on this rank, in whichever thread or process."""
     waited_s: float = 0.0
     """Spent by the training thread waiting for a plan (all of it when planning is inline)."""
     startup_s: float = 0.0
@@ -90,6 +94,7 @@ class PlanningStats:
     def to_dict(self) -> dict[str, float]:
         return {
             "num_plans": self.num_plans,
+            "num_made": self.num_made,
             "planning_s": self.planning_s,
             "waited_s": self.waited_s,
             "hidden_s": self.hidden_s,
@@ -235,6 +240,7 @@ class MicroBatchFeed:
         thread, calls this)."""
         with self._stats_lock:
             self.stats.planning_s += seconds
+            self.stats.num_made += 1
 
     def next(self) -> FedMicroBatch:
         """The next micro-batch and its plan (waits for the plan if it is not ready)."""
@@ -255,7 +261,7 @@ class MicroBatchFeed:
             try:
                 plan = self._plan_fn(lengths)
             finally:
-                self.stats.planning_s += time.perf_counter() - start
+                self._add_planning(time.perf_counter() - start)
         else:
             plan = future.result()  # re-raises the planner's own exception
         self.stats.waited_s += time.perf_counter() - start

@@ -96,10 +96,11 @@ ZEPPELIN = (
 )
 # A plan line: "zeppelin micro-batch step 3: plan e33f95bd 1 docs (local 0, intra 0, inter 1); ..."
 PLAN = re.compile(r"zeppelin micro-batch step \d+: plan \w+ (\d+) docs \(.*?inter (\d+)\)")
-# "zeppelin planning: 0.12 s for 4 plans, 0.10 s (83%) hidden behind training; planner ..."
+# "zeppelin planning: 8 plans, 4 made here in 0.30 s and the others received; training waited
+# 0.05 s for them; planner ..." (rank 0 plans node 0's turn of the micro-batches)
 PLANNING = re.compile(
-    r"zeppelin planning: [\d.]+ s for (\d+) plans, [\d.]+ s \(\d+%\) hidden behind training; "
-    r"planner processes started in [\d.]+ s"
+    r"zeppelin planning: (\d+) plans, \d+ made here in [\d.]+ s and the others received; "
+    r"training waited [\d.]+ s for them; planner processes started in [\d.]+ s"
 )
 
 
@@ -197,9 +198,11 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert shape.startswith("zeppelin: node shape 2 nodes x 2 Zeppelin ranks")
     assert cost_model.startswith("zeppelin: cost model 2 layers, 4 heads, 4 K/V heads, fp32, TP 1")
     assert kernel == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
-    # Megatron's own loop plans ahead in a planner process per rank, and says how it went.
+    # Megatron's own loop plans ahead in a planner process on the first rank of each node,
+    # the others receiving the plans, and says how it went.
     assert _startup_summary(tp1_run)[3] == (
-        "zeppelin: planning 2 micro-batches ahead in 1 planner process"
+        "zeppelin: planning 4 micro-batches ahead in 1 planner process on the first rank of "
+        "each node, each plan sent to every rank"
     )
     # Without Megatron's --manual-gc the start-up says what Python's collector will do.
     assert "--manual-gc makes them at fixed steps" in _startup_summary(tp1_run)[4]
