@@ -156,6 +156,7 @@ def main() -> None:
     parser.add_argument("--embedded", action="store_true", help="the embedded histograms")
     parser.add_argument("--no-shapes", action="store_true", help="leave out SHAPES")
     parser.add_argument("--no-pool", action="store_true", help="also plan with pool=False")
+    parser.add_argument("--only", type=int, nargs="+", help="only these rows (0: the first)")
     parser.add_argument("--json", help="write every batch's figures here")
     args = parser.parse_args()
     shapes = (
@@ -163,6 +164,8 @@ def main() -> None:
         + (STRESS if args.stress else ())
         + (EMBEDDED if args.embedded else ())
     )
+    if args.only:
+        shapes = tuple(shapes[i] for i in args.only)
     plan_once(SHAPES[2], sample_lengths("lognormal", num_tokens=1 << 20, seed=0), PlannerOptions())
     header = (
         "| distribution | GPUs | fill | cluster | model | docs | tokens | plan s "

@@ -31,6 +31,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -168,9 +169,10 @@ def main() -> None:
     parser.add_argument("--sets", nargs="+", choices=SETS, default=list(SETS))
     parser.add_argument("--write", help="write every batch's digest, step and plan time here")
     parser.add_argument("--against", help="compare with a file --write wrote before")
+    parser.add_argument("--first", type=int, help="only the first N batches of the sets")
     args = parser.parse_args()
     rows = []
-    for batch in batches(args.sets):
+    for batch in islice(batches(args.sets), args.first):
         rows.append(plan_one(batch))
         print(
             f"{rows[-1]['key']}: {rows[-1]['digest']} {rows[-1]['plan_s']:.2f} s",
