@@ -169,20 +169,12 @@ def test_replace_ring_keeps_loads_when_it_finds_nothing() -> None:
     assert sum(loads.tokens) == 100_000
 
 
-def _moves_by_scan(busiest, lengths, given, cost, room):
-    """Every document against every GPU: the scan ``refine._moves`` replaced."""
-    fits = room[None, :] >= lengths[:, None]
-    fits[:, busiest] = False
-    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
-    dest = np.argmin(ends, axis=1)
-    return dest, ends[np.arange(len(lengths)), dest]
-
-
 @pytest.mark.parametrize("seed", range(40))
 def test_moves_choose_the_gpu_a_scan_of_every_gpu_chooses(seed: int) -> None:
-    """Ties included: equal loads, loads one rounding step apart that end equal once a
-    document is added, GPUs without room, and documents no GPU has room for."""
-    from megatron_zeppelin.planner.refine import _moves
+    """``refine._moves`` (GPUs sorted by load once) against ``_scanned_moves`` (every document
+    against every GPU), ties included: equal loads, loads one rounding step apart that end
+    equal once a document is added, GPUs without room, documents no GPU has room for."""
+    from megatron_zeppelin.planner.refine import _moves, _scanned_moves
 
     rng = np.random.default_rng(seed)
     world = int(rng.integers(2, 64))
@@ -192,8 +184,8 @@ def test_moves_choose_the_gpu_a_scan_of_every_gpu_chooses(seed: int) -> None:
     lengths = rng.integers(1, 60, size=int(rng.integers(1, 12)))
     given = rng.choice([2**-53, 1e-3, 0.25, 1.0], size=len(lengths))
     busiest = int(rng.integers(world))
+    want_dest, want_ends = _scanned_moves(busiest, lengths, given, cost, room)
     dest, ends = _moves(busiest, lengths, given, cost, room)
-    want_dest, want_ends = _moves_by_scan(busiest, lengths, given, cost, room)
     assert np.array_equal(ends, want_ends)
     reachable = np.isfinite(want_ends)
     assert np.array_equal(dest[reachable], want_dest[reachable])

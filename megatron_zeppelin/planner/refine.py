@@ -40,6 +40,13 @@ _LIGHT = 16
 """The least loaded GPUs holding local documents whose documents a swap may take."""
 _MIN_GAIN = 1e-6
 """A change must lower the pair's peak by this fraction of the busiest load."""
+_SORTED_MOVES = 16
+"""From this many documents on the busiest GPU, their moves are found from the GPUs sorted by
+load (``_moves``); fewer are each weighed against every GPU (``_scanned_moves``): the same
+answers, whichever is cheaper."""
+_FILTERED_SWAPS = 4096
+"""From this many pairs on, the documents no swap can take are left out before the pairs are
+weighed (the same answer; below it, leaving them out costs more than weighing them)."""
 
 
 def refine(
@@ -167,6 +174,17 @@ def _move_member(
     return False
 
 
+def _scanned_moves(
+    busiest: int, lengths: np.ndarray, given: np.ndarray, cost: np.ndarray, room: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``_moves`` by a pass over every GPU per document (cheaper for a few documents)."""
+    fits = room[None, :] >= lengths[:, None]
+    fits[:, busiest] = False
+    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
+    dest = np.argmin(ends, axis=1)
+    return dest, ends[np.arange(len(lengths)), dest]
+
+
 def _moves(
     busiest: int, lengths: np.ndarray, given: np.ndarray, cost: np.ndarray, room: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -215,7 +233,8 @@ def _best_change(
     docs = np.asarray(on_rank[busiest], dtype=np.int64)
     lengths, given = array[docs], work[docs]
     room = capacity - tokens
-    dest, ends = _moves(busiest, lengths, given, cost, room)
+    moves = _moves if len(docs) >= _SORTED_MOVES else _scanned_moves
+    dest, ends = moves(busiest, lengths, given, cost, room)
     peaks = np.maximum(top - given, ends)
     best_peak, best = float(peaks.min()), None
     if best_peak < top * (1 - _MIN_GAIN):
@@ -233,15 +252,17 @@ def _best_change(
     )
     position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
     owner = np.asarray(light, dtype=np.int64)[position]
-    # Only their documents lighter than the busiest GPU's heaviest, with token room on both
-    # sides for a swap with one of its documents, can be swapped: the others are left out of
-    # the matrix (about half of them on a nearly full batch of short documents).
     their_work, their_length = work[theirs], array[theirs]
-    cols = np.flatnonzero(
-        (their_work < given.max())
-        & (lengths.min() - their_length <= room[owner])
-        & (their_length - lengths.max() <= room[busiest])
-    )
+    cols = np.arange(len(theirs))
+    if len(docs) * len(theirs) > _FILTERED_SWAPS:
+        # Only their documents lighter than the busiest GPU's heaviest, with token room on
+        # both sides for a swap with one of its documents, can be swapped: the others are left
+        # out of the matrix (about half of them on a nearly full batch of short documents).
+        cols = cols[
+            (their_work < given.max())
+            & (lengths.min() - their_length <= room[owner])
+            & (their_length - lengths.max() <= room[busiest])
+        ]
     delta = given[:, None] - their_work[cols][None, :]  # what the busiest GPU sheds
     grow = lengths[:, None] - their_length[cols][None, :]  # tokens the light GPU gains
     ok = (delta > 0) & (grow <= room[owner[cols]][None, :]) & (-grow <= room[busiest])
