@@ -70,8 +70,10 @@ class PlanningStats:
     num_plans: int = 0
     """Plans taken by training."""
     num_made: int = 0
-    """Plans made on this rank (with plans shared, only its turn of them; none on a rank that
-    receives them all)."""
+    """Plans made on this rank, those made ahead included (with plans shared, only its turn of
+    them; none on a rank that receives them all)."""
+    shared: bool = False
+    """Plans come from the first rank of each node (``shared_plans.SharedPlanner``)."""
     planning_s: float = 0.0
     """Spent planning the plans made on this rank, in whichever thread or process."""
     waited_s: float = 0.0
@@ -95,6 +97,7 @@ class PlanningStats:
         return {
             "num_plans": self.num_plans,
             "num_made": self.num_made,
+            "shared": self.shared,
             "planning_s": self.planning_s,
             "waited_s": self.waited_s,
             "hidden_s": self.hidden_s,
@@ -201,6 +204,7 @@ class MicroBatchFeed:
         self._planner: _PlannerThread | PlannerProcesses | SharedPlanner | None = None
         if ahead and workers and share is not None:
             self._planner = SharedPlanner(plan_fn, workers, share, self._add_planning)  # type: ignore[arg-type]
+            self.stats.shared = True
         elif ahead and workers:
             self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
         elif ahead:

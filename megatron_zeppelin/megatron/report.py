@@ -125,14 +125,13 @@ def collector_line(manual_gc: bool) -> str | None:
 
 def planning_text(planning: dict, *, manual_gc: str = "") -> str:
     """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid
-    (with plans shared and some made elsewhere: how many were made here, and how long training
-    waited for them), how long planner processes took to start, and the full passes Python's
-    collector made by itself, with ``manual_gc`` (the flag that turns it off, where the run has
-    one) after them."""
+    (with plans shared: how many were made here, and how long training waited for plans), how
+    long planner processes took to start, and the full passes Python's collector made by
+    itself, with ``manual_gc`` (the flag that turns it off, where the run has one) after
+    them."""
     share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
     started = planning.get("startup_s", 0.0)
     passes = planning.get("collections", 0)
-    made = planning.get("num_made", planning["num_plans"])
     collector = ""
     if passes:
         collector = (
@@ -141,10 +140,11 @@ def planning_text(planning: dict, *, manual_gc: str = "") -> str:
             f"(longest {planning['longest_collection_s']:.2f} s)"
             + (f": {manual_gc} makes them at fixed steps" if manual_gc else "")
         )
-    if made < planning["num_plans"]:
+    if planning.get("shared"):
         head = (
-            f"{planning['num_plans']} plans, {made} made here in {planning['planning_s']:.2f} s "
-            f"and the others received; training waited {planning['waited_s']:.2f} s for them"
+            f"{planning['num_plans']} plans taken, {planning['num_made']} made here (ahead "
+            f"included) in {planning['planning_s']:.2f} s, the others received; training "
+            f"waited {planning['waited_s']:.2f} s for plans"
         )
     else:
         head = (

@@ -96,11 +96,11 @@ ZEPPELIN = (
 )
 # A plan line: "zeppelin micro-batch step 3: plan e33f95bd 1 docs (local 0, intra 0, inter 1); ..."
 PLAN = re.compile(r"zeppelin micro-batch step \d+: plan \w+ (\d+) docs \(.*?inter (\d+)\)")
-# "zeppelin planning: 8 plans, 4 made here in 0.30 s and the others received; training waited
-# 0.05 s for them; planner ..." (rank 0 plans node 0's turn of the micro-batches)
+# "zeppelin planning: 8 plans taken, 6 made here (ahead included) in 0.29 s, the others
+# received; training waited 0.04 s for plans; planner ..." (rank 0 plans node 0's turn)
 PLANNING = re.compile(
-    r"zeppelin planning: (\d+) plans, \d+ made here in [\d.]+ s and the others received; "
-    r"training waited [\d.]+ s for them; planner processes started in [\d.]+ s"
+    r"zeppelin planning: (\d+) plans taken, \d+ made here \(ahead included\) in [\d.]+ s, the "
+    r"others received; training waited [\d.]+ s for plans; planner processes started in [\d.]+ s"
 )
 
 
@@ -208,6 +208,8 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert "--manual-gc makes them at fixed steps" in _startup_summary(tp1_run)[4]
     plans = [int(n) for n in PLANNING.findall(tp1_run.outputs[0])]
     assert plans and plans == sorted(plans) and plans[-1] > 1, tp1_run.tail()
+    # Every planning line has the shared form: one per micro-batch logged.
+    assert len(plans) == len(re.findall("zeppelin planning: ", tp1_run.outputs[0]))
 
 
 def test_tp2_with_sequence_parallelism_trains_as_one_process(work, dataset, reference) -> None:
