@@ -92,10 +92,10 @@ class ZeppelinConfig:
     long_documents: str = field(default="split", metadata={"choices": LONG_DOCUMENTS})
     """What happens to a document over --zeppelin-max-document-length: 'split' trains on every
     piece as its own document, 'truncate' keeps only its first piece."""
-    plan_ahead: int = 4
+    plan_ahead: int = 6
     """Micro-batches planned ahead while the current one trains (a plan may take up to that many
-    micro-batches' time less one to make and still come in time); 0 plans each micro-batch
-    when it starts."""
+    micro-batches' time to make and still come in time); 0 plans each micro-batch when it
+    starts."""
     plan_workers: int | None = None
     """Processes that plan ahead, each planning every Nth micro-batch; 0 plans ahead in a thread
     of the training process, which holds the interpreter lock the thread launching kernels

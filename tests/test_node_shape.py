@@ -87,7 +87,7 @@ def test_startup_summary_shows_node_shape_cost_model_source_and_kernel() -> None
     assert "thresholds intra" in lines[1] and "datasheet figures (H100-SXM)" in lines[1]
     assert lines[2].startswith("zeppelin: attention kernel torch (auto: no CUDA device")
     assert lines[3] == (
-        "zeppelin: planning 4 micro-batches ahead in 1 planner process on the first rank of "
+        "zeppelin: planning 6 micro-batches ahead in 1 planner process on the first rank of "
         "each node, each plan sent to every rank"
     )
     for flags, words in [

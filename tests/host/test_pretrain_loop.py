@@ -201,7 +201,7 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     # Megatron's own loop plans ahead in a planner process on the first rank of each node,
     # the others receiving the plans, and says how it went.
     assert _startup_summary(tp1_run)[3] == (
-        "zeppelin: planning 4 micro-batches ahead in 1 planner process on the first rank of "
+        "zeppelin: planning 6 micro-batches ahead in 1 planner process on the first rank of "
         "each node, each plan sent to every rank"
     )
     # Without Megatron's --manual-gc the start-up says what Python's collector will do.
