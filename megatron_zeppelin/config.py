@@ -99,13 +99,19 @@ class ZeppelinConfig:
     long_documents: str = field(default="split", metadata={"choices": LONG_DOCUMENTS})
     """What happens to a document over --zeppelin-max-document-length: 'split' trains on every
     piece as its own document, 'truncate' keeps only its first piece."""
-    plan_ahead: int = 2
-    """Micro-batches planned ahead while the current one trains; 0 plans each micro-batch when
-    it starts."""
+    plan_ahead: int = 6
+    """Micro-batches planned ahead while the current one trains (a plan may take up to that many
+    micro-batches' time to make and still come in time); 0 plans each micro-batch when it
+    starts."""
     plan_workers: int | None = None
     """Processes that plan ahead, each planning every Nth micro-batch; 0 plans ahead in a thread
     of the training process, which holds the interpreter lock the thread launching kernels
     needs. Default: 1 (none with --zeppelin-plan-ahead 0)."""
+    share_plans: bool = True
+    """Plan each micro-batch once: the first rank of every node runs the planner processes and
+    plans every Nth micro-batch (N: the nodes), and every rank receives each plan over a CPU
+    (gloo) group as soon as it is made; off: every rank plans every micro-batch itself. Only
+    with planner processes (not with --zeppelin-plan-workers 0 or --zeppelin-plan-ahead 0)."""
 
     @property
     def planner_processes(self) -> int:

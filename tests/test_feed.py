@@ -165,6 +165,17 @@ def test_the_planning_line_names_the_collectors_passes_and_the_flag_that_stops_t
     assert "--manual-gc" not in planning_text(busy)  # a run without that flag (the CPU job)
 
 
+def test_the_planning_line_says_how_many_plans_were_made_here_where_plans_are_shared() -> None:
+    from megatron_zeppelin.megatron.report import planning_text
+
+    stats = {"num_plans": 8, "planning_s": 0.3, "hidden_s": 0.0, "waited_s": 0.05}
+    shared = planning_text({**stats, "num_made": 4, "shared": True, "collections": 0})
+    assert shared.startswith("8 plans taken, 4 made here (ahead included) in 0.30 s, the others")
+    assert "training waited 0.05 s for plans" in shared
+    alone = planning_text({**stats, "num_made": 8, "shared": False, "collections": 0})
+    assert alone.startswith("0.30 s for 8 plans, 0.00 s (0%) hidden behind training")
+
+
 def test_the_start_up_names_the_collector_only_where_manual_gc_is_off() -> None:
     from megatron_zeppelin.megatron.report import collector_line
 

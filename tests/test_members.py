@@ -15,7 +15,7 @@ from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.members import move_member
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.pool import _add
+from megatron_zeppelin.planner.pool_rings import place_on
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
@@ -37,7 +37,7 @@ def test_move_member_keeps_loads_when_it_finds_nothing() -> None:
     """Asked for every member to end below a load none can reach, the move gives ``None`` and
     the loads are exactly as they were."""
     loads = _loads(2)
-    ring = _add((0, 1, 2, 3), 60_000, loads, False)
+    ring = place_on((0, 1, 2, 3), 60_000, loads, False)
     loads.add_local(0, 9_000)
     before = _state(loads)
     assert move_member(60_000, ring, loads, 0, 1e-9) is None
@@ -50,7 +50,7 @@ def test_move_member_relieves_the_busy_gpu_in_its_node() -> None:
     GPU's load, and the loads are those of the ring placed afresh on its new members."""
     loads = _loads(2)
     length = 60_000
-    ring = _add((0, 1, 2, 3), length, loads, False)
+    ring = place_on((0, 1, 2, 3), length, loads, False)
     loads.add_local(0, 12_000)
     for rank in range(8, 16):  # the other node busier than the free GPUs of node 0
         loads.add_local(rank, 20_000)
@@ -76,7 +76,7 @@ def test_move_member_respects_room() -> None:
     capacity = 16_000
     loads = _loads(1, capacity)
     length = 40_000
-    ring = _add((0, 1, 2, 3), length, loads, False)
+    ring = place_on((0, 1, 2, 3), length, loads, False)
     loads.add_local(0, capacity - max(zigzag_loads(length, 4)))
     for rank in range(4, 8):
         loads.tokens[rank] = capacity - max(zigzag_loads(length, 4)) + 1
@@ -93,7 +93,7 @@ def test_move_member_keeps_every_member_within_capacity() -> None:
     length, capacity = 7, 1_000
     loads = _loads(2, capacity)
     assert zigzag_loads(length, 3) == (2, 2, 3)
-    ring = _add((2, 3, 8), length, loads, False)
+    ring = place_on((2, 3, 8), length, loads, False)
     loads.add_local(3, capacity - loads.tokens[3])  # rank 3 full
     loads.add_local(8, 900)  # rank 8 the busy one
     for rank in [*range(9, 16), 1, 4, 5, 6, 7]:  # rank 0 the least loaded GPU with room

@@ -86,16 +86,21 @@ def test_startup_summary_shows_node_shape_cost_model_source_and_kernel() -> None
     assert lines[1] == cost_model_line(cost, runtime.options)
     assert "thresholds intra" in lines[1] and "datasheet figures (H100-SXM)" in lines[1]
     assert lines[2].startswith("zeppelin: attention kernel torch (auto: no CUDA device")
-    assert lines[3] == "zeppelin: planning 2 micro-batches ahead in 1 planner process"
+    assert lines[3] == (
+        "zeppelin: planning 6 micro-batches ahead in 1 planner process on the first rank of "
+        "each node, each plan sent to every rank"
+    )
     for flags, words in [
         (dict(plan_ahead=0), "planning each micro-batch when it starts (--zeppelin-plan-ahead 0)"),
         (dict(plan_ahead=1, plan_workers=0), "planning 1 micro-batch ahead in a thread of the"),
         (
             dict(plan_ahead=4, plan_workers=2),
-            "planning 4 micro-batches ahead in 2 planner processes",
+            "planning 4 micro-batches ahead in 2 planner processes on the first rank of each",
         ),
     ]:
         assert words in planning_line(ZeppelinConfig(**flags).validate())
+    alone = ZeppelinConfig(plan_ahead=4, share_plans=False).validate()
+    assert planning_line(alone) == "zeppelin: planning 4 micro-batches ahead in 1 planner process"
     assert chosen_kernel("torch", device="cpu", dtype=None) == KernelChoice(
         "torch", "requested with --zeppelin-kernel"
     )

@@ -17,12 +17,8 @@ from megatron_zeppelin.planner.members import remove_ring, replace_ring
 from megatron_zeppelin.planner.models import get_model
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.pool import (
-    ALL_ORDERS,
-    _add,
-    place_pool,
-    pool_goal,
-)
+from megatron_zeppelin.planner.pool import ALL_ORDERS, place_pool, pool_goal
+from megatron_zeppelin.planner.pool_rings import place_on
 from megatron_zeppelin.planner.refine import refine
 from megatron_zeppelin.planner.thresholds import tier_thresholds
 from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
@@ -139,14 +135,14 @@ def test_refine_swaps_where_no_gpu_has_room() -> None:
 
 
 def test_remove_undoes_add() -> None:
-    """``remove_ring`` takes off exactly what ``_add`` put on, in a node and across nodes."""
+    """``remove_ring`` takes off exactly what ``place_on`` put on, in a node and across nodes."""
     topology = get_topology("zeppelin-C", num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
     loads.add_local(3, 5000)
     before = (loads.cost[:], loads.attention[:], loads.exposed[:], loads.tokens[:])
     for ring, whole in (((0, 1, 2), False), ((6, 7, 8, 9, 10), False), (tuple(range(16)), True)):
-        placement = _add(ring, 60_000, loads, whole)
+        placement = place_on(ring, 60_000, loads, whole)
         remove_ring(placement, 60_000, loads)
         after = (loads.cost, loads.attention, loads.exposed, loads.tokens)
         for want, got in zip(before, after):
@@ -160,7 +156,7 @@ def test_replace_ring_keeps_loads_when_it_finds_nothing() -> None:
     cost = CostModel.default(get_model("llama-7b"), topology)
     array = np.asarray([100_000])
     loads = Loads(topology, CAPACITY, cost, topology.nics_per_node)
-    old = _add((0, 1, 2, 3), 100_000, loads, False)
+    old = place_on((0, 1, 2, 3), 100_000, loads, False)
     goal = pool_goal(array, loads, 0)
     before = (loads.cost[:], loads.tokens[:])
     barred = np.zeros(topology.world_size, dtype=bool)
@@ -171,3 +167,25 @@ def test_replace_ring_keeps_loads_when_it_finds_nothing() -> None:
     assert new is not None and len(new.ring) > len(old.ring)
     assert max(loads.cost) < below
     assert sum(loads.tokens) == 100_000
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_moves_choose_the_gpu_a_scan_of_every_gpu_chooses(seed: int) -> None:
+    """``refine._moves`` (GPUs sorted by load once) against ``_scanned_moves`` (every document
+    against every GPU), ties included: equal loads, loads one rounding step apart that end
+    equal once a document is added, GPUs without room, documents no GPU has room for."""
+    from megatron_zeppelin.planner.refine import _moves, _scanned_moves
+
+    rng = np.random.default_rng(seed)
+    world = int(rng.integers(2, 64))
+    base = rng.choice([0.5, 1.0, 1.0 + 2**-52, 1.0 + 2**-51, 3.0], size=world)
+    cost = base * rng.choice([1.0, 1.0, 1.1], size=world)
+    room = rng.integers(-5, 50, size=world)
+    lengths = rng.integers(1, 60, size=int(rng.integers(1, 12)))
+    given = rng.choice([2**-53, 1e-3, 0.25, 1.0], size=len(lengths))
+    busiest = int(rng.integers(world))
+    want_dest, want_ends = _scanned_moves(busiest, lengths, given, cost, room)
+    dest, ends = _moves(busiest, lengths, given, cost, room)
+    assert np.array_equal(ends, want_ends)
+    reachable = np.isfinite(want_ends)
+    assert np.array_equal(dest[reachable], want_dest[reachable])

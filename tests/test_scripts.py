@@ -140,3 +140,28 @@ def test_pipeline_shapes_benchmark_counts_and_prices_both_ways() -> None:
     fill = float(out.split("mean ")[1].split(",")[0])
     assert 0.5 < fill <= 1.0
     assert "padded shape:" in out and "shape messages:" in out
+
+
+@pytest.mark.pure
+def test_planning_at_scale_benchmark_prints_plan_and_step_times() -> None:
+    out = run_script("scripts/bench_plan_scale.py", "--only", "2", "--no-pool")
+    (row,) = [line for line in out.splitlines() if line.startswith("| lognormal |")]
+    cells = [cell.strip() for cell in row.split("|")[1:-1]]
+    assert cells[:3] == ["lognormal", "1024", "0.50"] and len(cells) == 14
+    plan_s, step_s, ratio = map(float, cells[7:10])
+    assert plan_s > 0 and step_s > 0 and ratio == pytest.approx(plan_s / step_s, abs=0.01)
+
+
+@pytest.mark.pure
+def test_plan_digests_find_the_same_plans_twice(tmp_path) -> None:
+    written = str(tmp_path / "digests.json")
+    run_script("scripts/plan_digests.py", "--sets", "sweep", "--first", "3", "--write", written)
+    out = run_script("scripts/plan_digests.py", "--sets", "sweep", "--first", "3", "--against",
+                     written)  # fmt: skip
+    assert "3 of 3 plans the same; step after / before: max 1.0000" in out
+
+
+@pytest.mark.dist
+def test_plan_sharing_benchmark_feeds_steps_and_reports_waits() -> None:
+    out = run_script("scripts/bench_plan_share.py", "--steps", "2", "--ahead", "1")
+    assert "first step waited" in out and "cores per node with plans shared" in out

@@ -11,7 +11,9 @@
 - ``heads``: the 2-D scheme's head all-to-all inside each node, over the ring's exchanger;
 - ``counters.LinkCounters``: bytes per link class, from the sends actually made;
 - ``watch.CommWatch``: collectives bounded by the Zeppelin timeout, and the progress board that
-  names a stalled rank (``CommStallError``, a ``ZeppelinCommError``).
+  names a stalled rank (``CommStallError``, a ``ZeppelinCommError``);
+- ``plan_share.PlanShare``: each micro-batch's plan broadcast from the rank that made it (the
+  first of one node) to every rank, on a gloo group of its own.
 """
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable

@@ -19,7 +19,8 @@ own each, stderr into ``RUN_DIR/logs/<run>/rankNNN.log``). When the job fails, t
 every worker and this command prints one line per failed rank, the first cause first (a rank
 killed by a signal or found stopped, then what the workers reported: bad input, a stalled peer
 named with its step and layer, a diverged loss, a bug), each naming the log file that holds its
-traceback; exit status 2 when the first cause is bad input, 130 when interrupted, else 1.
+traceback; what several ranks reported alike (bad input, a shared plan's error) is one line
+naming them all. Exit status 2 when the first cause is bad input, 130 when interrupted, else 1.
 ``command_line(args)`` gives the equivalent torchrun command.
 """
 
@@ -308,15 +309,23 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def failure_report(result) -> tuple[list[str], int]:
-    """One line per failed rank, the first cause first, and the exit status (module docstring);
-    ``result`` is a ``launch.LaunchResult``."""
+    """One line per failure, the first cause first, and the exit status (module docstring);
+    ``result`` is a ``launch.LaunchResult``. Bad input (the same on every rank), and an error
+    several ranks raised alike (a shared plan's: ``megatron/shared_plans.py``), are said once."""
     found = [line for line in map(_rank_line, result.ends) if line is not None]
     found.sort(key=lambda line: line[0])
-    lines, seen = [], set()
-    for _, text, _ in found:
-        if text not in seen:  # bad input is the same on every rank: say it once
-            seen.add(text)
+    alike: dict[str, list[tuple[int, str]]] = {}
+    for _, text, _, rank, log in found:
+        alike.setdefault(text, []).append((rank, log))
+    lines = []
+    for text, ranks in alike.items():
+        if ranks[0][0] < 0:  # bad input, or a line that names its rank already
             lines.append(f"error: {text}")
+            continue
+        numbers = ", ".join(str(rank) for rank, _ in sorted(ranks))
+        lines.append(
+            f"error: rank{'s' if len(ranks) > 1 else ''} {numbers}: {text} (log: {ranks[0][1]})"
+        )
     if result.interrupted:
         return [*lines, "interrupted"], 130
     if not lines:
@@ -331,8 +340,9 @@ def _shown_path(path: str) -> str:
     return os.path.abspath(path) if relative.startswith("..") else relative
 
 
-def _rank_line(end) -> tuple[float, str, bool] | None:
-    """``(when, line, is bad input)`` for a rank that failed on its own; ``None`` otherwise.
+def _rank_line(end) -> tuple[float, str, bool, int, str] | None:
+    """``(when, line, is bad input, rank, log)`` for a rank that failed on its own, the rank
+    ``-1`` where the line is whole (bad input, or it names the rank itself); ``None`` otherwise.
     A rank found stopped is the first cause of whatever its peers then reported."""
     outcome, log = end.outcome, _shown_path(end.log)
     if end.stopped:
@@ -340,11 +350,11 @@ def _rank_line(end) -> tuple[float, str, bool] | None:
             f"rank {end.rank} stopped responding: its process was found stopped (SIGSTOP or "
             "a debugger) and was killed"
         )
-        return -1.0, text, False
+        return -1.0, text, False, -1, log
     if outcome is not None:
         if outcome.kind == "input":
-            return outcome.time, outcome.message, True
-        return outcome.time, f"rank {end.rank}: {outcome.message} (log: {log})", False
+            return outcome.time, outcome.message, True, -1, log
+        return outcome.time, outcome.message, False, end.rank, log
     if end.ended_by_launcher or not end.exit_code:
         return None
     if end.exit_code < 0:
@@ -352,7 +362,7 @@ def _rank_line(end) -> tuple[float, str, bool] | None:
         text = f"rank {end.rank} was killed by {name} (from outside: it left no traceback)"
     else:
         text = f"rank {end.rank} exited with status {end.exit_code} (log: {log})"
-    return end.ended_at or 0.0, text, False
+    return end.ended_at or 0.0, text, False, -1, log
 
 
 def run(args: argparse.Namespace) -> int:

@@ -53,11 +53,13 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
+    create_plan_share,
     create_transport,
     init_megatron_parallel,
     plan_summary,
 )
 from megatron_zeppelin.megatron.sampler import DocumentSlice  # noqa: E402
+from megatron_zeppelin.megatron.shared_plans import SharedPlanner  # noqa: E402
 from megatron_zeppelin.megatron.spec import zeppelin_layer_spec  # noqa: E402
 from megatron_zeppelin.megatron.step import StepRuntime, forward_batch, run_micro_batch  # noqa: E402
 from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset  # noqa: E402
@@ -91,6 +93,10 @@ class CheckOptions:
     capacity: int = 1024
     routing: bool = True
     timeout_s: float = 300.0
+    share_plans: bool = False
+    """Plan as a run shares plans (``--zeppelin-share-plans``): the first rank of each node in a
+    planner process, the micro-batch's owner sending the plan to every rank; else every rank
+    plans the micro-batch itself."""
 
 
 class ReferencePackedSeqParams(PackedSeqParams):
@@ -291,7 +297,7 @@ def _zeppelin_run(
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(shard_of(reference["state"][name], p, ctx.tp_rank, tp))
-    plan = runtime.recipe(list(options.lengths))
+    plan, planners = _plan(options, runtime, ctx, config)
     step = run_micro_batch(model, slices, plan, runtime, dataset)
     total, count = token_loss_sum(step.losses_bs, step.loss_mask_bs)
     total.backward()
@@ -318,7 +324,28 @@ def _zeppelin_run(
         "min_linear_tokens": min(plan.num_linear_tokens(r) for r in range(plan.world_size)),
         "grad_rel_error": errors,
         "plan": plan_summary(plan, cost.model, routing=config.routing),
+        "planner_processes": planners,
     }
+
+
+def _plan(options: CheckOptions, runtime: StepRuntime, ctx, config: ZeppelinConfig):
+    """The micro-batch's plan, and how many planner processes each Zeppelin rank ran for it
+    (none: planned here in the step). With ``share_plans`` it comes from its owner
+    (``shared_plans.SharedPlanner``), as a run's first micro-batch does."""
+    lengths = list(options.lengths)
+    share = create_plan_share(runtime.topology, ctx, config) if options.share_plans else None
+    if share is None:
+        plan, processes = runtime.recipe(lengths), 0
+    else:
+        planner = SharedPlanner(runtime.recipe, 1, share, lambda seconds: None)
+        try:
+            plan = planner.submit(lengths).result(timeout=config.comm_timeout_s)
+            processes = len(planner.pids)
+        finally:
+            planner.close()
+    counts = [None] * ctx.zeppelin_world
+    dist.all_gather_object(counts, processes, group=ctx.dp_group)
+    return plan, counts
 
 
 def run_check(options: CheckOptions | None = None) -> dict[str, Any]:

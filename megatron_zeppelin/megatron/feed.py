@@ -1,13 +1,16 @@
 """The run's micro-batches in training order, each with its plan, planned ahead of training.
 
-Every rank draws the same steps from the sampler and plans the same plans from the same
-lengths (planning is pure and deterministic), so plans need no communication and can be made
-early: while micro-batch ``i`` trains, ``i + 1 .. i + ahead`` are planned, drawing the next step
-from the sampler when the current one runs out. They are planned by ``workers`` planner
-processes (``plan_workers.py``: planning in the training process would hold its interpreter
-lock, and slow the thread that launches the step's kernels), or with ``workers=0`` by a
-background thread of the training process. Both the Megatron hooks and the CPU job take their
-micro-batches from a ``MicroBatchFeed``.
+Every rank draws the same steps from the sampler, and the plan of a micro-batch depends only on
+its lengths (planning is pure and deterministic), so plans can be made early: while micro-batch
+``i`` trains, ``i + 1 .. i + ahead`` are planned, drawing the next step from the sampler when the
+current one runs out. They are planned by ``workers`` planner processes (``plan_workers.py``:
+planning in the training process would hold its interpreter lock, and slow the thread that
+launches the step's kernels), or with ``workers=0`` by a background thread of the training
+process. With ``share`` (``--zeppelin-share-plans``), only the first rank of every node runs
+planner processes, each planning its turn of the micro-batches, and every rank receives each
+plan from the rank that made it (``shared_plans.py``); otherwise every rank plans every
+micro-batch itself. Both the Megatron hooks and the CPU job take their micro-batches from a
+``MicroBatchFeed``.
 
 Rules that keep it safe:
 
@@ -35,6 +38,7 @@ from typing import Any
 
 from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
 from megatron_zeppelin.megatron.sampler import DocumentSampler, DocumentSlice, StepBatch
+from megatron_zeppelin.megatron.shared_plans import SharedPlanner
 from megatron_zeppelin.planner.plan import Plan
 
 PlanFn = Callable[[Sequence[int]], Plan]
@@ -64,8 +68,14 @@ class PlanningStats:
     """Where planning time went (seconds, summed over the run)."""
 
     num_plans: int = 0
+    """Plans taken by training."""
+    num_made: int = 0
+    """Plans made on this rank, those made ahead included (with plans shared, only its turn of
+    them; none on a rank that receives them all)."""
+    shared: bool = False
+    """Plans come from the first rank of each node (``shared_plans.SharedPlanner``)."""
     planning_s: float = 0.0
-    """Spent planning, in whichever thread or process."""
+    """Spent planning the plans made on this rank, in whichever thread or process."""
     waited_s: float = 0.0
     """Spent by the training thread waiting for a plan (all of it when planning is inline)."""
     startup_s: float = 0.0
@@ -86,6 +96,8 @@ class PlanningStats:
     def to_dict(self) -> dict[str, float]:
         return {
             "num_plans": self.num_plans,
+            "num_made": self.num_made,
+            "shared": self.shared,
             "planning_s": self.planning_s,
             "waited_s": self.waited_s,
             "hidden_s": self.hidden_s,
@@ -167,8 +179,9 @@ class _PlannerThread:
 class MicroBatchFeed:
     """``next()`` gives the run's micro-batches in order with their plans; see the module
     docstring. ``ahead=0`` plans each micro-batch inside ``next()``; otherwise ``workers``
-    planner processes plan ahead (``plan_fn`` must then pickle: a ``PlanRecipe``), or a
-    background thread with ``workers=0``."""
+    planner processes plan ahead (``plan_fn`` must then pickle: a ``PlanRecipe``), on the
+    planning ranks of ``share`` where given (``comm.plan_share.PlanShare``), or a background
+    thread with ``workers=0``."""
 
     def __init__(
         self,
@@ -177,7 +190,8 @@ class MicroBatchFeed:
         *,
         ahead: int = 2,
         workers: int = 0,
-        planner: _PlannerThread | PlannerProcesses | None = None,
+        share: Any = None,
+        planner: _PlannerThread | PlannerProcesses | SharedPlanner | None = None,
     ) -> None:
         if ahead < 0:
             raise ValueError(f"micro-batches planned ahead must be >= 0, got {ahead}")
@@ -188,25 +202,44 @@ class MicroBatchFeed:
         self._plan_fn = plan_fn
         self._ahead = ahead
         self._stats_lock = threading.Lock()
-        self._planner: _PlannerThread | PlannerProcesses | None = planner
+        self._planner: _PlannerThread | PlannerProcesses | SharedPlanner | None = planner
         self._owns_planner = planner is None
-        if planner is None and ahead and workers:
+        if planner is None and ahead and workers and share is not None:
+            self._planner = SharedPlanner(plan_fn, workers, share, self._add_planning)  # type: ignore[arg-type]
+            self.stats.shared = True
+        elif planner is None and ahead and workers:
             self._planner = PlannerProcesses(plan_fn, workers, self._add_planning)  # type: ignore[arg-type]
         elif planner is None and ahead:
             self._planner = _PlannerThread(plan_fn, self._add_planning)
         # Planner processes are waited for once, before the first plan (``stats.startup_s``).
-        self._starting = isinstance(self._planner, PlannerProcesses)
+        self._starting = isinstance(self._planner, (PlannerProcesses, SharedPlanner))
         self._queue: deque[tuple[StepBatch, int, Future | None]] = deque()
         self._step_states: deque[tuple[StepBatch, dict[str, Any]]] = deque()
         self._collector = _CollectorWatch(self.stats)
         self._collector.start()
 
     @classmethod
-    def for_run(cls, sampler: DocumentSampler, recipe: PlanRecipe) -> MicroBatchFeed:
+    def for_run(
+        cls, sampler: DocumentSampler, recipe: PlanRecipe, share: Any = None
+    ) -> MicroBatchFeed:
         """The feed a run's flags ask for: ``--zeppelin-plan-ahead`` micro-batches ahead, in
-        ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``)."""
+        ``--zeppelin-plan-workers`` planner processes (``ZeppelinConfig.planner_processes``),
+        on the planning ranks of ``share`` (``runtime.create_plan_share``) with
+        ``--zeppelin-share-plans``."""
         config = recipe.config
-        return cls(sampler, recipe, ahead=config.plan_ahead, workers=config.planner_processes)
+        return cls(
+            sampler,
+            recipe,
+            ahead=config.plan_ahead,
+            workers=config.planner_processes,
+            share=share if config.share_plans else None,
+        )
+
+    @property
+    def planner_pids(self) -> list[int]:
+        """This rank's planner processes (none with a planner thread, or on a rank that
+        receives its plans)."""
+        return list(getattr(self._planner, "pids", []))
 
     def beside(self, sampler: DocumentSampler) -> MicroBatchFeed:
         """A feed over another sampler (evaluation) that plans with this feed's planner, as far
@@ -218,6 +251,7 @@ class MicroBatchFeed:
         thread, calls this)."""
         with self._stats_lock:
             self.stats.planning_s += seconds
+            self.stats.num_made += 1
 
     def next(self) -> FedMicroBatch:
         """The next micro-batch and its plan (waits for the plan if it is not ready)."""
@@ -238,7 +272,7 @@ class MicroBatchFeed:
             try:
                 plan = self._plan_fn(lengths)
             finally:
-                self.stats.planning_s += time.perf_counter() - start
+                self._add_planning(time.perf_counter() - start)
         else:
             plan = future.result()  # re-raises the planner's own exception
         self.stats.waited_s += time.perf_counter() - start

@@ -96,6 +96,7 @@ from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.runtime import (
     ParallelContext,
     build_cost_model,
+    create_plan_share,
     create_transport,
     plan_summary,
 )
@@ -216,6 +217,7 @@ def setup(args: argparse.Namespace) -> None:
         model=cost_model.model,
     )
     exchanger, _ = create_transport(topology, ctx, config)
+    plan_share = create_plan_share(topology, ctx, config, pipeline_parallel=pp)
     _STATE.config = config
     _STATE.args = args
     _STATE.runtime = StepRuntime.create(
@@ -227,6 +229,7 @@ def setup(args: argparse.Namespace) -> None:
         remap_group=group,
         tensor_parallel=tp,
         sequence_parallel=bool(getattr(args, "sequence_parallel", False)),
+        plan_share=plan_share,
         # The remap all-to-all is bounded by --zeppelin-comm-timeout-s and a stall names the
         # layer (Megatron's own collectives keep --distributed-timeout-minutes).
         watch=CommWatch(
@@ -410,7 +413,9 @@ def train_valid_test_datasets_provider(
         sampler = _sampler(_STATE.dataset, _STATE.num_micro_batches)
         iteration = int(getattr(args, "iteration", 0) or 0)
         restore_sampler(sampler, getattr(args, "load", None), iteration, log=_log)
-        _STATE.feed = MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+        _STATE.feed = MicroBatchFeed.for_run(
+            sampler, _STATE.runtime.recipe, _STATE.runtime.plan_share
+        )
     world = _STATE.runtime.topology.world_size
     _STATE.evaluation = evaluation.evaluation_streams(
         args,
@@ -438,7 +443,7 @@ def _cursors(feed) -> ChunkCursors:
 
 
 def _feed_of_run(sampler: DocumentSampler) -> MicroBatchFeed:
-    return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe)
+    return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe, _STATE.runtime.plan_share)
 
 
 def _restore_validation(directory: str | None, sampler: DocumentSampler, step: int) -> None:

@@ -11,10 +11,11 @@ in their own interpreters: the training process only sends the lengths and unpic
 Protocol (``python -m megatron_zeppelin.megatron.plan_workers``, one per worker): the parent
 writes pickles to the worker's stdin, first the ``PlanRecipe`` and then one list of lengths per
 micro-batch; the worker answers ``"ready"`` once it has read the recipe (its imports done), then
-each micro-batch on its stdout, in order, with ``(plan, None, seconds)`` or
-``(None, exception, seconds)``. The worker writes nothing else there (its ``print`` goes to
-stderr), plans one micro-batch at a time, and exits when its stdin closes: when the training
-process closes the feed, or dies.
+each micro-batch on its stdout, in order, with ``(plan's pickle, None, seconds)`` or
+``(None, exception, seconds)``; the training process unpickles the plan (or, sharing plans,
+hands the pickle on as it is: ``shared_plans.py``). The worker writes nothing else there (its
+``print`` goes to stderr), plans one micro-batch at a time, and exits when its stdin closes:
+when the training process closes the feed, or dies.
 
 Planning is pure and deterministic: a worker's plan equals the one the training process would
 make (``tests/test_plan_workers.py``), so every rank still plans the same plan without talking
@@ -45,7 +46,7 @@ from megatron_zeppelin.planner.costmodel import CostModel
 from megatron_zeppelin.planner.plan import Plan
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["PlanRecipe", "PlannerProcesses"]
+__all__ = ["PlanRecipe", "PlannerProcesses", "picklable"]
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 
@@ -89,7 +90,14 @@ class _Worker:
     """One planner process, the futures of the micro-batches sent to it (answered in order),
     and the thread that reads its answers."""
 
-    def __init__(self, recipe: PlanRecipe, index: int, on_seconds: Callable[[float], None]) -> None:
+    def __init__(
+        self,
+        recipe: PlanRecipe,
+        index: int,
+        on_seconds: Callable[[float], None],
+        *,
+        raw: bool = False,
+    ) -> None:
         env = dict(os.environ)
         # The worker imports this package from where the training process did (a checkout it
         # was started from, or a path it was given; an installed package is found anyway), and
@@ -111,6 +119,7 @@ class _Worker:
         self._closing = False
         self.ready = threading.Event()  # set once the worker can plan, or has died
         self._on_seconds = on_seconds
+        self._raw = raw
         self._send(recipe)
         self._reader = threading.Thread(
             target=self._read, name=f"zeppelin-planner-reader-{index}", daemon=True
@@ -146,7 +155,7 @@ class _Worker:
         self.ready.set()
         while ready:
             try:
-                plan, error, seconds = pickle.load(stream)  # type: ignore[arg-type]
+                blob, error, seconds = pickle.load(stream)  # type: ignore[arg-type]
             except Exception:  # noqa: BLE001 - end of stream, or a worker killed mid-answer
                 break
             self._on_seconds(seconds)
@@ -157,7 +166,7 @@ class _Worker:
                 if error is not None:
                     future.set_exception(error)
                 else:
-                    future.set_result(plan)
+                    future.set_result(blob if self._raw else pickle.loads(blob))
             except InvalidStateError:  # cancelled by the training thread meanwhile
                 pass
         with self._lock:
@@ -204,13 +213,18 @@ class _Worker:
 
 
 class PlannerProcesses:
-    """``workers`` planner processes; ``submit(lengths)`` gives a ``Future`` of the plan,
-    raising the planner's own exception where planning fails, or a ``RuntimeError`` naming the
-    process where a worker dies. Micro-batches go to the workers in turn; ``on_seconds`` is
-    called (from a reader thread) with each plan's planning time."""
+    """``workers`` planner processes; ``submit(lengths)`` gives a ``Future`` of the plan (with
+    ``raw``, of its pickle), raising the planner's own exception where planning fails, or a
+    ``RuntimeError`` naming the process where a worker dies. Micro-batches go to the workers in
+    turn; ``on_seconds`` is called (from a reader thread) with each plan's planning time."""
 
     def __init__(
-        self, recipe: PlanRecipe, workers: int, on_seconds: Callable[[float], None]
+        self,
+        recipe: PlanRecipe,
+        workers: int,
+        on_seconds: Callable[[float], None],
+        *,
+        raw: bool = False,
     ) -> None:
         if workers < 1:
             raise ValueError(f"planner processes must be >= 1, got {workers}")
@@ -221,7 +235,7 @@ class PlannerProcesses:
                 f"planner processes plan from a picklable recipe (a PlanRecipe), not "
                 f"{recipe!r} ({exc}); plan in a thread instead (workers=0)"
             ) from None
-        self._workers = [_Worker(recipe, i, on_seconds) for i in range(workers)]
+        self._workers = [_Worker(recipe, i, on_seconds, raw=raw) for i in range(workers)]
         self._next = 0
 
     def submit(self, lengths: list[int]) -> Future:
@@ -274,14 +288,15 @@ def _serve(inbox: Any, outbox: Any) -> None:
     while (lengths := next_job()) is not None:
         start = time.perf_counter()
         try:
-            answer = (recipe(lengths), None, time.perf_counter() - start)
+            blob = pickle.dumps(recipe(lengths), protocol=pickle.HIGHEST_PROTOCOL)
+            answer = (blob, None, time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - handed to the training process
-            answer = (None, _picklable(exc), time.perf_counter() - start)
+            answer = (None, picklable(exc), time.perf_counter() - start)
         pickle.dump(answer, outbox, protocol=pickle.HIGHEST_PROTOCOL)
         outbox.flush()
 
 
-def _picklable(exc: Exception) -> Exception:
+def picklable(exc: BaseException) -> BaseException:
     """``exc`` where it survives a round trip through pickle, else a ``RuntimeError`` with its
     type and message."""
     try:

@@ -172,6 +172,8 @@ def planning_line(config: Any) -> str:
         if processes
         else "in a thread of the training process (--zeppelin-plan-workers 0)"
     )
+    if processes and config.share_plans:
+        where += " on the first rank of each node, each plan sent to every rank"
     return f"zeppelin: planning {ahead} micro-batch{'es' if ahead > 1 else ''} ahead {where}"
 
 
@@ -189,9 +191,11 @@ def collector_line(manual_gc: bool) -> str | None:
 
 
 def planning_text(planning: dict, *, manual_gc: str = "") -> str:
-    """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid,
-    how long planner processes took to start, and the full passes Python's collector made by
-    itself, with ``manual_gc`` (the flag that turns it off, where the run has one) after them."""
+    """``feed.PlanningStats.to_dict()`` in words: planning time, how much of it training hid
+    (with plans shared: how many were made here, and how long training waited for plans), how
+    long planner processes took to start, and the full passes Python's collector made by
+    itself, with ``manual_gc`` (the flag that turns it off, where the run has one) after
+    them."""
     share = planning["hidden_s"] / planning["planning_s"] if planning["planning_s"] else 1.0
     started = planning.get("startup_s", 0.0)
     passes = planning.get("collections", 0)
@@ -203,12 +207,18 @@ def planning_text(planning: dict, *, manual_gc: str = "") -> str:
             f"(longest {planning['longest_collection_s']:.2f} s)"
             + (f": {manual_gc} makes them at fixed steps" if manual_gc else "")
         )
-    return (
-        f"{planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
-        f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
-        + (f"; planner processes started in {started:.2f} s" if started else "")
-        + collector
-    )
+    if planning.get("shared"):
+        head = (
+            f"{planning['num_plans']} plans taken, {planning['num_made']} made here (ahead "
+            f"included) in {planning['planning_s']:.2f} s, the others received; training "
+            f"waited {planning['waited_s']:.2f} s for plans"
+        )
+    else:
+        head = (
+            f"{planning['planning_s']:.2f} s for {planning['num_plans']} plans, "
+            f"{planning['hidden_s']:.2f} s ({share:.0%}) hidden behind training"
+        )
+    return head + (f"; planner processes started in {started:.2f} s" if started else "") + collector
 
 
 def plan_line(step: int, summary: dict) -> str:

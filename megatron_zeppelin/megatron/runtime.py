@@ -29,6 +29,7 @@ from megatron.core.transformer import TransformerConfig
 from megatron_zeppelin.comm.counters import LinkCounters
 from megatron_zeppelin.comm.exchange import DistExchanger
 from megatron_zeppelin.comm.groups import ZeppelinGroups
+from megatron_zeppelin.comm.plan_share import PlanShare
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
 from megatron_zeppelin.megatron.norms import (
@@ -209,6 +210,30 @@ def create_transport(topology: Topology, ctx: ParallelContext, config: ZeppelinC
         groups, routing=config.routing, counters=counters, timeout_s=config.comm_timeout_s
     )
     return exchanger, counters
+
+
+def create_plan_share(
+    topology: Topology,
+    ctx: ParallelContext,
+    config: ZeppelinConfig,
+    *,
+    pipeline_parallel: int = 1,
+) -> PlanShare | None:
+    """The plan group of this rank's Zeppelin world where plans are shared
+    (``--zeppelin-share-plans`` with planner processes, ``comm/plan_share.py``), else ``None``.
+    Every process calls it, once, in the same order: it creates the group of every Zeppelin
+    world, one per TP index of every pipeline stage."""
+    if not (config.share_plans and config.planner_processes) or ctx.zeppelin_world == 1:
+        return None
+    tp, world = ctx.tensor_parallel, dist.get_world_size()
+    worlds = [
+        zeppelin_ranks(world, tp, t, pipeline_parallel=pipeline_parallel, pp_rank=stage)
+        for stage in range(pipeline_parallel)
+        for t in range(tp)
+    ]
+    share = PlanShare.create(topology, worlds, timeout_s=config.comm_timeout_s)
+    assert share.rank == ctx.zeppelin_rank, "plan group out of Megatron's data-parallel order"
+    return share
 
 
 def plan_digest(plan: Plan) -> str:

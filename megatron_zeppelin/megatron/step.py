@@ -65,6 +65,9 @@ class StepRuntime:
     kernel: str = "auto"
     """The attention kernel the engine runs: ``config.kernel``, with ``auto`` resolved at
     start-up where a calibration ranks the kernels (``report.chosen_kernel``)."""
+    plan_share: Any = None
+    """``comm.plan_share.PlanShare`` where one rank per node plans and every rank receives the
+    plans (``runtime.create_plan_share``; the feed's, ``feed.MicroBatchFeed.for_run``)."""
 
     @classmethod
     def create(
@@ -80,6 +83,7 @@ class StepRuntime:
         sequence_parallel: bool,
         watch: Any = None,
         kernel: str | None = None,
+        plan_share: Any = None,
     ) -> StepRuntime:
         return cls(
             config=config,
@@ -92,6 +96,7 @@ class StepRuntime:
             pad_multiple=tensor_parallel if sequence_parallel else 1,
             watch=watch,
             kernel=kernel or config.kernel,
+            plan_share=plan_share,
         )
 
     @property

@@ -69,6 +69,7 @@ from megatron_zeppelin.megatron.runtime import (  # noqa: E402
     ModelDims,
     build_cost_model,
     build_gpt,
+    create_plan_share,
     create_transport,
     init_megatron_parallel,
     plan_summary,
@@ -234,6 +235,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
         sequence_parallel=sequence_parallel,
         watch=watch,
         kernel=kernel.name,
+        plan_share=create_plan_share(topology, ctx, config),
     )
     dataset = _dataset(args, dist.get_rank(), watch)
     sampler = build_sampler(args, config, dataset.lengths, cost_model, ctx.zeppelin_world)
@@ -250,7 +252,7 @@ def train(args: argparse.Namespace, *, watch: CommWatch | None = None) -> dict[s
     watch.bound_groups([None, ctx.dp_group, _tensor_parallel_group()])
     # Plans of the next micro-batches are made in planner processes while one trains; the feed
     # stands in for the sampler when a checkpoint saves where the stream stands.
-    feed = MicroBatchFeed.for_run(sampler, runtime.recipe)
+    feed = MicroBatchFeed.for_run(sampler, runtime.recipe, runtime.plan_share)
     is_main = dist.get_rank() == 0
     show = is_main and not args.quiet
     if show:

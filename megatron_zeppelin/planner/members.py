@@ -3,11 +3,12 @@
 Where the busiest GPU holds ring shares that no move of a whole document relieves, one of its
 rings is placed again (``replace_ring``), or its place in one of them goes to the least loaded
 GPU with room for a member's tokens, of its own node (the ring keeps its links) or of any node
-(``move_member``). A ring that changes is priced again (``remove_ring``, ``pool._add``: one that
-leaves or joins a node changes its links), and the change is kept only where every member ends
-below the busiest load; otherwise ``loads`` are left as they were. Capacity holds: a new member
-has room for the most tokens a member of the ring takes, and a moved ring is kept only where
-every member (whose place in the zigzag may change with the ring's order) has room.
+(``move_member``). A ring that changes is priced again (``remove_ring``,
+``pool_rings.place_on``: one that leaves or joins a node changes its links), and the change is
+kept only where every member ends below the busiest load; otherwise ``loads`` are left as they
+were. Capacity holds: a new member has room for the most tokens a member of the ring takes, and
+a moved ring is kept only where every member (whose place in the zigzag may change with the
+ring's order) has room.
 
 Trading places between two rings (the busy GPU taking a lightly loaded GPU's smaller share in
 another ring) was measured on the stress batches and left out: it lowered the predicted peak
@@ -23,7 +24,7 @@ import numpy as np
 from megatron_zeppelin.planner.loads import Loads
 from megatron_zeppelin.planner.placement import Placement
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.pool import _add, _place_ring
+from megatron_zeppelin.planner.pool_rings import place_on, place_ring
 from megatron_zeppelin.planner.ring_options import TOLERANCE, PoolGoal, most_tokens
 
 __all__ = ["move_member", "remove_ring", "replace_ring"]
@@ -61,7 +62,7 @@ def move_member(
     for other in sorted(options):
         ring = tuple(sorted(other if r == rank else r for r in placement.ring))
         snapshot = loads.snapshot(ring)
-        new = _add(ring, length, loads, False)
+        new = place_on(ring, length, loads, False)
         peak = max(loads.cost[r] for r in ring)
         # Listed in rank order, the other members may change places in the zigzag, and with
         # them their tokens: every member's room is checked, not only the new one's.
@@ -86,12 +87,12 @@ def replace_ring(
     barred: np.ndarray,
 ) -> Placement | None:
     """``doc``'s ring taken off its GPUs and placed again, not on ``barred`` GPUs
-    (``pool._place_ring``: the smallest ring whose every member then ends below ``below``), or
+    (``pool_rings.place_ring``: the smallest ring whose every member then ends below ``below``), or
     ``None`` with ``loads`` as they were where no ring does."""
     saved = _saved(loads)
     remove_ring(placement, length, loads)
     goal = replace(goal, target=below / TOLERANCE)
-    new = _place_ring(doc, length, loads, goal, fallback=False, barred=barred)
+    new = place_ring(doc, length, loads, goal, fallback=False, barred=barred)
     if new is None or new.ring == placement.ring or max(loads.cost[r] for r in new.ring) >= below:
         _restore(loads, saved)
         return None
@@ -99,9 +100,9 @@ def replace_ring(
 
 
 def remove_ring(placement: Placement, length: int, loads: Loads) -> None:
-    """Take off ``loads`` what ``pool._add`` put there for ``placement``: its members' loads are
-    measured by adding the ring again onto them emptied (the same prices, from the same
-    ``Loads``), and subtracted."""
+    """Take off ``loads`` what ``pool_rings.place_on`` put there for ``placement``: its
+    members' loads are measured by adding the ring again onto them emptied (the same prices,
+    from the same ``Loads``), and subtracted."""
     ring = placement.ring
     k = loads.topology.gpus_per_node
     nodes = {r // k for r in ring}
@@ -109,7 +110,7 @@ def remove_ring(placement: Placement, length: int, loads: Loads) -> None:
     snapshot = loads.snapshot(ring)
     for r in ring:
         loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r] = 0.0, 0.0, 0.0, 0
-    _add(ring, length, loads, whole and loads.two_d is not None)
+    place_on(ring, length, loads, whole and loads.two_d is not None)
     added = loads.snapshot(ring)[1]
     loads.restore(snapshot)
     for r, (cost, attention, exposed, tokens) in zip(ring, added):

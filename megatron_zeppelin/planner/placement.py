@@ -141,6 +141,9 @@ class _Nodes:
         self.load, self.tokens, self.room = load, tokens, room
         self.heap: Heap = [(value, n) for n, value in enumerate(load)]
         heapq.heapify(self.heap)
+        # The same as arrays, for the pass over all nodes (kept in step by ``set``).
+        self.load_array = np.asarray(load, dtype=np.float64)
+        self.tokens_array = np.asarray(tokens, dtype=np.int64)
 
     def pick(self, needed: int) -> int | None:
         heap, load = self.heap, self.load
@@ -148,20 +151,23 @@ class _Nodes:
             heapq.heappop(heap)  # stale
         if self.room - self.tokens[heap[0][1]] >= needed:
             return heap[0][1]
-        fits = self.room - np.asarray(self.tokens) >= needed
+        fits = self.room - self.tokens_array >= needed
         if not fits.any():
             return None
-        return int(np.argmin(np.where(fits, np.asarray(load), np.inf)))
+        return int(np.argmin(np.where(fits, self.load_array, np.inf)))
 
     def add(self, node: int, work: float, tokens: int) -> None:
         heap, load = self.heap, self.load
         top = heap[0][1] == node and heap[0][0] == load[node]  # ``pick``'s usual answer
-        load[node] += work
-        self.tokens[node] += tokens
+        self.set(node, load[node] + work, self.tokens[node] + tokens)
         if top:  # its entry is stale now: replace it (one sift instead of a push and a pop)
             heapq.heapreplace(heap, (load[node], node))
         else:
             heapq.heappush(heap, (load[node], node))
+
+    def set(self, node: int, load: float, tokens: int) -> None:
+        self.load[node] = self.load_array[node] = load
+        self.tokens[node] = self.tokens_array[node] = tokens
 
 
 def _nodes_by_lpt(
@@ -212,8 +218,7 @@ def _nodes_by_lpt(
         # ``_Nodes.take_top``, inline: the heap's top is current and has room (the usual case).
         value, node = heap[0]
         if value == load[node] and room - held[node] >= needed + reserve:
-            load[node] += work
-            held[node] += length
+            state.set(node, load[node] + work, held[node] + length)
             heapq.heapreplace(heap, (load[node], node))
             by_node[node].append(doc)
             continue

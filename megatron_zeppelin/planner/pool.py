@@ -46,18 +46,11 @@ from megatron_zeppelin.planner.placement import (
     Heap,
     Placement,
     TierChoice,
-    capacity_error,
     local_placement,
 )
 from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.ring_options import (
-    TOLERANCE,
-    PoolGoal,
-    most_tokens,
-    narrowest,
-    options,
-    price,
-)
+from megatron_zeppelin.planner.pool_rings import Arrays, place_ring, ring_sizes
+from megatron_zeppelin.planner.ring_options import TOLERANCE, PoolGoal, price
 
 __all__ = [
     "ALL_ORDERS",
@@ -204,9 +197,9 @@ def place_pool(
         big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
         count = int(np.count_nonzero(big))
     _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
-    arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
+    arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
     for doc in batch.ring_docs:
-        placement = _place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
+        placement = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
         placements[doc] = placement
         arrays.update(placement.ring, loads)  # type: ignore[union-attr]
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
@@ -247,25 +240,13 @@ def _target(
     return target
 
 
-def _sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
-    """Ring sizes worth pricing: from the document's work over the target up to a few times it,
-    then the smaller ones down to the least whose members take at most ``most`` tokens
-    (``_member_tokens``; where GPUs lack room for the larger ones)."""
-    topo = loads.topology
-    world = topo.world_size
-    low = narrowest(length, loads, most)
-    start = min(world, max(low, math.floor(work / target)))
-    stop = min(world, 2 * start + 2 * topo.gpus_per_node)
-    return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
-
-
 def _size_for(
     length: int, work: float, target: float, loads: Loads, most: int
 ) -> tuple[int, float]:
     """The smallest ring whose members' load fits the target (2-D priced where the size is
     whole nodes), else the one with the least load per member."""
     best = (math.inf, 2)
-    for size in _sizes(length, work, target, loads, most):
+    for size in ring_sizes(length, work, target, loads, most):
         key = price(length, size, loads, two_d=loads.two_d is not None)
         if key <= target * TOLERANCE:
             return size, key
@@ -300,178 +281,6 @@ def _projected(loads: Loads, floor: int) -> np.ndarray:
     return np.asarray(loads.cost) + loads.linear_weight * np.maximum(0, floor - tokens)
 
 
-def _place_ring(
-    doc: int,
-    length: int,
-    loads: Loads,
-    goal: PoolGoal,
-    *,
-    fallback: bool = True,
-    barred: np.ndarray | None = None,
-    arrays: _Arrays | None = None,
-) -> Placement | None:
-    """The smallest ring (by ``_sizes``) that finds GPUs ending within the target; if none does,
-    the size and GPUs that end soonest (``None`` without ``fallback``). Across nodes only with
-    pieces of at least ``goal.nic_chunk`` tokens, or where capacity leaves no other way. GPUs
-    ``barred`` are not used. ``arrays``: ``loads``' cost and tokens as arrays, when kept."""
-    k = loads.topology.gpus_per_node
-    if arrays is None:
-        arrays = _Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
-    tokens, cost = arrays.tokens, arrays.cost
-    room = loads.capacity - tokens
-    if barred is not None:
-        room = np.where(barred, -1, room)
-    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
-    for size in _sizes(length, work, goal.target, loads, goal.member_tokens):
-        per_rank = most_tokens(length, size)
-        if goal.floor:
-            ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
-        else:
-            ends = cost  # no GPU needs tokens besides what it is given
-        for key, where in options(length, size, loads, goal):
-            tries.append((size, per_rank, ends, key, where))
-            ring = _members(ends, room, size, key, per_rank, goal.target * TOLERANCE, k, where)
-            if ring is not None:
-                return _add(ring, length, loads, where == "whole")
-    if not fallback:
-        return None
-    ring, two_d = _soonest(tries, room, k, doc, length)
-    return _add(ring, length, loads, two_d)
-
-
-def _soonest(
-    tries: list, room: np.ndarray, k: int, doc: int, length: int
-) -> tuple[tuple[int, ...], bool]:
-    """Of ``tries``, the first ring (in their order) whose busiest member ends soonest, and
-    whether it is over whole nodes. Tries are looked at by the least end any ring of theirs can
-    have (their ``size``-th least loaded GPU with room), and no further once that is later
-    than the soonest end found: the same answer as looking at every one, for less."""
-    bounds = []
-    for index, (size, per_rank, ends, key, _) in enumerate(tries):
-        fits = ends[room >= per_rank]
-        if len(fits) >= size:
-            bounds.append((float(np.partition(fits, size - 1)[size - 1]) + key, index))
-    best: tuple[float, int, tuple[int, ...], bool] | None = None
-    for bound, index in sorted(bounds):
-        if best is not None and bound > best[0]:
-            break
-        size, per_rank, ends, key, where = tries[index]
-        ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
-        if ring is not None:
-            end = float(ends[list(ring)].max()) + key
-            if best is None or (end, index) < best[:2]:
-                best = (end, index, ring, where == "whole")
-    if best is None:
-        raise capacity_error(doc, length, "on any GPUs of the pool")
-    return best[2], best[3]
-
-
-@dataclass
-class _Arrays:
-    """``Loads``' cost and tokens as arrays, kept in step while rings are placed (converting
-    its lists for every ring costs more than placing it)."""
-
-    cost: np.ndarray
-    tokens: np.ndarray
-
-    def update(self, ranks: tuple[int, ...], loads: Loads) -> None:
-        index = list(ranks)
-        self.cost[index] = [loads.cost[r] for r in index]
-        self.tokens[index] = [loads.tokens[r] for r in index]
-
-
-def _members(
-    cost: np.ndarray,
-    room: np.ndarray,
-    size: int,
-    key: float,
-    per_rank: int,
-    limit: float,
-    k: int,
-    where: str,
-) -> tuple[int, ...] | None:
-    """``size`` GPUs with ``per_rank`` tokens of room that end within ``limit`` after adding
-    ``key``, in ring order (node by node): ``"whole"`` nodes; one ``"node"``; or ``"any"`` GPUs
-    of two nodes or more."""
-    ok = (room >= per_rank) & (cost + key <= limit)
-    if np.count_nonzero(ok) < size:
-        return None  # the common answer, without looking node by node
-    by_node = ok.reshape(-1, k)
-    node_cost = cost.reshape(-1, k)
-    if where == "whole":
-        return _whole_nodes(by_node, node_cost, size // k)
-    if where == "node":
-        return _in_node(by_node, node_cost, size, best_fit=math.isfinite(limit))
-    return _across(by_node, node_cost, size)
-
-
-def _whole_nodes(by_node: np.ndarray, node_cost: np.ndarray, num: int) -> tuple[int, ...] | None:
-    """``num`` nodes with every GPU eligible, the least loaded first, in node order (the 2-D
-    scheme needs whole nodes, not consecutive ones: a window of free consecutive nodes is rare
-    once rings of every size have been placed)."""
-    k = by_node.shape[1]
-    full = np.flatnonzero(by_node.all(axis=1))
-    if len(full) < num:
-        return None
-    chosen = full[np.argsort(node_cost[full].max(axis=1), kind="stable")[:num]]
-    return tuple(int(n) * k + j for n in sorted(chosen.tolist()) for j in range(k))
-
-
-def _in_node(
-    by_node: np.ndarray, node_cost: np.ndarray, size: int, *, best_fit: bool
-) -> tuple[int, ...] | None:
-    """``size`` eligible GPUs of one node. Best fit: the most loaded that still qualify, on the
-    node where the least loaded of them is most loaded (free GPUs stay free); otherwise the
-    least loaded."""
-    k = by_node.shape[1]
-    enough = np.flatnonzero(by_node.sum(axis=1) >= size)
-    if not len(enough):
-        return None
-    sign = -1.0 if best_fit else 1.0
-    masked = np.where(by_node[enough], sign * node_cost[enough], np.inf)
-    pick = int(np.argmin(np.sort(masked, axis=1)[:, size - 1]))
-    ranks = np.argsort(masked[pick], kind="stable")[:size]
-    return tuple(int(enough[pick]) * k + int(j) for j in sorted(ranks.tolist()))
-
-
-def _across(by_node: np.ndarray, node_cost: np.ndarray, size: int) -> tuple[int, ...] | None:
-    """``size`` eligible GPUs over two nodes or more: of a window of consecutive nodes where one
-    with at most one node more than the ring needs has them all, else the nodes with the most
-    eligible GPUs first (the fewest cross-node edges); the least loaded of each, node by node."""
-    k = by_node.shape[1]
-    counts = by_node.sum(axis=1)
-    if int(counts.sum()) < size:
-        return None
-    least = max(2, -(-size // k))
-    order = np.lexsort((node_cost.max(axis=1), -counts))
-    for num in range(least, min(len(counts), least + 1) + 1):
-        totals = np.lib.stride_tricks.sliding_window_view(counts, num).sum(axis=1)
-        if totals.max() >= size:
-            first = int(np.argmax(totals))
-            order = np.arange(first, first + num)
-            break
-    ring: list[int] = []
-    for node in order.tolist():
-        free = sorted(np.flatnonzero(by_node[node]).tolist(), key=lambda j: (node_cost[node, j], j))
-        ring.extend(node * k + j for j in sorted(free[: size - len(ring)]))
-        if len(ring) == size:
-            break
-    nodes = sorted({r // k for r in ring})
-    if len(nodes) < 2:
-        return None  # one node's ring is priced on NVLink
-    return tuple(r for n in nodes for r in ring if r // k == n)
-
-
-def _add(ring: tuple[int, ...], length: int, loads: Loads, two_d: bool) -> Placement:
-    k = loads.topology.gpus_per_node
-    if len({r // k for r in ring}) == 1:
-        loads.add_ring(ring, length)
-        return Placement(Tier.INTRA, ring)
-    loads.add_ring(ring, length, "nic", flat=not two_d)
-    return Placement(Tier.INTER, ring)
-
-
 def pool_goal(array: np.ndarray, loads: Loads, nic_chunk: int) -> PoolGoal:
     """What ``members.replace_ring`` keeps of ``place_pool``'s goal (its target is set per
     call)."""
@@ -491,7 +300,7 @@ def _place_whole(
     parked until the documents get short enough for it (they only get shorter, and a parked GPU
     takes nothing), so a nearly full cluster costs a heap operation per document, not a pass
     over every GPU. A document no GPU has room for becomes a ring of GPUs that have."""
-    floor, capacity = goal.floor, loads.capacity
+    floor, capacity, weight = goal.floor, loads.capacity, loads.linear_weight
     keys = _projected(loads, floor).tolist()
     heap, parked = _heaps(keys)
     local = [local_placement(r) for r in range(loads.topology.world_size)]
@@ -509,14 +318,18 @@ def _place_whole(
             else:
                 break
         if not heap:
-            placements[doc] = _place_ring(doc, length, loads, goal)  # type: ignore[assignment]
-            keys = _projected(loads, floor).tolist()
-            heap, parked = _heaps(keys)
+            placed = place_ring(doc, length, loads, goal)
+            placements[doc] = placed
+            # Only the ring's members changed: they go back on the heap with their new keys
+            # (their parked entries, if any, are looked at again when due).
+            for rank in placed.ring:
+                keys[rank] = loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
+                heapq.heappush(heap, (keys[rank], rank))
             continue
         rank = heap[0][1]
         loads.add_local(rank, length, seconds)
         placements[doc] = local[rank]
-        keys[rank] = loads.cost[rank] + loads.linear_weight * max(0, floor - loads.tokens[rank])
+        keys[rank] = loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
         heapq.heapreplace(heap, (keys[rank], rank))  # the top was its entry: one sift
 
 

@@ -40,6 +40,13 @@ _LIGHT = 16
 """The least loaded GPUs holding local documents whose documents a swap may take."""
 _MIN_GAIN = 1e-6
 """A change must lower the pair's peak by this fraction of the busiest load."""
+_SORTED_MOVES = 16
+"""From this many documents on the busiest GPU, their moves are found from the GPUs sorted by
+load (``_moves``); fewer are each weighed against every GPU (``_scanned_moves``): the same
+answers, whichever is cheaper."""
+_FILTERED_SWAPS = 4096
+"""From this many pairs on, the documents no swap can take are left out before the pairs are
+weighed (the same answer; below it, leaving them out costs more than weighing them)."""
 
 
 def refine(
@@ -167,6 +174,48 @@ def _move_member(
     return False
 
 
+def _scanned_moves(
+    busiest: int, lengths: np.ndarray, given: np.ndarray, cost: np.ndarray, room: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``_moves`` by a pass over every GPU per document (cheaper for a few documents)."""
+    fits = room[None, :] >= lengths[:, None]
+    fits[:, busiest] = False
+    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
+    dest = np.argmin(ends, axis=1)
+    return dest, ends[np.arange(len(lengths)), dest]
+
+
+def _moves(
+    busiest: int, lengths: np.ndarray, given: np.ndarray, cost: np.ndarray, room: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's move: to the least loaded other GPU with room for it (ties: the lowest
+    rank), and the load that GPU ends at (``inf`` where none has room). The GPUs sorted by
+    load once, the first with room for a document is where the running most room along them
+    first reaches its length: a search per document, not a pass over every GPU."""
+    order = np.argsort(cost, kind="stable")
+    spare = room.copy()
+    spare[busiest] = -1
+    spare_sorted, cost_sorted = spare[order], cost[order]
+    first = np.searchsorted(np.maximum.accumulate(spare_sorted), lengths)
+    found = first < len(order)
+    at = np.minimum(first, len(order) - 1)
+    dest = order[at]
+    ends = np.where(found, cost_sorted[at] + given, np.inf)
+    # A GPU a little more loaded may end at the very same load once the document is added
+    # (rounding): the lowest rank of those takes it, as a scan of every GPU would choose.
+    # (Equally loaded GPUs come after in rank order: they never take it.)
+    more = np.searchsorted(cost_sorted, cost_sorted[at], side="right")
+    nearly = np.minimum(more, len(order) - 1)
+    tied = found & (more < len(order)) & (cost_sorted[nearly] + given == ends)
+    for i in np.flatnonzero(tied).tolist():
+        q, end, length = int(more[i]), float(ends[i]), int(lengths[i])
+        while q < len(order) and float(cost_sorted[q] + given[i]) == end:
+            if spare_sorted[q] >= length and order[q] < dest[i]:
+                dest[i] = order[q]
+            q += 1
+    return dest, ends
+
+
 def _best_change(
     busiest: int,
     on_rank: list[list[int]],
@@ -184,12 +233,9 @@ def _best_change(
     docs = np.asarray(on_rank[busiest], dtype=np.int64)
     lengths, given = array[docs], work[docs]
     room = capacity - tokens
-    # Moves: each document to the least loaded GPU with room for it.
-    fits = room[None, :] >= lengths[:, None]
-    fits[:, busiest] = False
-    ends = np.where(fits, cost[None, :] + given[:, None], np.inf)
-    dest = np.argmin(ends, axis=1)
-    peaks = np.maximum(top - given, ends[np.arange(len(docs)), dest])
+    moves = _moves if len(docs) >= _SORTED_MOVES else _scanned_moves
+    dest, ends = moves(busiest, lengths, given, cost, room)
+    peaks = np.maximum(top - given, ends)
     best_peak, best = float(peaks.min()), None
     if best_peak < top * (1 - _MIN_GAIN):
         i = int(np.argmin(peaks))
@@ -206,14 +252,26 @@ def _best_change(
     )
     position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
     owner = np.asarray(light, dtype=np.int64)[position]
-    delta = given[:, None] - work[theirs][None, :]  # what the busiest GPU sheds
-    grow = lengths[:, None] - array[theirs][None, :]  # tokens the light GPU gains
-    ok = (delta > 0) & (grow <= room[owner][None, :]) & (-grow <= room[busiest])
-    peak = np.where(ok, np.maximum(top - delta, cost[owner][None, :] + delta), np.inf)
-    low = float(peak.min())
+    their_work, their_length = work[theirs], array[theirs]
+    cols = np.arange(len(theirs))
+    if len(docs) * len(theirs) > _FILTERED_SWAPS:
+        # Only their documents lighter than the busiest GPU's heaviest, with token room on
+        # both sides for a swap with one of its documents, can be swapped: the others are left
+        # out of the matrix (about half of them on a nearly full batch of short documents).
+        cols = cols[
+            (their_work < given.max())
+            & (lengths.min() - their_length <= room[owner])
+            & (their_length - lengths.max() <= room[busiest])
+        ]
+    delta = given[:, None] - their_work[cols][None, :]  # what the busiest GPU sheds
+    grow = lengths[:, None] - their_length[cols][None, :]  # tokens the light GPU gains
+    ok = (delta > 0) & (grow <= room[owner[cols]][None, :]) & (-grow <= room[busiest])
+    peak = np.where(ok, np.maximum(top - delta, cost[owner[cols]][None, :] + delta), np.inf)
+    low = float(peak.min()) if peak.size else np.inf
     if low < min(best_peak, top * (1 - _MIN_GAIN)):
-        rows, cols = np.nonzero(peak == low)
-        pick = int(np.lexsort((cols, rows, position[cols]))[0])  # ties: the first GPU listed
-        i, j = int(rows[pick]), int(cols[pick])
+        rows, at = np.nonzero(peak == low)
+        col = cols[at]
+        pick = int(np.lexsort((col, rows, position[col]))[0])  # ties: the first GPU listed
+        i, j = int(rows[pick]), int(col[pick])
         best = (int(owner[j]), int(docs[i]), int(theirs[j]))
     return best

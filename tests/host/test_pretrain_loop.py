@@ -110,10 +110,11 @@ ZEPPELIN = (
 )
 # A plan line: "zeppelin micro-batch step 3: plan e33f95bd 1 docs (local 0, intra 0, inter 1); ..."
 PLAN = re.compile(r"zeppelin micro-batch step \d+: plan \w+ (\d+) docs \(.*?inter (\d+)\)")
-# "zeppelin planning: 0.12 s for 4 plans, 0.10 s (83%) hidden behind training; planner ..."
+# "zeppelin planning: 8 plans taken, 6 made here (ahead included) in 0.29 s, the others
+# received; training waited 0.04 s for plans; planner ..." (rank 0 plans node 0's turn)
 PLANNING = re.compile(
-    r"zeppelin planning: [\d.]+ s for (\d+) plans, [\d.]+ s \(\d+%\) hidden behind training; "
-    r"planner processes started in [\d.]+ s"
+    r"zeppelin planning: (\d+) plans taken, \d+ made here \(ahead included\) in [\d.]+ s, the "
+    r"others received; training waited [\d.]+ s for plans; planner processes started in [\d.]+ s"
 )
 
 
@@ -230,14 +231,18 @@ def test_tp1_on_two_emulated_nodes_trains_as_one_process(tp1_run: Run, reference
     assert shape.startswith("zeppelin: node shape 2 nodes x 2 Zeppelin ranks")
     assert cost_model.startswith("zeppelin: cost model 2 layers, 4 heads, 4 K/V heads, fp32, TP 1")
     assert kernel == "zeppelin: attention kernel torch (requested with --zeppelin-kernel)"
-    # Megatron's own loop plans ahead in a planner process per rank, and says how it went.
+    # Megatron's own loop plans ahead in a planner process on the first rank of each node,
+    # the others receiving the plans, and says how it went.
     assert _startup_summary(tp1_run)[3] == (
-        "zeppelin: planning 2 micro-batches ahead in 1 planner process"
+        "zeppelin: planning 6 micro-batches ahead in 1 planner process on the first rank of "
+        "each node, each plan sent to every rank"
     )
     # Without Megatron's --manual-gc the start-up says what Python's collector will do.
     assert "--manual-gc makes them at fixed steps" in _startup_summary(tp1_run)[4]
     plans = [int(n) for n in PLANNING.findall(tp1_run.outputs[0])]
     assert plans and plans == sorted(plans) and plans[-1] > 1, tp1_run.tail()
+    # Every planning line has the shared form: one per micro-batch logged.
+    assert len(plans) == len(re.findall("zeppelin planning: ", tp1_run.outputs[0]))
 
 
 def test_validation_and_test_losses_equal_the_one_process_values(

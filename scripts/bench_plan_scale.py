@@ -1,0 +1,189 @@
+"""Planning at scale: full micro-batches of 256-1024 GPUs, each plan's CPU seconds against the
+step it plans.
+
+A planner that plans every micro-batch ahead of training keeps up only where a plan takes less
+than the step it plans (a planner process per node and micro-batches shared out among them,
+``megatron/shared_plans.py``, has ``nodes`` times that). Per batch: the CPU seconds of
+``plan_batch`` (``time.process_time``, one process; the plan's own validation included), the
+step the simulator predicts for the plan (``simulate``), their ratio, and the plan's efficiency
+(lower bound over the simulated step), with the default options and with ``--no-pool``
+(``PlannerOptions(pool=False)``).
+
+The shapes (``SHAPES``): a power law at 75% of capacity (zeppelin-B, LLaMA-3B), a bimodal
+SFT-like mix at 95% and a lognormal at 50% (dgx-h100, LLaMA-7B), all on 1024 GPUs with 16384
+tokens each, and a power law at 95% on 512 GPUs (LLaMA-13B, 32768 tokens each); ``--stress``
+adds the stress grid at 1024 GPUs (``distributions.STRESS_DISTRIBUTIONS``, fills 0.5 and 0.95,
+zeppelin-C, LLaMA-7B, 32768 tokens per GPU, as ``compare_sweep.py --stress``), ``--embedded``
+the embedded histograms at 256 and 1024 GPUs (fills 0.5 and 0.95, zeppelin-C, LLaMA-7B, 16384
+tokens per GPU). Documents are cut at half the batch and at 1M tokens, as the sweep cuts them.
+
+    python scripts/bench_plan_scale.py                      # the four shapes, seed 0
+    python scripts/bench_plan_scale.py --stress --embedded  # and both grids
+    python scripts/bench_plan_scale.py --stress --no-pool --json out.json
+
+``scripts/plan_digests.py`` compares the plans of these batches (and others) between two
+versions of the planner.
+The process first plans one batch untimed (the first plan of a process pays one-time costs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+from megatron_zeppelin.planner.costmodel import CostModel
+from megatron_zeppelin.planner.distributions import (
+    DISTRIBUTIONS,
+    STRESS_DISTRIBUTIONS,
+    sample_lengths,
+)
+from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.topology.presets import get_topology
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One micro-batch shape: ``fill`` of the cluster's ``capacity x GPUs`` tokens."""
+
+    dist: str
+    gpus: int
+    fill: float
+    cluster: str
+    model: str
+    capacity: int
+
+    @property
+    def tokens(self) -> int:
+        return int(self.fill * self.gpus * self.capacity)
+
+    @property
+    def name(self) -> str:
+        return f"{self.dist} {self.gpus} GPUs {self.fill:.0%} {self.cluster} {self.model}"
+
+
+SHAPES = (
+    Shape("power-law", 1024, 0.75, "zeppelin-B", "llama-3b", 16384),
+    Shape("sft-bimodal", 1024, 0.95, "dgx-h100", "llama-7b", 16384),
+    Shape("lognormal", 1024, 0.5, "dgx-h100", "llama-7b", 16384),
+    Shape("power-law", 512, 0.95, "dgx-h100", "llama-13b", 32768),
+)
+STRESS = tuple(
+    Shape(dist, 1024, fill, "zeppelin-C", "llama-7b", 32768)
+    for dist in STRESS_DISTRIBUTIONS
+    for fill in (0.5, 0.95)
+)
+EMBEDDED = tuple(
+    Shape(dist, gpus, fill, "zeppelin-C", "llama-7b", 16384)
+    for dist in DISTRIBUTIONS
+    for gpus in (256, 1024)
+    for fill in (0.5, 0.95)
+)
+
+
+def plan_once(shape: Shape, lengths: list[int], options: PlannerOptions) -> dict:
+    """One plan of ``lengths``: its CPU seconds, the simulated step and efficiency."""
+    topology = get_topology(shape.cluster, num_nodes=shape.gpus // 8)
+    cost = CostModel.default(get_model(shape.model), topology)
+    gc.collect()  # every plan from the same collector state
+    start = time.process_time()
+    plan = plan_batch(
+        lengths, topology=topology, cost_model=cost, capacity=shape.capacity, options=options
+    )
+    seconds = time.process_time() - start
+    result = simulate(plan, cost)
+    return {
+        "plan_s": seconds,
+        "step_s": result.step_time_s,
+        "efficiency": result.efficiency,
+        "near_least_load": any(c.get("near_least_load") for c in plan.meta["candidates"]),
+    }
+
+
+def measure(shape: Shape, seeds: int, pool_off: bool) -> list[dict]:
+    """Every seed's batch of ``shape``, planned by default (and with ``pool=False``)."""
+    rows = []
+    for seed in range(seeds):
+        lengths = sample_lengths(
+            shape.dist,
+            num_tokens=shape.tokens,
+            seed=seed,
+            max_length=min(shape.tokens // 2, 1 << 20),
+        )
+        row = {
+            "shape": asdict(shape),
+            "seed": seed,
+            "documents": len(lengths),
+            "tokens": shape.tokens,
+            "default": plan_once(shape, lengths, PlannerOptions()),
+        }
+        if pool_off:
+            row["no_pool"] = plan_once(shape, lengths, PlannerOptions(pool=False))
+        rows.append(row)
+    return rows
+
+
+def print_rows(shape: Shape, rows: list[dict]) -> None:
+    """One line per shape: medians over its seeds (the worst ratio too)."""
+    default = [r["default"] for r in rows]
+    plan_s = statistics.median(d["plan_s"] for d in default)
+    step_s = statistics.median(d["step_s"] for d in default)
+    worst = max(d["plan_s"] / d["step_s"] for d in default)
+    efficiency = statistics.median(d["efficiency"] for d in default)
+    line = (
+        f"| {shape.dist} | {shape.gpus} | {shape.fill:.2f} | {shape.cluster} | {shape.model} "
+        f"| {round(statistics.mean(r['documents'] for r in rows))} | {shape.tokens / 1e6:.1f}M "
+        f"| {plan_s:.2f} | {step_s:.3f} | {plan_s / step_s:.2f} | {worst:.2f} | {efficiency:.3f} |"
+    )
+    if "no_pool" in rows[0]:
+        off = [r["no_pool"] for r in rows]
+        line += (
+            f" {statistics.median(d['plan_s'] for d in off):.2f} "
+            f"| {statistics.median(d['efficiency'] for d in off):.3f} |"
+        )
+    print(line, flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seeds", type=int, default=1, help="batches per shape (default 1)")
+    parser.add_argument("--stress", action="store_true", help="the stress grid at 1024 GPUs")
+    parser.add_argument("--embedded", action="store_true", help="the embedded histograms")
+    parser.add_argument("--no-shapes", action="store_true", help="leave out SHAPES")
+    parser.add_argument("--no-pool", action="store_true", help="also plan with pool=False")
+    parser.add_argument("--only", type=int, nargs="+", help="only these rows (0: the first)")
+    parser.add_argument("--json", help="write every batch's figures here")
+    args = parser.parse_args()
+    shapes = (
+        (() if args.no_shapes else SHAPES)
+        + (STRESS if args.stress else ())
+        + (EMBEDDED if args.embedded else ())
+    )
+    if args.only:
+        shapes = tuple(shapes[i] for i in args.only)
+    plan_once(SHAPES[2], sample_lengths("lognormal", num_tokens=1 << 20, seed=0), PlannerOptions())
+    header = (
+        "| distribution | GPUs | fill | cluster | model | docs | tokens | plan s "
+        "| step s | plan / step | worst | efficiency |"
+    )
+    if args.no_pool:
+        header += " `--no-pool` plan s | efficiency |"
+    print(header)
+    print("|" + "---|" * (header.count("|") - 1))
+    rows: list[dict] = []
+    for shape in shapes:
+        found = measure(shape, args.seeds, args.no_pool)
+        rows += found
+        print_rows(shape, found)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
