@@ -5,8 +5,8 @@ tokens with documents cut at ``--max-length``, plans them with Zeppelin and ever
 simulates the step with the default (datasheet) cost model. Prints a markdown table of mean step
 time, Zeppelin's speedup over ``te-ring-cp`` and ``megatron-dynamic-cp``, every builder's
 efficiency (lower bound / step time), and the average speedups. TE ring CP, the all-gather CP
-and hybrid DP run at their best static CP size for the configuration's batches (the fastest of
-every size that holds them, ``commands/compare_static.py``); "TE CP" is TE's, and "vs TE rule"
+and hybrid DP run at their best static CP size for each batch (the fastest of every size that
+holds it, ``commands/compare_static.py``); "TE CP" is TE's, and "vs TE rule"
 the speedup over TE at its default rule (the smallest group holding each batch's longest
 document).
 

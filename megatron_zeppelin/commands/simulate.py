@@ -14,8 +14,8 @@ deployed", each system with the attention curve of the kernel it runs
 (``planner/kernel_curves.py``: Zeppelin the fastest kernel the calibration measured, TE ring CP
 and Megatron's dynamic CP TransformerEngine's fused attention, or its stand-in). Without a
 calibration the two coincide. TE ring CP, the all-gather CP and hybrid DP run, in each column,
-at the static CP size that is fastest on these batches (``compare_static.py``): "vs TE" is
-against the best static TE ring CP; the rows marked "(rule)" keep each at its default rule.
+at the static CP size that is fastest on each batch (``compare_static.py``): "vs TE" is against
+the best static TE ring CP; the rows marked "(rule)" keep each at its default rule.
 ``compare_batches`` and ``summarize`` are the library form, used by ``scripts/compare_sweep.py``.
 """
 
@@ -34,6 +34,7 @@ from megatron_zeppelin.commands.compare_static import (
     RULE_SUFFIX,
     StaticChoice,
     best_static,
+    cp_label,
     mean_step,
     rule_name,
 )
@@ -182,10 +183,11 @@ def summarize(
     return rows
 
 
-def _cp_label(name: str, choices: dict[str, StaticChoice]) -> int | str | None:
-    """A static CP baseline's size: its best static one, "rule" for its default rule's row."""
+def _cp_label(name: str, choices: dict[str, StaticChoice]) -> str | None:
+    """A static CP baseline's size: its best static one (per batch where they differ), "rule"
+    for its default rule's row."""
     if name in choices:
-        return choices[name].size
+        return cp_label(choices[name])
     return "rule" if name.endswith(RULE_SUFFIX) else None
 
 
@@ -200,14 +202,14 @@ def format_table(rows: list[dict], deployed_rows: list[dict] | None = None) -> s
     def times(row: dict) -> str:
         step, cp = row.get("step_time_s"), row.get("cp_size")
         return (
-            f"{cp if cp is not None else '':>4} "
+            f"{cp if cp is not None else '':>8} "
             f"{step * 1e3 if step else float('nan'):9.1f} {ratio(row.get('speedup_vs_te')):>6} "
             f"{ratio(row.get('speedup_vs_megatron')):>8}"
         )
 
     two = deployed_rows is not None
     by_builder = {row["builder"]: row for row in deployed_rows or []}
-    columns = f"{'CP':>4} {'step ms':>9} {'vs TE':>6} {'vs Mcore':>8}"
+    columns = f"{'CP':>8} {'step ms':>9} {'vs TE':>6} {'vs Mcore':>8}"
     header = f"{'builder':<26} {columns}"
     if two:
         header += f"  {'kernel':<11} {columns}"
@@ -231,9 +233,9 @@ def format_table(rows: list[dict], deployed_rows: list[dict] | None = None) -> s
         )
     if any(row.get("cp_size") == "rule" for row in rows):
         lines.append(
-            "CP: the static CP size of the fastest mean step over these batches, priced at every "
-            'size that holds them; "(rule)": the default rule, the smallest group holding each '
-            "batch's longest document; vs TE: against the best static TE ring CP"
+            "CP: the fastest static CP size for each batch (one size per batch where they "
+            'differ); "(rule)": the default rule, the smallest group holding the batch\'s longest '
+            "document; vs TE: against TE ring CP at its best static size"
         )
     return "\n".join(lines)
 
@@ -373,11 +375,13 @@ def _run_compare(args: argparse.Namespace) -> int:
 
 
 def _static_json(choices: dict[str, StaticChoice]) -> dict:
-    """Per static CP baseline, the size kept and the mean step time of every size priced."""
+    """Per static CP baseline, the size kept and the step time of every size priced, per batch,
+    and the sizes not priced."""
     return {
         name: {
-            "cp_size": c.size,
-            "step_time_s_by_cp_size": {str(k): v for k, v in c.step_times.items()},
+            "cp_size_per_batch": list(c.sizes),
+            "step_time_s_by_cp_size": [{str(k): v for k, v in t.items()} for t in c.step_times],
+            "not_priced": list(c.skipped),
         }
         for name, c in choices.items()
     }

@@ -277,6 +277,12 @@ def hybrid_dp(
         cp_size = _hybrid_cp_size(long_docs, capacity, world)
     if cp_size > world:
         raise ValueError(f"cp_size {cp_size} exceeds the {world} GPUs")
+    for n in long_docs:
+        if max(zigzag_loads(n, cp_size)) > capacity:
+            raise ValueError(
+                f"a document of {n} tokens does not fit a CP group of {cp_size} GPUs of "
+                f"{capacity} tokens: raise cp_size or capacity"
+            )
 
     def attn_cost(n: int) -> float:
         return cost_model.document_attention_time(n) if cost_model else float(n) * n
@@ -533,16 +539,15 @@ def rule_cp_size(name: str, lengths: Sequence[int], topology: Topology, capacity
 
 
 def static_cp_sizes(
-    name: str, batches: Sequence[Sequence[int]], topology: Topology, capacity: int
+    name: str, lengths: Sequence[int], topology: Topology, capacity: int
 ) -> list[int]:
-    """The CP sizes a user could set for every batch of ``batches``: powers of two that divide
-    the GPUs and hold the longest document of each batch (``rule_cp_size``, which only grows
-    with the documents, so every larger size holds them too), and the rule's own size where it
-    does not divide them. ``hybrid-dp`` without a document above the capacity has no group to
-    size: its one choice is the rule's."""
+    """The CP sizes a user could set for the batch ``lengths``: powers of two that divide the
+    GPUs and hold its longest document (``rule_cp_size``, which only grows with the documents,
+    so every larger size holds them too), and the rule's own size where it does not divide
+    them. ``hybrid-dp`` without a document above the capacity has no group to size: its one
+    choice is the rule's."""
     world = topology.world_size
-    rules = [rule_cp_size(name, [int(n) for n in b], topology, capacity) for b in batches]
-    smallest = max(rules)
+    smallest = rule_cp_size(name, [int(n) for n in lengths], topology, capacity)
     if name == "hybrid-dp" and smallest == 1:
         return [1]
     sizes = {smallest}
