@@ -16,8 +16,8 @@ batch, and a speedup over it understates rather than overstates what a user woul
 Larger groups than needed only lengthen the rings, and their plans take the simulator longest
 (TE ring CP at 128 GPUs: 1 s at a CP size of 4, 79 s at 128). So the sweep stops at the first
 size slower than the best so far on every batch (``PATIENCE``); the sizes it did not price are
-listed in the choice (``skipped``). Swept until two such sizes in a row, the 42 choices of seven
-rows of the as-deployed comparison in ``docs/BENCHMARKS.md`` (16-128 GPUs; three baselines, two
+listed in the choice (``skipped``). Swept until two such sizes in a row, the 48 choices of the
+as-deployed comparison at 16-128 GPUs in ``docs/BENCHMARKS.md`` (eight rows, three baselines, two
 columns) were the same as stopping at the first.
 """
 
