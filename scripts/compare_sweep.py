@@ -4,7 +4,11 @@ Every configuration draws ``--steps`` batches (seeds 0, 1, ...) of ``fill * GPUs
 tokens with documents cut at ``--max-length``, plans them with Zeppelin and every baseline, and
 simulates the step with the default (datasheet) cost model. Prints a markdown table of mean step
 time, Zeppelin's speedup over ``te-ring-cp`` and ``megatron-dynamic-cp``, every builder's
-efficiency (lower bound / step time), and the average speedups.
+efficiency (lower bound / step time), and the average speedups. TE ring CP, the all-gather CP
+and hybrid DP run at their best static CP size for each batch (the fastest of every size that
+holds it, ``commands/compare_static.py``); "TE CP" is TE's, and "vs TE rule"
+the speedup over TE at its default rule (the smallest group holding each batch's longest
+document).
 
     python scripts/compare_sweep.py                 # the sweep in docs/BENCHMARKS.md
     python scripts/compare_sweep.py --quick         # a few configurations, for a smoke test
@@ -44,6 +48,7 @@ import math
 import sys
 import time
 
+from megatron_zeppelin.commands.compare_static import best_static
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
 from megatron_zeppelin.planner.calibration import (
     Calibration,
@@ -144,10 +149,16 @@ def run_point(
         sample_lengths(point["dist"], num_tokens=tokens, seed=s, max_length=max_length)
         for s in range(steps)
     ]
-    results = compare_batches(
-        batches, topology=topology, cost_model=cost, capacity=point["capacity"]
+    common = dict(topology=topology, cost_model=cost, capacity=point["capacity"])
+    results = compare_batches(batches, **common)
+
+    def price(name: str, size: int) -> list:
+        return compare_batches(batches, builders=(name,), cp_sizes={name: size}, **common)[name]
+
+    results, choices = best_static(
+        batches, results, price, topology=topology, capacity=point["capacity"]
     )
-    rows = {r["builder"]: r for r in summarize(results)}
+    rows = {r["builder"]: r for r in summarize(results, choices)}
     longest = max(max(b) for b in batches)
     record = {**point, "tokens": tokens, "longest": longest, "rows": rows}
     record["sources"] = dict(cost.sources)
@@ -212,9 +223,10 @@ def _fmt(x, spec: str) -> str:
 
 def markdown(records: list[dict]) -> str:
     lines = [
-        "| model | cluster | GPUs | data | cap/GPU | tokens | longest | Zeppelin ms | TE ring ms "
-        "| Mcore ms | best other | vs TE | vs Mcore | vs best | eff Z | eff TE | eff Mcore |",
-        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| model | cluster | GPUs | data | cap/GPU | tokens | longest | Zeppelin ms "
+        "| TE ring ms | TE CP | Mcore ms | best other | vs TE | vs TE rule | vs Mcore | vs best "
+        "| eff Z | eff TE | eff Mcore |",
+        "|---|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for rec in records:
         rows = rec["rows"]
@@ -231,9 +243,11 @@ def markdown(records: list[dict]) -> str:
             f"| {rec['model']} | {rec['cluster']} | {rec['gpus']} | {rec['dist']} "
             f"| {rec['capacity']} | {rec['tokens']} | {rec['longest']} "
             f"| {z['step_time_s'] * 1e3:.0f} | {_fmt(te.get('step_time_s', None) and te['step_time_s'] * 1e3, '.0f')} "  # noqa: E501
+            f"| {te.get('cp_size') or '-'} "
             f"| {_fmt(mc.get('step_time_s', None) and mc['step_time_s'] * 1e3, '.0f')} "
             f"| {best['builder']} "
-            f"| {_fmt(z['speedup_vs_te'], '.2f')} | {_fmt(z['speedup_vs_megatron'], '.2f')} "
+            f"| {_fmt(z['speedup_vs_te'], '.2f')} | {_fmt(z.get('speedup_vs_te_rule'), '.2f')} "
+            f"| {_fmt(z['speedup_vs_megatron'], '.2f')} "
             f"| {best['step_time_s'] / z['step_time_s']:.2f} "
             f"| {z['efficiency']:.3f} | {_fmt(te.get('efficiency'), '.3f')} "
             f"| {_fmt(mc.get('efficiency'), '.3f')} |"
@@ -288,7 +302,7 @@ def averages(records: list[dict]) -> dict[str, float]:
     """Arithmetic and geometric means of Zeppelin's speedups, and its mean efficiency."""
     out = {}
     ok = [r["rows"]["zeppelin"] for r in records if "error" not in r["rows"]["zeppelin"]]
-    for key in ("speedup_vs_te", "speedup_vs_megatron"):
+    for key in ("speedup_vs_te", "speedup_vs_te_rule", "speedup_vs_megatron"):
         values = [z[key] for z in ok if z.get(key)]
         if values:
             out[f"mean {key}"] = sum(values) / len(values)

@@ -84,14 +84,17 @@ def test_compare_runs_every_builder_on_the_same_batches(tmp_path, capsys) -> Non
     assert "cost figures:" in text and "attention=default" in text
     data = json.loads(out_json.read_text())
     rows = {r["builder"]: r for r in data["rows"]}
+    static = ("te-ring-cp", "llama3-allgather-cp", "hybrid-dp")
     assert set(rows) == {
         "zeppelin",
-        "te-ring-cp",
-        "llama3-allgather-cp",
-        "hybrid-dp",
+        *static,
+        *(f"{name} (rule)" for name in static),
         "megatron-dynamic-cp",
         "flexsp",
     }
+    for name in static:  # the best static size, priced beside every other that holds them
+        assert len(data["static_cp"][name]["cp_size_per_batch"]) == 2
+        assert rows[f"{name} (rule)"]["cp_size"] == "rule"
     assert rows["te-ring-cp"]["speedup_vs_te"] == pytest.approx(1.0)
     assert rows["megatron-dynamic-cp"]["speedup_vs_megatron"] == pytest.approx(1.0)
     for row in rows.values():
@@ -206,8 +209,13 @@ def test_compare_without_a_terminal_shows_a_line_per_builder(capsys) -> None:
     ]
     assert main(argv) == 0
     lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("batch ")]
-    assert len(lines) == 4
+    assert len(lines) >= 4 and len(lines) % 2 == 0
     assert lines[0].startswith("batch 1/2: zeppelin planned and simulated in ")
     assert "te-ring-cp" in lines[3] and "efficiency" in lines[3]
+    # Then TE ring CP at each other static CP size, batch by batch.
+    for first, second in zip(lines[4::2], lines[5::2]):
+        assert first.startswith("batch 1/2: te-ring-cp") and second.startswith(
+            "batch 2/2: te-ring-cp"
+        )
     assert main([*argv, "--quiet"]) == 0
     assert "batch 1/2" not in capsys.readouterr().err

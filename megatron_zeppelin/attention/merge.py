@@ -38,7 +38,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["add_sink_", "merge", "merge_rows", "merge_rows_", "sink_gradient"]
+__all__ = ["add_sink_", "as_dtype", "merge", "merge_rows", "merge_rows_", "sink_gradient"]
+
+
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``, without the call where ``x`` has it already: the engine casts every
+    kernel part and every received row, mostly to the dtype they have, and a call that does
+    nothing still costs the host more than the check."""
+    return x if x.dtype == dtype else x.to(dtype)
 
 
 def _share(lse_a: torch.Tensor, lse_b: torch.Tensor) -> torch.Tensor:
@@ -126,8 +133,8 @@ def merge_rows_(
             )
         # ``merge``'s arithmetic written into the running result: on a large buffer, fresh
         # full-size temporaries cost more than the maths.
-        share = _share(view_lse, part_lse).to(view_out.dtype).unsqueeze(-1)
-        view_out.lerp_(part_out.to(view_out.dtype), share)
+        share = as_dtype(_share(view_lse, part_lse), view_out.dtype).unsqueeze(-1)
+        view_out.lerp_(as_dtype(part_out, view_out.dtype), share)
         torch.logaddexp(view_lse, part_lse, out=view_lse)
         return
     if unique:
@@ -136,8 +143,8 @@ def merge_rows_(
         touched, inverse = groups if groups is not None else torch.unique(rows, return_inverse=True)
         new_out, new_lse = merge_rows(out[touched], lse[touched], inverse, part_out, part_lse)
         rows = touched
-    out.index_copy_(0, rows, new_out.to(out.dtype))
-    lse.index_copy_(0, rows, new_lse.to(lse.dtype))
+    out.index_copy_(0, rows, as_dtype(new_out, out.dtype))
+    lse.index_copy_(0, rows, as_dtype(new_lse, lse.dtype))
 
 
 def add_sink_(out: torch.Tensor, lse: torch.Tensor, sink_n: torch.Tensor) -> None:

@@ -61,7 +61,7 @@ import torch
 from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtype
 from megatron_zeppelin.attention.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep, Rows, TierLayout
-from megatron_zeppelin.attention.merge import add_sink_, merge_rows_, sink_gradient
+from megatron_zeppelin.attention.merge import add_sink_, as_dtype, merge_rows_, sink_gradient
 from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.comm.protocol import Exchanger, Pending
 from megatron_zeppelin.devices import to_device
@@ -117,7 +117,7 @@ class _RowSum:
         if self.value is None:
             if rows is None and tuple(part.shape) == self.shape:
                 # A view (one half of a received K/V gradient) is copied, not adopted.
-                self.value = part.to(self.dtype).contiguous()
+                self.value = as_dtype(part, self.dtype).contiguous()
                 return
             self.value = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         if rows is None:
@@ -263,7 +263,7 @@ class RingRuntime:
                 call.batch,
                 softmax_scale=scale,
             )
-            part, part_lse = part.to(dtype), part_lse.to(dtype)
+            part, part_lse = as_dtype(part, dtype), as_dtype(part_lse, dtype)
             if out is None and call.q_index is None:
                 out, lse = part, part_lse
                 continue
@@ -300,10 +300,10 @@ class RingRuntime:
                 call.batch,
                 softmax_scale=scale,
             )
-            dq.add(self.on(call.q_index, q.device), dq_p.to(dq.dtype))
+            dq.add(self.on(call.q_index, q.device), as_dtype(dq_p, dq.dtype))
             k_rows = self.on(call.k_index, q.device)
-            dk.add(k_rows, dk_p.to(dk.dtype))
-            dv.add(k_rows, dv_p.to(dv.dtype))
+            dk.add(k_rows, as_dtype(dk_p, dk.dtype))
+            dv.add(k_rows, as_dtype(dv_p, dv.dtype))
 
     # --- the two passes --------------------------------------------------------------------
     def forward(
@@ -345,8 +345,9 @@ class RingRuntime:
             held = self._received(step, pending, empty)
             if following is not None:
                 pending = self._start(tier, following, held, grad=False)
+            k_held, v_held = held.unbind(1)
             with self._compute(tier.tier.value):
-                self.forward_calls(step.calls, b.q, held[:, 0], held[:, 1], b.out, b.lse)
+                self.forward_calls(step.calls, b.q, k_held, v_held, b.out, b.lse)
             yield
 
     def backward(self, dout, q, k, v, out, lse, saved=(), sink_n=None):  # noqa: ANN001
@@ -404,7 +405,7 @@ class RingRuntime:
         block = (held.shape[0], *held.shape[2:])
         dk_held, dv_held = _RowSum(block, dtype, held.device), _RowSum(block, dtype, held.device)
         with self._compute(tier.tier.value):
-            self.backward_calls(step.calls, g.saved, held[:, 0], held[:, 1], g.dq, dk_held, dv_held)
+            self.backward_calls(step.calls, g.saved, *held.unbind(1), g.dq, dk_held, dv_held)
         return torch.stack((dk_held.result(), dv_held.result()), 1)
 
     def _add_grads(self, step: RingStep, pending: Pending, dkv, dk, dv) -> None:  # noqa: ANN001
@@ -418,7 +419,7 @@ class RingRuntime:
         dev = got.device
         if into_held is not None:
             assert dkv is not None, "gradient rows for a buffer that no longer exists"
-            rows = self._rows(got, into_held.src).to(dkv.dtype)
+            rows = as_dtype(self._rows(got, into_held.src), dkv.dtype)
             if into_held.dst is None:
                 dkv.add_(rows)
             elif isinstance(into_held.dst, slice):
@@ -426,10 +427,10 @@ class RingRuntime:
             else:
                 dkv.index_add_(0, self.on(into_held.dst, dev), rows)
         if into_own is not None:
-            rows = self._rows(got, into_own.src).to(dk.dtype)
+            dk_rows, dv_rows = as_dtype(self._rows(got, into_own.src), dk.dtype).unbind(1)
             dst = self.on(into_own.dst, dev)
-            dk.add(dst, rows[:, 0])
-            dv.add(dst, rows[:, 1])
+            dk.add(dst, dk_rows)
+            dv.add(dst, dv_rows)
 
 
 def _put(x: torch.Tensor, rows: Rows, part: torch.Tensor) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -70,7 +71,8 @@ def _take(x: torch.Tensor, rows: Rows) -> torch.Tensor:
 def _write(target: torch.Tensor, rows: Rows, part: torch.Tensor, *, add: bool) -> None:
     """``target[rows] = part`` (or ``+=``), in place; ``target`` may be a view; an index is
     already on the target's device."""
-    part = part.to(target.dtype)
+    if part.dtype != target.dtype:
+        part = part.to(target.dtype)
     if rows is None or isinstance(rows, slice):
         view = target if rows is None else target[rows]
         if add:
@@ -102,7 +104,7 @@ class HeadAllToAll:
         self.rank = rank
         self.group_of = group_of
         self._moved: dict[tuple[int, str], torch.Tensor] = {}
-        self._joined: dict[tuple, torch.Tensor] = {}
+        self._joined: dict[tuple, Any] = {}  # indices, and the plans of head writes
 
     def on(self, rows: Rows, device: torch.device) -> Rows:
         """``rows`` on ``device``, moved once (the exchanges, and so their rows, live as long as
@@ -161,11 +163,27 @@ class HeadAllToAll:
     def _take(self, x: torch.Tensor, rows: Rows) -> torch.Tensor:
         return _take(x, self.on(rows, x.device))
 
+    def _sends_by_kind(self, exchange: HeadExchange) -> tuple[list, list, bool]:
+        """The destinations of ``exchange`` whose rows are an index, ``(dst, rows)``; those whose
+        rows are a run or every row; and whether every destination takes the same rows (worked
+        out once per exchange)."""
+        key = (id(exchange), "kinds")
+        if key not in self._joined:
+            sends = exchange.sends
+            rows = next(iter(sends.values()), None)
+            same = all(r is rows or (not _is_index(r) and r == rows) for r in sends.values())
+            self._joined[key] = (
+                [(dst, r) for dst, r in sends.items() if _is_index(r)],
+                [(dst, r) for dst, r in sends.items() if not _is_index(r)],
+                same,
+            )
+        return self._joined[key]
+
     def _rows_of(self, x: torch.Tensor, exchange: HeadExchange) -> dict[int, torch.Tensor]:
         """Each destination's rows of ``x``: runs as views, the indexed ones in one gather for
         all of them, then cut apart (views of one new tensor)."""
-        picked = [(dst, rows) for dst, rows in exchange.sends.items() if _is_index(rows)]
-        parts = {dst: _take(x, rows) for dst, rows in exchange.sends.items() if not _is_index(rows)}
+        picked, runs, _ = self._sends_by_kind(exchange)
+        parts = {dst: _take(x, rows) for dst, rows in runs}
         if len(picked) < 2:
             parts.update({dst: self._take(x, rows) for dst, rows in picked})
             return parts
@@ -185,7 +203,7 @@ class HeadAllToAll:
         sends = exchange.sends
         rows = next(iter(sends.values()))
         widths = {sum(b - a for a, b in c) for c in cuts.values()}
-        same_rows = all(r is rows or (not _is_index(r) and r == rows) for r in sends.values())
+        same_rows = self._sends_by_kind(exchange)[2]
         if not (same_rows and len(widths) == 1 and len(sends) > 2):
             taken: dict[int, list[torch.Tensor]] = {}  # each source's rows, gathered once
             parts = {}
@@ -263,22 +281,34 @@ class HeadAllToAll:
     def _write_heads(self, rows: Rows, received, ranges, targets, *, add: bool) -> None:  # noqa: ANN001
         """Parts of the same ``rows`` into the heads ``ranges`` of each target, one write per
         target (``index_add_`` sums the parts of a replicated K/V head)."""
-        for i, target in enumerate(targets):
-            pieces, heads = [], []
-            for part, per_target in zip(received, ranges):
-                offset = sum(b - a for a, b in per_target[:i])
-                a, b = per_target[i]
-                pieces.append(part[:, offset : offset + b - a])
-                heads.extend(range(a, b))
-            key = (-1, str(tuple(heads)), str(target.device))
-            if key not in self._joined:
-                self._joined[key] = to_device(torch.tensor(heads), target.device)
-            block = torch.cat(pieces, dim=1).to(target.dtype)
+        device = targets[0].device
+        for target, (pieces, heads) in zip(targets, self._head_writes(ranges, device)):
+            block = torch.cat([received[p][:, a:b] for p, a, b in pieces], dim=1)
+            if block.dtype != target.dtype:
+                block = block.to(target.dtype)
             view = target if rows is None else target[rows]
             if add:
-                view.index_add_(1, self._joined[key], block)
+                view.index_add_(1, heads, block)
             else:
-                view.index_copy_(1, self._joined[key], block)
+                view.index_copy_(1, heads, block)
+
+    def _head_writes(self, ranges, device: torch.device) -> list:  # noqa: ANN001
+        """Per target of ``_write_heads``: which columns of which part it takes, ``(part,
+        start, end)``, and the heads they fill, on ``device``. The ranges follow the plan and
+        the head counts, so they are worked out once and every layer reuses them."""
+        key = ("writes", tuple(map(tuple, ranges)), str(device))
+        if key not in self._joined:
+            writes = []
+            for i in range(len(ranges[0])):
+                pieces, heads = [], []
+                for p, per_target in enumerate(ranges):
+                    offset = sum(b - a for a, b in per_target[:i])
+                    a, b = per_target[i]
+                    pieces.append((p, offset, offset + b - a))
+                    heads.extend(range(a, b))
+                writes.append((pieces, to_device(torch.tensor(heads), device)))
+            self._joined[key] = writes
+        return self._joined[key]
 
 
 def _cut(taken: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int]]) -> torch.Tensor:

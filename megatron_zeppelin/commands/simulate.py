@@ -13,8 +13,10 @@ system twice: with the same cost model for all ("same kernel": the method alone)
 deployed", each system with the attention curve of the kernel it runs
 (``planner/kernel_curves.py``: Zeppelin the fastest kernel the calibration measured, TE ring CP
 and Megatron's dynamic CP TransformerEngine's fused attention, or its stand-in). Without a
-calibration the two coincide. ``compare_batches`` and ``summarize`` are the library form, used
-by ``scripts/compare_sweep.py``.
+calibration the two coincide. TE ring CP, the all-gather CP and hybrid DP run, in each column,
+at the static CP size that is fastest on each batch (``compare_static.py``): "vs TE" is against
+the best static TE ring CP; the rows marked "(rule)" keep each at its default rule.
+``compare_batches`` and ``summarize`` are the library form, used by ``scripts/compare_sweep.py``.
 """
 
 from __future__ import annotations
@@ -28,6 +30,14 @@ from types import SimpleNamespace
 
 from tqdm import tqdm
 
+from megatron_zeppelin.commands.compare_static import (
+    RULE_SUFFIX,
+    StaticChoice,
+    best_static,
+    cp_label,
+    mean_step,
+    rule_name,
+)
 from megatron_zeppelin.commands.plan import (
     add_input_arguments,
     add_planner_arguments,
@@ -59,9 +69,17 @@ def builder_names() -> tuple[str, ...]:
 
 
 def build_plans(
-    name: str, lengths: list[int], *, topology, cost_model, capacity: int, options=None
+    name: str,
+    lengths: list[int],
+    *,
+    topology,
+    cost_model,
+    capacity: int,
+    options=None,
+    cp_size: int | None = None,
 ) -> list:
-    """The plans (one per round) of builder ``name`` for one batch."""
+    """The plans (one per round) of builder ``name`` for one batch; ``cp_size``: a static CP
+    baseline's size (default: its rule, ``baselines.rule_cp_size``)."""
     if name == ZEPPELIN:
         return [
             zeppelin_plan(
@@ -74,7 +92,7 @@ def build_plans(
         ]
 
     return build_baseline(
-        name, lengths, topology=topology, capacity=capacity, cost_model=cost_model
+        name, lengths, topology=topology, capacity=capacity, cost_model=cost_model, cp_size=cp_size
     )
 
 
@@ -89,11 +107,13 @@ def compare_batches(
     remap: bool = True,
     on_result: Callable[[int, str, float, object], None] | None = None,
     cost_models: dict | None = None,
+    cp_sizes: dict[str, int] | None = None,
 ) -> dict[str, list]:
     """Per builder, one ``SimResult`` per batch, or the ``ValueError`` text where it could not
     plan the batch (a baseline's capacity rule, say). ``on_result(batch, builder, seconds,
     outcome)`` is called after each builder has planned and simulated a batch. ``cost_models``
-    (builder -> cost model) prices a builder with its own model, else ``cost_model``."""
+    (builder -> cost model) prices a builder with its own model, else ``cost_model``;
+    ``cp_sizes`` (builder -> CP size) sets a static CP baseline's size, else its rule's."""
     builders = tuple(builders or builder_names())
     results: dict[str, list] = {name: [] for name in builders}
     for index, lengths in enumerate(batches):
@@ -109,6 +129,7 @@ def compare_batches(
                         cost_model=cost,
                         capacity=capacity,
                         options=options,
+                        cp_size=(cp_sizes or {}).get(name),
                     )
                     # Baselines have no remapping to switch off; Zeppelin's follows ``remap``.
                     results[name].append(simulate_rounds(plans, cost, remap=remap))
@@ -121,23 +142,22 @@ def compare_batches(
     return results
 
 
-def summarize(results: dict[str, list]) -> list[dict]:
-    """One row per builder: mean step time, speedups, efficiency, bytes, rounds."""
-
-    def mean_step(name: str) -> float | None:
-        runs = results.get(name, [])
-        if not runs or any(isinstance(r, str) for r in runs):
-            return None
-        return sum(r.step_time_s for r in runs) / len(runs)
-
-    te, megatron = mean_step(TE_RING_CP), mean_step(MEGATRON)
+def summarize(
+    results: dict[str, list], choices: dict[str, StaticChoice] | None = None
+) -> list[dict]:
+    """One row per builder: mean step time, speedups, efficiency, bytes, rounds; with
+    ``choices`` (of ``best_static``) the CP size of each static CP baseline ("rule" on the rows
+    of its default rule). "vs TE" is against ``results[TE_RING_CP]`` (its best static size
+    where ``best_static`` ran), "vs TE rule" against the rule's."""
+    te, megatron = mean_step(results.get(TE_RING_CP, [])), mean_step(results.get(MEGATRON, []))
+    te_rule = mean_step(results.get(rule_name(TE_RING_CP), []))
     rows = []
     for name, runs in results.items():
         errors = [r for r in runs if isinstance(r, str)]
         if errors:
             rows.append({"builder": name, "error": errors[0]})
             continue
-        step = mean_step(name)
+        step = mean_step(runs)
         bound = sum(r.lower_bound_s for r in runs) / len(runs)
         link: dict[str, float] = {}
         for r in runs:
@@ -151,6 +171,8 @@ def summarize(results: dict[str, list]) -> list[dict]:
                 "lower_bound_s": bound,
                 "efficiency": bound / step,
                 "speedup_vs_te": te / step if te else None,
+                "speedup_vs_te_rule": te_rule / step if te_rule else None,
+                "cp_size": _cp_label(name, choices or {}),
                 "speedup_vs_megatron": megatron / step if megatron else None,
                 "mfu": sum(r.mfu for r in runs) / len(runs),
                 "rounds": sum(r.num_rounds for r in runs) / len(runs),
@@ -161,36 +183,46 @@ def summarize(results: dict[str, list]) -> list[dict]:
     return rows
 
 
+def _cp_label(name: str, choices: dict[str, StaticChoice]) -> str | None:
+    """A static CP baseline's size: its best static one (per batch where they differ), "rule"
+    for its default rule's row."""
+    if name in choices:
+        return cp_label(choices[name])
+    return "rule" if name.endswith(RULE_SUFFIX) else None
+
+
 def format_table(rows: list[dict], deployed_rows: list[dict] | None = None) -> str:
     """The comparison as a plain-text table; with ``deployed_rows`` (the same builders priced
-    as deployed) their kernel, step time and speedups in columns of their own."""
+    as deployed) their kernel, CP size, step time and speedups in columns of their own. "CP" is
+    a static CP baseline's size ("rule": its default rule's, batch by batch)."""
 
     def ratio(x: float | None) -> str:
         return f"{x:.2f}x" if x is not None else "-"
 
     def times(row: dict) -> str:
-        step = row.get("step_time_s")
+        step, cp = row.get("step_time_s"), row.get("cp_size")
         return (
+            f"{cp if cp is not None else '':>8} "
             f"{step * 1e3 if step else float('nan'):9.1f} {ratio(row.get('speedup_vs_te')):>6} "
             f"{ratio(row.get('speedup_vs_megatron')):>8}"
         )
 
     two = deployed_rows is not None
     by_builder = {row["builder"]: row for row in deployed_rows or []}
-    columns = f"{'step ms':>9} {'vs TE':>6} {'vs Mcore':>8}"
-    header = f"{'builder':<21} {columns}"
+    columns = f"{'CP':>8} {'step ms':>9} {'vs TE':>6} {'vs Mcore':>8}"
+    header = f"{'builder':<26} {columns}"
     if two:
         header += f"  {'kernel':<11} {columns}"
     header += f" {'eff':>6} {'MFU':>6} {'rounds':>6}  {'NVLink/layer':>12} {'NIC/layer':>12}"
     lines = [header, "-" * len(header)]
     if two:
         width = len(columns)
-        lines.insert(0, f"{'':21} {'same kernel':^{width}}  {'as deployed':^{width + 12}}".rstrip())
+        lines.insert(0, f"{'':26} {'same kernel':^{width}}  {'as deployed':^{width + 12}}".rstrip())
     for row in rows:
         if "error" in row:
-            lines.append(f"{row['builder']:<21} cannot plan: {row['error']}")
+            lines.append(f"{row['builder']:<26} cannot plan: {row['error']}")
             continue
-        line = f"{row['builder']:<21} {times(row)}"
+        line = f"{row['builder']:<26} {times(row)}"
         if two:
             other = by_builder.get(row["builder"], {})
             line += f"  {other.get('kernel') or '-':<11} {times(other)}"
@@ -198,6 +230,12 @@ def format_table(rows: list[dict], deployed_rows: list[dict] | None = None) -> s
         lines.append(
             f"{line} {row['efficiency']:6.3f} {row['mfu']:6.3f} {row['rounds']:6.2f}  "
             f"{format_bytes(link.get('nvlink', 0)):>12} {format_bytes(link.get('nic', 0)):>12}"
+        )
+    if any(row.get("cp_size") == "rule" for row in rows):
+        lines.append(
+            "CP: the fastest static CP size for each batch (one size per batch where they "
+            'differ); "(rule)": the default rule, the smallest group holding the batch\'s longest '
+            "document; vs TE: against TE ring CP at its best static size"
         )
     return "\n".join(lines)
 
@@ -278,15 +316,25 @@ def _run_compare(args: argparse.Namespace) -> int:
         common = dict(
             topology=topology, capacity=capacity, options=options, remap=not args.no_remap
         )
-        results = compare_batches(
-            batches, cost_model=cost, builders=builders, on_result=report, **common
-        )
-        retimed = compare_batches(
-            batches, cost_model=cost, builders=again, on_result=report, cost_models=priced,
-            **common,
-        ) if again else {}  # fmt: skip
-    rows = summarize(results)
-    deployed_rows = _deployed_rows({**results, **retimed}, deployment)
+
+        def run(names: Sequence[str], models: dict | None, sizes: dict | None = None) -> dict:
+            return compare_batches(
+                batches, cost_model=cost, builders=names, on_result=report, cost_models=models,
+                cp_sizes=sizes, **common,
+            )  # fmt: skip
+
+        def best(found: dict, models: dict | None) -> tuple[dict, dict]:
+            def price(name: str, size: int) -> list:
+                return run((name,), models, {name: size})[name]
+
+            return best_static(batches, found, price, topology=topology, capacity=capacity)
+
+        results, choices = best(run(builders, None), None)
+        retimed, deployed_choices = best(run(again, priced), priced) if again else ({}, {})
+    rows = summarize(results, choices)
+    deployed_rows = _deployed_rows(
+        {**results, **retimed}, deployment, {**choices, **deployed_choices}
+    )
     tokens = sum(len(b) for b in batches) / len(batches)
     print(
         f"{args.steps} batches of {sum(batches[0])} tokens (~{tokens:.0f} documents), "
@@ -304,7 +352,9 @@ def _run_compare(args: argparse.Namespace) -> int:
                 "kernels": {b: deployment.kernel(b) for b in builders},
                 "notes": {b: p.note for b, p in deployment.builders.items()},
                 "unpriced": deployment.unpriced,
+                "static_cp": _static_json(deployed_choices or choices),
             },
+            "static_cp": _static_json(choices),
             "capacity": capacity,
             "topology": topology.to_dict(),
             "model": cost.model.name,
@@ -324,11 +374,26 @@ def _run_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _deployed_rows(results: dict[str, list], deployment: Deployment) -> list[dict]:
+def _static_json(choices: dict[str, StaticChoice]) -> dict:
+    """Per static CP baseline, the size kept and the step time of every size priced, per batch,
+    and the sizes not priced."""
+    return {
+        name: {
+            "cp_size_per_batch": list(c.sizes),
+            "step_time_s_by_cp_size": [{str(k): v for k, v in t.items()} for t in c.step_times],
+            "not_priced": list(c.skipped),
+        }
+        for name, c in choices.items()
+    }
+
+
+def _deployed_rows(
+    results: dict[str, list], deployment: Deployment, choices: dict[str, StaticChoice]
+) -> list[dict]:
     """``summarize`` of the builders priced as deployed, each with the kernel it runs."""
-    rows = summarize(results)
+    rows = summarize(results, choices)
     for row in rows:
-        row["kernel"] = deployment.kernel(row["builder"])
+        row["kernel"] = deployment.kernel(row["builder"].removesuffix(RULE_SUFFIX))
     return rows
 
 

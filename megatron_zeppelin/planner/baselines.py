@@ -39,6 +39,10 @@ Assumptions, one per baseline:
 
 Every baseline runs its linear modules where its attention tokens are (no remapping) and has no
 routes: cross-node traffic leaves through each sender's own NIC.
+
+The CP size of the first three is a static choice of the run. The default above is a rule of
+thumb; a user tunes it for their data, so comparisons price every size ``static_cp_sizes``
+allows and keep the fastest (``commands/compare_static.py``).
 """
 
 from __future__ import annotations
@@ -249,6 +253,12 @@ def llama3_allgather_cp(
 
 
 # --- hybrid DP ---------------------------------------------------------------------------------
+def _hybrid_cp_size(long_docs: list[int], capacity: int, world: int) -> int:
+    """Hybrid DP's default CP group: the smallest holding its longest long document, at least 2
+    (a group of one would be data parallel); 1 where there is no long document."""
+    return max(group_size_for(max(long_docs), capacity, world), 2) if long_docs else 1
+
+
 def hybrid_dp(
     lengths: Sequence[int],
     *,
@@ -264,10 +274,15 @@ def hybrid_dp(
     threshold = capacity if threshold is None else int(threshold)
     long_docs = [n for n in lengths if n > threshold]
     if cp_size is None:
-        cp_size = group_size_for(max(long_docs), capacity, world) if long_docs else 1
-        cp_size = max(cp_size, 2) if long_docs else 1
+        cp_size = _hybrid_cp_size(long_docs, capacity, world)
     if cp_size > world:
         raise ValueError(f"cp_size {cp_size} exceeds the {world} GPUs")
+    for n in long_docs:
+        if max(zigzag_loads(n, cp_size)) > capacity:
+            raise ValueError(
+                f"a document of {n} tokens does not fit a CP group of {cp_size} GPUs of "
+                f"{capacity} tokens: raise cp_size or capacity"
+            )
 
     def attn_cost(n: int) -> float:
         return cost_model.document_attention_time(n) if cost_model else float(n) * n
@@ -502,6 +517,46 @@ def megatron_dynamic_cp(
             plan_without_remap(seqs, topology, name="megatron-dynamic-cp", capacity=None, meta=meta)
         )
     return plans
+
+
+# --- the static CP sizes a user could choose ---------------------------------------------------
+STATIC_CP_BASELINES = ("te-ring-cp", "llama3-allgather-cp", "hybrid-dp")
+"""Baselines whose CP size is one static choice of the run (``cp_size`` of ``build_baseline``)."""
+
+
+def rule_cp_size(name: str, lengths: Sequence[int], topology: Topology, capacity: int) -> int:
+    """The CP size ``name`` takes without ``cp_size`` (module docstring): the smallest power of
+    two whose group holds the longest document (for ``hybrid-dp``, the longest above the
+    capacity, and at least 2; 1 where no document is above it)."""
+    world = topology.world_size
+    if name in ("te-ring-cp", "llama3-allgather-cp"):
+        return group_size_for(max(lengths), capacity, world)
+    if name == "hybrid-dp":
+        return _hybrid_cp_size([n for n in lengths if n > capacity], capacity, world)
+    raise ValueError(
+        f"{name!r} has no static CP size; choose one of {', '.join(STATIC_CP_BASELINES)}"
+    )
+
+
+def static_cp_sizes(
+    name: str, lengths: Sequence[int], topology: Topology, capacity: int
+) -> list[int]:
+    """The CP sizes a user could set for the batch ``lengths``: powers of two that divide the
+    GPUs and hold its longest document (``rule_cp_size``, which only grows with the documents,
+    so every larger size holds them too), and the rule's own size where it does not divide
+    them. ``hybrid-dp`` without a document above the capacity has no group to size: its one
+    choice is the rule's."""
+    world = topology.world_size
+    smallest = rule_cp_size(name, [int(n) for n in lengths], topology, capacity)
+    if name == "hybrid-dp" and smallest == 1:
+        return [1]
+    sizes = {smallest}
+    size = 1
+    while size <= world:
+        if size >= smallest and world % size == 0:
+            sizes.add(size)
+        size *= 2
+    return sorted(sizes)
 
 
 # --- registry ----------------------------------------------------------------------------------
