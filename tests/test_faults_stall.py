@@ -63,10 +63,13 @@ def _stall_worker(rank: int, world_size: int, seed: int) -> str:
     plan = three_rank_plan()
     rows = plan.num_linear_tokens(rank)
     param = torch.nn.Parameter(torch.zeros(256))
-    if rank == STALLED:
-        delay = random.Random(seed).uniform(0.05, 0.6)
-        threading.Timer(delay, _stop_outside_board_writes, (watch,)).start()
     for step in range(100_000):
+        if rank == STALLED and step == 1:
+            # Timed from the end of the first step, whose first calls (imports, allocations)
+            # can take longer than the delay on a loaded machine: a stop there would find the
+            # rank at its step but in no layer yet.
+            delay = random.Random(seed).uniform(0.05, 0.6)
+            threading.Timer(delay, _stop_outside_board_writes, (watch,)).start()
         watch.at(step=step)
         for layer in (1, 2):
             x = torch.randn(rows, 16, requires_grad=True)
