@@ -7,6 +7,8 @@ too), and the search keeps it only where the simulator times it faster.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -23,6 +25,7 @@ from megatron_zeppelin.planner.pool import (
     POOL_RETRIES,
     RING_ORDERS,
     RING_RETRIES,
+    early_count,
     place_pool,
     pool_batch,
     pool_orders,
@@ -203,3 +206,65 @@ def test_ring_members_keep_room_for_other_documents(first, scale: float, cross: 
     assert len(rings) == 5
     for length, placement in rings:
         assert max(zigzag_loads(length, len(placement.ring))) <= most
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed"),
+    [("mixture", 32, 0.95, 0), ("long-tail", 64, 0.5, 1), ("lognormal", 64, 0.95, 0)],
+)
+def test_orders_placing_as_many_documents_first_place_alike(
+    name: str, gpus: int, fill: float, seed: int
+) -> None:
+    """``pool.early_count``: orders that differ in ``first`` alone and place as many whole
+    documents before the rings place every document alike (the search places one of them);
+    orders that place different numbers first place differently."""
+    array, choice, loads, _ = _placed(name, gpus, fill, seed, None, 1.0)
+    fresh = Loads(loads.topology, CAPACITY, loads.cost_model, loads.num_links, two_d=True)
+    nic_chunk = chunk_thresholds(tier_thresholds(loads.cost_model), loads.topology, True)[1]
+    batch = pool_batch(array, choice, fresh, nic_chunk)
+    placed: dict[int, set] = {}
+    for first in (None, math.inf, 0.15, 0.05):
+        placements = _placed(name, gpus, fill, seed, first, 1.0)[3]
+        key = tuple((p.tier, p.ring) for p in placements)
+        placed.setdefault(early_count(batch, first), set()).add(key)
+    assert all(len(keys) == 1 for keys in placed.values())
+    assert len({next(iter(keys)) for keys in placed.values()}) == len(placed)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_soonest_ring_is_the_one_a_look_at_every_try_finds(seed: int) -> None:
+    """``pool_rings._soonest`` (tries off a heap by bounds on their end) against a look at
+    every try: the ring whose busiest member ends soonest, ties to the first try; equal loads,
+    loads a rounding step apart, GPUs without room, tries no GPUs can take."""
+    from megatron_zeppelin.planner.placement import CapacityError
+    from megatron_zeppelin.planner.pool_rings import Arrays, _Ends, _members, _soonest
+
+    rng = np.random.default_rng(seed)
+    k, nodes = 8, int(rng.integers(2, 7))
+    world = k * nodes
+    cost = rng.choice([0.0, 1.0, 1.0 + 2**-52, 2.0, 3.0], size=world)
+    cost = cost * rng.choice([1.0, 1.0, 1.1], size=world)
+    tokens = rng.integers(0, 100, size=world)
+    arrays, room = Arrays(cost, tokens), 100 - tokens
+    tries = []
+    for _ in range(int(rng.integers(1, 14))):
+        size = int(rng.integers(2, min(3 * k, world) + 1))  # ring_sizes stop at the world
+        where = "node" if size <= k and rng.random() < 0.6 else "any"
+        if size % k == 0 and rng.random() < 0.5:
+            where = "whole" if size > k else "node"
+        per_rank = int(rng.integers(0, 90))
+        weight, floor = float(rng.choice([0.0, 0.01])), int(rng.choice([0, 80]))
+        key = float(rng.choice([0.0, 0.5, 1.0, 1.0 + 2**-52]))
+        tries.append((size, per_rank, _Ends(arrays, weight, floor, per_rank), key, where))
+    best = None
+    for index, (size, per_rank, ends, key, where) in enumerate(tries):
+        ring = _members(ends.get(), room, size, key, per_rank, math.inf, k, where)
+        if ring is not None:
+            end = float(ends.get()[list(ring)].max()) + key
+            if best is None or (end, index) < best[:2]:
+                best = (end, index, ring, where == "whole")
+    if best is None:
+        with pytest.raises(CapacityError):
+            _soonest(tries, room, np.sort(cost), k, 0, 100)
+    else:
+        assert _soonest(tries, room, np.sort(cost), k, 0, 100) == (best[2], best[3])

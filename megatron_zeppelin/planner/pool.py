@@ -61,6 +61,7 @@ __all__ = [
     "PoolBatch",
     "PoolGoal",
     "PoolOrder",
+    "early_count",
     "pool_orders",
     "place_pool",
     "pool_batch",
@@ -185,17 +186,14 @@ def place_pool(
     batch, when known.
     Raises ``CapacityError`` where a document finds no room."""
     batch = batch or pool_batch(array, choice, loads, nic_chunk)
-    balanced, share, rings = batch.balanced, batch.share, batch.rings
+    rings = batch.rings
     floor = _floor_tokens(array, loads)
     aim = scale * (batch.least_load if least else batch.target)
     goal = PoolGoal(aim, floor, math.ceil(cross * nic_chunk), batch.member_tokens)
     placements: list[Placement | None] = [None] * len(array)
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
-    count = 0
-    if first is not None:
-        big = (array[whole] > loads.capacity // 2) | (balanced[whole] > first * share)
-        count = int(np.count_nonzero(big))
+    count = early_count(batch, first)
     _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
     arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
     for doc in batch.ring_docs:
@@ -205,6 +203,18 @@ def place_pool(
     _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
     return placements, promotions  # type: ignore[return-value]
+
+
+def early_count(batch: PoolBatch, first: float | None) -> int:
+    """How many whole documents ``place_pool`` places before the rings with ``first``: those of
+    more than half a GPU's room or worth more than ``first`` of a GPU's share (two orders that
+    differ in ``first`` alone and place as many before the rings place alike)."""
+    if first is None:
+        return 0
+    whole = ~batch.rings
+    capacity = batch.pricing.capacity
+    big = (batch.array[whole] > capacity // 2) | (batch.balanced[whole] > first * batch.share)
+    return int(np.count_nonzero(big))
 
 
 def _split(

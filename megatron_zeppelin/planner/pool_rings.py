@@ -9,6 +9,7 @@ busiest member ends soonest (``_soonest``).
 
 from __future__ import annotations
 
+import heapq
 import math
 from dataclasses import dataclass
 
@@ -62,49 +63,96 @@ def place_ring(
     if barred is not None:
         room = np.where(barred, -1, room)
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+    limit = goal.target * TOLERANCE
+    # A member ends no lower than its GPU's cost: where the ``size``-th least cost plus the
+    # ring's key is over the limit, no ``size`` GPUs qualify (``_members``' answer, for less).
+    least = np.sort(cost)
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in ring_sizes(length, work, goal.target, loads, goal.member_tokens):
         per_rank = most_tokens(length, size)
-        if goal.floor:
-            ends = cost + loads.linear_weight * np.maximum(0, goal.floor - tokens - per_rank)
-        else:
-            ends = cost  # no GPU needs tokens besides what it is given
+        ends = _Ends(arrays, loads.linear_weight, goal.floor, per_rank)
         for key, where in options(length, size, loads, goal):
             tries.append((size, per_rank, ends, key, where))
-            ring = _members(ends, room, size, key, per_rank, goal.target * TOLERANCE, k, where)
+            if float(least[size - 1]) + key > limit:
+                continue
+            ring = _members(ends.get(), room, size, key, per_rank, limit, k, where)
             if ring is not None:
                 return place_on(ring, length, loads, where == "whole")
     if not fallback:
         return None
-    ring, two_d = _soonest(tries, room, k, doc, length)
+    ring, two_d = _soonest(tries, room, least, k, doc, length)
     return place_on(ring, length, loads, two_d)
 
 
 def _soonest(
-    tries: list, room: np.ndarray, k: int, doc: int, length: int
+    tries: list, room: np.ndarray, least: np.ndarray, k: int, doc: int, length: int
 ) -> tuple[tuple[int, ...], bool]:
     """Of ``tries``, the first ring (in their order) whose busiest member ends soonest, and
-    whether it is over whole nodes. Tries are looked at by the least end any ring of theirs can
-    have (their ``size``-th least loaded GPU with room), and no further once that is later
-    than the soonest end found: the same answer as looking at every one, for less."""
-    bounds = []
-    for index, (size, per_rank, ends, key, _) in enumerate(tries):
-        fits = ends[room >= per_rank]
-        if len(fits) >= size:
-            bounds.append((float(np.partition(fits, size - 1)[size - 1]) + key, index))
-    best: tuple[float, int, tuple[int, ...], bool] | None = None
-    for bound, index in sorted(bounds):
-        if best is not None and bound > best[0]:
-            break
-        size, per_rank, ends, key, where = tries[index]
+    whether it is over whole nodes. Tries come off a heap by what is known of their end, each
+    bound raised as it comes up until the end is known: first the ``size``-th least cost of any
+    GPU (``least``, sorted: a member ends no lower than its cost), then the ``size``-th least
+    end of the GPUs with room (a partition; for a ring inside one node its end itself,
+    ``_node_end``), then the end of the ring ``_members`` finds. The first try to come off with
+    its end known is the soonest (ties: the first), as a look at every one would find."""
+    heap = [
+        (float(least[size - 1]) + key, index, 0) for index, (size, *_, key, _) in enumerate(tries)
+    ]
+    heapq.heapify(heap)
+    found: dict[int, tuple[int, ...]] = {}
+    while heap:
+        _, index, stage = heapq.heappop(heap)
+        size, per_rank, lazy, key, where = tries[index]
+        if stage == 2:
+            return found[index], where == "whole"
+        ends = lazy.get()
+        if stage == 0:
+            if where == "node":
+                end = _node_end(ends, room, size, per_rank, k)
+                if end is not None:
+                    heapq.heappush(heap, (end + key, index, 1))
+                continue
+            fits = ends[room >= per_rank]
+            if len(fits) >= size:
+                tight = float(np.partition(fits, size - 1)[size - 1]) + key
+                heapq.heappush(heap, (tight, index, 1))
+            continue
         ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
-        if ring is not None:
-            end = float(ends[list(ring)].max()) + key
-            if best is None or (end, index) < best[:2]:
-                best = (end, index, ring, where == "whole")
-    if best is None:
-        raise capacity_error(doc, length, "on any GPUs of the pool")
-    return best[2], best[3]
+        if ring is None:
+            continue
+        if where == "node":
+            return ring, False  # its end was known: the least of every bound left
+        found[index] = ring
+        heapq.heappush(heap, (float(ends[list(ring)].max()) + key, index, 2))
+    raise capacity_error(doc, length, "on any GPUs of the pool")
+
+
+def _node_end(ends: np.ndarray, room: np.ndarray, size: int, per_rank: int, k: int) -> float | None:
+    """Where the busiest member of the ring ``_in_node`` finds without a limit ends: the least,
+    over the nodes, ``size``-th least end of their GPUs with ``per_rank`` tokens of room
+    (``None`` where no node has ``size`` of them)."""
+    by_node = np.where(room >= per_rank, ends, np.inf).reshape(-1, k)
+    end = float(np.partition(by_node, size - 1, axis=1)[:, size - 1].min())
+    return end if math.isfinite(end) else None
+
+
+class _Ends:
+    """Each GPU's load as a ring member of ``per_rank`` tokens would end it (with the linear
+    seconds of the tokens it must hold besides, ``PoolGoal.floor``), worked out once, where
+    asked."""
+
+    def __init__(self, arrays: Arrays, weight: float, floor: int, per_rank: int) -> None:
+        self.arrays, self.weight, self.floor, self.per_rank = arrays, weight, floor, per_rank
+        self.ends: np.ndarray | None = None
+
+    def get(self) -> np.ndarray:
+        if self.ends is None:
+            cost, tokens = self.arrays.cost, self.arrays.tokens
+            if self.floor:
+                extra = np.maximum(0, self.floor - tokens - self.per_rank)
+                self.ends = cost + self.weight * extra
+            else:
+                self.ends = cost  # no GPU needs tokens besides what it is given
+        return self.ends
 
 
 @dataclass

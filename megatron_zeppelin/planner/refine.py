@@ -24,7 +24,7 @@ after ``rounds`` changes.
 
 from __future__ import annotations
 
-from itertools import chain
+from typing import NamedTuple
 
 import numpy as np
 
@@ -75,20 +75,23 @@ def refine(
             (on_rank if placement.tier == Tier.LOCAL else rings_on)[rank].append(doc)
     cost = np.asarray(loads.cost, dtype=np.float64)
     tokens = np.asarray(loads.tokens, dtype=np.int64)
-    has_local = np.fromiter(map(bool, on_rank), bool, world)
+    # Each GPU's local documents as an array and how many, kept in step with ``on_rank``: a
+    # swap weighs the documents of many GPUs at once, joined from these.
+    held = _Held(
+        [np.asarray(d, dtype=np.int64) for d in on_rank], np.array(list(map(len, on_rank)))
+    )
     changes = 0
     for _ in range(rounds):
         busiest = int(np.argmax(cost))
         change = None
         if on_rank[busiest]:
-            change = _best_change(
-                busiest, on_rank, array, work, cost, tokens, loads.capacity, has_local, light
-            )
+            change = _best_change(busiest, held, array, work, cost, tokens, loads.capacity, light)
         if change is not None:
             _apply(change, busiest, array, attention, placements, loads, on_rank)
             for rank in (busiest, change[0]):
                 cost[rank], tokens[rank] = loads.cost[rank], loads.tokens[rank]
-                has_local[rank] = bool(on_rank[rank])
+                held.docs[rank] = np.asarray(on_rank[rank], dtype=np.int64)
+                held.count[rank] = len(on_rank[rank])
         elif goal is None or not (
             _resize(busiest, array, placements, loads, goal, rings_on)
             or _move_member(busiest, array, placements, loads, rings_on)
@@ -216,21 +219,27 @@ def _moves(
     return dest, ends
 
 
+class _Held(NamedTuple):
+    """Each GPU's local documents (in ``refine``'s order of them) and how many."""
+
+    docs: list[np.ndarray]
+    count: np.ndarray
+
+
 def _best_change(
     busiest: int,
-    on_rank: list[list[int]],
+    held: _Held,
     array: np.ndarray,
     work: np.ndarray,
     cost: np.ndarray,
     tokens: np.ndarray,
     capacity: int,
-    has_local: np.ndarray,
     light_count: int = _LIGHT,
 ) -> tuple[int, int, int | None] | None:
     """``(destination, document given, document taken back or None)`` of the move or swap
     that lowers the higher of the two GPUs' loads the most, if any lowers it."""
     top = float(cost[busiest])
-    docs = np.asarray(on_rank[busiest], dtype=np.int64)
+    docs = held.docs[busiest]
     lengths, given = array[docs], work[docs]
     room = capacity - tokens
     moves = _moves if len(docs) >= _SORTED_MOVES else _scanned_moves
@@ -241,17 +250,14 @@ def _best_change(
         i = int(np.argmin(peaks))
         best = (int(dest[i]), int(docs[i]), None)
     # Swaps: for a shorter document of one of the least loaded GPUs holding any, all at once.
-    holders = np.where(has_local, cost, np.inf)
-    light = np.argpartition(holders, min(light_count, len(cost) - 1))[: light_count + 1].tolist()
-    light = [rank for rank in light if rank != busiest and on_rank[rank]]
-    if not light:
+    holders = np.where(held.count > 0, cost, np.inf)
+    light = np.argpartition(holders, min(light_count, len(cost) - 1))[: light_count + 1]
+    light = light[(light != busiest) & (held.count[light] > 0)]
+    if not len(light):
         return best
-    counts = [len(on_rank[rank]) for rank in light]
-    theirs = np.fromiter(
-        chain.from_iterable(map(on_rank.__getitem__, light)), np.int64, sum(counts)
-    )
-    position = np.repeat(np.arange(len(light)), counts)  # each column's GPU, as listed
-    owner = np.asarray(light, dtype=np.int64)[position]
+    theirs = np.concatenate([held.docs[rank] for rank in light.tolist()])
+    position = np.repeat(np.arange(len(light)), held.count[light])  # each column's GPU, as listed
+    owner = light[position]
     their_work, their_length = work[theirs], array[theirs]
     cols = np.arange(len(theirs))
     if len(docs) * len(theirs) > _FILTERED_SWAPS:

@@ -127,7 +127,9 @@ def options(
     return out
 
 
-@functools.lru_cache(maxsize=4096)
+# Room for a batch's long documents times the ring sizes priced for each: every order of the
+# pool prices them again (a smaller cache lets them push each other out).
+@functools.lru_cache(maxsize=1 << 16)
 def most_tokens(length: int, size: int) -> int:
     """``max(zigzag_loads(length, size))``, for large rings in array arithmetic (the same cuts:
     ``round`` and ``np.rint`` both round halves to even, and both divide exactly)."""

@@ -45,6 +45,7 @@ from megatron_zeppelin.planner.pool import (
     PoolBatch,
     PoolGoal,
     PoolOrder,
+    early_count,
     place_pool,
     pool_batch,
     pool_goal,
@@ -276,7 +277,14 @@ def _pool_candidates(
         return first  # no placement ends far enough below the staged ones (``least_load.py``)
     orders, retries = pool_orders(batch.array, batch.new_loads(True, True), batch.pool)
     out: list[Candidate] = list(first)
+    placed = set()
     for order in _pool_orders(out, orders, retries):
+        # Orders that differ in ``first`` alone but place as many documents before the rings
+        # place alike: the repeat is not placed again (``distinct`` would drop it).
+        alike = (early_count(batch.pool, order.first), order.scale, order.cross)
+        if alike in placed:
+            continue
+        placed.add(alike)
         candidate = _pool_candidate(batch, order)
         if candidate is None:
             continue  # the order runs out of room
