@@ -19,7 +19,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any
 
-from megatron_zeppelin.planner.partition import PlannerOptions, tier_thresholds
+from megatron_zeppelin.planner.search.partition import PlannerOptions, tier_thresholds
 
 THRESHOLD_WORDS = ("auto", "off")
 NEVER_SPLIT = 1 << 40
@@ -28,7 +28,7 @@ capacity forces."""
 KERNELS = (
     "auto", "cudnn", "flash", "flash3", "te", "torch", "torch-fa3", "torch-fa4", "torch-flash",
 )  # fmt: skip
-"""The attention kernels of ``attention.kernels`` (a test keeps the two lists equal)."""
+"""The attention kernels of ``attention.kernels.kernels`` (a test keeps the two lists equal)."""
 LONG_DOCUMENTS = ("split", "truncate")
 
 
@@ -215,7 +215,7 @@ class ZeppelinConfig:
         two_d: bool | None = None,
         pool: bool | None = None,
     ) -> Any:
-        """``planner.partition.PlannerOptions`` of these settings: the one path from flags to
+        """``planner.search.partition.PlannerOptions`` of these settings: the one path from flags to
         the planner (the Megatron hooks, the CPU job, the check and ``zeppelin plan`` use it).
 
         Thresholds: both ``auto`` leave them to the planner; both ``off`` turn balance

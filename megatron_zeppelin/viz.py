@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from megatron_zeppelin.planner.schedule import ring_schedule
-from megatron_zeppelin.planner.simulator import remap_matrix, two_d_forward_messages
+from megatron_zeppelin.planner.plan.schedule import ring_schedule
+from megatron_zeppelin.planner.simulate.simulator import remap_matrix, two_d_forward_messages
 
 
 def _pyplot():

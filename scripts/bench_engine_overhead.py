@@ -32,13 +32,13 @@ import time
 import torch
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernel_api import VarlenBatch, compute_dtype
-from megatron_zeppelin.attention.kernels import register_kernel
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import distribution_mean, sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.schemes import every_two_d
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch, compute_dtype
+from megatron_zeppelin.attention.kernels.kernels import register_kernel
+from megatron_zeppelin.planner.baselines.distributions import distribution_mean, sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.schemes import every_two_d
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.model import Topology
 
 

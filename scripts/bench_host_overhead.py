@@ -41,14 +41,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernels import register_kernel
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.schemes import every_two_d
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.attention.kernels.kernels import register_kernel
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.schemes import every_two_d
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 # The stubs of the engine-overhead benchmark, beside this script (found however it is run).

@@ -2,8 +2,8 @@
 
     python scripts/bench_kernels.py [--json FILE] [--tokens 131072] [--kernels te,cudnn,torch]
 
-1. Accuracy: every kernel that runs here (``attention/kernels.py``), in bfloat16, on the block
-   shapes a ring produces (diagonal, suffix, off-diagonal; ``testing/kernel_check.py``), head
+1. Accuracy: every kernel that runs here (``attention/kernels/kernels.py``), in bfloat16, on the
+   block shapes a ring produces (diagonal, suffix, off-diagonal; ``testing/kernel_check.py``), head
    dims 64 and 128, grouped-query K/V: the relative error of output, log-sum-exp and gradients
    against dense float64 attention on the same rounded inputs.
 2. Throughput: ``--tokens`` tokens cut into documents of one length (1K to 128K), causal,
@@ -32,9 +32,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernels import CUDA_KERNELS, choose_kernel, get_kernel
-from megatron_zeppelin.planner.costmodel import causal_pairs
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernels import CUDA_KERNELS, choose_kernel, get_kernel
+from megatron_zeppelin.planner.cost.costmodel import causal_pairs
 from megatron_zeppelin.testing.kernel_check import BLOCKS, kernel_errors
 
 KERNELS = (*CUDA_KERNELS, "torch")

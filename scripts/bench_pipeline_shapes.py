@@ -34,11 +34,11 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
-from megatron_zeppelin.planner.models import ModelSpec, get_model
-from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.megatron.documents.sampler import DocumentCost, DocumentSampler
+from megatron_zeppelin.planner.baselines.distributions import DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import ModelSpec, get_model
+from megatron_zeppelin.planner.search.partition import plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 SHAPE_BYTES = 3 * 8  # the shape message: 3 int64

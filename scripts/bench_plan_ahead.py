@@ -40,11 +40,11 @@ import time
 import torch
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.feed import PlanningStats, _CollectorWatch, _PlannerThread
-from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, sample_lengths
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.megatron.plans.feed import PlanningStats, _CollectorWatch, _PlannerThread
+from megatron_zeppelin.megatron.plans.plan_workers import PlannerProcesses, PlanRecipe
+from megatron_zeppelin.planner.baselines.distributions import DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
 

@@ -3,7 +3,7 @@ step it plans.
 
 A planner that plans every micro-batch ahead of training keeps up only where a plan takes less
 than the step it plans (a planner process per node and micro-batches shared out among them,
-``megatron/shared_plans.py``, has ``nodes`` times that). Per batch: the CPU seconds of
+``megatron/plans/shared_plans.py``, has ``nodes`` times that). Per batch: the CPU seconds of
 ``plan_batch`` (``time.process_time``, one process; the plan's own validation included), the
 step the simulator predicts for the plan (``simulate``), their ratio, and the plan's efficiency
 (lower bound over the simulated step), with the default options and with ``--no-pool``
@@ -35,15 +35,15 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import (
+from megatron_zeppelin.planner.baselines.distributions import (
     DISTRIBUTIONS,
     STRESS_DISTRIBUTIONS,
     sample_lengths,
 )
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 

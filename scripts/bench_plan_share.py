@@ -2,8 +2,8 @@
 takes, with plans shared from one rank per node or planned on every rank.
 
 ``--ranks`` gloo processes on this machine stand in for as many nodes, one rank each, so every
-one of them plans, as the first rank of every node does (``megatron/shared_plans.py``). Each runs
-the real feed (``feed.MicroBatchFeed`` over a ``DocumentSampler``, ``--ahead`` micro-batches
+one of them plans, as the first rank of every node does (``megatron/plans/shared_plans.py``). Each
+runs the real feed (``feed.MicroBatchFeed`` over a ``DocumentSampler``, ``--ahead`` micro-batches
 planned ahead in one planner process) on the first shape of ``bench_plan_scale.py`` (power-law
 lengths, 1024 GPUs at 75% of 16384 tokens each, zeppelin-B, LLaMA-3B), and trains each
 micro-batch for the step the simulator predicts for its plan (``meta["predicted_step_s"]``, a
@@ -42,12 +42,12 @@ from bench_plan_scale import SHAPES  # noqa: E402
 
 from megatron_zeppelin.comm.plan_share import PlanShare  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
-from megatron_zeppelin.megatron.feed import MicroBatchFeed  # noqa: E402
-from megatron_zeppelin.megatron.plan_workers import PlanRecipe  # noqa: E402
-from megatron_zeppelin.megatron.sampler import DocumentSampler  # noqa: E402
-from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
-from megatron_zeppelin.planner.distributions import sample_lengths  # noqa: E402
-from megatron_zeppelin.planner.models import get_model  # noqa: E402
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler  # noqa: E402
+from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed  # noqa: E402
+from megatron_zeppelin.megatron.plans.plan_workers import PlanRecipe  # noqa: E402
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths  # noqa: E402
+from megatron_zeppelin.planner.cost.costmodel import CostModel  # noqa: E402
+from megatron_zeppelin.planner.cost.models import get_model  # noqa: E402
 from megatron_zeppelin.topology.model import Topology  # noqa: E402
 from megatron_zeppelin.topology.presets import get_topology  # noqa: E402
 

@@ -18,7 +18,7 @@ once, not every step.
 
 The grid's rows also give each plan's efficiency (lower bound over the simulated step, median
 over the seeds; simulated outside the timed call) and how many of the seeds' searches ended at
-a placement within reach of the batch's least load (``planner/least_load.py``).
+a placement within reach of the batch's least load (``planner/place/least_load.py``).
 
 ``--docs`` sizes each batch by its number of documents instead (``N`` times the distribution's
 mean length in tokens) on 1024 GPUs, to show how planning grows with the documents; the peak
@@ -35,16 +35,16 @@ import resource
 import statistics
 import time
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import (
+from megatron_zeppelin.planner.baselines.distributions import (
     DISTRIBUTIONS,
     MAX_BATCH_TOKENS,
     distribution_mean,
     sample_lengths,
 )
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 GPUS = (16, 64, 256, 1024)

@@ -2,8 +2,8 @@
 
     python scripts/bench_resume.py [--tokens 50000000] [--tokens-per-step 4194304] [--steps 200]
 
-A Megatron run saves the sampler's state next to its checkpoint (``megatron/resume.py``); a
-resume without it replays every step since the start. Prints the replay time per step (the
+A Megatron run saves the sampler's state next to its checkpoint (``megatron/documents/resume.py``);
+a resume without it replays every step since the start. Prints the replay time per step (the
 sampler's own work, no training) and the time to restore the state, after checking that both
 give the same next batch.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import time
 
-from megatron_zeppelin.megatron.sampler import DocumentSampler
-from megatron_zeppelin.planner.distributions import sample_lengths
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -50,17 +50,17 @@ import time
 
 from megatron_zeppelin.commands.compare_static import best_static
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.baselines.distributions import STRESS_DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.cost.calibration import (
     Calibration,
     apply_calibration,
     load_calibration,
     model_differences,
 )
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 

@@ -46,7 +46,7 @@ run_step() {
                 --model "$model" --dtype bf16 --device cuda --tokens 65536 --batches 6 \
                 --json "$out/validate.json" ;;
     train) "$python" -m torch.distributed.run --nproc-per-node 1 \
-             -m megatron_zeppelin.megatron.train_cpu --device cuda --dtype bf16 \
+             -m megatron_zeppelin.job.train_cpu --device cuda --dtype bf16 \
              --zeppelin-kernel "$(fastest_kernel)" \
              --zeppelin-nodes 1 --zeppelin-capacity 16384 --tokens-per-step 16384 \
              --zeppelin-max-document-length 8192 --num-layers 4 --hidden-size 1024 --num-heads 16 \

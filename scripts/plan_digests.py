@@ -39,15 +39,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_plan_scale import EMBEDDED, SHAPES  # noqa: E402
 from compare_sweep import STRESS_CAPACITY, STRESS_MAX_LENGTH, configurations  # noqa: E402
 
-from megatron_zeppelin.planner.costmodel import CostModel  # noqa: E402
-from megatron_zeppelin.planner.distributions import (  # noqa: E402
+from megatron_zeppelin.planner.baselines.distributions import (  # noqa: E402
     DISTRIBUTIONS,
     STRESS_DISTRIBUTIONS,
     sample_lengths,
 )
-from megatron_zeppelin.planner.models import get_model  # noqa: E402
-from megatron_zeppelin.planner.partition import plan_batch  # noqa: E402
-from megatron_zeppelin.planner.simulator import simulate  # noqa: E402
+from megatron_zeppelin.planner.cost.costmodel import CostModel  # noqa: E402
+from megatron_zeppelin.planner.cost.models import get_model  # noqa: E402
+from megatron_zeppelin.planner.search.partition import plan_batch  # noqa: E402
+from megatron_zeppelin.planner.simulate.simulator import simulate  # noqa: E402
 from megatron_zeppelin.topology.presets import get_topology  # noqa: E402
 
 SETS = ("sweep", "stress", "latency", "scale")

@@ -31,8 +31,8 @@ import flash_standins
 import numpy as np
 import torch
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernel_torch import TorchKernel
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel
 
 MASKS = ("none", "bottom_right", "top_left")
 

@@ -27,7 +27,7 @@ import types
 import torch
 from cudnn_standins import lengths_of, masked_attention, masked_attention_backward
 
-from megatron_zeppelin.attention.kernel_te import TEModules
+from megatron_zeppelin.attention.kernels.kernel_te import TEModules
 
 REQUIRED = inspect.Parameter.empty
 _FWD_HEAD = (

@@ -12,14 +12,14 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.baselines import (
+from megatron_zeppelin.planner.baselines.baselines import (
     BASELINES,
     build_baseline,
     megatron_dynamic_cp,
 )
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import AttentionComm, Tier, zigzag_loads
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import AttentionComm, Tier, zigzag_loads
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -142,8 +142,12 @@ def test_flexsp_and_megatron_agree_exactly_when_one_document_sets_the_step() -> 
     when that group's time for the longest document exceeds every other rank's work, both step
     times are that document's time on its group, whatever the rest of the batch. Where no
     document dominates, their schedules (and step times) differ."""
-    from megatron_zeppelin.planner.baselines import group_size_for, plan_without_remap, sequence_on
-    from megatron_zeppelin.planner.simulator import simulate, simulate_rounds
+    from megatron_zeppelin.planner.baselines.baselines import (
+        group_size_for,
+        plan_without_remap,
+        sequence_on,
+    )
+    from megatron_zeppelin.planner.simulate.simulator import simulate, simulate_rounds
 
     capacity = 8192
     dominated = [30_000] + [1500, 900, 2000, 700, 1200, 3000, 2500, 800] * 2

@@ -15,10 +15,10 @@ import random
 
 import pytest
 
-from megatron_zeppelin.planner.baselines import build_baseline, group_size_for
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.baselines.baselines import build_baseline, group_size_for
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import zigzag_loads
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

@@ -12,13 +12,13 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.batch import (
+from megatron_zeppelin.megatron.documents.batch import (
     build_linear_batch,
     build_reference_batch,
     pad_linear_batch,
 )
-from megatron_zeppelin.megatron.sampler import DocumentSlice
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange
+from megatron_zeppelin.megatron.documents.sampler import DocumentSlice
+from megatron_zeppelin.planner.plan.plan import Plan, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -140,8 +140,8 @@ def test_a_rank_reads_only_its_ranges_and_one_label_token(case, seed):
 
 
 def test_reads_from_a_real_dataset_count_only_own_tokens(tmp_path):
-    from megatron_zeppelin.megatron.data import DocumentDataset
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.megatron.documents.data import DocumentDataset
 
     lengths = [40, 25, 70]
     prefix = write_synthetic_dataset(str(tmp_path / "d"), lengths=lengths, seed=2).path_prefix

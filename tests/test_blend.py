@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.blend import (
+from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+from megatron_zeppelin.megatron.documents.blend import (
     DEFAULT_SPLIT,
     check_data_flags,
     data_blends,
@@ -29,7 +30,6 @@ from megatron_zeppelin.megatron.blend import (
     split_bounds,
     split_documents,
 )
-from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
 pytestmark = pytest.mark.pure
 

@@ -14,7 +14,7 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.cost.calibration import (
     CALIBRATION_FORMAT,
     Calibration,
     ComputeFigure,
@@ -25,8 +25,8 @@ from megatron_zeppelin.planner.calibration import (
     load_calibration,
     save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.costmodel import CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

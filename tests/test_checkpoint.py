@@ -133,7 +133,8 @@ def test_one_state_file_follows_the_same_rule(tmp_path):
     os.remove(path + ".manifest.json")
     with pytest.raises(ValueError, match="has no manifest"):
         checkpoint.read_state_file(path)
-    # The sampler state of Megatron runs is JSON (``megatron.resume``): same rule, same check.
+    # The sampler state of Megatron runs is JSON (``megatron.documents.resume``): same rule, same
+    # check.
     sampler = str(tmp_path / "zeppelin_sampler" / "iter_0000010.json")
     checkpoint.write_state_file(sampler, {"step": 10, "cursor": [3, 1]}, step=10)
     assert checkpoint.read_state_file(sampler, step=10) == {"step": 10, "cursor": [3, 1]}

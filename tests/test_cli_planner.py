@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from megatron_zeppelin.cli import COMMANDS, load_command, main
-from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.plan.plan import Plan
 
 pytestmark = pytest.mark.pure
 

@@ -1,6 +1,6 @@
 """Ring exchanges, routing over proxies, byte counters, timeouts and the gloo harness.
 
-Tier: processes (gloo, 2 to 4 ranks on CPU via ``testing.dist.run_distributed``), plus pure checks
+Tier: processes (gloo, 2 to 4 ranks on CPU via ``launch.ranks.run_distributed``), plus pure checks
 of how messages are cut into legs and of the backward's gradient schedule. Zeppelin worlds that
 are a subset or a permutation of the processes (tensor parallelism) run the same exchanges; a
 proxy relays while it sleeps before its own ``wait``. Plans are built by hand here so the
@@ -22,7 +22,8 @@ from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import DistExchanger, ZeppelinCommError
 from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.comm.pending import step_legs
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.launch.ranks import DistributedRunError, run_distributed
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     Route,
     RoutePart,
@@ -31,7 +32,7 @@ from megatron_zeppelin.planner.plan import (
     TokenRange,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import (
+from megatron_zeppelin.planner.plan.schedule import (
     Message,
     Segment,
     block_tokens,
@@ -40,7 +41,6 @@ from megatron_zeppelin.planner.schedule import (
     ring_schedule,
     training_link_bytes,
 )
-from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
 from megatron_zeppelin.topology.model import Topology
 
 ROW_SHAPE = (2, 3)
@@ -308,7 +308,7 @@ def test_harness_names_the_failing_rank_and_kills_stragglers():
 def test_the_harness_names_the_first_rank_to_raise_not_the_lowest():
     """A rank that raises and exits can make a peer raise too (its connection closed mid-
     handshake): the harness names the first to raise, whatever their order by rank."""
-    from megatron_zeppelin.testing.dist import _raise_first_cause, _Watch
+    from megatron_zeppelin.launch.ranks import _raise_first_cause, _Watch
 
     closed = "RuntimeError('Gloo connectFullMesh failed: Connection closed by peer')"
     outcomes = [

@@ -7,16 +7,16 @@ import pytest
 
 from megatron_zeppelin.commands.compare_static import best_static, cp_label, mean_step, rule_name
 from megatron_zeppelin.commands.simulate import compare_batches, summarize
-from megatron_zeppelin.planner.baselines import (
+from megatron_zeppelin.planner.baselines.baselines import (
     STATIC_CP_BASELINES,
     build_baseline,
     rule_cp_size,
     static_cp_sizes,
 )
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import zigzag_loads
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import zigzag_loads
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

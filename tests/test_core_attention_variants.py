@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_zeppelin.megatron.variants import layer_window, skips_rope, window_left
+from megatron_zeppelin.megatron.model.variants import layer_window, skips_rope, window_left
 
 
 @pytest.mark.pure
@@ -65,7 +65,7 @@ def _config(**changes):  # noqa: ANN003, ANN202
 def _core(config, layer: int = 1, **kwargs):  # noqa: ANN001, ANN003, ANN202
     from megatron.core.transformer.enums import AttnMaskType
 
-    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
 
     kwargs.setdefault("attn_mask_type", AttnMaskType.causal)
     return ZeppelinCoreAttention(config, layer, **kwargs)
@@ -98,7 +98,7 @@ def test_off_by_one_is_a_zero_sink_and_no_parameter(one_rank) -> None:  # noqa: 
 
 @pytest.mark.threads
 def test_windows_and_rope_follow_the_layer(one_rank) -> None:  # noqa: ANN001
-    from megatron_zeppelin.megatron.rotary import Rope
+    from megatron_zeppelin.megatron.model.rotary import Rope
 
     config = _config(window_size=(24, 0), window_attn_skip_freq=2, no_rope_freq=2)
     rope = Rope(base=500.0, scaling_factor=8.0)
@@ -137,7 +137,7 @@ def test_a_spec_of_ones_own_gets_the_flags_rotary_settings() -> None:
     """``--spec MODULE NAME`` naming a spec with Zeppelin's core attention: the flags' rotary
     settings replace the spec's own (a copy's), since they are the model's only rotary."""
     from megatron_zeppelin.megatron import hooks
-    from megatron_zeppelin.megatron.rotary import Rope
+    from megatron_zeppelin.megatron.model.rotary import Rope
     from megatron_zeppelin.megatron.spec import core_attention_of
 
     args = SimpleNamespace(
@@ -160,7 +160,7 @@ def test_a_spec_of_ones_own_gets_the_flags_rotary_settings() -> None:
 
 
 def _own_spec():  # noqa: ANN202
-    from megatron_zeppelin.megatron.rotary import Rope
+    from megatron_zeppelin.megatron.model.rotary import Rope
     from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
 
     return zeppelin_layer_spec("local", normalization="LayerNorm", rope=Rope(base=7.0))

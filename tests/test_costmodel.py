@@ -14,7 +14,7 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.cost.calibration import (
     Calibration,
     ComputeFigure,
     LinkFigure,
@@ -23,8 +23,8 @@ from megatron_zeppelin.planner.calibration import (
     load_calibration,
     save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import FIGURES, CostModel, Efficiency, LinkCost
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.costmodel import FIGURES, CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

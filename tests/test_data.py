@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from megatron_zeppelin.megatron.data import DocumentDataset
-from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+from megatron_zeppelin.megatron.documents.data import DocumentDataset
 
 pytestmark = pytest.mark.pure
 
@@ -131,7 +131,7 @@ def test_synthetic_writer_is_deterministic_and_validates(tmp_path):
 
 
 def test_synthetic_lengths_from_an_embedded_distribution(tmp_path):
-    pytest.importorskip("megatron_zeppelin.planner.distributions")
+    pytest.importorskip("megatron_zeppelin.planner.baselines.distributions")
     summary = write_synthetic_dataset(
         str(tmp_path / "w"), distribution="wikipedia", num_tokens=200_000, max_length=16384, seed=0
     )

@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from megatron_zeppelin.commands.verify import Case, EngineSpec, build_cases, compare, worker
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions
-from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.remap_layout import linear_to_attention_layout
-from megatron_zeppelin.testing.dist import run_distributed
+from megatron_zeppelin.launch.ranks import run_distributed
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Tier
+from megatron_zeppelin.planner.plan.remap_layout import linear_to_attention_layout
+from megatron_zeppelin.planner.search.partition import PlannerOptions
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.dist

@@ -4,7 +4,7 @@ with every CUDA kernel that runs.
 
 These ranks once hung on a GPU: PyTorch's autograd engine ran every thread's CUDA backward on
 its one worker thread per device, so one rank's ring backward, waiting for a gradient, blocked
-the backwards of the ranks that would send it. ``testing.threads.run_ranks`` now runs each
+the backwards of the ranks that would send it. ``comm.threads.run_ranks`` now runs each
 rank's backward on the rank's own thread (its module docstring)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_ring_threads import PLANS, run_engine
 
-from megatron_zeppelin.attention.kernels import CUDA_KERNELS, choose_kernel
+from megatron_zeppelin.attention.kernels.kernels import CUDA_KERNELS, choose_kernel
 from megatron_zeppelin.testing.tolerances import assert_close
 
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 from test_hooks import VOCAB, _megatron_args, megatron_training  # noqa: F401 - a fixture
 
+from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 from megatron_zeppelin.megatron import hooks
-from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
 
 pytestmark = pytest.mark.threads
 
@@ -82,7 +82,7 @@ def _last_slices(stream) -> tuple:
 @pytest.fixture(autouse=True)
 def _remember_last(monkeypatch):
     """Keep the last micro-batch a feed hands out, to see which documents it read."""
-    from megatron_zeppelin.megatron.feed import MicroBatchFeed
+    from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
 
     real = MicroBatchFeed.next
 
@@ -100,7 +100,7 @@ def test_each_split_gets_its_markers_and_evaluation_reads_only_held_out_document
     tmp_path,
     capsys,
 ):
-    from megatron_zeppelin.megatron.resume import sampler_state_path
+    from megatron_zeppelin.megatron.documents.resume import sampler_state_path
 
     save = str(tmp_path / "ckpt")
     args, model = _start(megatron_training, prefix, save=save)

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from megatron_zeppelin.cli import main
-from megatron_zeppelin.megatron.data import DocumentDataset, checksum_path
-from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+from megatron_zeppelin.megatron.documents.data import DocumentDataset, checksum_path
 
 pytestmark = pytest.mark.pure
 
@@ -110,7 +110,7 @@ def _dataset(tmp_path, name="docs") -> str:
 
 
 def _pointers(prefix: str) -> tuple[int, np.ndarray]:
-    """Offset and values of the .idx pointer table (see ``megatron.data``)."""
+    """Offset and values of the .idx pointer table (see ``megatron.documents.data``)."""
     with open(prefix + ".idx", "rb") as f:
         head = f.read(34)
     num_sequences = int.from_bytes(head[18:26], "little")
@@ -178,7 +178,7 @@ def test_the_checksum_sidecar_catches_a_same_size_bin_from_another_dataset(tmp_p
 
 
 def test_an_empty_dataset_is_one_line_without_noise(tmp_path, capfd):
-    from megatron_zeppelin.megatron.data import indexed_dataset_module
+    from megatron_zeppelin.megatron.documents.data import indexed_dataset_module
 
     io = indexed_dataset_module()
     prefix = str(tmp_path / "empty")
@@ -208,7 +208,7 @@ def test_train_refuses_nonsense_flags(tmp_path, capsys, monkeypatch, flags, need
 
 @pytest.mark.parametrize("command", ["verify", "check"])
 def test_a_failed_run_of_verify_or_check_is_one_line_naming_the_log(command, monkeypatch, capsys):
-    from megatron_zeppelin.testing import dist as harness
+    from megatron_zeppelin.launch import ranks as harness
 
     def stalled(fn, world_size, **kwargs):
         raise harness.DistributedRunError(
@@ -217,7 +217,7 @@ def test_a_failed_run_of_verify_or_check_is_one_line_naming_the_log(command, mon
             2,
         )
 
-    runner = {"verify": "commands.verify", "check": "megatron.check"}[command]
+    runner = {"verify": "commands.verify", "check": "job.check"}[command]
     monkeypatch.setattr(f"megatron_zeppelin.{runner}.run_distributed", stalled)
     assert main([command]) == 1
     err = capsys.readouterr().err.strip().splitlines()

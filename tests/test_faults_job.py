@@ -116,7 +116,7 @@ def test_a_killed_planner_process_is_named_in_one_line(tmp_path):
     assert [len(children) for children in planners] == [1, 0], planners
     killed = planners[0][0]
     with open(f"/proc/{killed}/cmdline") as f:
-        assert "megatron_zeppelin.megatron.plan_workers" in f.read()
+        assert "megatron_zeppelin.megatron.plans.plan_workers" in f.read()
     os.kill(killed, signal.SIGKILL)
     code, out, err = _finish(proc)
     lines = _assert_quiet(out, err)
@@ -198,9 +198,9 @@ def test_a_diverging_job_names_the_step_and_the_log_holding_the_traceback(tmp_pa
 
 @pytest.mark.threads
 def test_a_non_finite_loss_stops_training_before_the_optimizer_uses_it(tmp_path, one_process_group):
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
-    from megatron_zeppelin.megatron.worker import TrainingDiverged
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.train_cpu import build_parser, train
+    from megatron_zeppelin.launch.worker import TrainingDiverged
 
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[60, 40, 30, 50, 20, 70] * 4, vocab_size=512)
@@ -237,7 +237,7 @@ def test_a_non_finite_loss_stops_training_before_the_optimizer_uses_it(tmp_path,
 
 FINISHING_WORKER = """
 import atexit, os, sys
-from megatron_zeppelin.megatron.worker import run_worker
+from megatron_zeppelin.launch.worker import run_worker
 
 def body(watch):
     # Stands for the interpreter's teardown stopping a helper thread inside a store or gloo

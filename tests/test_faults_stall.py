@@ -22,8 +22,8 @@ import pytest
 import torch
 from test_comm_exchange import balanced_linear
 
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Tier, zigzag_spans
-from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed
+from megatron_zeppelin.launch.ranks import DistributedRunError, run_distributed
+from megatron_zeppelin.planner.plan.plan import Plan, SequencePlan, Tier, zigzag_spans
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.dist
@@ -57,7 +57,7 @@ def _stop_outside_board_writes(watch) -> None:  # noqa: ANN001
 def _stall_worker(rank: int, world_size: int, seed: int) -> str:
     from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
     from megatron_zeppelin.comm.watch import CommWatch
-    from megatron_zeppelin.megatron.loss import finish_gradients
+    from megatron_zeppelin.megatron.model.loss import finish_gradients
 
     watch = CommWatch.for_process_group(WATCH_TIMEOUT_S).start()
     plan = three_rank_plan()
@@ -147,7 +147,7 @@ def _children(pid: int) -> list[int]:
 
 def _spawned_workers(pid: int) -> list[int]:
     """The rank processes a command started, in start (rank) order: the children of its
-    multiprocessing fork server (``testing.dist``), or its spawned children."""
+    multiprocessing fork server (``launch.ranks``), or its spawned children."""
     found = []
     for child in _children(pid):
         with open(f"/proc/{child}/cmdline", "rb") as f:

@@ -12,11 +12,11 @@ import threading
 import pytest
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.feed import MicroBatchFeed
-from megatron_zeppelin.megatron.plan_workers import PlanRecipe
-from megatron_zeppelin.megatron.sampler import DocumentSampler
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
+from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
+from megatron_zeppelin.megatron.plans.plan_workers import PlanRecipe
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -107,8 +107,8 @@ def test_a_process_with_a_busy_planner_thread_exits() -> None:
     code = textwrap.dedent(
         """
         import time
-        from megatron_zeppelin.megatron.feed import MicroBatchFeed
-        from megatron_zeppelin.megatron.sampler import DocumentSampler
+        from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
+        from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
 
         def slow(lengths):
             time.sleep(600)

@@ -23,13 +23,13 @@ import pytest
 import te_standins
 import torch
 
-from megatron_zeppelin.attention import kernel_fa_switch
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernel_aten import FlashSwitch, TorchFlashKernel
-from megatron_zeppelin.attention.kernel_cudnn import TorchCudnnKernel
-from megatron_zeppelin.attention.kernel_fa_switch import TorchFA3Kernel, TorchFA4Kernel
-from megatron_zeppelin.attention.kernel_te import TEFusedKernel, te_release
-from megatron_zeppelin.attention.kernel_torch import TorchKernel
+from megatron_zeppelin.attention.kernels import kernel_fa_switch
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_aten import FlashSwitch, TorchFlashKernel
+from megatron_zeppelin.attention.kernels.kernel_cudnn import TorchCudnnKernel
+from megatron_zeppelin.attention.kernels.kernel_fa_switch import TorchFA3Kernel, TorchFA4Kernel
+from megatron_zeppelin.attention.kernels.kernel_te import TEFusedKernel, te_release
+from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel
 from megatron_zeppelin.testing.reference import pair_attention, random_qkv
 from megatron_zeppelin.testing.tolerances import relative_error
 

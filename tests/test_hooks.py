@@ -125,7 +125,7 @@ def megatron_training(monkeypatch):
 
 @pytest.fixture
 def dataset_prefix(tmp_path) -> str:
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[40, 7, 55, 13, 30, 2, 61, 24], vocab_size=VOCAB)
@@ -148,7 +148,7 @@ def test_hook_signatures_accept_megatrons_calls() -> None:
 def test_hooks_build_train_and_return_megatrons_per_token_loss(
     megatron_training, one_rank, dataset_prefix
 ) -> None:
-    from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
+    from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
 
     args = _megatron_args(dataset_prefix)
     args.spec = ["megatron_zeppelin.megatron.spec", "local"]  # the --spec the docs give
@@ -193,8 +193,8 @@ def test_hooks_build_train_and_return_megatrons_per_token_loss(
 def test_a_micro_batch_without_documents_gives_zero_loss_and_zero_gradients(
     megatron_training, one_rank, dataset_prefix, monkeypatch
 ) -> None:
-    from megatron_zeppelin.megatron.feed import FedMicroBatch
-    from megatron_zeppelin.megatron.sampler import StepBatch
+    from megatron_zeppelin.megatron.documents.sampler import StepBatch
+    from megatron_zeppelin.megatron.plans.feed import FedMicroBatch
 
     args = _megatron_args(dataset_prefix)
     megatron_training(args)
@@ -226,8 +226,8 @@ def test_under_pipeline_parallelism_a_micro_batch_without_documents_still_runs_e
     """Megatron's pipeline schedules pass activations between the stages for every
     micro-batch, so a micro-batch without documents runs each stage's model on one padding row:
     the first stage sends a hidden state, the last returns a loss that counts no token."""
-    from megatron_zeppelin.megatron.feed import FedMicroBatch
-    from megatron_zeppelin.megatron.sampler import StepBatch
+    from megatron_zeppelin.megatron.documents.sampler import StepBatch
+    from megatron_zeppelin.megatron.plans.feed import FedMicroBatch
 
     args = _megatron_args(dataset_prefix)
     megatron_training(args)
@@ -327,9 +327,9 @@ def _draw(model, num: int) -> list:
 def test_resume_restores_the_sampler_saved_beside_the_checkpoint_or_replays_it(
     megatron_training, one_rank, dataset_prefix, tmp_path, capsys, monkeypatch
 ) -> None:
-    from megatron_zeppelin.megatron.resume import sampler_state_path
-    from megatron_zeppelin.megatron.sampler import DocumentSampler
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.megatron.documents.resume import sampler_state_path
+    from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
 
     save = str(tmp_path / "ckpt")
     other = str(tmp_path / "other")  # a blend of two datasets: the state holds both places
@@ -385,7 +385,7 @@ def test_forward_step_is_the_one_micro_batch_step(
     """The hooks run the model through ``step.forward_batch``, as the CPU job and the check do
     (``tests/test_one_step.py``), so all three pass the same tokens, positions and labels."""
     from megatron_zeppelin.megatron import step as step_module
-    from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
+    from megatron_zeppelin.megatron.model.core_attention import ZeppelinPackedSeqParams
 
     calls = []
     real = step_module.forward_batch

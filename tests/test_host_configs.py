@@ -84,8 +84,8 @@ def test_hooks_and_the_cli_plan_every_shipped_config_alike(
     from megatron_zeppelin.commands.plan import planner_options
     from megatron_zeppelin.megatron.args import resolve_topology, validate_megatron_args
     from megatron_zeppelin.megatron.hooks import planner_model
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.thresholds import tier_thresholds
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
 
     args, world = megatron_args(model, cluster)
     config = validate_megatron_args(args, world_size=world)

@@ -18,15 +18,15 @@ import flash_standins as standins
 import pytest
 import torch
 
-from megatron_zeppelin.attention import kernels
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernel_aten import TorchFlashKernel
-from megatron_zeppelin.attention.kernel_flash import (
+from megatron_zeppelin.attention.kernels import kernels
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_aten import TorchFlashKernel
+from megatron_zeppelin.attention.kernels.kernel_flash import (
     Flash3Kernel,
     flash2_release,
     flash3_release,
 )
-from megatron_zeppelin.attention.kernel_torch import TorchKernel
+from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel
 from megatron_zeppelin.config import KERNELS
 from megatron_zeppelin.testing.reference import random_qkv
 from megatron_zeppelin.testing.tolerances import assert_close

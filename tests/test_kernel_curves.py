@@ -11,10 +11,17 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_zeppelin.attention import kernels
+from megatron_zeppelin.attention.kernels import kernels
 from megatron_zeppelin.cli import main
 from megatron_zeppelin.megatron.report import chosen_kernel
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.baselines.kernel_curves import (
+    STAND_IN_TOKENS,
+    deployed,
+    measured_curves,
+    sdpa_stand_in,
+    speed_order,
+)
+from megatron_zeppelin.planner.cost.calibration import (
     Calibration,
     ComputeFigure,
     KernelCurves,
@@ -22,15 +29,8 @@ from megatron_zeppelin.planner.calibration import (
     load_calibration,
     save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency
-from megatron_zeppelin.planner.kernel_curves import (
-    STAND_IN_TOKENS,
-    deployed,
-    measured_curves,
-    sdpa_stand_in,
-    speed_order,
-)
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.costmodel import CostModel, Efficiency
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

@@ -13,9 +13,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernel_torch import TorchKernel, _tile_chunks
-from megatron_zeppelin.attention.kernels import (
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel, _tile_chunks
+from megatron_zeppelin.attention.kernels.kernels import (
     CUDA_KERNELS,
     choose_kernel,
     flash_available,

@@ -1,4 +1,5 @@
-"""Tier: pure. The batch's target load (``planner/least_load.py``) and the search's early end at it.
+"""Tier: pure. The batch's target load (``planner/place/least_load.py``) and the search's early end
+at it.
 
 The target is the least load ``T`` at which every document has a placement whose members carry
 at most ``T`` and the batch's work fits ``world * T``. It is computed from each document's
@@ -17,17 +18,18 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner import least_load, search
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.pool import ALL_ORDERS, place_pool, pool_batch
-from megatron_zeppelin.planner.ring_options import PoolGoal, wide_two_d
-from megatron_zeppelin.planner.simulator import simulate
-from megatron_zeppelin.planner.thresholds import tier_thresholds
-from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.place import least_load
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool, pool_batch
+from megatron_zeppelin.planner.place.ring_options import PoolGoal, wide_two_d
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.search import search
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

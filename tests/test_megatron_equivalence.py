@@ -2,7 +2,7 @@
 ranks running tensor parallel 1 x Zeppelin 4, then tensor parallel 2 x Zeppelin 2 without and
 with Megatron's sequence parallelism).
 
-The check itself lives in ``megatron_zeppelin.megatron.check`` (``zeppelin check`` runs it too):
+The check itself lives in ``megatron_zeppelin.job.check`` (``zeppelin check`` runs it too):
 same Megatron GPTModel and weights, same documents; loss and every parameter's gradient must
 agree within 1e-5 relative in float32.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zeppelin.megatron.check import CheckOptions, run_check
+from megatron_zeppelin.job.check import CheckOptions, run_check
 
 pytestmark = pytest.mark.dist
 

@@ -16,8 +16,8 @@ import random
 
 import pytest
 
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.megatron_schedule import (
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.baselines.megatron_schedule import (
     balanced_cp_schedule,
     gpus_needed,
     megatron_core_schedule,

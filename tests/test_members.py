@@ -1,6 +1,6 @@
-"""Tier: pure. A GPU's place in a ring moved to another GPU (``planner/members.py``), the move
-the pass after the pool placement (``planner/refine.py``) makes where the busiest GPU holds ring
-shares that nothing else relieves.
+"""Tier: pure. A GPU's place in a ring moved to another GPU (``planner/place/members.py``), the move
+the pass after the pool placement (``planner/place/refine.py``) makes where the busiest GPU holds
+ring shares that nothing else relieves.
 
 The move is kept only where every member of the ring ends below the bound it is given and the
 new member has room; otherwise the loads are left exactly as they were.
@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.members import move_member
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.pool_rings import place_on
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.members import move_member
+from megatron_zeppelin.planner.place.pool_rings import place_on
+from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

@@ -6,11 +6,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.sampler import DocumentCost
-from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import MODEL_PRESETS, ModelSpec, PipelineStage, get_model
-from megatron_zeppelin.planner.partition import plan_batch
+from megatron_zeppelin.megatron.documents.sampler import DocumentCost
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.cost.models import MODEL_PRESETS, ModelSpec, PipelineStage, get_model
+from megatron_zeppelin.planner.search.partition import plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
@@ -79,9 +79,9 @@ def _megatron_config(**fields):
 
 
 def test_llama_7b_from_megatrons_config_is_the_cli_preset_with_the_issue_figures() -> None:
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.models import model_from_config
-    from megatron_zeppelin.planner.thresholds import tier_thresholds
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import model_from_config
+    from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
     from megatron_zeppelin.topology.presets import get_topology
 
     # configs/models/llama-7b.yaml: MHA (no --group-query-attention, so Megatron leaves
@@ -98,7 +98,7 @@ def test_llama_7b_from_megatrons_config_is_the_cli_preset_with_the_issue_figures
 
 
 def test_kv_heads_dtype_and_tp_come_from_the_config() -> None:
-    from megatron_zeppelin.planner.models import dtype_bytes_of, model_from_config
+    from megatron_zeppelin.planner.cost.models import dtype_bytes_of, model_from_config
 
     base = dict(num_layers=2, hidden_size=512, num_attention_heads=8, ffn_hidden_size=1024)
     gqa = model_from_config(_megatron_config(**base, num_query_groups=2), vocab_size=64)
@@ -178,7 +178,7 @@ def test_every_pipeline_stage_plans_the_same_plan() -> None:
 def test_a_moe_layer_is_priced_by_the_experts_a_token_runs_through() -> None:
     """Attention projections + router + top-k experts + shared experts, not every expert and
     not the dense FFN; a layer without experts (``--moe-layer-freq``) keeps the dense FFN."""
-    from megatron_zeppelin.planner.models import model_from_config
+    from megatron_zeppelin.planner.cost.models import model_from_config
 
     base = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
     dense = model_from_config(_megatron_config(**base), vocab_size=64)

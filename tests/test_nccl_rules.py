@@ -24,8 +24,8 @@ from megatron_zeppelin.comm import pending as pending_module
 from megatron_zeppelin.comm.exchange import DistExchanger
 from megatron_zeppelin.comm.groups import POSTING_ORDER, ZeppelinGroups
 from megatron_zeppelin.comm.posting import Batch, PostedOp, PostingLog, check_posting_order
-from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.schedule import gradient_schedule, ring_schedule
+from megatron_zeppelin.planner.plan.plan import Tier
+from megatron_zeppelin.planner.plan.schedule import gradient_schedule, ring_schedule
 
 
 class FakeDist:

@@ -19,7 +19,7 @@ import torch
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.attention.merge import merge_rows_
-from megatron_zeppelin.testing.threads import run_ranks
+from megatron_zeppelin.comm.threads import run_ranks
 
 pytestmark = pytest.mark.threads
 

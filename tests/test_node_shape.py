@@ -17,8 +17,8 @@ from megatron_zeppelin.megatron.report import (
     planning_line,
     startup_lines,
 )
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -128,7 +128,7 @@ def test_a_pipeline_stage_fills_whole_nodes_or_shares_one() -> None:
 
 
 def test_the_startup_summary_names_the_pipeline_stage_the_plan_is_for() -> None:
-    from megatron_zeppelin.planner.models import ModelSpec, PipelineStage
+    from megatron_zeppelin.planner.cost.models import ModelSpec, PipelineStage
 
     topology = get_topology("dgx-h100", num_nodes=2)
     whole = get_model("llama-7b")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from megatron_zeppelin.megatron import step as step_module
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange
+from megatron_zeppelin.megatron.model.core_attention import ZeppelinPackedSeqParams
+from megatron_zeppelin.planner.plan.plan import Plan, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -30,7 +30,7 @@ def forward_calls(monkeypatch) -> list[dict]:
 
 @pytest.fixture
 def dataset(tmp_path) -> str:
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[50, 30, 20, 41, 7], vocab_size=512)
@@ -45,7 +45,7 @@ def _zeppelin_calls(calls: list[dict]) -> list[dict]:
 def test_the_cpu_job_runs_the_one_step_and_reports_planning(
     tmp_path, dataset, one_process_group, forward_calls
 ) -> None:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, summary_text, train
+    from megatron_zeppelin.job.train_cpu import build_parser, summary_text, train
 
     args = build_parser().parse_args(
         [
@@ -83,8 +83,8 @@ def test_the_cpu_job_runs_the_one_step_and_reports_planning(
 
 @pytest.mark.threads
 def test_the_check_runs_the_one_step(tmp_path, one_process_group, forward_calls) -> None:
-    from megatron_zeppelin.megatron.check import CheckOptions, _check_rank
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.check import CheckOptions, _check_rank
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     options = CheckOptions(lengths=(40, 9), tensor_parallels=(1,), world_size=1, nodes=1)
     prefix = str(tmp_path / "docs")
@@ -111,13 +111,13 @@ def _count_calls(monkeypatch, cls, name: str) -> list[int]:
 def test_layers_share_the_micro_batchs_remap_work(one_rank, tmp_path, monkeypatch) -> None:
     """Plan scans per micro-batch do not grow with the number of layers."""
     from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.data import DocumentDataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.megatron.documents.data import DocumentDataset
+    from megatron_zeppelin.megatron.documents.sampler import DocumentSlice
     from megatron_zeppelin.megatron.runtime import ModelDims, build_gpt, create_transport
-    from megatron_zeppelin.megatron.sampler import DocumentSlice
     from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.models import get_model
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
 
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[30, 12], vocab_size=512)
@@ -148,7 +148,7 @@ def test_layers_share_the_micro_batchs_remap_work(one_rank, tmp_path, monkeypatc
 
 @pytest.mark.pure
 def test_remap_layouts_are_worked_out_once_without_hashing_the_plan(monkeypatch) -> None:
-    from megatron_zeppelin.megatron import core_attention
+    from megatron_zeppelin.megatron.model import core_attention
 
     topology = Topology(num_nodes=1, gpus_per_node=2, nics_per_node=2)
     doc = SequencePlan(0, 10, Tier.LOCAL, (0,), (Span(0, 0, 10),))
@@ -199,7 +199,7 @@ def test_the_cpu_job_does_not_import_the_megatron_hooks() -> None:
     import ast
     import inspect
 
-    from megatron_zeppelin.megatron import train_cpu
+    from megatron_zeppelin.job import train_cpu
 
     tree = ast.parse(inspect.getsource(train_cpu))
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
@@ -212,9 +212,9 @@ def test_the_cpu_job_does_not_import_the_megatron_hooks() -> None:
 def test_a_planning_error_ahead_of_training_stops_the_cpu_job_with_its_own_line(
     tmp_path, dataset, one_process_group, monkeypatch, capsys
 ) -> None:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
-    from megatron_zeppelin.megatron.worker import LOG_DIR_ENV, USER_ERROR_EXIT, report_failure
-    from megatron_zeppelin.planner import partition
+    from megatron_zeppelin.job.train_cpu import build_parser, train
+    from megatron_zeppelin.launch.worker import LOG_DIR_ENV, USER_ERROR_EXIT, report_failure
+    from megatron_zeppelin.planner.search import partition
 
     message = "document 2 (65 tokens) finds no room: raise --zeppelin-capacity"
     real, calls = partition.plan_batch, []

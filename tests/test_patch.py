@@ -157,7 +157,7 @@ def test_cluster_configs_are_flags_the_plugin_accepts(cluster):
 
 @pytest.mark.parametrize("name", ["llama-3b", "llama-7b", "llama-13b", "llama-30b"])
 def test_model_configs_match_the_cost_model_presets(name):
-    from megatron_zeppelin.planner.models import get_model
+    from megatron_zeppelin.planner.cost.models import get_model
 
     flags = _yaml_to_args().load_flags([str(ROOT / f"configs/models/{name}.yaml")])
     model = get_model(name)

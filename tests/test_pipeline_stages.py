@@ -15,12 +15,12 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.transformer import TransformerConfig
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.megatron.pipeline import ChunkCursors, pipeline_stage
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

@@ -15,16 +15,16 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.linear_layout import LAYOUTS, fastest, price_linear_layouts
-from megatron_zeppelin.planner.loads import Loads, min_ring
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions
-from megatron_zeppelin.planner.placement import _NodeBatch
-from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.staged import _place
-from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.loads import Loads, min_ring
+from megatron_zeppelin.planner.place.placement import _NodeBatch
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
+from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
+from megatron_zeppelin.planner.search.partition import PlannerOptions
+from megatron_zeppelin.planner.search.staged import _place
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.linear_layout import (
+from megatron_zeppelin.planner.plan.linear_layout import (
     attention_layout,
     attention_ranges_by_rank,
     build_linear_layout,
 )
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     SequencePlan,
     Span,

@@ -9,10 +9,10 @@ from test_two_d_plan import TOPO, plan_of, two_d
 
 from megatron_zeppelin.megatron.report import plan_line
 from megatron_zeppelin.megatron.runtime import plan_summary
-from megatron_zeppelin.planner.heads import AttentionShape
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import SequencePlan, Tier, zigzag_spans
-from megatron_zeppelin.planner.schedule import engine_link_bytes
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.heads import AttentionShape
+from megatron_zeppelin.planner.plan.plan import SequencePlan, Tier, zigzag_spans
+from megatron_zeppelin.planner.plan.schedule import engine_link_bytes
 
 pytestmark = pytest.mark.pure
 

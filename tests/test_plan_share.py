@@ -1,4 +1,4 @@
-"""Plans shared from one rank per node (``megatron/shared_plans.py``, ``comm/plan_share.py``):
+"""Plans shared from one rank per node (``megatron/plans/shared_plans.py``, ``comm/plan_share.py``):
 ranks that receive the plan train exactly as one process does, the CPU job trains the same with
 plans shared or each rank planning its own, and a planner process that dies fails every rank's
 micro-batches with one line naming it, never a hang. Tier: dist (gloo processes, each starting
@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-from megatron_zeppelin.megatron.check import CheckOptions, run_check
-from megatron_zeppelin.testing.dist import run_distributed
+from megatron_zeppelin.job.check import CheckOptions, run_check
+from megatron_zeppelin.launch.ranks import run_distributed
 
 pytestmark = pytest.mark.dist
 
@@ -35,7 +35,7 @@ def test_ranks_that_receive_the_plan_train_as_one_process() -> None:
 
 
 def _train_and_fail(rank: int, world_size: int, run_dir: str) -> dict:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+    from megatron_zeppelin.job.train_cpu import build_parser, train
 
     common = [
         "--run-dir", run_dir, "--quiet", "--dataset-tokens", "30000", "--tokens-per-step",
@@ -55,11 +55,11 @@ def _kill_a_planner(rank: int) -> dict:
 
     from megatron_zeppelin.comm.plan_share import PlanShare
     from megatron_zeppelin.config import ZeppelinConfig
-    from megatron_zeppelin.megatron.plan_workers import PlanRecipe
-    from megatron_zeppelin.megatron.shared_plans import SharedPlanner
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.models import get_model
+    from megatron_zeppelin.megatron.plans.plan_workers import PlanRecipe
+    from megatron_zeppelin.megatron.plans.shared_plans import SharedPlanner
+    from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
     from megatron_zeppelin.topology.model import Topology
 
     topology = Topology(num_nodes=2, gpus_per_node=2, nics_per_node=2)

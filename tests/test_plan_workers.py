@@ -1,4 +1,4 @@
-"""Planner processes (``megatron/plan_workers.py``): their plans equal the training process's,
+"""Planner processes (``megatron/plans/plan_workers.py``): their plans equal the training process's,
 in order, through the feed and across a resume; a planning error comes back as the planner's
 own; a worker that dies fails its micro-batches with an error naming it, never a hang; no
 worker outlives the feed or the training process. Tiers: ``dist`` (starts planner processes)
@@ -18,14 +18,14 @@ import time
 import pytest
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.feed import MicroBatchFeed
-from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
-from megatron_zeppelin.megatron.sampler import DocumentSampler
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import Scheme, SequencePlan, Span, Tier, TokenRange
-from megatron_zeppelin.planner.plan_parts import (
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
+from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
+from megatron_zeppelin.megatron.plans.plan_workers import PlannerProcesses, PlanRecipe
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Scheme, SequencePlan, Span, Tier, TokenRange
+from megatron_zeppelin.planner.plan.plan_parts import (
     pack_layout,
     pack_sequences,
     unpack_layout,
@@ -211,10 +211,10 @@ def test_no_worker_outlives_a_training_process_that_exits_mid_plan() -> None:
     code = textwrap.dedent(
         """
         from megatron_zeppelin.config import ZeppelinConfig
-        from megatron_zeppelin.megatron.plan_workers import PlannerProcesses, PlanRecipe
-        from megatron_zeppelin.planner.costmodel import CostModel
-        from megatron_zeppelin.planner.distributions import sample_lengths
-        from megatron_zeppelin.planner.models import get_model
+        from megatron_zeppelin.megatron.plans.plan_workers import PlannerProcesses, PlanRecipe
+        from megatron_zeppelin.planner.cost.costmodel import CostModel
+        from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+        from megatron_zeppelin.planner.cost.models import get_model
         from megatron_zeppelin.topology.presets import get_topology
 
         topology = get_topology("zeppelin-C", num_nodes=128)
@@ -279,7 +279,7 @@ def test_records_survive_packing_where_there_are_none_or_they_are_out_of_order()
 def test_a_plan_packs_in_pieces_that_rebuild_it_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """Pieces of a few records each (``_CHUNK``: what the reader thread unpickles at once)
     rebuild the same plan, documents and ranks cut at any place."""
-    from megatron_zeppelin.planner import plan_parts
+    from megatron_zeppelin.planner.plan import plan_parts
 
     plan = WIDE(sample_lengths("prolong", num_tokens=1 << 20, seed=1))
     for chunk in (1, 7, 64):

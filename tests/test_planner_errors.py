@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import (
+from megatron_zeppelin.planner.baselines.distributions import (
     DISTRIBUTIONS,
     read_lengths_file,
     sample_lengths,
 )
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

@@ -11,13 +11,13 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.simulator import simulate
-from megatron_zeppelin.planner.spread import spread_evenly, wide_choices, zigzag_pieces
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.search.spread import spread_evenly, wide_choices, zigzag_pieces
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

@@ -14,21 +14,23 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner import linear_layout, simulator, steptime
-from megatron_zeppelin.planner.baselines import (
+from megatron_zeppelin.planner.baselines.baselines import (
     BASELINES,
     build_baseline,
     plan_without_remap,
     sequence_on,
 )
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Route, RoutePart, Span
-from megatron_zeppelin.planner.schemes import every_two_d
-from megatron_zeppelin.planner.simulator import remap_matrix, simulate
-from megatron_zeppelin.planner.stepwise import reference_attention
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost import steptime
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.schemes import every_two_d
+from megatron_zeppelin.planner.plan import linear_layout
+from megatron_zeppelin.planner.plan.plan import Route, RoutePart, Span
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate import simulator
+from megatron_zeppelin.planner.simulate.simulator import remap_matrix, simulate
+from megatron_zeppelin.planner.simulate.stepwise import reference_attention
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -223,8 +225,8 @@ def test_planner_keeps_the_candidate_the_simulator_times_fastest(preset, nodes, 
 def test_route_split_of_many_messages_is_the_route_split_of_each(weights, tokens) -> None:
     """The array timeline splits every message of an edge at once, exactly as the plan's one
     split function splits each."""
-    from megatron_zeppelin.planner.plan import split_by_weights
-    from megatron_zeppelin.planner.transfers import split_by_weights_array
+    from megatron_zeppelin.planner.plan.plan import split_by_weights
+    from megatron_zeppelin.planner.simulate.transfers import split_by_weights_array
 
     parts = split_by_weights_array(np.asarray(tokens), weights)
     assert [list(row) for row in parts] == [split_by_weights(n, weights) for n in tokens]

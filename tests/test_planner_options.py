@@ -11,9 +11,9 @@ import pytest
 
 from megatron_zeppelin.commands import plan as plan_command
 from megatron_zeppelin.config import NEVER_SPLIT, ZeppelinConfig
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.thresholds import tier_thresholds
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

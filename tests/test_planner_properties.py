@@ -14,20 +14,20 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner import steptime
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.linear_layout import (
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost import steptime
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.linear_layout import (
     _count_moves,
     _move_arrays,
     attention_ranges_by_rank,
     balanced_layout,
 )
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch, tier_thresholds
-from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.plan.plan import Plan, Tier
+from megatron_zeppelin.planner.plan.schedule import link_bytes, ring_schedule
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch, tier_thresholds
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import PRESETS, get_topology
 

@@ -10,12 +10,12 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
-from megatron_zeppelin.planner.plan import Tier, zigzag_bounds, zigzag_loads
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.plan.plan import Tier, zigzag_bounds, zigzag_loads
+from megatron_zeppelin.planner.search.partition import plan_batch
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 

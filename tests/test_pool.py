@@ -1,4 +1,4 @@
-"""Tier: pure. The pool placement (``planner/pool.py``) on small stress batches.
+"""Tier: pure. The pool placement (``planner/place/pool.py``) on small stress batches.
 
 Where documents are few per GPU, a ring across nodes over whole nodes leaves GPUs uneven; the
 pool candidate sizes rings to the mean load on any GPUs (across nodes over part of a node's GPUs
@@ -12,14 +12,13 @@ import math
 import numpy as np
 import pytest
 
-import megatron_zeppelin.planner.search as search
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import STRESS_DISTRIBUTIONS, sample_lengths
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.pool import (
+import megatron_zeppelin.planner.search.search as search
+from megatron_zeppelin.planner.baselines.distributions import STRESS_DISTRIBUTIONS, sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.pool import (
     ALL_ORDERS,
     POOL_ORDERS,
     POOL_RETRIES,
@@ -30,9 +29,10 @@ from megatron_zeppelin.planner.pool import (
     pool_batch,
     pool_orders,
 )
-from megatron_zeppelin.planner.simulator import simulate
-from megatron_zeppelin.planner.thresholds import tier_thresholds
-from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -236,8 +236,8 @@ def test_soonest_ring_is_the_one_a_look_at_every_try_finds(seed: int) -> None:
     """``pool_rings._soonest`` (tries off a heap by bounds on their end) against a look at
     every try: the ring whose busiest member ends soonest, ties to the first try; equal loads,
     loads a rounding step apart, GPUs without room, tries no GPUs can take."""
-    from megatron_zeppelin.planner.placement import CapacityError
-    from megatron_zeppelin.planner.pool_rings import Arrays, _Ends, _members, _soonest
+    from megatron_zeppelin.planner.place.placement import CapacityError
+    from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _soonest
 
     rng = np.random.default_rng(seed)
     k, nodes = 8, int(rng.integers(2, 7))

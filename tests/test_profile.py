@@ -14,9 +14,9 @@ import pytest
 
 from megatron_zeppelin.cli import main as cli_main
 from megatron_zeppelin.commands.profile import parse_shape, parse_sizes
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.profile.kernels import AttentionGrid, AttentionPoint, block_pairs
 from megatron_zeppelin.profile.linear import LinearPoint
 from megatron_zeppelin.profile.links import LinkPoint

@@ -1,4 +1,4 @@
-"""Tier: pure. The pass after the pool placement (``planner/refine.py``) and the ring
+"""Tier: pure. The pass after the pool placement (``planner/place/refine.py``) and the ring
 re-placement it uses (``members.replace_ring``).
 
 The pass may only move whole documents (or re-place a ring) where both GPUs it touches end
@@ -10,18 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.members import remove_ring, replace_ring
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.placement import Placement
-from megatron_zeppelin.planner.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.pool import ALL_ORDERS, place_pool, pool_goal
-from megatron_zeppelin.planner.pool_rings import place_on
-from megatron_zeppelin.planner.refine import refine
-from megatron_zeppelin.planner.thresholds import tier_thresholds
-from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.members import remove_ring, replace_ring
+from megatron_zeppelin.planner.place.placement import Placement
+from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool, pool_goal
+from megatron_zeppelin.planner.place.pool_rings import place_on
+from megatron_zeppelin.planner.place.refine import refine
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
@@ -174,7 +174,7 @@ def test_moves_choose_the_gpu_a_scan_of_every_gpu_chooses(seed: int) -> None:
     """``refine._moves`` (GPUs sorted by load once) against ``_scanned_moves`` (every document
     against every GPU), ties included: equal loads, loads one rounding step apart that end
     equal once a document is added, GPUs without room, documents no GPU has room for."""
-    from megatron_zeppelin.planner.refine import _moves, _scanned_moves
+    from megatron_zeppelin.planner.place.refine import _moves, _scanned_moves
 
     rng = np.random.default_rng(seed)
     world = int(rng.integers(2, 64))

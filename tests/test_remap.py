@@ -1,6 +1,6 @@
 """Remapping between the linear and the attention layout.
 
-Tier: pure (``planner.remap_layout`` against a simulated all-to-all over random layouts, with
+Tier: pure (``planner.plan.remap_layout`` against a simulated all-to-all over random layouts, with
 Hypothesis) and processes (``comm.remap`` on 4 gloo ranks: forward, backward, round trip).
 """
 
@@ -14,14 +14,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_comm_exchange import hand_plan
 
-from megatron_zeppelin.planner.plan import TokenRange
-from megatron_zeppelin.planner.remap_layout import (
+from megatron_zeppelin.launch.ranks import run_distributed
+from megatron_zeppelin.planner.plan.plan import TokenRange
+from megatron_zeppelin.planner.plan.remap_layout import (
     RemapLayout,
     attention_to_linear_layout,
     linear_to_attention_layout,
     remap_between,
 )
-from megatron_zeppelin.testing.dist import run_distributed
 
 Layout = list[list[TokenRange]]
 

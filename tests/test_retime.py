@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zeppelin.planner import search
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.search import search
+from megatron_zeppelin.planner.search.partition import plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

@@ -30,7 +30,8 @@ from megatron_zeppelin.attention.pairs import block_pairs
 from megatron_zeppelin.attention.ring import _RowSum
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
 from megatron_zeppelin.comm.exchange import ZeppelinCommError
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub, run_ranks
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     Route,
     RoutePart,
@@ -41,9 +42,8 @@ from megatron_zeppelin.planner.plan import (
     share_spans,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import link_bytes, ring_schedule, training_link_bytes
+from megatron_zeppelin.planner.plan.schedule import link_bytes, ring_schedule, training_link_bytes
 from megatron_zeppelin.testing.reference import attention_rows, random_qkv, reference_attention
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub, run_ranks
 from megatron_zeppelin.testing.tolerances import assert_close
 from megatron_zeppelin.topology.model import Topology
 
@@ -223,10 +223,10 @@ def test_forward_and_backward_bytes_match_the_training_prediction(dtype, routing
 
 
 def test_planner_plans_match_reference() -> None:
-    partition = pytest.importorskip("megatron_zeppelin.planner.partition")
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.models import get_model
+    partition = pytest.importorskip("megatron_zeppelin.planner.search.partition")
+    from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
 
     cost = CostModel.default(get_model("tiny"), TOPO_2X3)
     tiers_seen: set[str] = set()
@@ -247,14 +247,14 @@ def test_planner_plans_match_reference() -> None:
 
 
 def test_pool_placement_plans_match_reference() -> None:
-    """A plan of the pool placement (``planner/pool.py``): a ring across nodes over part of the
-    nodes' GPUs beside whole documents, forward and backward exact."""
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.loads import Loads
-    from megatron_zeppelin.planner.models import get_model
-    from megatron_zeppelin.planner.pool import place_pool
-    from megatron_zeppelin.planner.thresholds import tier_thresholds
-    from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds
+    """A plan of the pool placement (``planner/place/pool.py``): a ring across nodes over part of
+    the nodes' GPUs beside whole documents, forward and backward exact."""
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
+    from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+    from megatron_zeppelin.planner.place.loads import Loads
+    from megatron_zeppelin.planner.place.pool import place_pool
+    from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 
     cost = CostModel.default(get_model("tiny"), TOPO_2X3)
     thresholds = tier_thresholds(cost)

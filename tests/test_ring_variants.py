@@ -25,9 +25,9 @@ from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.merge import add_sink_, sink_gradient
 from megatron_zeppelin.attention.pairs import block_pairs
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Span, Tier, TokenRange
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub, run_ranks
+from megatron_zeppelin.planner.plan.plan import Plan, SequencePlan, Span, Tier, TokenRange
 from megatron_zeppelin.testing.reference import attention_rows, random_qkv, reference_attention
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub, run_ranks
 from megatron_zeppelin.testing.tolerances import assert_close
 from megatron_zeppelin.topology.model import Topology
 

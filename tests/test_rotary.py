@@ -18,14 +18,14 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.rotary import (
+from megatron_zeppelin.megatron.model.rotary import (
     Rope,
     apply_rotary,
     llama3_frequencies,
     positions_of_ranges,
     rotary_dim,
 )
-from megatron_zeppelin.planner.plan import TokenRange
+from megatron_zeppelin.planner.plan.plan import TokenRange
 
 pytestmark = pytest.mark.pure
 

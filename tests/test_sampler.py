@@ -14,7 +14,7 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.sampler import (
+from megatron_zeppelin.megatron.documents.sampler import (
     DocumentCost,
     DocumentSampler,
     balance_by_cost,

@@ -12,11 +12,11 @@ import dataclasses
 
 import pytest
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import ModelSpec, get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import ModelSpec, get_model
+from megatron_zeppelin.planner.place.schemes import choose_schemes, faster_scheme, scheme_seconds
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     Scheme,
     SequencePlan,
@@ -24,9 +24,9 @@ from megatron_zeppelin.planner.plan import (
     TokenRange,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.routing import build_routes
-from megatron_zeppelin.planner.schemes import choose_schemes, faster_scheme, scheme_seconds
-from megatron_zeppelin.planner.simulator import simulate, tier_figures
+from megatron_zeppelin.planner.plan.routing import build_routes
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate, tier_figures
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.presets import get_topology
 

@@ -9,11 +9,16 @@ import itertools
 import numpy as np
 import pytest
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.thresholds import tier_thresholds
-from megatron_zeppelin.planner.tiers import TierRules, assign_tiers, chunk_thresholds, share_nodes
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.tiers import (
+    TierRules,
+    assign_tiers,
+    chunk_thresholds,
+    share_nodes,
+)
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure

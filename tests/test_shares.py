@@ -1,5 +1,5 @@
 """Tier: pure. Uneven ring shares (``plan.share_spans``) and the placement that lays documents
-along the GPUs with them (``planner/shares.py``).
+along the GPUs with them (``planner/place/shares.py``).
 
 A member of a ring computes the document's attention in proportion to its tokens under
 ``share_spans``; the placement fills every GPU to one target load; the search keeps it only
@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.linear_layout import attention_layout
-from megatron_zeppelin.planner.loads import Loads
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.shares import MIN_NIC_SHARE, place_shares
+from megatron_zeppelin.planner.plan.linear_layout import attention_layout
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     SequencePlan,
     Tier,
@@ -28,9 +28,9 @@ from megatron_zeppelin.planner.plan import (
     zigzag_sequences,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.routing import build_routes
-from megatron_zeppelin.planner.shares import MIN_NIC_SHARE, place_shares
-from megatron_zeppelin.planner.simulator import simulate
+from megatron_zeppelin.planner.plan.routing import build_routes
+from megatron_zeppelin.planner.search.partition import plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
@@ -189,7 +189,7 @@ def test_uneven_shares_speed_up_batches_of_long_documents_only(gpus, seed, monke
     """Uniform-long at fill 0.5 (as ``compare_sweep.py --stress`` draws it): every document is a
     ring, the pool's rings of whole GPUs leave the busiest GPUs 6-9% above the mean, and the
     shares placement is kept for a faster step."""
-    import megatron_zeppelin.planner.search as search
+    import megatron_zeppelin.planner.search.search as search
 
     array, topology, cost = _uniform_long(gpus, seed)
 

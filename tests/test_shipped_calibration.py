@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.cost.calibration import (
     MODEL_DIMS,
     Calibration,
     ComputeFigure,
@@ -21,8 +21,8 @@ from megatron_zeppelin.planner.calibration import (
     load_calibration,
     save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency
-from megatron_zeppelin.planner.models import get_model
+from megatron_zeppelin.planner.cost.costmodel import CostModel, Efficiency
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.topology.presets import get_topology
 
 pytestmark = pytest.mark.pure
@@ -147,8 +147,8 @@ def test_stress_batches_plan_within_capacity_on_the_measured_figures(dist: str) 
     moves ring members differently. Batches that fill 0.95 of 128 GPUs still give plans that
     hold capacity (``Plan`` refuses any other; mixture, seed 1, once had a ring member 2 tokens
     over capacity after a member move)."""
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.partition import plan_batch
+    from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+    from megatron_zeppelin.planner.search.partition import plan_batch
 
     sweep = _sweep_module()
     topology = get_topology("zeppelin-C", num_nodes=16)

@@ -14,14 +14,22 @@ from examples import examples
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.baselines import BASELINES, build_baseline, plan_without_remap
-from megatron_zeppelin.planner.baselines import sequence_on as place
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel, LinkCost
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.plan import Plan, Route, RoutePart, TokenRange
-from megatron_zeppelin.planner.schedule import Message, Segment, link_bytes, ring_schedule
-from megatron_zeppelin.planner.simulator import simulate, simulate_rounds, step_transfer_times
+from megatron_zeppelin.planner.baselines.baselines import (
+    BASELINES,
+    build_baseline,
+    plan_without_remap,
+)
+from megatron_zeppelin.planner.baselines.baselines import sequence_on as place
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel, LinkCost
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Plan, Route, RoutePart, TokenRange
+from megatron_zeppelin.planner.plan.schedule import Message, Segment, link_bytes, ring_schedule
+from megatron_zeppelin.planner.simulate.simulator import (
+    simulate,
+    simulate_rounds,
+    step_transfer_times,
+)
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -211,7 +219,7 @@ def test_sequential_passes_time_each_document_on_the_ranks_holding_it() -> None:
     """Megatron's dynamic CP runs each document as its own pass; with the highest ranks idle
     (two 2-token documents on rings of 4 hold tokens on one rank each), every pass's compute
     still lands on the rank that holds the document's tokens."""
-    from megatron_zeppelin.planner.simulator import attention_seconds
+    from megatron_zeppelin.planner.simulate.simulator import attention_seconds
 
     plans = build_baseline("megatron-dynamic-cp", [2, 2], topology=TOPO, capacity=64)
     (plan,) = plans

@@ -12,14 +12,17 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 
 from megatron_zeppelin.megatron import spec as spec_module
-from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention, ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.rotary import Rope
+from megatron_zeppelin.megatron.model.core_attention import (
+    ZeppelinCoreAttention,
+    ZeppelinPackedSeqParams,
+)
+from megatron_zeppelin.megatron.model.rotary import Rope
 from megatron_zeppelin.megatron.spec import (
     core_attention_of,
     has_transformer_engine,
     zeppelin_layer_spec,
 )
-from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.plan.plan import Plan
 
 
 class _Received:
@@ -133,11 +136,11 @@ def test_unknown_or_unavailable_kinds_are_refused() -> None:
 
 @pytest.mark.threads
 def test_gpt_with_zeppelin_core_attention_matches_plain_attention(one_rank) -> None:
-    from megatron_zeppelin.megatron.check import ReferencePackedSeqParams, reference_spec
-    from megatron_zeppelin.megatron.rotary import positions_of_ranges
+    from megatron_zeppelin.job.check import ReferencePackedSeqParams, reference_spec
+    from megatron_zeppelin.megatron.model.rotary import positions_of_ranges
     from megatron_zeppelin.megatron.runtime import ModelDims, build_gpt
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.partition import plan_batch
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.search.partition import plan_batch
     from megatron_zeppelin.topology.model import Topology
 
     dims = ModelDims(hidden_size=32, num_heads=4, num_kv_heads=2, ffn_hidden_size=64, vocab_size=64)

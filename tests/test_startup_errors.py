@@ -37,7 +37,7 @@ def no_launch(monkeypatch):
 
 @pytest.fixture
 def dataset(tmp_path) -> str:
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     prefix = str(tmp_path / "docs")
     write_synthetic_dataset(prefix, lengths=[50, 30, 20], vocab_size=512)
@@ -127,7 +127,7 @@ def test_train_refuses_a_checkpoint_it_cannot_resume(tmp_path, capsys, no_launch
 
 @pytest.mark.pure
 def test_train_refuses_a_calibration_for_another_model_in_one_line(tmp_path, capsys, no_launch):
-    from megatron_zeppelin.megatron.train_cpu import MACHINE_CALIBRATION
+    from megatron_zeppelin.job.train_cpu import MACHINE_CALIBRATION
 
     if not os.path.exists(MACHINE_CALIBRATION):
         pytest.skip("no calibration file in this checkout")
@@ -176,7 +176,7 @@ def test_check_refuses_options_before_spawning(capsys):
 
 @pytest.mark.pure
 def test_check_reports_rank_zeros_error_else_the_first(tmp_path):
-    from megatron_zeppelin.megatron.check import _first_error
+    from megatron_zeppelin.job.check import _first_error
 
     assert _first_error(str(tmp_path), 4) is None
     (tmp_path / "rank2.error").write_text("two")
@@ -203,7 +203,7 @@ def test_check_reports_rank_zeros_error_else_the_first(tmp_path):
 )
 def test_spawning_commands_check_flags_first(argv, needle, capsys, monkeypatch, tmp_path):
     from megatron_zeppelin.cli import load_command
-    from megatron_zeppelin.testing import dist as harness
+    from megatron_zeppelin.launch import ranks as harness
 
     def refuse(*args, **kwargs):
         raise AssertionError("processes were started despite bad input")
@@ -239,7 +239,7 @@ def test_a_worker_side_value_error_is_one_line_without_traceback(tmp_path, capfd
 
 @pytest.mark.threads
 def test_cpu_job_skips_micro_batches_without_documents(tmp_path, dataset, one_process_group):
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+    from megatron_zeppelin.job.train_cpu import build_parser, train
 
     # Three short documents over four micro-batches: every step leaves some empty.
     args = build_parser().parse_args(

@@ -16,12 +16,12 @@ import pytest
 import torch
 from test_ring_threads import DOCS_2X2, TOPO_2X2, make_plan
 
-from megatron_zeppelin.attention import kernels
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernel_torch import TorchKernel
+from megatron_zeppelin.attention.kernels import kernels
+from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel
 from megatron_zeppelin.attention.step_timing import HostEvent, RingTimer
+from megatron_zeppelin.comm.threads import run_ranks
 from megatron_zeppelin.testing.reference import attention_rows, random_qkv
-from megatron_zeppelin.testing.threads import run_ranks
 
 pytestmark = pytest.mark.threads
 

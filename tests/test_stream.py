@@ -14,8 +14,8 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.megatron.sampler import DocumentSampler
-from megatron_zeppelin.megatron.stream import DocumentStream
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
+from megatron_zeppelin.megatron.documents.stream import DocumentStream
 
 pytestmark = pytest.mark.pure
 

@@ -12,22 +12,22 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.heads import column_layout, head_plan
-from megatron_zeppelin.planner.linear_layout import attention_layout
-from megatron_zeppelin.planner.phases import (
+from megatron_zeppelin.planner.plan.heads import column_layout, head_plan
+from megatron_zeppelin.planner.plan.linear_layout import attention_layout
+from megatron_zeppelin.planner.plan.phases import (
     attention_blocks,
     split_by_layout,
     unique_inverse,
     zigzag_blocks,
 )
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     Scheme,
     SequencePlan,
     Tier,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.transfers import ring_messages, ring_messages_of
+from megatron_zeppelin.planner.simulate.transfers import ring_messages, ring_messages_of
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure

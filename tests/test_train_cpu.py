@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_zeppelin.testing.dist import run_distributed
+from megatron_zeppelin.launch.ranks import run_distributed
 
 pytestmark = pytest.mark.dist
 
 
 def _three_runs(rank: int, world_size: int, run_dir: str) -> dict:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+    from megatron_zeppelin.job.train_cpu import build_parser, train
 
     common = [
         "--run-dir", run_dir, "--quiet", "--dataset-tokens", "40000", "--tokens-per-step",
@@ -57,7 +57,7 @@ def test_loss_falls_and_resume_matches_an_uninterrupted_run(tmp_path) -> None:
 
 
 def _bf16_runs(rank: int, world_size: int, run_dir: str) -> dict:
-    from megatron_zeppelin.megatron.train_cpu import build_parser, train
+    from megatron_zeppelin.job.train_cpu import build_parser, train
 
     common = [
         "--run-dir", run_dir, "--quiet", "--dataset-tokens", "30000", "--tokens-per-step",

@@ -11,8 +11,8 @@ from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from megatron_zeppelin.planner.heads import AttentionShape, head_groups, head_plan
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.plan.heads import AttentionShape, head_groups, head_plan
+from megatron_zeppelin.planner.plan.plan import (
     PLAN_FORMAT,
     Plan,
     Scheme,
@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.plan import (
     node_chunks,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import (
+from megatron_zeppelin.planner.plan.schedule import (
     engine_link_bytes,
     exchange_messages,
     ring_schedule,

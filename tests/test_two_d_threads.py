@@ -19,8 +19,9 @@ from test_two_d_plan import node_pieces
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
 from megatron_zeppelin.comm.counters import LinkCounters, comparable
-from megatron_zeppelin.planner.heads import AttentionShape, head_plan
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub
+from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan
+from megatron_zeppelin.planner.plan.plan import (
     Plan,
     Route,
     RoutePart,
@@ -31,9 +32,8 @@ from megatron_zeppelin.planner.plan import (
     TokenRange,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.schedule import engine_link_bytes, ring_schedule
+from megatron_zeppelin.planner.plan.schedule import engine_link_bytes, ring_schedule
 from megatron_zeppelin.testing.reference import random_qkv
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.testing.tolerances import assert_close
 from megatron_zeppelin.topology.model import Topology
 
@@ -200,10 +200,10 @@ def test_head_counts_that_do_not_split_are_refused() -> None:
 
 
 def test_planner_plans_with_two_d_documents_match_reference() -> None:
-    from megatron_zeppelin.planner.costmodel import CostModel
-    from megatron_zeppelin.planner.distributions import sample_lengths
-    from megatron_zeppelin.planner.models import get_model
-    from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
+    from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
+    from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 
     cost = CostModel.default(get_model("tiny"), TOPO_2X2)  # 4 heads over 2 K/V heads
     lengths = sample_lengths("prolong", num_tokens=500, seed=1, max_length=400) + [1, 2, 9, 31]

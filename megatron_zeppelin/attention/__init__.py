@@ -8,8 +8,8 @@ Function.
 """
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernels import (
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernels import (
     available_kernels,
     choose_kernel,
     flash_available,

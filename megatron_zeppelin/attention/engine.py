@@ -17,7 +17,7 @@ each window are derived once per micro-batch from the same ring schedule,
 flow to it).
 
 Transport is the ``exchanger``, a ``comm.protocol.Exchanger`` (``comm.exchange.DistExchanger``
-across processes, ``testing.threads.ThreadExchanger`` across threads); the engine only calls its
+across processes, ``comm.threads.ThreadExchanger`` across threads); the engine only calls its
 ``start``. When the exchanger has ``for_plan`` (the routed transports do), the engine keeps a
 view of it bound to the plan, made at construction, so routes always match the plan being
 executed, in the backward too, whatever micro-batches ran in between (a transport with only
@@ -36,13 +36,13 @@ from __future__ import annotations
 import torch
 
 from megatron_zeppelin.attention.head_layout import HeadLayout
-from megatron_zeppelin.attention.kernels import available_kernels
+from megatron_zeppelin.attention.kernels.kernels import available_kernels
 from megatron_zeppelin.attention.layout import RankLayout
 from megatron_zeppelin.attention.ring import RingAttentionFunction, RingRuntime
 from megatron_zeppelin.attention.step_timing import RingTimer
 from megatron_zeppelin.attention.two_d import TwoDRuntime
 from megatron_zeppelin.comm.protocol import Exchanger
-from megatron_zeppelin.planner.plan import AttentionComm, Plan
+from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan
 
 __all__ = ["ZeppelinAttention"]
 

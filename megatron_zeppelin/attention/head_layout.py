@@ -1,6 +1,6 @@
 """What one rank needs to run a plan's 2-D documents, precomputed once per plan (pure).
 
-The scheme is ``planner/heads.py``'s; here is what it means for one rank's buffers. Rank
+The scheme is ``planner/plan/heads.py``'s; here is what it means for one rank's buffers. Rank
 ``(i, j)`` (node ``i`` of the document's ring, local GPU ``j``) holds a 2-D document twice:
 
     token buffer (layout.RankLayout)             head buffer (this module)
@@ -32,9 +32,9 @@ from collections.abc import Callable
 
 from megatron_zeppelin.attention.layout import RankLayout, Rows, range_rows
 from megatron_zeppelin.comm.heads import HeadExchange
-from megatron_zeppelin.planner.heads import head_plan
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.schedule import Message, exchange_messages
+from megatron_zeppelin.planner.plan.heads import head_plan
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.plan.schedule import Message, exchange_messages
 
 __all__ = ["HeadLayout"]
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
 from megatron_zeppelin.attention.pairs import Pair, block_pairs
-from megatron_zeppelin.planner.plan import Plan, Tier
-from megatron_zeppelin.planner.schedule import (
+from megatron_zeppelin.planner.plan.plan import Plan, Tier
+from megatron_zeppelin.planner.plan.schedule import (
     Message,
     block_tokens,
     gradient_schedule,

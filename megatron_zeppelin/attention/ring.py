@@ -58,8 +58,8 @@ from typing import Any
 
 import torch
 
-from megatron_zeppelin.attention.kernel_api import AttentionKernel, compute_dtype
-from megatron_zeppelin.attention.kernels import get_kernel
+from megatron_zeppelin.attention.kernels.kernel_api import AttentionKernel, compute_dtype
+from megatron_zeppelin.attention.kernels.kernels import get_kernel
 from megatron_zeppelin.attention.layout import KernelCall, RankLayout, RingStep, Rows, TierLayout
 from megatron_zeppelin.attention.merge import add_sink_, as_dtype, merge_rows_, sink_gradient
 from megatron_zeppelin.attention.step_timing import RingTimer

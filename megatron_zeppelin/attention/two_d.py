@@ -1,6 +1,6 @@
 """The engine for plans with 2-D documents: the flat rings plus heads split inside each node.
 
-``planner/heads.py`` describes the scheme, ``head_layout.py`` the buffers and where rows go.
+``planner/plan/heads.py`` describes the scheme, ``head_layout.py`` the buffers and where rows go.
 One forward, per rank (every rank runs it, with or without 2-D rows of its own):
 
 1. post the head all-to-all of Q, K, V to the head layout (NVLink, inside each node);
@@ -32,7 +32,7 @@ from megatron_zeppelin.attention.merge import add_sink_, sink_gradient
 from megatron_zeppelin.attention.ring import Buffers, Forward, RingRuntime, interleave
 from megatron_zeppelin.comm.heads import HeadAllToAll
 from megatron_zeppelin.comm.protocol import Exchanger
-from megatron_zeppelin.planner.heads import HeadGroups, head_groups
+from megatron_zeppelin.planner.plan.heads import HeadGroups, head_groups
 
 __all__ = ["TwoDRuntime"]
 

@@ -14,6 +14,9 @@
   names a stalled rank (``CommStallError``, a ``ZeppelinCommError``);
 - ``plan_share.PlanShare``: each micro-batch's plan broadcast from the rank that made it (the
   first of one node) to every rank, on a gloo group of its own.
+- ``threads.ThreadExchanger``: the exchanger protocol across the threads of one process, with
+  mailboxes instead of torch.distributed (tests, and one-GPU runs of ``verify`` and
+  ``validate-cost-model``).
 """
 
 from megatron_zeppelin.comm.counters import LinkCounters, comparable

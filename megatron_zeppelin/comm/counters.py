@@ -1,6 +1,6 @@
 """Bytes per link class, counted from the sends a rank actually makes.
 
-The keys are those of ``planner.schedule.link_bytes``: ``nvlink`` (sender and receiver on one
+The keys are those of ``planner.plan.schedule.link_bytes``: ``nvlink`` (sender and receiver on one
 node), ``nic`` (across nodes, all NICs together) and ``nic:<node>.<nic>`` for the NIC next to the
 sending GPU. Every transfer is counted once, by its sender, at the moment it is posted; a routed
 message therefore shows up as its NVLink hops plus its source proxy's NIC, exactly as the plan

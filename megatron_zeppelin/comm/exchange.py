@@ -5,9 +5,9 @@ list of one ring step's messages (every rank the same list, in the same order) a
 outgoing tensors; transfers run in the background and ``Pending.wait`` returns what this rank
 received. Each rank only acts on the messages it sends, receives or relays.
 
-Routing (plan.routes, chosen by ``planner/routing.py``; docs/DESIGN.md, "Routing over every
+Routing (plan.routes, chosen by ``planner/plan/routing.py``; docs/DESIGN.md, "Routing over every
 NIC"): a message on a routed edge ``a -> b`` is cut along dim 0 into one part per route part
-(``planner.schedule.message_legs``), and part ``j`` travels
+(``planner.plan.schedule.message_legs``), and part ``j`` travels
 
     hop 1  a -> src_proxy_j        NVLink, skipped when the same GPU
     hop 2  src_proxy_j -> dst_proxy_j   across nodes on the proxies' rail
@@ -51,8 +51,8 @@ from megatron_zeppelin.comm.protocol import (
     ZeppelinCommError,
     check_payload,
 )
-from megatron_zeppelin.planner.plan import Plan, Route
-from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.planner.plan.plan import Plan, Route
+from megatron_zeppelin.planner.plan.schedule import Message
 
 __all__ = ["DistExchanger", "Exchanger", "Pending", "ZeppelinCommError"]
 

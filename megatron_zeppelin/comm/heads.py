@@ -31,7 +31,7 @@ import torch
 
 from megatron_zeppelin.comm.protocol import Exchanger, Pending
 from megatron_zeppelin.devices import to_device
-from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.planner.plan.schedule import Message
 
 __all__ = ["HeadAllToAll", "HeadExchange", "HeadRanges"]
 

@@ -1,7 +1,7 @@
 """One ring step's transfers in flight: how the hops of routed messages are posted and finished.
 
 ``DistExchanger.start`` cuts the step's messages into legs (``step_legs``: each message's
-``planner.schedule.message_legs``, a piece of the message on a fixed path of one to three hops)
+``planner.plan.schedule.message_legs``, a piece of the message on a fixed path of one to three hops)
 and hands them to one of two ``Pending`` kinds, with a ``Transport`` record of what they need
 from the exchanger (groups, device, counters, timeout, an optional posting log):
 
@@ -52,8 +52,8 @@ from megatron_zeppelin.comm.counters import LinkCounters
 from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.comm.posting import RECV, SEND, Batch, PostedOp, PostingLog
 from megatron_zeppelin.comm.protocol import ZeppelinCommError
-from megatron_zeppelin.planner.plan import Route
-from megatron_zeppelin.planner.schedule import MAX_HOPS, Leg, Message, message_legs
+from megatron_zeppelin.planner.plan.plan import Route
+from megatron_zeppelin.planner.plan.schedule import MAX_HOPS, Leg, Message, message_legs
 
 __all__ = ["RelayPending", "StagedPending", "Transport", "step_legs"]
 

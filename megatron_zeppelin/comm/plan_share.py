@@ -13,8 +13,8 @@ Per micro-batch (``exchange``): the planning rank broadcasts a header ``(kind, s
 payload. Kinds: ``PLAN`` (the plan's pickle), ``ERROR`` (the planner's exception, pickled:
 every rank raises the same one), ``DROPPED`` (no plan: the micro-batch was given up, when the
 feed closes or the sampler is resumed). Every rank exchanges the same micro-batches in the same
-order from one thread (``megatron/feed.py`` draws them alike everywhere), so the broadcasts pair
-up. A planning rank that never sends (its process died) ends the others' wait at the group's
+order from one thread (``megatron/plans/feed.py`` draws them alike everywhere), so the broadcasts
+pair up. A planning rank that never sends (its process died) ends the others' wait at the group's
 timeout with a ``PlanShareError`` naming it.
 """
 

@@ -4,7 +4,7 @@ The engine (``attention/ring.py``) types its transport as ``Exchanger``: ``start
 GLOBAL list of one ring step's messages (every rank the same list, in the same order) and this
 rank's outgoing rows, and returns a ``Pending`` whose ``wait`` returns what this rank received.
 Two transports implement it: ``comm.exchange.DistExchanger`` (torch.distributed point-to-point)
-and ``testing.threads.ThreadExchanger`` (ranks as threads of one process). Both refuse bad
+and ``comm.threads.ThreadExchanger`` (ranks as threads of one process). Both refuse bad
 payloads the same way, with ``check_payload``, before anything is sent.
 
 This module calls nothing in torch.distributed, so the attention code imports it without
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import torch
 
-from megatron_zeppelin.planner.schedule import Message
+from megatron_zeppelin.planner.plan.schedule import Message
 
 __all__ = ["Exchanger", "Pending", "ZeppelinCommError", "check_payload"]
 

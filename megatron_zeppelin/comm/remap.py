@@ -5,7 +5,7 @@ per GPU, even within nodes, or the attention layout itself); only core attention
 runs in the attention layout (docs/DESIGN.md, "The remap between layouts").
 ``linear_to_attention`` and ``attention_to_linear`` move the rows of a ``(t, ...)`` tensor
 between the two with ``all_to_all_single``; the split sizes and row orders come from the pure
-``planner.remap_layout``. Each is an autograd function whose backward is the other direction's
+``planner.plan.remap_layout``. Each is an autograd function whose backward is the other direction's
 all-to-all applied to the gradient: a permutation's gradient is its inverse permutation.
 
 ``group``: the process group of the plan's ranks, group rank ``i`` being plan rank ``i``
@@ -27,8 +27,8 @@ import torch.distributed as dist
 
 from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.devices import to_device
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.remap_layout import (
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.plan.remap_layout import (
     RemapLayout,
     attention_to_linear_layout,
     linear_to_attention_layout,

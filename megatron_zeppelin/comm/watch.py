@@ -26,7 +26,8 @@ The error is ``CommStallError`` (a ``ZeppelinCommError``); its message reads, fo
 Ring P2P transfers are bounded by the exchanger's own timeout (``comm.pending``); their errors
 carry the exchange and the peer, and ``explain`` adds the board's diagnosis and this rank's
 position. A watch is passed explicitly (``ZeppelinPackedSeqParams.watch``, the ``watch=``
-argument of ``comm.remap`` and ``megatron.loss``); without one those collectives run as before.
+argument of ``comm.remap`` and ``megatron.model.loss``); without one those collectives run as
+before.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     zeppelin check --json runs/check.json
 
-Runs ``megatron.check.run_check``: 4 gloo processes (2 emulated nodes x 2 GPUs) with tensor
+Runs ``job.check.run_check``: 4 gloo processes (2 emulated nodes x 2 GPUs) with tensor
 parallel 1 and 2 x Zeppelin 2 (TP 2 also with sequence parallelism), against a single-process
 reference. Exit status 0 when every
 relative error is within the tolerance, 1 otherwise; 2 with one line on stderr for options
@@ -20,10 +20,10 @@ import os
 import sys
 
 # Importing the job module hides the third-party warnings megatron-core prints on import.
-from megatron_zeppelin.megatron import train_cpu  # noqa: F401  isort: skip
+from megatron_zeppelin.job import train_cpu  # noqa: F401  isort: skip
 from megatron_zeppelin.fileio import atomic_write_text  # noqa: E402
-from megatron_zeppelin.megatron.check import CheckOptions, run_check  # noqa: E402
-from megatron_zeppelin.testing.dist import DistributedRunError
+from megatron_zeppelin.job.check import CheckOptions, run_check  # noqa: E402
+from megatron_zeppelin.launch.ranks import DistributedRunError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from megatron_zeppelin.planner.baselines import (
+from megatron_zeppelin.planner.baselines.baselines import (
     STATIC_CP_BASELINES,
     static_cp_sizes,
 )

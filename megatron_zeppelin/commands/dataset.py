@@ -17,9 +17,9 @@ import json
 
 import numpy as np
 
-from megatron_zeppelin.megatron.data import DocumentDataset
-from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
-from megatron_zeppelin.planner.distributions import MAX_DOCUMENT_LENGTH
+from megatron_zeppelin.job.synthetic import write_synthetic_dataset
+from megatron_zeppelin.megatron.documents.data import DocumentDataset
+from megatron_zeppelin.planner.baselines.distributions import MAX_DOCUMENT_LENGTH
 
 DEFAULT_TOKENS = 1_000_000
 

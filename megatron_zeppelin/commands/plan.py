@@ -21,13 +21,13 @@ from typing import Any
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.fileio import format_bytes
 from megatron_zeppelin.megatron.args import zeppelin_node
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import read_lengths_file, sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import plan_batch
-from megatron_zeppelin.planner.plan import Tier
-from megatron_zeppelin.planner.simulator import simulate, tier_figures
+from megatron_zeppelin.planner.baselines.distributions import read_lengths_file, sample_lengths
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Tier
+from megatron_zeppelin.planner.search.partition import plan_batch
+from megatron_zeppelin.planner.simulate.simulator import simulate, tier_figures
 from megatron_zeppelin.topology.presets import topology_from_args
 from megatron_zeppelin.viz import plot_plan_load
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from megatron_zeppelin.attention.kernels import available_kernels, requires_cuda
+from megatron_zeppelin.attention.kernels.kernels import available_kernels, requires_cuda
 from megatron_zeppelin.devices import resolve_device
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile

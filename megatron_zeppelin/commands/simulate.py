@@ -11,8 +11,8 @@ Every builder plans the same batches (``--steps`` batches drawn with seeds ``see
 and the simulator times them. Speedups are ratios of mean step times. ``compare`` prices every
 system twice: with the same cost model for all ("same kernel": the method alone), and "as
 deployed", each system with the attention curve of the kernel it runs
-(``planner/kernel_curves.py``: Zeppelin the fastest kernel the calibration measured, TE ring CP
-and Megatron's dynamic CP TransformerEngine's fused attention, or its stand-in). Without a
+(``planner/baselines/kernel_curves.py``: Zeppelin the fastest kernel the calibration measured, TE
+ring CP and Megatron's dynamic CP TransformerEngine's fused attention, or its stand-in). Without a
 calibration the two coincide. TE ring CP, the all-gather CP and hybrid DP run, in each column,
 at the static CP size that is fastest on each batch (``compare_static.py``): "vs TE" is against
 the best static TE ring CP; the rows marked "(rule)" keep each at its default rule.
@@ -51,12 +51,12 @@ from megatron_zeppelin.commands.plan import (
     zeppelin_plan,
 )
 from megatron_zeppelin.fileio import format_bytes
-from megatron_zeppelin.planner.baselines import BASELINES, build_baseline
-from megatron_zeppelin.planner.calibration import load_calibration
-from megatron_zeppelin.planner.kernel_curves import Deployment, deployed
-from megatron_zeppelin.planner.partition import collector_paused
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.simulator import simulate_rounds
+from megatron_zeppelin.planner.baselines.baselines import BASELINES, build_baseline
+from megatron_zeppelin.planner.baselines.kernel_curves import Deployment, deployed
+from megatron_zeppelin.planner.cost.calibration import load_calibration
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.search.partition import collector_paused
+from megatron_zeppelin.planner.simulate.simulator import simulate_rounds
 from megatron_zeppelin.viz import plot_comparison
 
 ZEPPELIN = "zeppelin"

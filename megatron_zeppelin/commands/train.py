@@ -3,7 +3,7 @@
     zeppelin train                       # 4 processes = 2 nodes x 2 GPUs, 24 steps
     zeppelin train --steps 40 --json runs/cpu/train.json --save runs/cpu/ckpt
 
-Every flag of ``python -m megatron_zeppelin.megatron.train_cpu`` is accepted and passed on;
+Every flag of ``python -m megatron_zeppelin.job.train_cpu`` is accepted and passed on;
 ``--nproc`` sets the process count (tensor parallel x Zeppelin ranks). Known third-party
 warnings (Apex / TransformerEngine missing on CPU, megatron-core deprecations) are hidden in the
 workers; ``--verbose`` shows them.
@@ -14,9 +14,9 @@ budget, the dataset, the checkpoint to resume (verified against its manifest, an
 run's model and process count) and the calibration file. Each problem is one line
 ``zeppelin train: error: ...`` and exit status 2.
 
-The workers start through ``launch.launch`` (this host, torchrun's variables, a session of their
-own each, stderr into ``RUN_DIR/logs/<run>/rankNNN.log``). When the job fails, the launcher stops
-every worker and this command prints one line per failed rank, the first cause first (a rank
+The workers start through ``launch.standalone.launch`` (this host, torchrun's variables, a session
+of their own each, stderr into ``RUN_DIR/logs/<run>/rankNNN.log``). When the job fails, the launcher
+stops every worker and this command prints one line per failed rank, the first cause first (a rank
 killed by a signal or found stopped, then what the workers reported: bad input, a stalled peer
 named with its step and layer, a diverged loss, a bug), each naming the log file that holds its
 traceback; what several ranks reported alike (bad input, a shared plan's error) is one line
@@ -38,16 +38,16 @@ from collections.abc import Iterator
 import numpy as np
 
 from megatron_zeppelin import checkpoint
-from megatron_zeppelin.attention.kernels import choose_kernel, requires_cuda
+from megatron_zeppelin.attention.kernels.kernels import choose_kernel, requires_cuda
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.devices import require_gpus
-from megatron_zeppelin.launch import launch
-from megatron_zeppelin.megatron import train_cpu
+from megatron_zeppelin.job import train_cpu
+from megatron_zeppelin.launch.standalone import launch
+from megatron_zeppelin.launch.worker import USER_ERROR_EXIT
 from megatron_zeppelin.megatron.args import resolve_topology
-from megatron_zeppelin.megatron.data import DocumentDataset
+from megatron_zeppelin.megatron.documents.data import DocumentDataset
 from megatron_zeppelin.megatron.precision import DTYPES, job_device
-from megatron_zeppelin.megatron.worker import USER_ERROR_EXIT
-from megatron_zeppelin.planner.distributions import distribution_mean
+from megatron_zeppelin.planner.baselines.distributions import distribution_mean
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -82,7 +82,7 @@ def command_line(args: argparse.Namespace) -> list[str]:
         "--standalone",
         f"--nproc-per-node={args.nproc}",
         "-m",
-        "megatron_zeppelin.megatron.train_cpu",
+        "megatron_zeppelin.job.train_cpu",
         *worker_arguments(args),
     ]
 
@@ -290,7 +290,7 @@ def _launch(args: argparse.Namespace) -> int:
         env["ZEPPELIN_VERBOSE"] = "1"  # the workers then keep third-party warnings on
     timeout = args.zeppelin_comm_timeout_s
     result = launch(
-        "megatron_zeppelin.megatron.train_cpu",
+        "megatron_zeppelin.job.train_cpu",
         worker_arguments(args),
         nproc=args.nproc,
         log_dir=_log_dir(args),
@@ -310,8 +310,9 @@ def _launch(args: argparse.Namespace) -> int:
 
 def failure_report(result) -> tuple[list[str], int]:
     """One line per failure, the first cause first, and the exit status (module docstring);
-    ``result`` is a ``launch.LaunchResult``. Bad input (the same on every rank), and an error
-    several ranks raised alike (a shared plan's: ``megatron/shared_plans.py``), are said once."""
+    ``result`` is a ``launch.standalone.LaunchResult``. Bad input (the same on every rank), and an
+    error several ranks raised alike (a shared plan's: ``megatron/plans/shared_plans.py``), are said
+    once."""
     found = [line for line in map(_rank_line, result.ends) if line is not None]
     found.sort(key=lambda line: line[0])
     alike: dict[str, list[tuple[int, str]]] = {}

@@ -6,7 +6,7 @@ one batch, and runs every case on random data in one process group:
 * ``zeppelin``: the Zeppelin plan with every ring flat, routing on (proxies) and off (direct
   sends);
 * ``zeppelin-2d``: the same plan with every inter-node document run with the 2-D scheme (heads
-  split inside each node, one ring per rail across nodes; ``planner/heads.py``), when the batch
+  split inside each node, one ring per rail across nodes; ``planner/plan/heads.py``), when the batch
   has one and the heads split over a node's GPUs (the planner chooses per document between the
   two; here both run on the same batch and the same token layout);
 * ``te-ring-cp``: TransformerEngine-style static ring CP over the same batch (every round).
@@ -65,14 +65,14 @@ from megatron_zeppelin.commands.verify_run import (
 )
 from megatron_zeppelin.devices import require_gpus
 from megatron_zeppelin.fileio import atomic_write_text, format_bytes
-from megatron_zeppelin.planner.baselines import build_baseline
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.distributions import read_lengths_file, sample_lengths
-from megatron_zeppelin.planner.heads import head_groups
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.schemes import every_two_d
-from megatron_zeppelin.testing.dist import DistributedRunError, run_distributed, whole_run_timeout
+from megatron_zeppelin.launch.ranks import DistributedRunError, run_distributed, whole_run_timeout
+from megatron_zeppelin.planner.baselines.baselines import build_baseline
+from megatron_zeppelin.planner.baselines.distributions import read_lengths_file, sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place.schemes import every_two_d
+from megatron_zeppelin.planner.plan.heads import head_groups
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.testing.tolerances import relative_error, tolerance
 from megatron_zeppelin.topology.model import Topology
 

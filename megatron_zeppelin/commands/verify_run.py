@@ -1,6 +1,6 @@
 """What ``zeppelin verify`` runs: its cases, the worker on every rank, and the references.
 
-``worker`` runs on every process of the emulated cluster (``testing.dist.run_distributed``) and
+``worker`` runs on every process of the emulated cluster (``launch.ranks.run_distributed``) and
 ``run_case`` feeds one case's plan through the remapping and the engine as the Megatron layer
 does; ``reference`` (dense float64) and ``single_gpu`` (the batch on one GPU in the run's dtype)
 are what the parent compares the ranks' results with, ``predicted_bytes`` what it compares their
@@ -24,16 +24,16 @@ from megatron_zeppelin.attention.step_timing import RingTimer, cuda_events, host
 from megatron_zeppelin.comm import DistExchanger, LinkCounters, PostingLog, ZeppelinGroups
 from megatron_zeppelin.comm.counters import comparable
 from megatron_zeppelin.comm.remap import attention_to_linear, linear_to_attention
-from megatron_zeppelin.planner.heads import AttentionShape
-from megatron_zeppelin.planner.plan import Plan, SequencePlan, Tier, TokenRange, zigzag_spans
-from megatron_zeppelin.planner.schedule import engine_link_bytes
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub
+from megatron_zeppelin.planner.plan.heads import AttentionShape
+from megatron_zeppelin.planner.plan.plan import Plan, SequencePlan, Tier, TokenRange, zigzag_spans
+from megatron_zeppelin.planner.plan.schedule import engine_link_bytes
 from megatron_zeppelin.testing.reference import (
     attention_rows,
     linear_rows,
     random_qkv,
     reference_attention,
 )
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = [
@@ -67,7 +67,7 @@ class Case:
     """One plan run with routing on or off."""
 
     name: str
-    plan: Any  # planner.plan.Plan (kept untyped so this module imports without torch)
+    plan: Any  # planner.plan.plan.Plan (kept untyped so this module imports without torch)
     routing: bool
     dtype: str | None = None
     """Overrides ``EngineSpec.dtype`` for this case."""
@@ -184,7 +184,7 @@ def _plan_on(plan, topology):
 
 
 def worker(rank: int, world_size: int, cases: list[Case], spec: EngineSpec) -> list[dict]:
-    """Entry point of each process (``testing.dist.run_distributed``). With ``--device cuda``
+    """Entry point of each process (``launch.ranks.run_distributed``). With ``--device cuda``
     the Zeppelin groups are NCCL groups on this process's GPU (the harness's group stays gloo)."""
     backend = None
     if spec.device == "cuda":

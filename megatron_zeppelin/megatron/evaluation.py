@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from megatron_zeppelin.megatron.blend import SPLITS, DocumentSet, check_data_flags
-from megatron_zeppelin.megatron.feed import FedMicroBatch, MicroBatchFeed
-from megatron_zeppelin.megatron.sampler import DocumentSampler
+from megatron_zeppelin.megatron.documents.blend import SPLITS, DocumentSet, check_data_flags
+from megatron_zeppelin.megatron.documents.sampler import DocumentSampler
+from megatron_zeppelin.megatron.plans.feed import FedMicroBatch, MicroBatchFeed
 
 SamplerFactory = Callable[..., DocumentSampler]
 """``(documents, num_micro_batches, num_epochs=None) -> DocumentSampler`` with the run's

@@ -25,7 +25,7 @@ Wiring, in order (``pretrain_gpt.py`` and the patched upstream script both use i
    validates the flags, resolves the topology of the Zeppelin ranks (the data-parallel ranks of
    this TP index and pipeline stage, ``args.stage_node`` and ``args.zeppelin_node`` shaping the
    physical node for PP and TP), creates the process groups and the ring exchanger once, builds
-   the cost model from the ``TransformerConfig`` Megatron builds (``planner.models.
+   the cost model from the ``TransformerConfig`` Megatron builds (``planner.cost.models.
    model_from_config``; under pipeline parallelism of this stage's layers) and prints the
    start-up summary (``report.startup_lines``). It must run there: after Megatron's
    initialization, before the model and the data;
@@ -66,7 +66,7 @@ from megatron.core.transformer.spec_utils import import_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.utils import get_attr_wrapped_model
 
-from megatron_zeppelin.attention.kernels import choose_kernel
+from megatron_zeppelin.attention.kernels.kernels import choose_kernel
 from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.megatron import evaluation
 from megatron_zeppelin.megatron.args import (
@@ -75,15 +75,23 @@ from megatron_zeppelin.megatron.args import (
     resolve_topology,
     validate_megatron_args,
 )
-from megatron_zeppelin.megatron.blend import SPLITS, data_blends, open_document_sets
-from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-from megatron_zeppelin.megatron.feed import MicroBatchFeed
-from megatron_zeppelin.megatron.loss import megatron_loss_func
-from megatron_zeppelin.megatron.norms import (
+from megatron_zeppelin.megatron.documents.blend import SPLITS, data_blends, open_document_sets
+from megatron_zeppelin.megatron.documents.resume import (
+    is_save_iteration,
+    restore_sampler,
+    save_sampler_state,
+)
+from megatron_zeppelin.megatron.documents.sampler import DocumentCost, DocumentSampler
+from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
+from megatron_zeppelin.megatron.model.loss import megatron_loss_func
+from megatron_zeppelin.megatron.model.norms import (
     needs_sequence_parallel_norms,
     sequence_parallel_spec,
 )
+from megatron_zeppelin.megatron.model.rotary import Rope
+from megatron_zeppelin.megatron.model.variants import window_left
 from megatron_zeppelin.megatron.pipeline import ChunkCursors, pipeline_stage
+from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
 from megatron_zeppelin.megatron.report import (
     chosen_kernel,
     collector_line,
@@ -91,8 +99,6 @@ from megatron_zeppelin.megatron.report import (
     planning_text,
     startup_lines,
 )
-from megatron_zeppelin.megatron.resume import is_save_iteration, restore_sampler, save_sampler_state
-from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.runtime import (
     ParallelContext,
     build_cost_model,
@@ -100,12 +106,10 @@ from megatron_zeppelin.megatron.runtime import (
     create_transport,
     plan_summary,
 )
-from megatron_zeppelin.megatron.sampler import DocumentCost, DocumentSampler
 from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, layers_of, model_spec
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
-from megatron_zeppelin.megatron.variants import window_left
-from megatron_zeppelin.planner.models import model_from_config
-from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.planner.cost.models import model_from_config
+from megatron_zeppelin.planner.plan.plan import Plan
 
 __all__ = [
     "extra_args_provider",
@@ -164,7 +168,7 @@ def reset() -> None:
 
 
 def planner_model(args: argparse.Namespace, *, pp_rank: int = 0):
-    """The planner's model of the run: ``planner.models.model_from_config`` of the
+    """The planner's model of the run: ``planner.cost.models.model_from_config`` of the
     ``TransformerConfig`` Megatron builds from ``args`` (K/V heads only with
     ``--group-query-attention``, dtype from ``--bf16``/``--fp16``, TP size); under pipeline
     parallelism the model of stage ``pp_rank``, its own layers (``pipeline.pipeline_stage``)."""

@@ -28,7 +28,7 @@ from typing import Any, Generic, TypeVar
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from megatron_zeppelin.planner.models import PipelineStage
+from megatron_zeppelin.planner.cost.models import PipelineStage
 
 T = TypeVar("T")
 

@@ -20,12 +20,12 @@ from typing import Any
 
 import torch
 
-from megatron_zeppelin.attention.kernels import choose_kernel
+from megatron_zeppelin.attention.kernels.kernels import choose_kernel
 from megatron_zeppelin.fileio import format_bytes
-from megatron_zeppelin.planner.calibration import load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.kernel_curves import speed_order
-from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.planner.baselines.kernel_curves import speed_order
+from megatron_zeppelin.planner.cost.calibration import load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import ModelSpec
 from megatron_zeppelin.topology.model import Topology
 
 _DTYPE_NAMES = {2: "16-bit (bf16/fp16)", 4: "fp32"}

@@ -32,19 +32,19 @@ from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.comm.plan_share import PlanShare
 from megatron_zeppelin.config import ZeppelinConfig
 from megatron_zeppelin.megatron.args import zeppelin_ranks
-from megatron_zeppelin.megatron.norms import (
+from megatron_zeppelin.megatron.model.norms import (
     needs_sequence_parallel_norms,
     sequence_parallel_spec,
 )
+from megatron_zeppelin.megatron.model.rotary import Rope
 from megatron_zeppelin.megatron.precision import DTYPES
-from megatron_zeppelin.megatron.rotary import Rope
 from megatron_zeppelin.megatron.spec import zeppelin_layer_spec
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import CostModel, causal_pairs
-from megatron_zeppelin.planner.heads import AttentionShape
-from megatron_zeppelin.planner.models import ModelSpec, model_from_config
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.schedule import engine_link_bytes
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import CostModel, causal_pairs
+from megatron_zeppelin.planner.cost.models import ModelSpec, model_from_config
+from megatron_zeppelin.planner.plan.heads import AttentionShape
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.plan.schedule import engine_link_bytes
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -182,7 +182,7 @@ def build_cost_model(
     calibration: str | None,
 ) -> CostModel:
     """Datasheet cost model, with a calibration file's measured figures where one is given.
-    ``dims``: the planner's model (``planner.models.model_from_config``), or the CPU job's
+    ``dims``: the planner's model (``planner.cost.models.model_from_config``), or the CPU job's
     dimensions with its tensor-parallel size."""
     spec = dims if isinstance(dims, ModelSpec) else dims.model_spec(tensor_parallel=tensor_parallel)
     cost = CostModel.default(spec, topology)

@@ -35,8 +35,8 @@ from megatron.core.models.gpt import gpt_layer_specs
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
-from megatron_zeppelin.megatron.core_attention import ZeppelinCoreAttention
-from megatron_zeppelin.megatron.rotary import MEGATRON_DEFAULT, Rope
+from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
+from megatron_zeppelin.megatron.model.rotary import MEGATRON_DEFAULT, Rope
 
 SPEC_KINDS = ("local", "te")
 

@@ -27,17 +27,17 @@ from typing import Any
 import torch
 
 from megatron_zeppelin.config import ZeppelinConfig
-from megatron_zeppelin.megatron.batch import (
+from megatron_zeppelin.megatron.documents.batch import (
     LinearBatch,
     TokenReader,
     build_linear_batch,
     pad_linear_batch,
 )
-from megatron_zeppelin.megatron.core_attention import ZeppelinPackedSeqParams
-from megatron_zeppelin.megatron.plan_workers import PlanRecipe
-from megatron_zeppelin.megatron.sampler import DocumentSlice
-from megatron_zeppelin.planner.costmodel import CostModel
-from megatron_zeppelin.planner.plan import Plan
+from megatron_zeppelin.megatron.documents.sampler import DocumentSlice
+from megatron_zeppelin.megatron.model.core_attention import ZeppelinPackedSeqParams
+from megatron_zeppelin.megatron.plans.plan_workers import PlanRecipe
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.plan.plan import Plan
 from megatron_zeppelin.topology.model import Topology
 
 

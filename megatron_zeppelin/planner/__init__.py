@@ -1,9 +1,20 @@
 """Pure planning: document lengths + topology + cost model -> a validated ``Plan``.
 
 No torch.distributed here: every rank computes the same plan from the same lengths.
+
+The planner is in wings (sub-packages), each importing only the wings before it in ``WINGS``:
+``cost/`` (the cost model), ``plan/`` (the plan contract and what follows from a plan),
+``simulate/`` (the step-time simulator), ``place/`` (placements of documents on GPUs),
+``search/`` (the search over placements and ``plan_batch``), ``baselines/`` (the systems
+compared with). The names below are the planner's public ones.
 """
 
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.planner.baselines.distributions import (
+    DISTRIBUTIONS,
+    read_lengths_file,
+    sample_lengths,
+)
+from megatron_zeppelin.planner.cost.calibration import (
     CALIBRATION_FORMAT,
     Calibration,
     apply_calibration,
@@ -12,11 +23,9 @@ from megatron_zeppelin.planner.calibration import (
     load_calibration,
     save_calibration,
 )
-from megatron_zeppelin.planner.costmodel import CostModel, Efficiency, LinkCost
-from megatron_zeppelin.planner.distributions import DISTRIBUTIONS, read_lengths_file, sample_lengths
-from megatron_zeppelin.planner.models import MODEL_PRESETS, ModelSpec, get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch, tier_thresholds
-from megatron_zeppelin.planner.plan import (
+from megatron_zeppelin.planner.cost.costmodel import CostModel, Efficiency, LinkCost
+from megatron_zeppelin.planner.cost.models import MODEL_PRESETS, ModelSpec, get_model
+from megatron_zeppelin.planner.plan.plan import (
     PLAN_FORMAT,
     Plan,
     Route,
@@ -27,6 +36,10 @@ from megatron_zeppelin.planner.plan import (
     Tier,
     TokenRange,
 )
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch, tier_thresholds
+
+# The wings, lowest first: a wing imports only wings before it (tests/test_layout.py).
+WINGS = ("cost", "plan", "simulate", "place", "search", "baselines")
 
 __all__ = [
     "CALIBRATION_FORMAT",

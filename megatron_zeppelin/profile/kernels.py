@@ -18,9 +18,9 @@ Both kinds are measured alone and *packed*: several equal blocks in one varlen c
 engine packs a phase's documents. A packed point fits the same curve as a single block (each
 block at its own rate, the overhead once), so the packed points enter the fit and tie the
 overhead to the per-block cost. Each shape runs through the registry's kernel
-(``attention.kernels.get_kernel``) exactly as the engine calls it: one ``VarlenBatch`` built once,
-then ``forward`` and ``backward`` timed apart. On CUDA a dense ``scaled_dot_product_attention``
-of each causal length is timed as a reference point.
+(``attention.kernels.kernels.get_kernel``) exactly as the engine calls it: one ``VarlenBatch`` built
+once, then ``forward`` and ``backward`` timed apart. On CUDA a dense
+``scaled_dot_product_attention`` of each causal length is timed as a reference point.
 
 ``kernels_to_measure`` says which kernels a profile measures: the one named, or for ``auto``
 every kernel that runs here (on CUDA in fp16/bf16, each CUDA kernel of the registry whose library
@@ -38,10 +38,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_zeppelin.attention.kernel_api import VarlenBatch
-from megatron_zeppelin.attention.kernels import CUDA_KERNELS, choose_kernel, get_kernel
-from megatron_zeppelin.planner.costmodel import causal_pairs
-from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
+from megatron_zeppelin.attention.kernels.kernels import CUDA_KERNELS, choose_kernel, get_kernel
+from megatron_zeppelin.planner.cost.costmodel import causal_pairs
+from megatron_zeppelin.planner.cost.models import ModelSpec
 from megatron_zeppelin.profile.timing import DEFAULT_TIMING, TimingOptions, median_seconds
 
 

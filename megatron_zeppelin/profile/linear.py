@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from megatron_zeppelin.planner.models import ModelSpec
+from megatron_zeppelin.planner.cost.models import ModelSpec
 from megatron_zeppelin.profile.timing import DEFAULT_TIMING, TimingOptions, median_seconds
 
 DEFAULT_CPU_TOKENS = (64, 256, 1024, 2048, 4096)

@@ -41,7 +41,9 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.devices import resolve_device
-from megatron_zeppelin.planner.calibration import (
+from megatron_zeppelin.launch.ranks import run_distributed
+from megatron_zeppelin.planner.baselines.kernel_curves import rank_curves
+from megatron_zeppelin.planner.cost.calibration import (
     LINK_NAMES,
     MODEL_DIMS,
     Calibration,
@@ -53,13 +55,11 @@ from megatron_zeppelin.planner.calibration import (
     normalize_dtype,
     save_calibration,
 )
-from megatron_zeppelin.planner.kernel_curves import rank_curves
-from megatron_zeppelin.planner.models import ModelSpec, get_model
+from megatron_zeppelin.planner.cost.models import ModelSpec, get_model
 from megatron_zeppelin.profile import kernels as kernel_profile
 from megatron_zeppelin.profile import linear as linear_profile
 from megatron_zeppelin.profile import links as link_profile
 from megatron_zeppelin.profile.timing import TimingOptions, dtype_name, resolve_dtype
-from megatron_zeppelin.testing.dist import run_distributed
 from megatron_zeppelin.topology.model import Topology
 from megatron_zeppelin.topology.probe import detect_topology
 

@@ -14,9 +14,9 @@ each timed from a barrier (every rank busy at once, as in a training step). Line
 in the attention layout (``remap=False`` on both sides), so the remapping all-to-all is left out.
 
 The prediction follows the simulator's timeline for the same plan and cost model
-(``planner.simulator``: phase ``k`` of ring attention lasts ``max(compute, transfer)``, one layer
-per rank is linear + attention compute + exposed communication), built from the simulator's own
-pieces (``attention_phases``, ``step_transfer_times``) with one refinement the engine needs:
+(``planner.simulate.simulator``: phase ``k`` of ring attention lasts ``max(compute, transfer)``, one
+layer per rank is linear + attention compute + exposed communication), built from the simulator's
+own pieces (``attention_phases``, ``step_transfer_times``) with one refinement the engine needs:
 phase 0 is one causal call and priced on the cost model's diagonal curve, later phases are
 unmasked calls priced on ``attention`` (``CostModel.attention_call_time``). And one coupling the
 simulator leaves to its step maximum: the members of a ring finish their attention together,
@@ -25,7 +25,7 @@ block (``attention.ring``), so a rank's predicted attention is the slowest of th
 rings connect it to.
 
 Where: on a CUDA machine one GPU (a one-rank cluster, all documents local); elsewhere gloo
-processes on this host emulating ``nodes x gpus_per_node`` GPUs (``testing.dist``).
+processes on this host emulating ``nodes x gpus_per_node`` GPUs (``launch.ranks``).
 
 Errors are relative, ``(predicted - measured) / measured``; the report gives their median and
 worst (largest magnitude) per rank over the batches.
@@ -43,22 +43,22 @@ import torch
 import torch.distributed as dist
 
 from megatron_zeppelin.attention.engine import ZeppelinAttention
-from megatron_zeppelin.attention.kernels import choose_kernel
+from megatron_zeppelin.attention.kernels.kernels import choose_kernel
 from megatron_zeppelin.comm import DistExchanger, ZeppelinGroups
+from megatron_zeppelin.comm.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.devices import resolve_device
-from megatron_zeppelin.planner.calibration import apply_calibration, load_calibration
-from megatron_zeppelin.planner.costmodel import FWD_SHARE, CostModel
-from megatron_zeppelin.planner.distributions import sample_lengths
-from megatron_zeppelin.planner.models import get_model
-from megatron_zeppelin.planner.partition import PlannerOptions, plan_batch
-from megatron_zeppelin.planner.plan import Plan
-from megatron_zeppelin.planner.schedule import ring_schedule
-from megatron_zeppelin.planner.simulator import attention_phases, step_transfer_times
+from megatron_zeppelin.launch.ranks import run_distributed
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.calibration import apply_calibration, load_calibration
+from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Plan
+from megatron_zeppelin.planner.plan.schedule import ring_schedule
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.simulate.simulator import attention_phases, step_transfer_times
 from megatron_zeppelin.profile.linear import LayerGemms
 from megatron_zeppelin.profile.runner import device_name
 from megatron_zeppelin.profile.timing import resolve_dtype, synchronize
-from megatron_zeppelin.testing.dist import run_distributed
-from megatron_zeppelin.testing.threads import ThreadExchanger, ThreadHub
 from megatron_zeppelin.topology.model import Topology
 
 
@@ -208,7 +208,7 @@ def measure_plan(
 
 
 def _rank_worker(rank: int, world_size: int, plans: list[Plan], settings: ValidationSettings):  # noqa: ANN202
-    """Entry point of each gloo process (``testing.dist.run_distributed``)."""
+    """Entry point of each gloo process (``launch.ranks.run_distributed``)."""
     torch.set_num_threads(settings.threads)
     groups = ZeppelinGroups.create(plans[0].topology, timeout_s=settings.timeout_s)
     exchangers = [

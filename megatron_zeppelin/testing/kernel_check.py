@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from megatron_zeppelin.attention.kernel_api import AttentionKernel, VarlenBatch
+from megatron_zeppelin.attention.kernels.kernel_api import AttentionKernel, VarlenBatch
 from megatron_zeppelin.testing.reference import pair_attention
 from megatron_zeppelin.testing.tolerances import relative_error
 

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 import torch
 
-from megatron_zeppelin.planner.plan import Plan, TokenRange
+from megatron_zeppelin.planner.plan.plan import Plan, TokenRange
 
 __all__ = [
     "attention_rows",
@@ -92,7 +92,7 @@ def pair_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Dense attention of every pair (the query rows of pair ``p`` against its key rows) in
     ``q``'s dtype, the causal mask and the left ``window`` aligned bottom-right as
-    ``attention/kernel_api.py`` defines them: ``(out_tnd, lse_tn)``, differentiable.
+    ``attention/kernels/kernel_api.py`` defines them: ``(out_tnd, lse_tn)``, differentiable.
     ``reference_attention`` is its causal case."""
     if not len(lengths_q):
         return q.new_zeros((0, *q.shape[1:])), q.new_zeros((0, q.shape[1]))

@@ -35,8 +35,8 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
 from megatron_zeppelin import pretrain_gpt
 from megatron_zeppelin.megatron import hooks
-from megatron_zeppelin.megatron.batch import build_reference_batch
-from megatron_zeppelin.megatron.loss import megatron_loss_func
+from megatron_zeppelin.megatron.documents.batch import build_reference_batch
+from megatron_zeppelin.megatron.model.loss import megatron_loss_func
 
 
 def model_provider(

@@ -34,7 +34,7 @@ DATA_FLAGS = ("--data-path", "--train-data-path", "--valid-data-path", "--test-d
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory) -> str:
     """The local stand-in for every dataset a command names: 1000 short documents."""
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     prefix = str(tmp_path_factory.mktemp("corpus") / "corpus_text_document")
     write_synthetic_dataset(prefix, lengths=[8] * 1000, vocab_size=1000)

@@ -93,7 +93,7 @@ def test_bad_flags_stop_the_entry_point_in_one_line_before_megatron_starts(
 def test_a_bad_blend_stops_the_entry_point_in_one_line(
     blend: str, error: str, tmp_path, monkeypatch, capsys
 ) -> None:
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     a, wide = str(tmp_path / "a"), str(tmp_path / "wide")
     write_synthetic_dataset(a, lengths=[30] * 200, vocab_size=128)

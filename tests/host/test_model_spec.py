@@ -47,7 +47,7 @@ CASES = {
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> str:
     """A small dataset: the start-up checks read its header."""
-    from megatron_zeppelin.megatron.synthetic import write_synthetic_dataset
+    from megatron_zeppelin.job.synthetic import write_synthetic_dataset
 
     prefix = str(tmp_path_factory.mktemp("model-spec") / "docs")
     write_synthetic_dataset(prefix, lengths=[50, 30, 20] * 10, vocab_size=128)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.megatron.coverage.answers import shown
-from megatron_zeppelin.megatron.variants import window_left
+from megatron_zeppelin.megatron.model.variants import window_left
 
 POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
 BALANCING_WITHOUT_LOSS = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
