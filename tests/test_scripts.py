@@ -39,7 +39,7 @@ def test_comparison_sweep_prints_speedups() -> None:
     assert "speedup_vs_te" in out
 
 
-@pytest.mark.pure
+@pytest.mark.dist
 @pytest.mark.parametrize("script", ["scripts/gen_flag_docs.py"])
 def test_flag_table_matches_the_megatron_doc(script: str) -> None:
     table = [line for line in run_script(script).splitlines() if line.startswith("| `--")]
@@ -142,7 +142,7 @@ def test_pipeline_shapes_benchmark_counts_and_prices_both_ways() -> None:
     assert "padded shape:" in out and "shape messages:" in out
 
 
-@pytest.mark.pure
+@pytest.mark.dist
 def test_planning_at_scale_benchmark_prints_plan_and_step_times() -> None:
     out = run_script("scripts/bench_plan_scale.py", "--only", "2", "--no-pool")
     (row,) = [line for line in out.splitlines() if line.startswith("| lognormal |")]
@@ -152,7 +152,7 @@ def test_planning_at_scale_benchmark_prints_plan_and_step_times() -> None:
     assert plan_s > 0 and step_s > 0 and ratio == pytest.approx(plan_s / step_s, abs=0.01)
 
 
-@pytest.mark.pure
+@pytest.mark.dist
 def test_plan_digests_find_the_same_plans_twice(tmp_path) -> None:
     written = str(tmp_path / "digests.json")
     run_script("scripts/plan_digests.py", "--sets", "sweep", "--first", "3", "--write", written)
