@@ -218,6 +218,34 @@ def supports_window(kernel: object) -> bool:
     return bool(getattr(kernel, "supports_window", False))
 
 
+HALF = (torch.float16, torch.bfloat16)
+"""The dtypes the fused kernels (flash-attn, aten's flash and cuDNN operators, TE) take."""
+
+
+def check_half_inputs(
+    name: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    batch: VarlenBatch,
+    *,
+    dtypes: tuple[torch.dtype, ...] = HALF,
+) -> None:
+    """``check_shapes``, then raise ``ValueError`` naming kernel ``name`` unless the inputs are
+    in ``dtypes`` and the head dim is a multiple of 8 up to 256 (what the fused kernels take)."""
+    check_shapes(q, k, v, batch)
+    if q.dtype not in dtypes:
+        raise ValueError(
+            f"kernel {name!r} takes float16 or bfloat16 inputs, got {q.dtype}: use kernel "
+            "'torch' (or 'auto', which picks it for other dtypes)"
+        )
+    if q.shape[-1] % 8 or q.shape[-1] > 256:
+        raise ValueError(
+            f"kernel {name!r} takes head dims that are multiples of 8 up to 256, got "
+            f"{q.shape[-1]}: use kernel 'torch'"
+        )
+
+
 def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
     """Raise ``ValueError`` unless ``q`` ``(t, nq, d)``, ``k`` and ``v`` ``(t, nkv, d)`` fit
     ``batch`` (``nq`` a multiple of ``nkv``; ``batch.total_q`` query and ``batch.total_k`` key

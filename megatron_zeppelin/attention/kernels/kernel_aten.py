@@ -43,13 +43,11 @@ import torch
 
 from megatron_zeppelin.attention.kernels.kernel_api import (
     VarlenBatch,
-    check_shapes,
+    check_half_inputs,
     cuda_capability,
 )
 
 __all__ = ["FlashSwitch", "TorchFlashKernel", "torch_flash_unavailable"]
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def torch_flash_unavailable() -> str | None:
@@ -124,21 +122,8 @@ class TorchFlashKernel:
         self._ops = ops
         self._switch = switch if switch is not None else FlashSwitch()
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
-        check_shapes(q, k, v, batch)
-        if q.dtype not in HALF:
-            raise ValueError(
-                f"kernel {self.name!r} takes float16 or bfloat16 inputs, got {q.dtype}: use "
-                "kernel 'torch' (or 'auto', which picks it for other dtypes)"
-            )
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
-            raise ValueError(
-                f"kernel {self.name!r} takes head dims that are multiples of 8 up to 256, got "
-                f"{q.shape[-1]}: use kernel 'torch'"
-            )
-
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        self._check(q_tnd, k_tnd, v_tnd, batch)
+        check_half_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         self._switch.use(self.impl)
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)
@@ -160,7 +145,7 @@ class TorchFlashKernel:
         return out, lse.float().t()
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        self._check(q_tnd, k_tnd, v_tnd, batch)
+        check_half_inputs(self.name, q_tnd, k_tnd, v_tnd, batch)
         self._switch.use(self.impl)
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         cu_q, cu_k = batch.cu_seqlens(q.device)

@@ -33,9 +33,10 @@ import numpy as np
 import torch
 
 from megatron_zeppelin.attention.kernels.kernel_api import (
+    HALF,
     VarlenBatch,
     capability_problem,
-    check_shapes,
+    check_half_inputs,
     compute_dtype,
     cuda_capability,
 )
@@ -43,8 +44,6 @@ from megatron_zeppelin.attention.merge import merge_rows_
 from megatron_zeppelin.devices import to_device
 
 __all__ = ["TorchCudnnKernel", "cudnn_unavailable"]
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 def cudnn_unavailable() -> str | None:
@@ -118,19 +117,6 @@ class TorchCudnnKernel:
         self._ops = ops
         self._dtypes = dtypes
 
-    def _check(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch) -> None:
-        check_shapes(q, k, v, batch)
-        if q.dtype not in self._dtypes:
-            raise ValueError(
-                f"kernel 'cudnn' takes float16 or bfloat16 inputs, got {q.dtype}: use kernel "
-                "'torch' (or 'auto', which picks it for other dtypes)"
-            )
-        if q.shape[-1] % 8 or q.shape[-1] > 256:
-            raise ValueError(
-                "kernel 'cudnn' takes head dims that are multiples of 8 up to 256, got "
-                f"{q.shape[-1]}: use kernel 'torch'"
-            )
-
     def _cut(self, batch: VarlenBatch, device: torch.device) -> _Cut:
         key = ("cudnn-cut", str(device))
         if key not in batch.cache:
@@ -158,7 +144,7 @@ class TorchCudnnKernel:
         )  # fmt: skip
 
     def forward(self, q_tnd, k_tnd, v_tnd, batch, *, softmax_scale):  # noqa: ANN001
-        self._check(q_tnd, k_tnd, v_tnd, batch)
+        check_half_inputs("cudnn", q_tnd, k_tnd, v_tnd, batch, dtypes=self._dtypes)
         if not batch.causal:
             return self._forward(q_tnd, k_tnd, v_tnd, batch, softmax_scale)
         cut = self._cut(batch, q_tnd.device)
@@ -181,7 +167,7 @@ class TorchCudnnKernel:
         return out, lse
 
     def backward(self, dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, *, softmax_scale):  # noqa: ANN001
-        self._check(q_tnd, k_tnd, v_tnd, batch)
+        check_half_inputs("cudnn", q_tnd, k_tnd, v_tnd, batch, dtypes=self._dtypes)
         if not batch.causal:
             return self._backward(
                 dout_tnd, q_tnd, k_tnd, v_tnd, out_tnd, lse_tn, batch, softmax_scale

@@ -56,7 +56,7 @@ import torch
 from megatron_zeppelin.attention.kernels.kernel_api import (
     VarlenBatch,
     capability_problem,
-    check_shapes,
+    check_half_inputs,
     cuda_capability,
     installed_version,
     version_tuple,
@@ -71,8 +71,6 @@ __all__ = [
     "flash3_release",
     "flash3_unavailable",
 ]
-
-HALF = (torch.float16, torch.bfloat16)
 
 
 @dataclass(frozen=True)
@@ -138,27 +136,11 @@ def flash3_unavailable() -> str | None:
     return capability_problem(cuda_capability(), (9, 0), f"FlashAttention-3 {version}")
 
 
-def _check_inputs(
-    name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: VarlenBatch
-) -> None:
-    check_shapes(q, k, v, batch)
-    if q.dtype not in HALF:
-        raise ValueError(
-            f"kernel {name!r} takes float16 or bfloat16 inputs, got {q.dtype}: use kernel "
-            "'torch' (or 'auto', which picks it for other dtypes)"
-        )
-    if q.shape[-1] % 8 or q.shape[-1] > 256:
-        raise ValueError(
-            f"kernel {name!r} takes head dims that are multiples of 8 up to 256, got "
-            f"{q.shape[-1]}: use kernel 'torch'"
-        )
-
-
 def _kernel_inputs(name: str, q_tnd, k_tnd, v_tnd, batch: VarlenBatch):  # noqa: ANN001, ANN202
     """Checked, contiguous ``q, k, v`` and the pairs' ``cu_seqlens`` on their device. The engine
     passes views (K and V halves of a received buffer); the kernels need contiguous rows (a
     no-op for tensors that already are)."""
-    _check_inputs(name, q_tnd, k_tnd, v_tnd, batch)
+    check_half_inputs(name, q_tnd, k_tnd, v_tnd, batch)
     q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
     return q, k, v, *batch.cu_seqlens(q.device)
 

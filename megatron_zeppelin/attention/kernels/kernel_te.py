@@ -48,9 +48,10 @@ import numpy as np
 import torch
 
 from megatron_zeppelin.attention.kernels.kernel_api import (
+    HALF,
     VarlenBatch,
     capability_problem,
-    check_shapes,
+    check_half_inputs,
     compute_dtype,
     cuda_capability,
     installed_version,
@@ -60,7 +61,6 @@ from megatron_zeppelin.devices import to_device
 
 __all__ = ["TEFusedKernel", "TEModules", "TERelease", "te_release", "te_unavailable"]
 
-HALF = (torch.float16, torch.bfloat16)
 LAYOUT = "thd_thd_thd"
 MASKS = {True: "padding_causal_bottom_right", False: "padding"}
 """TE's mask type for a causal (bottom-right) and an unmasked call of padded-free THD pairs."""
@@ -177,17 +177,7 @@ class TEFusedKernel:
         """Layout of the statistics: seen in a forward, else implied by cuDNN's version."""
 
     def _inputs(self, q_tnd, k_tnd, v_tnd, batch: VarlenBatch):  # noqa: ANN001, ANN202
-        check_shapes(q_tnd, k_tnd, v_tnd, batch)
-        if q_tnd.dtype not in self._dtypes:
-            raise ValueError(
-                f"kernel 'te' takes float16 or bfloat16 inputs, got {q_tnd.dtype}: use kernel "
-                "'torch' (or 'auto', which picks it for other dtypes)"
-            )
-        if q_tnd.shape[-1] % 8 or q_tnd.shape[-1] > 256:
-            raise ValueError(
-                "kernel 'te' takes head dims that are multiples of 8 up to 256, got "
-                f"{q_tnd.shape[-1]}: use kernel 'torch'"
-            )
+        check_half_inputs("te", q_tnd, k_tnd, v_tnd, batch, dtypes=self._dtypes)
         q, k, v = q_tnd.contiguous(), k_tnd.contiguous(), v_tnd.contiguous()
         return q, k, v, *batch.cu_seqlens(q.device)
 
