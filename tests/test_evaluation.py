@@ -146,6 +146,15 @@ def test_each_split_gets_its_markers_and_evaluation_reads_only_held_out_document
     args, model = _start(megatron_training, prefix, consumed_valid_samples=4, skip_train=True)
     _, valid, _ = hooks.train_valid_test_datasets_provider([4, 8, 4])
     assert [d for d, _, _ in _evaluate(model, valid, per_step)] == [d for d, _, _ in first[:2]]
+    # Without a training feed the first evaluation feed opens the run's one planner and the
+    # next plans beside it (two planners sharing plans would broadcast on one group).
+    feeds = hooks._FeedsOfRun(None)
+    samplers = [stream.feed.sampler for stream in hooks._STATE.evaluation.values()]
+    lead, beside = feeds(samplers[0]), feeds(samplers[1])
+    assert lead._owns_planner and not beside._owns_planner
+    assert beside._planner is lead._planner is not None
+    beside.close()
+    lead.close()
 
 
 def test_full_validation_passes_over_every_validation_document_each_time(

@@ -150,8 +150,10 @@ class _State:
         """Validation and test micro-batches, by split (``evaluation.py``)."""
 
     def close_feeds(self) -> None:
-        for stream in self.evaluation.values():
-            stream.close()  # before the training feed: they share its planner
+        # Last opened, first closed: the feed that opened the run's planner (the training
+        # feed, else the first evaluation feed) closes after those planning beside it.
+        for stream in reversed(self.evaluation.values()):
+            stream.close()
         if self.feed is not None:
             self.feed.close()
         self.evaluation, self.feed, self.cursors = {}, None, {}
@@ -425,7 +427,7 @@ def train_valid_test_datasets_provider(
         args,
         documents,
         make_sampler=_sampler,
-        make_feed=_STATE.feed.beside if _STATE.feed else _feed_of_run,
+        make_feed=_FeedsOfRun(_STATE.feed),
         data_parallel=world,
         restore=partial(_restore_validation, getattr(args, "load", None)),
         save=_save_validation_state if getattr(args, "save", None) else None,
@@ -446,8 +448,22 @@ def _cursors(feed) -> ChunkCursors:
     return ChunkCursors(lambda: feed.next(), _STATE.num_chunks)
 
 
-def _feed_of_run(sampler: DocumentSampler) -> MicroBatchFeed:
-    return MicroBatchFeed.for_run(sampler, _STATE.runtime.recipe, _STATE.runtime.plan_share)
+class _FeedsOfRun:
+    """The evaluation feeds of a run: beside the training feed, planning with its planner; with
+    no training split (``--skip-train``), the first opens the run's planner and the others
+    plan beside it. One planner per run: two planners sharing plans would broadcast on the same
+    plan group from two threads, in an order that may differ between ranks."""
+
+    def __init__(self, lead: MicroBatchFeed | None) -> None:
+        self._lead = lead
+
+    def __call__(self, sampler: DocumentSampler) -> MicroBatchFeed:
+        if self._lead is None:
+            self._lead = MicroBatchFeed.for_run(
+                sampler, _STATE.runtime.recipe, _STATE.runtime.plan_share
+            )
+            return self._lead
+        return self._lead.beside(sampler)
 
 
 def _restore_validation(directory: str | None, sampler: DocumentSampler, step: int) -> None:
