@@ -20,6 +20,12 @@ tokens per GPU). Documents are cut at half the batch and at 1M tokens, as the sw
     python scripts/bench_plan_scale.py                      # the four shapes, seed 0
     python scripts/bench_plan_scale.py --stress --embedded  # and both grids
     python scripts/bench_plan_scale.py --stress --no-pool --json out.json
+    python scripts/bench_plan_scale.py --no-shapes --fixed  # samples of one length
+
+``--fixed``: micro-batches of samples packed to one length (``FIXED``: 4096, 8192 and 16384
+tokens on 1024 GPUs of 16384, dgx-h100, LLaMA-7B, filling the GPUs or three quarters of them),
+every micro-batch the same lengths: the first plan's CPU seconds, and the next micro-batch's,
+handed the plan kept for the same lengths (``megatron/plans/reuse.py``).
 
 ``scripts/plan_digests.py`` compares the plans of these batches (and others) between two
 versions of the planner.
@@ -34,7 +40,9 @@ import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from functools import partial
 
+from megatron_zeppelin.megatron.plans.reuse import RecentPlans
 from megatron_zeppelin.planner.baselines.distributions import (
     DISTRIBUTIONS,
     STRESS_DISTRIBUTIONS,
@@ -83,6 +91,13 @@ EMBEDDED = tuple(
     for dist in DISTRIBUTIONS
     for gpus in (256, 1024)
     for fill in (0.5, 0.95)
+)
+
+
+FIXED = tuple(
+    (Shape(f"fixed {length}", 1024, fill, "dgx-h100", "llama-7b", 16384), length)
+    for length in (4096, 8192, 16384)
+    for fill in (1.0, 0.75)
 )
 
 
@@ -149,6 +164,31 @@ def print_rows(shape: Shape, rows: list[dict]) -> None:
     print(line, flush=True)
 
 
+def print_fixed() -> None:
+    """``--fixed``'s table: one micro-batch of each ``FIXED`` shape planned, then the same
+    lengths again through the plans kept (``RecentPlans``)."""
+    print("| sample tokens | fill | docs | first plan s | step s | plan / step | again s |")
+    print("|---|---|---|---|---|---|---|")
+    for shape, length in FIXED:
+        lengths = [length] * (shape.tokens // length)
+        first = plan_once(shape, lengths, PlannerOptions())
+        topology = get_topology(shape.cluster, num_nodes=shape.gpus // 8)
+        cost = CostModel.default(get_model(shape.model), topology)
+        kept = RecentPlans()
+        make = partial(plan_batch, topology=topology, cost_model=cost, capacity=shape.capacity)
+        kept.plan(lengths, make)
+        start = time.process_time()
+        kept.plan(list(lengths), make)
+        again = time.process_time() - start
+        assert kept.hits == 1, "the repeat was planned again"
+        print(
+            f"| {length} | {shape.fill:.2f} | {len(lengths)} | {first['plan_s']:.2f} "
+            f"| {first['step_s']:.3f} | {first['plan_s'] / first['step_s']:.2f} "
+            f"| {again:.4f} |",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, default=1, help="batches per shape (default 1)")
@@ -157,6 +197,7 @@ def main() -> None:
     parser.add_argument("--no-shapes", action="store_true", help="leave out SHAPES")
     parser.add_argument("--no-pool", action="store_true", help="also plan with pool=False")
     parser.add_argument("--only", type=int, nargs="+", help="only these rows (0: the first)")
+    parser.add_argument("--fixed", action="store_true", help="samples of one length (FIXED)")
     parser.add_argument("--json", help="write every batch's figures here")
     args = parser.parse_args()
     shapes = (
@@ -167,6 +208,15 @@ def main() -> None:
     if args.only:
         shapes = tuple(shapes[i] for i in args.only)
     plan_once(SHAPES[2], sample_lengths("lognormal", num_tokens=1 << 20, seed=0), PlannerOptions())
+    if shapes:
+        print_table(shapes, args)
+    if args.fixed:
+        print()
+        print_fixed()
+
+
+def print_table(shapes: tuple[Shape, ...], args: argparse.Namespace) -> None:
+    """The table of ``shapes``, and their figures in ``--json``'s file where asked."""
     header = (
         "| distribution | GPUs | fill | cluster | model | docs | tokens | plan s "
         "| step s | plan / step | worst | efficiency |"

@@ -36,11 +36,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from megatron_zeppelin.config import ZeppelinConfig, flag_of
+from megatron_zeppelin.megatron.plans.reuse import RecentPlans
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.plan.plan import Plan
 from megatron_zeppelin.planner.search import partition
@@ -69,16 +70,21 @@ class PlanRecipe:
     cost_model: CostModel
     config: ZeppelinConfig
     options: Any = None
+    recent: RecentPlans = field(default_factory=RecentPlans, compare=False, repr=False)
+    """Plans of the last few length lists, handed out again where they repeat (``reuse.py``)."""
 
     def __call__(self, lengths: Sequence[int]) -> Plan:
         """The micro-batch's plan; every rank computes the same one from the same lengths."""
+        return self.recent.plan(lengths, self._plan)
+
+    def _plan(self, lengths: list[int]) -> Plan:
         config, options = self.config, self.options
         if options is None:
             options = config.planner_options(self.cost_model)
         # No capacity given: no limit, i.e. room for the whole micro-batch (with slack) on any GPU.
         capacity = config.capacity if config.capacity is not None else 2 * sum(lengths)
         return partition.plan_batch(  # through the module: tests stand in for the planner
-            list(lengths),
+            lengths,
             topology=self.topology,
             cost_model=self.cost_model,
             capacity=capacity,

@@ -184,27 +184,28 @@ def _nodes_by_lpt(
     key = _placed_work(lengths, rest, choice, loads)
     order = np.lexsort((rest, -key))
     docs, sizes, works = rest[order].tolist(), lengths[rest][order].tolist(), key[order].tolist()
-    work_of = np.zeros(len(lengths))
-    work_of[rest] = key
-
-    def given(n: int) -> tuple[float, int]:
-        """The work and tokens of the documents given to node ``n`` so far, the work summed in
-        the order given (as ``_Nodes`` adds it)."""
-        docs_of = by_node[n]
-        return sum(work_of[docs_of].tolist()), int(lengths[docs_of].sum())
+    # The work and tokens of the documents given to each node so far, the work in the order
+    # given (as ``_Nodes`` adds it); and what its GPUs hold of inter-node rings, worked out
+    # again only for the nodes a promoted document's ring lands on.
+    works_given: list[list[float]] = [[] for _ in range(num_nodes)]
+    tokens_given = [0] * num_nodes
+    shares = [_ring_shares(loads, n, k) for n in range(num_nodes)]
 
     def nodes() -> _Nodes:
         """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
         attention and linear work alike."""
         load, tokens = [], []
         for n in range(num_nodes):
-            ranks = slice(n * k, (n + 1) * k)  # ``topo.ranks_of_node(n)``
-            held = sum(loads.tokens[ranks])
-            busy = sum(a + e for a, e in zip(loads.attention[ranks], loads.exposed[ranks]))
-            work, tokens_given = given(n) if by_node[n] else (0.0, 0)
+            busy, held = shares[n]
+            work = sum(works_given[n]) if works_given[n] else 0.0
             load.append(busy + loads.token_weight * held + work)
-            tokens.append(held + tokens_given)
+            tokens.append(held + tokens_given[n])
         return _Nodes(load, tokens, loads.capacity * k)
+
+    def give(node: int, doc: int, work: float, length: int) -> None:
+        by_node[node].append(doc)
+        works_given[node].append(work)
+        tokens_given[node] += length
 
     state = nodes()
     # Filling a node to the last token leaves its GPUs no room to pack documents whole: nodes
@@ -220,24 +221,34 @@ def _nodes_by_lpt(
         if value == load[node] and room - held[node] >= needed + reserve:
             state.set(node, load[node] + work, held[node] + length)
             heapq.heapreplace(heap, (load[node], node))
-            by_node[node].append(doc)
+            give(node, doc, work, length)
             continue
         # The heap's top is stale or full: ``pick`` looks further.
         picked = state.pick(needed + reserve)
         picked = state.pick(needed) if picked is None else picked
         if picked is not None:
             state.add(picked, work, length)
-            by_node[picked].append(doc)
+            give(picked, doc, work, length)
             continue
         # No single node has room: spread it over nodes, as a long document would be.
         if num_nodes == 1:
             raise capacity_error(doc, length, "on the node")
-        reserved = [given(n)[1] for n in range(num_nodes)]
-        placements[doc] = place_inter(doc, length, 2, num_inter, loads, reserved)
+        placed = place_inter(doc, length, 2, num_inter, loads, list(tokens_given))
+        placements[doc] = placed
         promotions += 1
+        for n in {rank // k for rank in placed.ring}:
+            shares[n] = _ring_shares(loads, n, k)
         state = nodes()
         heap, load, held = state.heap, state.load, state.tokens
     return by_node, promotions
+
+
+def _ring_shares(loads: Loads, node: int, k: int) -> tuple[float, int]:
+    """What the GPUs of ``node`` hold so far (the inter-node rings' shares): their attention
+    and exposed seconds, and their tokens."""
+    ranks = slice(node * k, (node + 1) * k)  # ``topo.ranks_of_node(node)``
+    busy = sum(a + e for a, e in zip(loads.attention[ranks], loads.exposed[ranks]))
+    return busy, sum(loads.tokens[ranks])
 
 
 def _placed_work(

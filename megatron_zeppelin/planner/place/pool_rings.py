@@ -218,7 +218,7 @@ def _in_node(
         return None
     sign = -1.0 if best_fit else 1.0
     masked = np.where(by_node[enough], sign * node_cost[enough], np.inf)
-    pick = int(np.argmin(np.sort(masked, axis=1)[:, size - 1]))
+    pick = int(np.argmin(np.partition(masked, size - 1, axis=1)[:, size - 1]))
     ranks = np.argsort(masked[pick], kind="stable")[:size]
     return tuple(int(enough[pick]) * k + int(j) for j in sorted(ranks.tolist()))
 

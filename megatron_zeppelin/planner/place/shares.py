@@ -30,6 +30,7 @@ bind as much as its seconds, and one line cannot even out both.
 
 from __future__ import annotations
 
+import bisect
 import math
 
 import numpy as np
@@ -103,9 +104,13 @@ def _lay(lengths: list[int], whole: list[float], loads: Loads, target: float) ->
     ]
     order = sorted(range(len(lengths)), key=lambda d: (-work[d], d))
     content: list[list[tuple[int, float]]] = [[] for _ in range(num_nodes)]
-    left = np.full(num_nodes, node_work)
+    left = [node_work] * num_nodes
     tolerance = 1e-9 * node_work
     after = 0  # the first node no document worth more than a node has taken
+    # The nodes by the work left to take (ties: the lower node), made once the documents worth
+    # more than a node (the first in ``order``) have their nodes: each other document's best fit
+    # is then a search, not a pass over every node.
+    by_left: list[tuple[float, int]] | None = None
     for doc in order:
         amount = work[doc]
         if amount > node_work + tolerance:
@@ -124,12 +129,15 @@ def _lay(lengths: list[int], whole: list[float], loads: Loads, target: float) ->
                 left[after] -= extra
                 after += 1
             continue
-        fits = left >= amount - tolerance
-        if not fits.any():
+        if by_left is None:
+            by_left = sorted(zip(left, range(num_nodes)))
+        at = bisect.bisect_left(by_left, (amount - tolerance, -1))  # the least left that holds it
+        if at == len(by_left):
             return None
-        node = int(np.argmin(np.where(fits, left, np.inf)))
+        _, node = by_left.pop(at)
         content[node].append((doc, amount))
         left[node] -= amount
+        bisect.insort(by_left, (left[node], node))
     stretches: list[list[tuple[int, float]]] = [[] for _ in lengths]
     for node, docs in enumerate(content):
         position = 0.0
