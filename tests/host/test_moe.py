@@ -32,7 +32,7 @@ import torch
 from grad_dump import load_gradients
 from init_by_name import INIT_BY_NAME
 from launch import Job, Run, finite, launch_jobs
-from test_pretrain_loop import CAPACITY, MODEL, ON_CPU, ZEPPELIN, dataset, work  # noqa: F401
+from test_pretrain_loop import CAPACITY, MODEL, ON_CPU, ZEPPELIN, work  # noqa: F401
 
 pytestmark = pytest.mark.host
 
