@@ -49,8 +49,8 @@ def _checkpoint_queue_forked() -> None:
 
     spawned = filesystem_async.get_write_results_queue
 
-    def forked(mp_mode: str = "fork"):  # noqa: ANN202 (Megatron's queue proxy)
-        return spawned(mp_mode="fork")
+    def forked(mp_mode: str = "spawn"):  # noqa: ANN202 (Megatron's queue proxy)
+        return spawned(mp_mode="fork")  # whichever method the caller named
 
     filesystem_async.get_write_results_queue = forked
 
