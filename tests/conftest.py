@@ -74,7 +74,8 @@ TIERS = ("pure", "threads", "dist", "host", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse a test that names no tier, or more than one: the quick loop selects by tier."""
+    """Refuse a test that names no tier, or more than one: the quick loop selects by tier.
+    Then order the dist tier first (below)."""
     wrong = []
     for item in items:
         tiers = {m.name for m in item.iter_markers() if m.name in TIERS}
@@ -87,6 +88,10 @@ def pytest_collection_modifyitems(config, items):
             + "):\n  "
             + "\n  ".join(wrong)
         )
+    # The dist tier's tests (processes, up to minutes each) first: with both cores in use
+    # (scripts/test.sh, pytest-xdist) the short ones then fill the end, instead of one long
+    # test running alone on one core at the end.
+    items.sort(key=lambda item: item.get_closest_marker("dist") is None)
 
 
 @pytest.hookimpl(hookwrapper=True)

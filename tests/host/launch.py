@@ -1,20 +1,25 @@
 """Launch ``python -m megatron_zeppelin.pretrain_gpt`` (or another entry point, such as the
 test-only ``megatron_reference``) on N local gloo processes, as torchrun would (``RANK``,
 ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``), through the test-only CPU
-adapter, and read back what Megatron logged; ``launch_jobs`` runs several such launches from
-one import of torch and Megatron."""
+adapter, and read back what Megatron logged. Every launch of a test process is forked from one
+import of torch and Megatron (``run_on_cpu.py --serve``); ``launch_jobs`` runs several in a row
+under one time limit."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import math
 import os
 import re
+import select
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,15 +87,17 @@ def _free_port() -> int:
 
 @dataclass(frozen=True)
 class Job:
-    """One launch of ``launch_jobs``: ``megatron_zeppelin.pretrain_gpt ARGS`` on ``world_size``
-    processes, logs in ``log_dir``; with ``grad_dir`` every rank writes each iteration's
-    gradients there (``grad_dump.py``); ``env``: more variables (``init_by_name.py``)."""
+    """One launch: ``python -m MODULE ARGS`` (the plugin's entry point unless ``module`` says
+    otherwise) on ``world_size`` processes, logs in ``log_dir``; with ``grad_dir`` every rank
+    writes each iteration's gradients there (``grad_dump.py``); ``env``: more variables
+    (``init_by_name.py``)."""
 
     args: list[str]
     world_size: int
     log_dir: Path
     grad_dir: Path | None = None
     env: dict[str, str] = field(default_factory=dict)
+    module: str = "megatron_zeppelin.pretrain_gpt"
 
     def environment(self) -> dict[str, str]:
         """This job's own variables: its rendezvous port, the probes it asks for."""
@@ -114,27 +121,93 @@ def _environment() -> dict[str, str]:
     return env
 
 
-def _run(command: list[str], *, cwd: Path, env: dict[str, str], timeout_s: float) -> int:
-    """Run the launcher in its own session; kill it and all it started when the time runs out,
-    so a hang fails the test instead of stalling it. Its output goes to ``cwd/launcher.log``."""
-    with open(cwd / "launcher.log", "w") as out:
-        proc = subprocess.Popen(
-            command, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+class _Server:
+    """This test process's ``run_on_cpu.py --serve``: torch and Megatron imported once, every
+    launch forked from that import (on two cores the import is most of a small launch).
+    Started at the first launch, stopped when the test process exits, and started again if it
+    ever ended."""
+
+    def __init__(self) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="run_on_cpu-", suffix=".log", delete=False)
+        command = [sys.executable, str(HERE / "run_on_cpu.py"), "--serve"]
+        self.process = subprocess.Popen(
+            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            env=_environment(), text=True, start_new_session=True,
+        )  # fmt: skip
+        atexit.register(self.stop)
+
+    def start(self, request: dict, timeout_s: float) -> int:
+        """Send one launch; the pid of its leader (the first launch waits for the import)."""
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        ready, _, _ = select.select([self.process.stdout], [], [], timeout_s)
+        answer = self.process.stdout.readline() if ready else ""
+        if not answer.strip().isdigit():
+            self.stop()
+            log = Path(self.log.name).read_text() if Path(self.log.name).exists() else ""
+            raise RuntimeError(f"run_on_cpu.py --serve gave no launch (its output:)\n{log[-4000:]}")
+        return int(answer)
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def stop(self) -> None:
+        if self.alive():
+            self.process.stdin.close()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        Path(self.log.name).unlink(missing_ok=True)
+
+
+_server: _Server | None = None
+
+
+def _start(job: Job, timeout_s: float) -> int:
+    """Start ``job`` on this test process's server; the pid of its leader."""
+    global _server
+    if _server is None or not _server.alive():
+        _server = _Server()
+    job.log_dir.mkdir(parents=True, exist_ok=True)
+    (job.log_dir / "exit_status").unlink(missing_ok=True)
+    request = {
+        "ranks": job.world_size,
+        "log_dir": str(job.log_dir),
+        "cwd": str(job.log_dir),
+        "module": job.module,
+        "argv": job.args,
+        "env": job.environment(),
+    }
+    return _server.start(request, timeout_s)
+
+
+def _alive(pid: int) -> bool:
     try:
-        return proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return -signal.SIGKILL
-    finally:
-        # Whatever the ranks left behind (Megatron's checkpoint writers, worker pools) goes too:
-        # orphans would outlive the test holding half a GB each.
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
-def _read(log_dir: Path, world_size: int, returncode: int, launcher: str) -> Run:
-    logs = [log_dir / f"rank{r}.log" for r in range(world_size)]
+def _finish(job: Job, leader: int, deadline: float) -> Run:
+    """Wait for ``job`` to end (its leader writes ``exit_status``); past ``deadline`` kill it and
+    all it started, so a hang fails the test instead of stalling it (``-SIGKILL``)."""
+    status = job.log_dir / "exit_status"
+    while not status.exists() and _alive(leader):
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(leader, signal.SIGKILL)
+            break
+        time.sleep(0.05)
+    code = int(status.read_text()) if status.exists() else -signal.SIGKILL
+    launcher = job.log_dir / "launcher.log"
+    return _read(job, code, launcher.read_text() if launcher.exists() else "")
+
+
+def _read(job: Job, returncode: int, launcher: str) -> Run:
+    logs = [job.log_dir / f"rank{r}.log" for r in range(job.world_size)]
     outputs = tuple(p.read_text() if p.exists() else "" for p in logs)
     return Run(returncode, outputs, launcher)
 
@@ -152,45 +225,21 @@ def launch(
     is the plugin's entry point unless given); kill them all when the time runs out, so a hang
     fails the test instead of stalling it. ``grad_dir``: every rank writes each iteration's
     gradients there (``grad_dump.py``)."""
-    log_dir.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, str(HERE / "run_on_cpu.py"), "--ranks", str(world_size),
-        "--log-dir", str(log_dir), "-m", module, *args,
-    ]  # fmt: skip
-    job = Job(args, world_size, log_dir, grad_dir)
-    env = {**_environment(), **job.environment()}
-    returncode = _run(command, cwd=log_dir, env=env, timeout_s=timeout_s)
-    return _read(log_dir, world_size, returncode, (log_dir / "launcher.log").read_text())
+    (run,) = launch_jobs([Job(args, world_size, log_dir, grad_dir, module=module)], timeout_s)
+    return run
 
 
-def launch_jobs(jobs: list[Job], *, work_dir: Path, timeout_s: float) -> list[Run]:
-    """Run ``jobs`` one after the other from one launcher (``run_on_cpu.py --jobs``), which
-    imports torch and Megatron once for all of them: on two cores that import is most of a
-    small launch. ``timeout_s`` bounds them all together; a job the time cut short reports
-    ``-SIGKILL``."""
-    work_dir.mkdir(parents=True, exist_ok=True)
-    plan = []
-    for job in jobs:
-        job.log_dir.mkdir(parents=True, exist_ok=True)
-        (job.log_dir / "exit_status").unlink(missing_ok=True)
-        plan.append(
-            {
-                "ranks": job.world_size,
-                "log_dir": str(job.log_dir),
-                "module": "megatron_zeppelin.pretrain_gpt",
-                "argv": job.args,
-                "env": job.environment(),
-            }
-        )
-    (work_dir / "jobs.json").write_text(json.dumps(plan))
-    command = [sys.executable, str(HERE / "run_on_cpu.py"), "--jobs", str(work_dir / "jobs.json")]
-    _run(command, cwd=work_dir, env=_environment(), timeout_s=timeout_s)
-    launcher = (work_dir / "launcher.log").read_text()
+def launch_jobs(jobs: list[Job], timeout_s: float) -> list[Run]:
+    """Run ``jobs`` one after the other; ``timeout_s`` bounds them all together, and a job the
+    time cut short (or never started) reports ``-SIGKILL``."""
+    deadline = time.monotonic() + timeout_s
     runs = []
     for job in jobs:
-        status = job.log_dir / "exit_status"
-        code = int(status.read_text()) if status.exists() else -signal.SIGKILL
-        runs.append(_read(job.log_dir, job.world_size, code, launcher))
+        left = deadline - time.monotonic()
+        if left <= 0:
+            runs.append(_read(job, -signal.SIGKILL, ""))
+            continue
+        runs.append(_finish(job, _start(job, left), deadline))
     return runs
 
 

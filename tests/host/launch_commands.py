@@ -10,6 +10,7 @@ command every rank runs.
 
 from __future__ import annotations
 
+import functools
 import re
 import shlex
 import subprocess
@@ -87,8 +88,10 @@ def _launcher_world(words: list[str]) -> int:
     return value("--nproc-per-node", 1) * value("--nnodes", 1)
 
 
-def documented_commands() -> list[Command]:
-    """Every training command of the README and the docs."""
+@functools.cache
+def documented_commands() -> tuple[Command, ...]:
+    """Every training command of the README and the docs (read once per test process: the
+    Slurm examples run ``zeppelin_env.sh``, most of a second each)."""
     commands = []
     for path in markdown_files():
         for number, line in code_lines(path.read_text()):
@@ -105,7 +108,7 @@ def documented_commands() -> list[Command]:
                     env = tuple(_assignments(words[:i]).items())
                     commands.append(Command(where, tuple(words[i + 1 :]), world, env=env))
                     break
-    return commands
+    return tuple(commands)
 
 
 def _assignments(words: list[str]) -> dict[str, str]:

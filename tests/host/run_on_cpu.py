@@ -11,10 +11,13 @@ instead of once per rank saves most of a launch's start-up. Nothing distributed 
 the fork; each rank creates its process group itself, as a launched process would. The exit
 status is the first failing rank's; the others are then stopped.
 
-``run_on_cpu.py --jobs FILE`` runs several such launches one after the other from one import
-of torch and Megatron (``launch.launch_jobs``): a JSON list of ``{"ranks", "log_dir",
-"module", "argv", "env"}``, each job's environment (its ``MASTER_PORT``, the probes) set in its
-ranks only.
+``run_on_cpu.py --serve`` imports torch and Megatron once and then runs every launch a test
+process asks for (``launch.py``), each forked afresh from that import: one JSON object a line on
+stdin, ``{"ranks", "log_dir", "module", "argv", "env", "cwd"}``. For each it forks a leader in a
+session of its own (so the client can stop the launch and all it started with one signal), that
+answers its pid on stdout, writes what it prints to ``LOG_DIR/launcher.log``, runs the launch
+with the job's environment (its ``MASTER_PORT``, the probes) and writes its exit status to
+``LOG_DIR/exit_status``; nothing of one launch reaches the next. It ends when stdin closes.
 """
 
 from __future__ import annotations
@@ -34,6 +37,24 @@ import init_by_name
 PRELOAD = ("torch", "megatron.training.training", "megatron_zeppelin.megatron.hooks")
 
 
+def _checkpoint_queue_forked() -> None:
+    """Megatron's checkpoint writer keeps its results in a queue held by a multiprocessing
+    Manager process, started at the first save with ``spawn``
+    (``dist_checkpointing.strategies.filesystem_async.get_write_results_queue``): a fresh
+    interpreter that imports the rank's main module, torch and Megatron, again, 15 to 25 s per
+    rank on two busy cores. Here it is forked from the rank instead, as Megatron's own
+    persistent checkpoint worker asks for it (``init_persistent_async_worker``:
+    ``get_write_results_queue(mp_mode="fork")``): the same queue, the same files written."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    spawned = filesystem_async.get_write_results_queue
+
+    def forked(mp_mode: str = "spawn"):  # noqa: ANN202 (Megatron's queue proxy)
+        return spawned(mp_mode="fork")  # whichever method the caller named
+
+    filesystem_async.get_write_results_queue = forked
+
+
 def _run_rank(rank: int, world_size: int, log_dir: str, module: str, argv: list[str]) -> int:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size))
     log = os.open(os.path.join(log_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -41,6 +62,7 @@ def _run_rank(rank: int, world_size: int, log_dir: str, module: str, argv: list[
     os.dup2(log, 2)
     sys.argv = [module, *argv]
     cpu_adapter.install()
+    _checkpoint_queue_forked()
     grad_dump.install()  # only where ZEPPELIN_TEST_GRAD_DIR is set
     init_by_name.install()  # only where ZEPPELIN_TEST_INIT_BY_NAME is set
     code = 0
@@ -74,40 +96,68 @@ def _wait(children: dict[int, int]) -> int:
     return status
 
 
-def _run_job(ranks: int, log_dir: str, module: str, argv: list[str], env: dict) -> int:
+def _run_job(ranks: int, log_dir: str, module: str, argv: list[str]) -> int:
     """Fork ``ranks`` processes running ``module``; the first failing rank's exit status."""
+    sys.stdout.flush()
+    sys.stderr.flush()
     children = {}
     for rank in range(ranks):
         pid = os.fork()
         if pid == 0:
-            os.environ.update(env)
             os._exit(_run_rank(rank, ranks, log_dir, module, argv))
         children[pid] = rank
     return _wait(children)
 
 
-def _run_jobs(path: str) -> int:
-    """Every job of a JSON file (``launch.launch_jobs``), one after the other; each job's exit
-    status goes to ``LOG_DIR/exit_status``."""
-    with open(path) as f:
-        jobs = json.load(f)
-    for job in jobs:
-        code = _run_job(job["ranks"], job["log_dir"], job["module"], job["argv"], job["env"])
-        with open(os.path.join(job["log_dir"], "exit_status"), "w") as f:
+def _lead(job: dict) -> None:
+    """A launch of ``--serve``, in the forked leader: never returns."""
+    code = 1
+    try:
+        os.setsid()
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's, not the ranks'
+        launcher = os.path.join(job["log_dir"], "launcher.log")
+        log = os.open(launcher, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.chdir(job["cwd"])
+        os.environ.update(job["env"])
+        code = _run_job(job["ranks"], job["log_dir"], job["module"], job["argv"])
+        status = os.path.join(job["log_dir"], "exit_status")
+        with open(status + ".part", "w") as f:
             f.write(str(code))
+        os.replace(status + ".part", status)
+    finally:
+        # Whatever the ranks left behind (Megatron's checkpoint queue, planner processes) goes
+        # with the leader: they would outlive the launch holding memory.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.getpgid(0) == os.getpid():  # never the server's group
+            os.killpg(0, signal.SIGKILL)
+        os._exit(code)
+
+
+def _serve() -> int:
+    """``--serve`` (the module docstring): one launch per line of stdin until it closes."""
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # leaders are reaped as they end
+    for line in iter(sys.stdin.readline, ""):
+        job = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _lead(job)
+        print(pid, flush=True)
     return 0
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--jobs"] and len(sys.argv) == 3:
+    if sys.argv[1:] == ["--serve"]:
         for name in PRELOAD:
             __import__(name)
-        sys.stdout.flush()
-        return _run_jobs(sys.argv[2])
+        return _serve()
     if "-m" not in sys.argv[1:-1]:
-        raise SystemExit(
-            "usage: run_on_cpu.py --ranks N --log-dir DIR -m MODULE ARGS... | --jobs FILE"
-        )
+        raise SystemExit("usage: run_on_cpu.py --ranks N --log-dir DIR -m MODULE ARGS... | --serve")
     split = sys.argv.index("-m")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--ranks", type=int, default=1)
@@ -116,8 +166,7 @@ def main() -> int:
     options.module, argv = sys.argv[split + 1], sys.argv[split + 2 :]
     for name in PRELOAD:
         __import__(name)
-    sys.stdout.flush()
-    return _run_job(options.ranks, options.log_dir, options.module, argv, {})
+    return _run_job(options.ranks, options.log_dir, options.module, argv)
 
 
 if __name__ == "__main__":

@@ -33,13 +33,12 @@ from pathlib import Path
 import pytest
 from grad_dump import load_gradients
 from launch import Run, finite, launch
-from test_pretrain_loop import (  # noqa: F401 (dataset, work: the fixtures, shared)
+from test_pretrain_loop import (  # noqa: F401 (work: the fixture, shared)
     CAPACITY,
     ITERATIONS,
     TIMEOUT_S,
     TOLERANCE,
     _args,
-    dataset,
     work,
 )
 

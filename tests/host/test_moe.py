@@ -19,8 +19,7 @@ optimizer is SGD: Adam's first steps move a weight by the learning rate whatever
 size, so a gradient that is zero up to float32 rounding (sums taken in another order) would
 move a weight in one run and not in the other; SGD moves each weight by its gradient.
 
-The three runs share one launcher (``launch.launch_jobs``): torch and Megatron are imported
-once. Tier: host.
+The three runs go one after the other under one time limit (``launch.launch_jobs``). Tier: host.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ import torch
 from grad_dump import load_gradients
 from init_by_name import INIT_BY_NAME
 from launch import Job, Run, finite, launch_jobs
-from test_pretrain_loop import CAPACITY, MODEL, ON_CPU, ZEPPELIN, dataset, work  # noqa: F401
+from test_pretrain_loop import CAPACITY, MODEL, ON_CPU, ZEPPELIN, work  # noqa: F401
 
 pytestmark = pytest.mark.host
 
@@ -88,7 +87,7 @@ def runs(work: Path, dataset: str) -> dict[str, tuple[Run, Path]]:  # noqa: F811
         args = _args(ranks, nodes, capacity, extra, dataset)
         env = {INIT_BY_NAME: "1"}
         jobs.append(Job(args, ranks, work / f"moe-{name}", gradients[name], env))
-    done = launch_jobs(jobs, work_dir=work / "moe", timeout_s=TIMEOUT_S)
+    done = launch_jobs(jobs, TIMEOUT_S)
     return {name: (run, gradients[name]) for name, run in zip(RUNS, done)}
 
 

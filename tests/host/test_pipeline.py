@@ -35,13 +35,12 @@ Tier: host. Time: four launches, one of them a single process.
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from grad_dump import load_gradients
-from launch import ROOT, Run, finite, launch
+from launch import Run, finite, launch
 
 pytestmark = pytest.mark.host
 
@@ -51,9 +50,6 @@ PIPELINE_SAVE = 3
 TIMEOUT_S = 420.0
 TOLERANCE = 1e-5
 MICRO_BATCH_TOKENS = 256
-LENGTHS = (250, 7, 200, 40, 180, 30, 150, 20, 130, 12, 90, 8, 60, 5, 3, 110, 45, 70, 25, 140)
-LENGTHS += (16, 95, 33, 11, 6, 220, 2, 80, 18, 100)
-LENGTHS_B = (9, 64, 31, 120, 4, 77, 15, 48, 101, 22, 3, 58, 36, 90, 12, 70, 27, 140, 50, 8)
 # The first evaluation comes after every checkpoint a run here loads: a resumed run places its
 # validation stream by Megatron's count of consumed validation samples, which counts samples of
 # the global batch size of the run that saved (one process's is half a pipeline run's here).
@@ -109,24 +105,6 @@ def _resume(directory: Path, iteration: int) -> list[str]:
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pipeline")
-
-
-def _make_dataset(work: Path, name: str, lengths: tuple[int, ...]) -> str:
-    listed = work / f"{name}.txt"
-    listed.write_text(" ".join(map(str, lengths)))
-    prefix = str(work / name)
-    command = [sys.executable, "-m", "megatron_zeppelin.cli", "make-dataset", "--output", prefix]
-    command += ["--lengths", str(listed), "--vocab-size", "128"]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    return prefix
-
-
-@pytest.fixture(scope="module")
-def dataset(work: Path) -> str:
-    """The ``--data-path`` values: a weighted blend of two datasets."""
-    a, b = _make_dataset(work, "docs", LENGTHS), _make_dataset(work, "more", LENGTHS_B)
-    return f"0.3 {a} 0.7 {b}"
 
 
 def _trained(run: Run) -> dict[int, float]:

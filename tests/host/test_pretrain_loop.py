@@ -4,10 +4,10 @@ process does.
 
 A tiny GPT (2 layers, hidden 64, dropout 0, weights drawn on CPU from the seed, so every
 tensor-parallel size starts from the same model) trains a few iterations on a blend of two
-datasets written by ``zeppelin make-dataset`` (``--data-path 0.3 A 0.7 B --split 8,1,1``), and
-evaluates every 2 iterations, after training and on the test split. Every run's sampler sees the
-same micro-batch budget (4 x 64 tokens), so every run trains and evaluates the same global
-batches of the same documents:
+datasets written by ``zeppelin make-dataset`` (``conftest.py``; ``--data-path 0.3 A 0.7 B
+--split 8,1,1``), and evaluates every 2 iterations, after training and on the test split. Every
+run's sampler sees the same micro-batch budget (4 x 64 tokens), so every run trains and
+evaluates the same global batches of the same documents:
 
 * one process (the reference): every document whole on the one rank;
 * TP 1 on 4 ranks, 64 tokens per GPU: a node holds 128 tokens, so longer documents ring across
@@ -27,16 +27,13 @@ Tier: host. The processes run through ``run_on_cpu.py`` (the test-only ``cpu_ada
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from launch import ROOT, Run, finite, launch
+from launch import Run, finite, launch
 
 pytestmark = pytest.mark.host
 
-VOCAB = 128  # token ids of the dataset
 # The model's vocabulary pads to 256 at TP 1 and TP 2 alike, in 0.19 (NullTokenizer: 200 ids) and
 # core_v0.16.1 (201: it adds an end-of-document id), so every run builds the same model.
 MODEL_VOCAB = 200
@@ -45,44 +42,6 @@ ITERATIONS = 4
 SAVE_AT = 2
 TIMEOUT_S = 420.0
 TOLERANCE = 1e-5
-# Up to 250 tokens: over one node's 128 tokens (inter-node rings), and alone in a micro-batch.
-# Dataset A; with --split 8,1,1 documents 0-23 train, 24-26 validate and 27-29 test.
-LENGTHS = (
-    250,
-    7,
-    200,
-    40,
-    180,
-    30,
-    150,
-    20,
-    130,
-    12,
-    90,
-    8,
-    60,
-    5,
-    3,
-    110,
-    45,
-    70,
-    25,
-    140,
-    16,
-    95,
-    33,
-    11,
-    6,
-    220,
-    2,
-    80,
-    18,
-    100,
-)
-
-# Dataset B: 20 shorter documents (0-15 train, 16-17 validate, 18-19 test).
-LENGTHS_B = (9, 64, 31, 120, 4, 77, 15, 48, 101, 22, 3, 58, 36, 90, 12, 70, 27, 140, 50, 8)
-BLEND = "0.3 {a} 0.7 {b}"
 EVAL_INTERVAL = 2
 
 MODEL = (
@@ -139,40 +98,6 @@ def _args(*, ranks: int, tp: int, nodes: int, capacity: int, data: str, extra=()
 @pytest.fixture(scope="module")
 def work(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("pretrain")
-
-
-def _make_dataset(work: Path, name: str, lengths: tuple[int, ...]) -> str:
-    """Written by ``zeppelin make-dataset``, as a user would."""
-    listed = work / f"{name}.txt"
-    listed.write_text(" ".join(map(str, lengths)))
-    prefix = str(work / name)
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "megatron_zeppelin.cli",
-            "make-dataset",
-            "--output",
-            prefix,
-            "--lengths",
-            str(listed),
-            "--vocab-size",
-            str(VOCAB),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
-    return prefix
-
-
-@pytest.fixture(scope="module")
-def dataset(work: Path) -> str:
-    """The ``--data-path`` values: a weighted blend of two datasets."""
-    a, b = _make_dataset(work, "docs", LENGTHS), _make_dataset(work, "more", LENGTHS_B)
-    return BLEND.format(a=a, b=b)
 
 
 def _trained(run: Run) -> dict[int, float]:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 
 from megatron_zeppelin.megatron.coverage.answers import shown
-from megatron_zeppelin.megatron.model.variants import window_left
 
 POSITION_EMBEDDINGS = ("rope", "none", "learned_absolute")
 BALANCING_WITHOUT_LOSS = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
@@ -119,6 +118,10 @@ def kv_channels(args: argparse.Namespace) -> str | None:
 
 def window_size(args: argparse.Namespace) -> str | None:
     """A causal left window (``L,0``, or ``-1,0`` for none) is what Zeppelin can mask."""
+    # lazy: ``variants`` imports torch and megatron-core (seconds), which the planning commands
+    # that read these checks (``zeppelin plan``, ``simulate``, the benchmarks) need nowhere else.
+    from megatron_zeppelin.megatron.model.variants import window_left
+
     try:
         window_left(getattr(args, "window_size", None))
     except ValueError as exc:
