@@ -29,7 +29,7 @@ import numpy as np
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per step: no instance dict each
 class DocumentSlice:
     """Tokens ``[start, end)`` of document ``doc``; one planned sequence."""
 
