@@ -6,6 +6,7 @@ what is wrong. Tier: pure."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import itertools
 import json
@@ -122,6 +123,9 @@ def test_plans_of_other_builders_and_shapes_come_back_whole() -> None:
     )
     for plan in (allgather, sparse):
         _same(decode(encode(plan)), plan)
+    # numpy numbers in meta travel as the plain values they are.
+    numbers = dataclasses.replace(sparse, meta={"s": np.float64(0.5), "n": np.arange(2)})
+    assert decode(encode(numbers)).meta == {"s": 0.5, "n": [0, 1]}
 
 
 def test_decoded_records_are_freed_by_reference_counting_alone() -> None:

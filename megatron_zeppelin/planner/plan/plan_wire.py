@@ -111,7 +111,7 @@ def encode(plan: Plan) -> bytes:
         "topology": plan.topology.to_dict(),
         "meta": plan.meta,
     }
-    text = json.dumps(header, separators=(",", ":")).encode()
+    text = json.dumps(header, separators=(",", ":"), default=_plain).encode()
     text += b" " * (-len(text) % 4)
     body = np.concatenate([np.asarray(c, dtype=np.int64) for c in columns])
     if body.size and (body.min() < -(2**31) or body.max() >= 2**31):
@@ -147,6 +147,13 @@ def decode(data: bytes | bytearray | memoryview) -> Plan:
         object.__setattr__(plan, name, value)
     plan._index_routes()
     return plan
+
+
+def _plain(value: object) -> object:
+    """A numpy number or array in a plan's ``meta`` as the plain value JSON writes."""
+    if isinstance(value, (np.generic, np.ndarray)):
+        return value.tolist()
+    raise TypeError(f"a plan's meta holds {type(value).__name__} {value!r}: JSON cannot write it")
 
 
 def _fields(records: list, *names: str) -> list[list[int]]:
