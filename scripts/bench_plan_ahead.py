@@ -11,7 +11,7 @@ as ``feed.MicroBatchFeed`` does:
 - ``none``: no planning (the stream's own rate);
 - ``thread``: the planner thread of ``feed.py`` (``--zeppelin-plan-workers 0``);
 - ``processes N``: ``plan_workers.PlannerProcesses`` with N workers (``--zeppelin-plan-workers
-  N``); the training process only sends lengths and unpickles plans (in a reader thread).
+  N``); the training process only sends lengths and decodes plans (in a reader thread).
 
 For each: operators per second while the plans were being made, relative to ``none``, the
 longest the stream stood still (the longest gap between two of its operator triples), the full
@@ -19,9 +19,10 @@ passes of Python's collector meanwhile, and the wall time the plans took. The la
 ``processes 1, collector off``, runs with ``gc.disable()`` as Megatron's ``--manual-gc`` does:
 every plan brings the training process thousands of new objects, and the collector's full
 passes over everything hold the interpreter lock. Then what a plan costs the training process
-with planner processes: unpickling it (median over the plans, best of 3 each), beside making it
-(CPU time); and how long a plan takes from its lengths sent to a planner process to the plan in
-the training process, one plan at a time, with the collector on and off.
+with planner processes: decoding it (``plan_wire.decode``; median over the plans, best of 3
+each), beside making it (CPU time); and how long a plan takes from its lengths sent to a
+planner process to the plan in the training process, one plan at a time, with the collector on
+and off.
 
     python scripts/bench_plan_ahead.py
     python scripts/bench_plan_ahead.py --size 256
@@ -33,7 +34,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import pickle
 import statistics
 import time
 
@@ -45,6 +45,7 @@ from megatron_zeppelin.megatron.plans.plan_workers import PlannerProcesses, Plan
 from megatron_zeppelin.planner.baselines.distributions import DISTRIBUTIONS, sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan import plan_wire
 from megatron_zeppelin.topology.presets import get_topology
 
 
@@ -161,15 +162,15 @@ def main() -> None:
         start = time.process_time()
         made_plan = plan(lengths)
         made.append(time.process_time() - start)
-        blob = pickle.dumps(made_plan, protocol=pickle.HIGHEST_PROTOCOL)
+        blob = plan_wire.encode(made_plan)
         loads = []
         for _ in range(3):
             start = time.process_time()
-            pickle.loads(blob)
+            plan_wire.decode(blob)
             loads.append(time.process_time() - start)
         loaded.append(min(loads))
     print(
-        f"per plan: made in {1e3 * statistics.median(made):.0f} ms, unpickled in "
+        f"per plan: made in {1e3 * statistics.median(made):.0f} ms, decoded in "
         f"{1e3 * statistics.median(loaded):.1f} ms (medians)"
     )
     waits = [round_trips(batches, args.tokens, collector) for collector in (True, False)]
@@ -182,7 +183,7 @@ def main() -> None:
 
 def round_trips(batches: list[list[int]], tokens: int, collector: bool) -> float:
     """Median seconds from ``submit`` to the plan in this process, one plan at a time, with one
-    planner process: making it, pickling it there, unpickling it here, and whatever passes the
+    planner process: making it, encoding it there, decoding it here, and whatever passes the
     collector makes meanwhile (``collector=False``: ``gc.disable()``, as ``--manual-gc``)."""
     planner = PlannerProcesses(recipe(tokens), 1, lambda seconds: None)
     planner.submit(batches[0]).result()

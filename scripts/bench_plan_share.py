@@ -11,8 +11,9 @@ sleep standing in for the GPUs): plans are asked for at the predicted step rate.
 
 Per step, the seconds the training thread waited for its plan (the first step waits for the
 first plans whatever is done); per rank, the CPU seconds of its planner process per plan made
-there, and of the training process's own threads (receiving and unpickling the plans, the
-sampler) per plan taken. ``--no-share``: every rank plans every micro-batch itself.
+there, and of the training process's own threads (receiving and decoding the plans, the
+sampler) per plan taken, and the sampler's share of it. ``--no-share``: every rank plans every
+micro-batch itself.
 
     python scripts/bench_plan_share.py                 # 2 ranks, plans shared
     python scripts/bench_plan_share.py --no-share      # every rank plans every micro-batch
@@ -79,15 +80,30 @@ def _cpu_of(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _timed(sampler: DocumentSampler) -> list[float]:
+    """The CPU seconds ``sampler.next_step`` takes, in its thread, summed as it goes."""
+    seconds, draw = [0.0], sampler.next_step
+
+    def next_step():  # noqa: ANN202 - the sampler's own
+        start = time.thread_time()
+        try:
+            return draw()
+        finally:
+            seconds[0] += time.thread_time() - start
+
+    sampler.next_step = next_step  # type: ignore[method-assign]
+    return seconds
+
+
 def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: dict) -> None:
     dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank, world_size=world)
     share = None
     if args.share:
         nodes = Topology(num_nodes=world, gpus_per_node=1, nics_per_node=1)
         share = PlanShare.create(nodes, [range(world)], timeout_s=600)
-    feed = MicroBatchFeed(
-        _sampler(args.steps, args.ahead), _recipe(), ahead=args.ahead, workers=1, share=share
-    )
+    sampler = _sampler(args.steps, args.ahead)
+    drawing = _timed(sampler)
+    feed = MicroBatchFeed(sampler, _recipe(), ahead=args.ahead, workers=1, share=share)
     waits, steps = [], []
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     try:
@@ -104,7 +120,8 @@ def _rank(rank: int, world: int, store: str, args: argparse.Namespace, out: dict
     now = resource.getrusage(resource.RUSAGE_SELF)
     own = now.ru_utime + now.ru_stime - cpu.ru_utime - cpu.ru_stime
     out[rank] = {"waits": waits, "steps": steps, "planner_cpu": planner_cpu, "own_cpu": own,
-                 "made": made, "startup_s": feed.stats.startup_s}  # fmt: skip
+                 "made": made, "startup_s": feed.stats.startup_s,
+                 "sampler_cpu": drawing[0]}  # fmt: skip
     dist.destroy_process_group()
 
 
@@ -131,8 +148,10 @@ def main() -> None:
           f"{max(later):.3f} s at most, {statistics.mean(later):.3f} s on average")  # fmt: skip
     planner = sum(r["planner_cpu"] for r in results) / sum(r["made"] for r in results)
     own = statistics.mean(r["own_cpu"] for r in results) / args.steps
+    drawn = statistics.mean(r["sampler_cpu"] for r in results) / args.steps
     print(f"CPU per plan made: {planner:.2f} s in a planner process; per plan taken: "
-          f"{own:.3f} s in the training process")  # fmt: skip
+          f"{own:.3f} s in the training process, of which {drawn:.3f} s drawing the "
+          "micro-batches from the sampler")  # fmt: skip
     # On the cluster: one planner per node plans 1 micro-batch in NODES; every GPU's rank
     # takes every plan.
     per_node = (planner / NODES + GPUS_PER_NODE * own) / step

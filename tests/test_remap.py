@@ -20,7 +20,9 @@ from megatron_zeppelin.planner.plan.remap_layout import (
     RemapLayout,
     attention_to_linear_layout,
     linear_to_attention_layout,
+    plan_layouts,
     remap_between,
+    remap_pair,
 )
 
 Layout = list[list[TokenRange]]
@@ -107,6 +109,37 @@ def test_plan_remap_keeps_rows_that_stay_and_round_trips():
         assert there[r].send_counts[r] == kept
         assert there[r].moved_rows == len(linear[r]) - kept
     assert all(np.array_equal(a, b) for a, b in zip(simulate(back, attention), linear))
+
+
+@pytest.mark.pure
+def test_a_plans_layouts_and_remaps_worked_out_at_once_are_those_of_each_rank():
+    """``plan_layouts`` (one pass over the spans) and ``remap_pair`` (both directions from one
+    set of owners) give what asking ``Plan`` rank by rank, and ``remap_between``, give."""
+    from megatron_zeppelin.config import ZeppelinConfig
+    from megatron_zeppelin.megatron.plans.plan_workers import PlanRecipe
+    from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+    from megatron_zeppelin.planner.cost.costmodel import CostModel
+    from megatron_zeppelin.planner.cost.models import get_model
+    from megatron_zeppelin.topology.presets import get_topology
+
+    topology = get_topology("zeppelin-C", num_nodes=4)
+    config = ZeppelinConfig(capacity=32768)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    wide = PlanRecipe(topology, cost, config, config.planner_options(cost))(
+        sample_lengths("prolong", num_tokens=1 << 20, seed=1)
+    )
+    for plan in (hand_plan(), wide):
+        world = plan.world_size
+        linear = [plan.linear_ranges(r) for r in range(world)]
+        attention = [plan.attention_ranges(r) for r in range(world)]
+        assert plan_layouts(plan) == (linear, attention) and linear != attention
+        for rank in range(0, world, 3):
+            pair = remap_pair(plan, rank)
+            alone = remap_between(linear, attention, rank), remap_between(attention, linear, rank)
+            for got, want in zip(pair, alone):
+                assert (got.send_counts, got.recv_counts) == (want.send_counts, want.recv_counts)
+                assert np.array_equal(got.send_index, want.send_index)
+                assert np.array_equal(got.recv_index, want.recv_index)
 
 
 # --- processes ------------------------------------------------------------------------------

@@ -208,3 +208,81 @@ def test_bad_settings_raise_actionable_errors(kwargs, message):
         DocumentSampler([10, 20], **kwargs)
     with pytest.raises(ValueError, match="no non-empty document"):
         DocumentSampler([0, 0], tokens_per_step=10)
+
+
+def _units(step):
+    return [[(u.doc, u.start, u.end, u.epoch) for u in mb] for mb in step.micro_batches]
+
+
+def _one_by_one(sampler: DocumentSampler) -> DocumentSampler:
+    """``sampler`` taking every unit with ``peek``/``take``: the bulk path turned off."""
+    sampler.stream.take_whole = lambda budget: []  # type: ignore[method-assign]
+    return sampler
+
+
+def _same_steps(lengths, cfg: dict, num_steps: int) -> None:
+    bulk, single = DocumentSampler(lengths, **cfg), _one_by_one(DocumentSampler(lengths, **cfg))
+    for _ in range(num_steps):
+        assert _units(bulk.next_step()) == _units(single.next_step())
+        assert bulk.state_dict() == single.state_dict()
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(lengths=lengths_strategy, data=st.data(), epochs=st.one_of(st.none(), st.integers(1, 3)))
+def test_documents_taken_in_bulk_are_those_taken_one_by_one(lengths, data, epochs):
+    """Runs of whole documents are taken in bulk (``DocumentStream.take_whole``): every step,
+    its units' epochs and the sampler's state after it are those of taking them one by one."""
+    _same_steps(lengths, {**_config(lengths, data), "num_epochs": epochs}, 12)
+
+
+@pytest.mark.parametrize("policy", ["split", "truncate"])
+def test_bulk_runs_of_thousands_of_documents_are_those_taken_one_by_one(policy):
+    """Steps of thousands of documents (the bulk path's windows grow), with empty documents,
+    documents cut in pieces and epochs ending inside steps."""
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(1, 400, size=9000)
+    lengths[rng.choice(9000, 300, replace=False)] = 0
+    lengths[rng.choice(9000, 40, replace=False)] = 5000
+    cfg = dict(
+        tokens_per_step=700_000, num_micro_batches=3, seed=5, max_length=2048,
+        long_documents=policy, micro_batch_capacity=300_000,
+    )  # fmt: skip
+    _same_steps(lengths, cfg, 8)
+    # Steps filled to the last token: one token per document.
+    _same_steps(np.ones(9000, dtype=np.int64), {**cfg, "tokens_per_step": 2500}, 5)
+
+
+def _balance_one_by_one(lengths, num_bins, cost, capacity, num_first):
+    """``balance_by_cost``'s rule written plainly: by cost, each onto the cheapest bin that
+    fits (ties to fewer tokens, then the lower index)."""
+    costs = [float(cost(np.int64(n))) for n in lengths]
+    order = sorted(range(len(lengths)), key=lambda i: (i >= num_first, -costs[i], i))
+    bin_cost, bin_tokens = [0.0] * num_bins, [0] * num_bins
+    bins, left_over = [[] for _ in range(num_bins)], []
+    for i in order:
+        fits = [
+            b for b in range(num_bins) if capacity is None or bin_tokens[b] + lengths[i] <= capacity
+        ]
+        if not fits:
+            left_over.append(i)
+            continue
+        b = min(fits, key=lambda j: (bin_cost[j], bin_tokens[j], j))
+        bins[b].append(i)
+        bin_cost[b] += costs[i]
+        bin_tokens[b] += lengths[i]
+    return [sorted(b) for b in bins], sorted(left_over)
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 3000), max_size=60),
+    num_bins=st.integers(1, 5),
+    capacity=st.one_of(st.none(), st.integers(1, 6000)),
+    num_first=st.integers(0, 5),
+    linear=st.sampled_from([0.0, 500.0]),
+)
+def test_balance_by_cost_follows_its_rule(lengths, num_bins, capacity, num_first, linear):
+    cost = DocumentCost(attention=1.0, linear=linear)
+    args = (lengths, num_bins, cost, capacity, num_first)
+    got = balance_by_cost(lengths, num_bins, cost=cost, capacity=capacity, num_first=num_first)
+    assert got == _balance_one_by_one(*args)

@@ -128,7 +128,7 @@ def test_plan_ahead_benchmark_runs_every_planner() -> None:
     assert float(rows["processes 1"].split("|")[4]) > 0.0  # the longest stop, in ms
     # With the collector off (``--manual-gc``) it makes no full pass of its own.
     assert rows["processes 1, collector off"].split("|")[5].strip().startswith("0 (")
-    assert "unpickled in" in out
+    assert "decoded in" in out
 
 
 @pytest.mark.pure
@@ -159,6 +159,17 @@ def test_plan_digests_find_the_same_plans_twice(tmp_path) -> None:
     out = run_script("scripts/plan_digests.py", "--sets", "sweep", "--first", "3", "--against",
                      written)  # fmt: skip
     assert "3 of 3 plans the same; step after / before: max 1.0000" in out
+
+
+@pytest.mark.pure
+def test_plan_wire_benchmark_compares_the_forms_and_the_remaps() -> None:
+    out = run_script("scripts/bench_plan_wire.py", "--rounds", "1", "--plans", "2")
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:6] in FORMS}
+    assert set(rows) == {"pickle", "wire"} and all(float(r[3]) > 0 for r in rows.values())
+    assert "rank by rank" in out and "remap_pair" in out
+
+
+FORMS = ("pickle", "wire  ")
 
 
 @pytest.mark.dist

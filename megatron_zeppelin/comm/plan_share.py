@@ -5,12 +5,12 @@ lengths costs a node as many cores as it has GPUs for one answer, and leaves eac
 alone to keep up with the steps. Instead one rank per node plans (``planners``: the first
 Zeppelin rank of every node), the micro-batches dealt out to them in turn (``owner``), so a
 cluster of ``n`` nodes plans ``n`` micro-batches at once, and each plan reaches the other ranks as
-bytes (the plan's pickle: columns in pieces, ``Plan.__reduce__``) broadcast on a gloo group of its
-own. The group is created once at start-up for every Zeppelin world (``new_group`` is a
-collective over every process) and carries the Zeppelin timeout.
+bytes (the plan's wire form: integer columns in one buffer, ``planner/plan/plan_wire.py``)
+broadcast on a gloo group of its own. The group is created once at start-up for every Zeppelin
+world (``new_group`` is a collective over every process) and carries the Zeppelin timeout.
 
 Per micro-batch (``exchange``): the planning rank broadcasts a header ``(kind, size)``, then the
-payload. Kinds: ``PLAN`` (the plan's pickle), ``ERROR`` (the planner's exception, pickled:
+payload. Kinds: ``PLAN`` (the plan's bytes), ``ERROR`` (the planner's exception, pickled:
 every rank raises the same one), ``DROPPED`` (no plan: the micro-batch was given up, when the
 feed closes or the sampler is resumed). Every rank exchanges the same micro-batches in the same
 order from one thread (``megatron/plans/feed.py`` draws them alike everywhere), so the broadcasts

@@ -28,11 +28,7 @@ import torch.distributed as dist
 from megatron_zeppelin.comm.watch import CommWatch
 from megatron_zeppelin.devices import to_device
 from megatron_zeppelin.planner.plan.plan import Plan
-from megatron_zeppelin.planner.plan.remap_layout import (
-    RemapLayout,
-    attention_to_linear_layout,
-    linear_to_attention_layout,
-)
+from megatron_zeppelin.planner.plan.remap_layout import RemapLayout, remap_pair
 
 __all__ = ["all_to_all_rows", "attention_to_linear", "linear_to_attention", "remap_rows"]
 
@@ -122,7 +118,7 @@ def _layouts(plan: Plan, rank: int) -> tuple[RemapLayout, RemapLayout]:
         for known, known_rank, layouts in _RECENT_LAYOUTS:
             if known is plan and known_rank == rank:
                 return layouts
-    layouts = linear_to_attention_layout(plan, rank), attention_to_linear_layout(plan, rank)
+    layouts = remap_pair(plan, rank)
     with _RECENT_LOCK:
         _RECENT_LAYOUTS.append((plan, rank, layouts))
     return layouts

@@ -97,23 +97,28 @@ def balance_by_cost(
     Returns ``(bins, left_over)``: item indices per bin in increasing index order, and the items
     no bin could hold.
     """
-    costs = cost(np.asarray(lengths, dtype=np.int64)) if len(lengths) else np.zeros(0)
-    order = sorted(range(len(lengths)), key=lambda i: (i >= num_first, -costs[i], i))
+    tokens = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    costs = cost(tokens) if tokens.size else np.zeros(0)
+    index = np.arange(tokens.size)
+    order = np.lexsort((index, -costs, index >= num_first)).tolist()  # last key first
+    costs, tokens = np.asarray(costs, dtype=np.float64).tolist(), tokens.tolist()
     bin_cost = [0.0] * num_bins
     bin_tokens = [0] * num_bins
     bins: list[list[int]] = [[] for _ in range(num_bins)]
     left_over = []
     for i in order:
-        fits = [
-            b for b in range(num_bins) if capacity is None or bin_tokens[b] + lengths[i] <= capacity
-        ]
-        if not fits:
+        n, best = tokens[i], -1
+        for b in range(num_bins):  # the cheapest that fits; ties to fewer tokens, then index
+            if capacity is not None and bin_tokens[b] + n > capacity:
+                continue
+            if best < 0 or (bin_cost[b], bin_tokens[b]) < (bin_cost[best], bin_tokens[best]):
+                best = b
+        if best < 0:
             left_over.append(i)
             continue
-        b = min(fits, key=lambda j: (bin_cost[j], bin_tokens[j], j))
-        bins[b].append(i)
-        bin_cost[b] += float(costs[i])
-        bin_tokens[b] += int(lengths[i])
+        bins[best].append(i)
+        bin_cost[best] += costs[i]
+        bin_tokens[best] += n
     return [sorted(b) for b in bins], sorted(left_over)
 
 
@@ -190,6 +195,11 @@ class DocumentSampler:
         num_carried = len(units)
         total = sum(u.num_tokens for u in units)
         while True:
+            # Runs of whole documents in bulk, the rest (a split document, an epoch's end, a
+            # blend) one unit at a time: the same units either way.
+            whole = self.stream.take_whole(self.tokens_per_step - total)
+            units += whole
+            total += sum(u.num_tokens for u in whole)
             unit = self.stream.peek()
             if unit is None or total + unit.num_tokens > self.tokens_per_step:
                 break

@@ -29,7 +29,7 @@ import numpy as np
 LONG_DOCUMENT_POLICIES = ("split", "truncate")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # thousands per step: no instance dict each
 class DocumentSlice:
     """Tokens ``[start, end)`` of document ``doc``; one planned sequence."""
 
@@ -194,6 +194,46 @@ class DocumentStream:
         cursor.tokens += unit.num_tokens
         self._drawn += unit.num_tokens
         return unit
+
+    def take_whole(self, budget: int) -> list[DocumentSlice]:
+        """Whole documents taken while their tokens add up to at most ``budget``: what ``take``
+        one unit at a time gives, stopping before the first that does not fit, where that is a
+        run of whole documents of one source's current epoch (one source, nothing peeked,
+        documents of ``1..max_length`` tokens); otherwise fewer, or none (``take`` the rest).
+        Leaves the stream as those ``take`` calls would: the last document's cursor past its
+        one piece."""
+        if len(self._cursors) != 1 or self._peeked is not None:
+            return []
+        cursor, taken = self._cursors[0], []
+        if self.num_epochs is not None and cursor.epoch >= self.num_epochs:
+            return []
+        order = self.epoch_order(0, cursor.epoch)
+        start = cursor.position
+        if cursor.piece:  # past the document under the cursor only if it was whole
+            if not 0 < self.lengths[order[start]] <= self.max_length or cursor.piece != 1:
+                return []
+            start += 1
+        window = 1024
+        while start < order.shape[0] and budget > 0:
+            docs = order[start : start + window]
+            lengths = self.lengths[docs]
+            whole = np.flatnonzero((lengths == 0) | (lengths > self.max_length))
+            stop = int(whole[0]) if whole.size else docs.shape[0]
+            fit = int(np.searchsorted(np.cumsum(lengths[:stop]), budget, side="right"))
+            if fit:
+                tokens = int(lengths[:fit].sum())
+                epochs = [cursor.epoch] * fit
+                taken += map(
+                    DocumentSlice, docs[:fit].tolist(), [0] * fit, lengths[:fit].tolist(), epochs
+                )
+                cursor.position, cursor.piece = start + fit - 1, 1
+                cursor.tokens += tokens
+                self._drawn += tokens
+                budget -= tokens
+            if fit < docs.shape[0] or stop < docs.shape[0]:
+                break
+            start, window = start + fit, 2 * window
+        return taken
 
     # --- resume ------------------------------------------------------------------------------
     def fingerprint(self) -> dict[str, Any]:

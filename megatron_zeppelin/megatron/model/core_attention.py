@@ -57,10 +57,7 @@ from megatron_zeppelin.comm.remap import remap_rows
 from megatron_zeppelin.megatron.model import variants
 from megatron_zeppelin.megatron.model.rotary import MEGATRON_DEFAULT, Rope, apply_rotary
 from megatron_zeppelin.planner.plan.plan import Plan
-from megatron_zeppelin.planner.plan.remap_layout import (
-    attention_to_linear_layout,
-    linear_to_attention_layout,
-)
+from megatron_zeppelin.planner.plan.remap_layout import plan_layouts, remap_pair
 
 
 @dataclass
@@ -112,9 +109,8 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         if self._remap is None:
             plan = self.plan
             assert plan is not None
-            differ = any(
-                plan.linear_ranges(r) != plan.attention_ranges(r) for r in range(plan.world_size)
-            )
+            linear, attention = plan_layouts(plan)
+            differ = linear != attention
             self._remap = (self._layouts(),) if differ else (None,)
         return self._remap[0]
 
@@ -127,10 +123,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
                 f"the remap group has {size} ranks and this process is its rank {me}: pass the "
                 "group of the plan's ranks"
             )
-        return (
-            linear_to_attention_layout(self.plan, self.rank),
-            attention_to_linear_layout(self.plan, self.rank),
-        )
+        return remap_pair(self.plan, self.rank)
 
     def engine(self, softmax_scale: float | None) -> Any:
         """The engine for this micro-batch, built once and shared by every layer."""

@@ -6,14 +6,15 @@ releases the lock while it runs and must take it back afterwards; with a planner
 Python, taking it back waits for the planner to reach its switch interval (5 ms). A stream of
 small operators then runs several times slower for as long as a plan is being made
 (``scripts/bench_plan_ahead.py``; docs/BENCHMARKS.md, "Planning ahead"). Worker processes plan
-in their own interpreters: the training process only sends the lengths and unpickles the plan.
+in their own interpreters: the training process only sends the lengths and decodes the plan.
 
 Protocol (``python -m megatron_zeppelin.megatron.plans.plan_workers``, one per worker): the parent
 writes pickles to the worker's stdin, first the ``PlanRecipe`` and then one list of lengths per
 micro-batch; the worker answers ``"ready"`` once it has read the recipe (its imports done), then
-each micro-batch on its stdout, in order, with ``(plan's pickle, None, seconds)`` or
-``(None, exception, seconds)``; the training process unpickles the plan (or, sharing plans,
-hands the pickle on as it is: ``shared_plans.py``). The worker writes nothing else there (its
+each micro-batch on its stdout, in order, with ``(plan's bytes, None, seconds)`` or
+``(None, exception, seconds)``, the plan in its wire form (``planner/plan/plan_wire.py``); the
+training process decodes the plan (or, sharing plans, hands the bytes on as they are:
+``shared_plans.py``). The worker writes nothing else there (its
 ``print`` goes to stderr), plans one micro-batch at a time, and exits when its stdin closes:
 when the training process closes the feed, or dies.
 
@@ -43,6 +44,7 @@ from typing import Any
 from megatron_zeppelin.config import ZeppelinConfig, flag_of
 from megatron_zeppelin.megatron.plans.reuse import RecentPlans
 from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.plan import plan_wire
 from megatron_zeppelin.planner.plan.plan import Plan
 from megatron_zeppelin.planner.search import partition
 from megatron_zeppelin.topology.model import Topology
@@ -168,11 +170,16 @@ class _Worker:
             future = self.pending.popleft()
             if future.cancelled():
                 continue
+            if error is None and not self._raw:
+                try:
+                    blob = plan_wire.decode(blob)
+                except ValueError as exc:  # a payload cut short: fails its micro-batch
+                    error = exc
             try:
                 if error is not None:
                     future.set_exception(error)
                 else:
-                    future.set_result(blob if self._raw else pickle.loads(blob))
+                    future.set_result(blob)
             except InvalidStateError:  # cancelled by the training thread meanwhile
                 pass
         with self._lock:
@@ -220,9 +227,10 @@ class _Worker:
 
 class PlannerProcesses:
     """``workers`` planner processes; ``submit(lengths)`` gives a ``Future`` of the plan (with
-    ``raw``, of its pickle), raising the planner's own exception where planning fails, or a
-    ``RuntimeError`` naming the process where a worker dies. Micro-batches go to the workers in
-    turn; ``on_seconds`` is called (from a reader thread) with each plan's planning time."""
+    ``raw``, of its bytes, ``plan_wire.encode``), raising the planner's own exception where
+    planning fails, or a ``RuntimeError`` naming the process where a worker dies. Micro-batches
+    go to the workers in turn; ``on_seconds`` is called (from a reader thread) with each plan's
+    planning time."""
 
     def __init__(
         self,
@@ -294,7 +302,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
     while (lengths := next_job()) is not None:
         start = time.perf_counter()
         try:
-            blob = pickle.dumps(recipe(lengths), protocol=pickle.HIGHEST_PROTOCOL)
+            blob = plan_wire.encode(recipe(lengths))
             answer = (blob, None, time.perf_counter() - start)
         except Exception as exc:  # noqa: BLE001 - handed to the training process
             answer = (None, picklable(exc), time.perf_counter() - start)

@@ -5,11 +5,12 @@
 ``plan_workers.PlannerProcesses``) where plans are shared (``comm/plan_share.py``). The
 micro-batches are numbered as they are submitted, the same on every rank (every rank draws the
 same steps, ``feed.py``); the ``i``-th is planned by ``PlanShare.owner(i)``, the first rank of
-one node, in its planner processes, which hand back the plan's pickle. A thread of every rank
-then exchanges the micro-batches in order: the owner broadcasts the pickle, every rank
-(the owner too) unpickles it in that thread and resolves the micro-batch's future. Only the
-ranks that plan run planner processes, so a node spends one planner's CPU, not one per GPU, and
-the cluster plans as many micro-batches at once as it has nodes.
+one node, in its planner processes, which hand back the plan's bytes (``plan_wire.encode``). A
+thread of every rank then exchanges the micro-batches in order: the owner broadcasts the bytes,
+every rank (the owner too) decodes them in that thread (``plan_wire.decode``, which checks them)
+and resolves the micro-batch's future. Only the ranks that plan run planner processes, so a node
+spends one planner's CPU, not one per GPU, and the cluster plans as many micro-batches at once
+as it has nodes.
 
 Every rank executes the plan its owner made, which is the plan it would have made itself
 (planning is deterministic: ``tests/test_plan_share.py`` trains both ways). Where the owner's
@@ -31,6 +32,7 @@ from typing import Any
 
 from megatron_zeppelin.comm.plan_share import DROPPED, ERROR, PLAN, PlanShare, PlanShareError
 from megatron_zeppelin.megatron.plans.plan_workers import PlannerProcesses, PlanRecipe, picklable
+from megatron_zeppelin.planner.plan import plan_wire
 
 __all__ = ["SharedPlanner"]
 
@@ -106,7 +108,7 @@ class SharedPlanner:
 
     def _outgoing(self, mine: Future | None, future: Future) -> tuple[int, bytes]:
         """What this rank sends for a micro-batch: nothing unless it owns it; the plan's
-        pickle, or the planner's exception (a planner process that died named with this rank),
+        bytes, or the planner's exception (a planner process that died named with this rank),
         or ``DROPPED`` where the feed gave the micro-batch up."""
         if mine is None:
             return DROPPED, b""
@@ -129,7 +131,7 @@ def _deliver(future: Future, kind: int, payload: bytes, index: int, owner: int) 
     if future.cancelled():
         return
     if kind == PLAN:
-        _resolve(future, pickle.loads(payload), result=True)
+        _resolve(future, plan_wire.decode(payload), result=True)
     elif kind == ERROR:
         _resolve(future, pickle.loads(payload))
     else:

@@ -26,8 +26,10 @@ __all__ = [
     "Span",
     "Tier",
     "TokenRange",
+    "grouped_records",
     "node_chunks",
     "node_grid",
+    "records_of",
     "share_spans",
     "split_by_weights",
     "zigzag_bounds",
@@ -303,6 +305,20 @@ def _records(cls: type, setters: tuple, count: int, *columns: Iterable) -> list:
     for set_field, column in zip(setters, columns, strict=True):
         deque(map(set_field, records, column), maxlen=0)
     return records
+
+
+_SETTERS = {Span: _SPAN_SETTERS, TokenRange: _TOKEN_RANGE_SETTERS, SequencePlan: _SEQUENCE_SETTERS}
+
+
+def records_of(cls: type, *columns: Sequence) -> list:
+    """Records of ``cls`` (``Span``, ``TokenRange`` or ``SequencePlan``) from one column per
+    field, in the order the fields are declared, built in bulk (``_records``)."""
+    return _records(cls, _SETTERS[cls], len(columns[0]), *columns)
+
+
+def grouped_records(cls: type, counts: list[int], columns: list[list]) -> tuple[tuple, ...]:
+    """``records_of`` cut into consecutive tuples of ``counts`` records each."""
+    return _grouped_records(cls, _SETTERS[cls], counts, columns)
 
 
 def node_chunks(length: int, num_nodes: int, position: int) -> list[tuple[int, int]]:

@@ -29,7 +29,9 @@ from megatron_zeppelin.planner.plan.plan import Plan, TokenRange
 
 __all__ = [
     "RemapLayout",
+    "plan_layouts",
     "remap_between",
+    "remap_pair",
     "linear_to_attention_layout",
     "attention_to_linear_layout",
 ]
@@ -125,12 +127,16 @@ def _pieces(r: TokenRange, owners: dict) -> list[tuple[int, int, int, int]]:
 
 def remap_between(src: Layout, dst: Layout, rank: int) -> RemapLayout:
     """Rank ``rank``'s side of moving rows from layout ``src`` to layout ``dst``."""
+    return _remap(src, dst, rank, _owners(src), _owners(dst))
+
+
+def _remap(src: Layout, dst: Layout, rank: int, src_owners: dict, dst_owners: dict) -> RemapLayout:
+    """``remap_between`` with both layouts' ``_owners`` given."""
     world = len(src)
     if len(dst) != world:
         raise ValueError(f"layouts list {len(src)} and {len(dst)} ranks; they must agree")
     if not 0 <= rank < world:
         raise ValueError(f"rank {rank} outside 0..{world - 1}")
-    src_owners, dst_owners = _owners(src), _owners(dst)
 
     # Sender side: each piece of my source buffer, keyed by where it lands (rank, dst offset).
     send: list[list[tuple[int, int, int]]] = [[] for _ in range(world)]
@@ -171,21 +177,37 @@ def remap_between(src: Layout, dst: Layout, rank: int) -> RemapLayout:
     )
 
 
-def _layouts(plan: Plan) -> tuple[Layout, Layout]:
-    world = plan.world_size
-    return (
-        [plan.linear_ranges(r) for r in range(world)],
-        [plan.attention_ranges(r) for r in range(world)],
-    )
+def plan_layouts(plan: Plan) -> tuple[Layout, Layout]:
+    """Every rank's ranges in the plan's linear and attention layouts (``Plan.linear_ranges``
+    and ``Plan.attention_ranges`` of each rank), the attention layout in one pass over the
+    spans: asking each rank in turn walks every document once per rank, about a second per
+    plan at 1024 GPUs and 10^4 documents, on every rank, every micro-batch."""
+    attention: Layout = [[] for _ in range(plan.world_size)]
+    for seq in plan.sequences:
+        seq_id = seq.id
+        for span in seq.attention:
+            attention[span.rank].append(TokenRange(seq_id, span.start, span.end))
+    return [list(ranges) for ranges in plan.linear], attention
 
 
 def linear_to_attention_layout(plan: Plan, rank: int) -> RemapLayout:
     """Rank's side of the move from the plan's linear layout to its attention layout."""
-    linear, attention = _layouts(plan)
+    linear, attention = plan_layouts(plan)
     return remap_between(linear, attention, rank)
 
 
 def attention_to_linear_layout(plan: Plan, rank: int) -> RemapLayout:
     """Rank's side of the move from the plan's attention layout back to its linear layout."""
-    linear, attention = _layouts(plan)
+    linear, attention = plan_layouts(plan)
     return remap_between(attention, linear, rank)
+
+
+def remap_pair(plan: Plan, rank: int) -> tuple[RemapLayout, RemapLayout]:
+    """``(linear_to_attention_layout, attention_to_linear_layout)`` of ``rank``, the layouts
+    and who holds each range worked out once for both (every rank, every micro-batch)."""
+    linear, attention = plan_layouts(plan)
+    of_linear, of_attention = _owners(linear), _owners(attention)
+    return (
+        _remap(linear, attention, rank, of_linear, of_attention),
+        _remap(attention, linear, rank, of_attention, of_linear),
+    )
