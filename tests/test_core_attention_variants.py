@@ -136,9 +136,8 @@ def test_settings_it_would_not_honour_stop_the_build(one_rank, changes, kwargs, 
 def test_a_spec_of_ones_own_gets_the_flags_rotary_settings() -> None:
     """``--spec MODULE NAME`` naming a spec with Zeppelin's core attention: the flags' rotary
     settings replace the spec's own (a copy's), since they are the model's only rotary."""
-    from megatron_zeppelin.megatron import hooks
     from megatron_zeppelin.megatron.model.rotary import Rope
-    from megatron_zeppelin.megatron.spec import core_attention_of
+    from megatron_zeppelin.megatron.spec import core_attention_of, spec_from_flags
 
     args = SimpleNamespace(
         spec=[__name__, "OWN_SPEC"],
@@ -152,11 +151,11 @@ def test_a_spec_of_ones_own_gets_the_flags_rotary_settings() -> None:
         rope_scaling_factor=32.0,
         sequence_parallel=False,
     )
-    spec = hooks._layer_spec(args, None, num_layers=2)
+    spec = spec_from_flags(args, None, num_layers=2)
     assert core_attention_of(spec).params["rope"] == Rope(500000.0, 1.0, True, None, 32.0)
     assert core_attention_of(OWN_SPEC).params["rope"] == Rope(base=7.0)  # left as it was
     args.position_embedding_type = "learned_absolute"
-    assert core_attention_of(hooks._layer_spec(args, None, num_layers=2)).params["rope"] is None
+    assert core_attention_of(spec_from_flags(args, None, num_layers=2)).params["rope"] is None
 
 
 def _own_spec():  # noqa: ANN202

@@ -1,10 +1,10 @@
 """Hooks for Megatron-LM's ``pretrain()``: model, forward step and datasets with Zeppelin.
 
 Thin on purpose: everything that can be tested without ``megatron.training`` lives in the
-modules it calls (``args``, ``spec``, ``core_attention``, ``loss``, ``runtime``, ``step``,
-``feed``, ``pipeline``, ``resume``, ``report``, ``batch``, ``sampler``, ``blend``,
-``evaluation``). ``megatron.training`` is imported only inside the functions, so this module
-imports anywhere megatron-core does.
+modules it calls (``args``, ``spec`` (the layer spec the flags ask for), ``core_attention``,
+``loss``, ``runtime``, ``step``, ``feed``, ``pipeline``, ``resume``, ``report``, ``batch``,
+``sampler``, ``blend``, ``evaluation``). ``megatron.training`` is imported only inside the
+functions, so this module imports anywhere megatron-core does.
 
 The signatures follow how Megatron-LM ``core_v0.16.1`` calls its hooks:
 
@@ -54,7 +54,6 @@ data-parallel size`` micro-batches at once, so the sampler can balance their cos
 from __future__ import annotations
 
 import argparse
-import copy
 from functools import partial
 from typing import Any
 
@@ -62,7 +61,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
-from megatron.core.transformer.spec_utils import import_module
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.utils import get_attr_wrapped_model
 
@@ -82,13 +80,7 @@ from megatron_zeppelin.megatron.documents.resume import (
     save_sampler_state,
 )
 from megatron_zeppelin.megatron.documents.sampler import DocumentCost, DocumentSampler
-from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
 from megatron_zeppelin.megatron.model.loss import megatron_loss_func
-from megatron_zeppelin.megatron.model.norms import (
-    needs_sequence_parallel_norms,
-    sequence_parallel_spec,
-)
-from megatron_zeppelin.megatron.model.rotary import Rope
 from megatron_zeppelin.megatron.model.variants import window_left
 from megatron_zeppelin.megatron.pipeline import ChunkCursors, pipeline_stage
 from megatron_zeppelin.megatron.plans.feed import MicroBatchFeed
@@ -106,7 +98,7 @@ from megatron_zeppelin.megatron.runtime import (
     create_transport,
     plan_summary,
 )
-from megatron_zeppelin.megatron.spec import SPEC_KINDS, core_attention_of, layers_of, model_spec
+from megatron_zeppelin.megatron.spec import spec_from_flags
 from megatron_zeppelin.megatron.step import StepRuntime, run_micro_batch
 from megatron_zeppelin.planner.cost.models import model_from_config
 from megatron_zeppelin.planner.plan.plan import Plan
@@ -292,56 +284,6 @@ def _log_startup(args: argparse.Namespace, tensor_parallel: int) -> None:
     print("\n".join([*lines, hint] if hint else lines), flush=True)
 
 
-def _rope(args: argparse.Namespace) -> Rope | None:
-    """The run's rotary settings (``None`` without rotary embeddings)."""
-    return Rope.from_args(args) if args.position_embedding_type == "rope" else None
-
-
-def _layer_spec(
-    args: argparse.Namespace, config: Any, *, num_layers: int, vp_stage: int | None = None
-):
-    """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
-    from the run's ``TransformerConfig`` as Megatron's GPT builder builds it
-    (``spec.model_spec``: MoE layers, norms, QK norms, ...) with the flags' rotary settings; a
-    ``--spec`` without Zeppelin's core attention is refused, since the plan's layouts would then
-    reach a module that cannot read them. A spec of the user's with Zeppelin's core attention
-    gets the flags' rotary settings (a copy of it does): they are the model's only rotary,
-    Megatron's own is off for Zeppelin models. ``num_layers``: the layers of the model chunk
-    being built (a block spec lists them); ``vp_stage``: its virtual pipeline stage (MoE's
-    block spec slices the layers)."""
-    kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
-    named = getattr(args, "spec", None)
-    if named:
-        if len(named) != 2:
-            raise ValueError(f"--spec takes MODULE NAME, got {' '.join(named)}")
-        if named[0] == "megatron_zeppelin.megatron.spec" and named[1] in SPEC_KINDS:
-            kind = named[1]
-        else:
-            spec = import_module(tuple(named))
-            try:
-                ours = all(
-                    core_attention_of(layer).module is ZeppelinCoreAttention
-                    for layer in layers_of(spec)
-                )
-            except AttributeError:  # not a layer spec at all (None, a function, a block spec)
-                ours = False
-            if not ours:
-                raise ValueError(
-                    f"--spec {' '.join(named)} does not use Zeppelin's core attention: use "
-                    "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
-                )
-            spec = copy.deepcopy(spec)
-            for layer in layers_of(spec):
-                core = core_attention_of(layer)
-                core.params = {**(core.params or {}), "rope": _rope(args)}
-            return spec
-    spec = model_spec(config, kind=kind, rope=_rope(args), vp_stage=vp_stage)
-    if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
-        # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
-        return sequence_parallel_spec(spec, num_layers)
-    return spec
-
-
 def model_provider(
     pre_process: bool = True,
     post_process: bool = True,
@@ -376,7 +318,9 @@ def model_provider(
     rope = args.position_embedding_type == "rope"
     return GPTModel(
         config=config,
-        transformer_layer_spec=_layer_spec(args, config, num_layers=num_layers, vp_stage=vp_stage),
+        transformer_layer_spec=spec_from_flags(
+            args, config, num_layers=num_layers, vp_stage=vp_stage
+        ),
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,

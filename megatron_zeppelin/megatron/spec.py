@@ -21,21 +21,28 @@ Megatron-LM's ``--spec MODULE NAME`` imports ``MODULE`` and takes its attribute 
 
 work directly (``te`` exists only where TransformerEngine imports). Both use RMSNorm and RoPE with
 Megatron's defaults; the Megatron hooks rebuild the named kind from the run's config with
-``model_spec`` and the flags' rotary settings (``rotary.Rope``).
+``model_spec`` and the flags' rotary settings (``rotary.Rope``): ``spec_from_flags``, which also
+takes a ``--spec`` of the user's that uses Zeppelin's core attention and refuses one that does
+not.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
 import inspect
 import warnings
 from typing import Any
 
 from megatron.core.models.gpt import gpt_layer_specs
-from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.spec_utils import ModuleSpec, import_module
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from megatron_zeppelin.megatron.model.core_attention import ZeppelinCoreAttention
+from megatron_zeppelin.megatron.model.norms import (
+    needs_sequence_parallel_norms,
+    sequence_parallel_spec,
+)
 from megatron_zeppelin.megatron.model.rotary import MEGATRON_DEFAULT, Rope
 
 SPEC_KINDS = ("local", "te")
@@ -195,6 +202,56 @@ def zeppelin_layer_spec(
         warnings.simplefilter("ignore")  # Megatron warns about missing Apex on every call
         spec = builder(**kwargs)
     return with_zeppelin_attention(spec, rope=rope)
+
+
+def rope_of_flags(args: argparse.Namespace) -> Rope | None:
+    """The run's rotary settings (``None`` without rotary embeddings)."""
+    return Rope.from_args(args) if args.position_embedding_type == "rope" else None
+
+
+def spec_from_flags(
+    args: argparse.Namespace, config: Any, *, num_layers: int, vp_stage: int | None = None
+):
+    """Zeppelin's spec of the kind ``--spec`` names (or ``--transformer-impl`` implies), built
+    from the run's ``TransformerConfig`` as Megatron's GPT builder builds it
+    (``spec.model_spec``: MoE layers, norms, QK norms, ...) with the flags' rotary settings; a
+    ``--spec`` without Zeppelin's core attention is refused, since the plan's layouts would then
+    reach a module that cannot read them. A spec of the user's with Zeppelin's core attention
+    gets the flags' rotary settings (a copy of it does): they are the model's only rotary,
+    Megatron's own is off for Zeppelin models. ``num_layers``: the layers of the model chunk
+    being built (a block spec lists them); ``vp_stage``: its virtual pipeline stage (MoE's
+    block spec slices the layers)."""
+    kind = "te" if getattr(args, "transformer_impl", "local") == "transformer_engine" else "local"
+    named = getattr(args, "spec", None)
+    if named:
+        if len(named) != 2:
+            raise ValueError(f"--spec takes MODULE NAME, got {' '.join(named)}")
+        if named[0] == "megatron_zeppelin.megatron.spec" and named[1] in SPEC_KINDS:
+            kind = named[1]
+        else:
+            spec = import_module(tuple(named))
+            try:
+                ours = all(
+                    core_attention_of(layer).module is ZeppelinCoreAttention
+                    for layer in layers_of(spec)
+                )
+            except AttributeError:  # not a layer spec at all (None, a function, a block spec)
+                ours = False
+            if not ours:
+                raise ValueError(
+                    f"--spec {' '.join(named)} does not use Zeppelin's core attention: use "
+                    "--spec megatron_zeppelin.megatron.spec local (or te), or drop --spec"
+                )
+            spec = copy.deepcopy(spec)
+            for layer in layers_of(spec):
+                core = core_attention_of(layer)
+                core.params = {**(core.params or {}), "rope": rope_of_flags(args)}
+            return spec
+    spec = model_spec(config, kind=kind, rope=rope_of_flags(args), vp_stage=vp_stage)
+    if getattr(args, "sequence_parallel", False) and needs_sequence_parallel_norms(spec):
+        # Without Apex, Megatron's local spec has norms that refuse sequence parallelism.
+        return sequence_parallel_spec(spec, num_layers)
+    return spec
 
 
 def layers_of(spec) -> list[ModuleSpec]:
