@@ -123,7 +123,7 @@ class DistExchanger:
                 f"{self.world_size}: plan with the topology the processes were started with"
             )
         self.plan = plan
-        self._routes = {(r.src, r.dst): r for r in plan.routes}
+        self._routes = plan.route_index
         return self
 
     def for_plan(self, plan: Plan) -> DistExchanger:

@@ -143,7 +143,7 @@ class ThreadExchanger:
         if plan.world_size != self.world_size:
             raise ValueError(f"plan for {plan.world_size} ranks, exchanger for {self.world_size}")
         self.plan = plan
-        self._routes = {(r.src, r.dst): r for r in plan.routes}
+        self._routes = plan.route_index
         return self
 
     def for_plan(self, plan: Plan) -> ThreadExchanger:

@@ -185,6 +185,12 @@ class Plan:
     def route_of(self, src: int, dst: int) -> Route | None:
         return self._route_index.get((src, dst))  # type: ignore[attr-defined]
 
+    @property
+    def route_index(self) -> dict[tuple[int, int], Route]:
+        """The routes by ring edge ``(src, dst)``, made once per plan (read it, do not change
+        it)."""
+        return self._route_index  # type: ignore[attr-defined]
+
     def tier_counts(self) -> dict[str, int]:
         counts = {t.value: 0 for t in Tier}
         for s in self.sequences:

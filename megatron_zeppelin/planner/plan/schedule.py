@@ -107,7 +107,7 @@ def route_paths(route: Route) -> tuple[tuple[int, ...], ...]:
 def routes_by_edge(plan: Plan, *, routing: bool = True) -> dict[tuple[int, int], Route]:
     """``plan``'s routes keyed by ring edge (empty with ``routing=False``: every message goes
     direct)."""
-    return {(r.src, r.dst): r for r in plan.routes} if routing else {}
+    return plan.route_index if routing else {}
 
 
 def block_tokens(plan: Plan) -> dict[tuple[int, int], int]:
