@@ -109,12 +109,12 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
         if self._remap is None:
             plan = self.plan
             assert plan is not None
-            linear, attention = plan_layouts(plan)
-            differ = linear != attention
-            self._remap = (self._layouts(),) if differ else (None,)
+            layouts = plan_layouts(plan)
+            differ = layouts[0] != layouts[1]
+            self._remap = (self._layouts(layouts),) if differ else (None,)
         return self._remap[0]
 
-    def _layouts(self) -> tuple[Any, Any]:
+    def _layouts(self, layouts: tuple[Any, Any]) -> tuple[Any, Any]:
 
         size, me = dist.get_world_size(self.remap_group), dist.get_rank(self.remap_group)
         if size != self.plan.world_size or me != self.rank:
@@ -123,7 +123,7 @@ class ZeppelinPackedSeqParams(PackedSeqParams):
                 f"the remap group has {size} ranks and this process is its rank {me}: pass the "
                 "group of the plan's ranks"
             )
-        return remap_pair(self.plan, self.rank)
+        return remap_pair(self.plan, self.rank, layouts)
 
     def engine(self, softmax_scale: float | None) -> Any:
         """The engine for this micro-batch, built once and shared by every layer."""

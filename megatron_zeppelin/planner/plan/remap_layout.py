@@ -202,10 +202,13 @@ def attention_to_linear_layout(plan: Plan, rank: int) -> RemapLayout:
     return remap_between(attention, linear, rank)
 
 
-def remap_pair(plan: Plan, rank: int) -> tuple[RemapLayout, RemapLayout]:
+def remap_pair(
+    plan: Plan, rank: int, layouts: tuple[Layout, Layout] | None = None
+) -> tuple[RemapLayout, RemapLayout]:
     """``(linear_to_attention_layout, attention_to_linear_layout)`` of ``rank``, the layouts
-    and who holds each range worked out once for both (every rank, every micro-batch)."""
-    linear, attention = plan_layouts(plan)
+    and who holds each range worked out once for both (every rank, every micro-batch);
+    ``layouts``: ``plan_layouts(plan)``, where the caller has them already."""
+    linear, attention = layouts or plan_layouts(plan)
     of_linear, of_attention = _owners(linear), _owners(attention)
     return (
         _remap(linear, attention, rank, of_linear, of_attention),
