@@ -12,6 +12,7 @@ blocks).
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
@@ -179,23 +180,26 @@ def _exchange_worker(rank: int, world_size: int) -> dict:
     plan = hand_plan()
     groups = ZeppelinGroups.create(plan.topology)
     steps = ring_schedule(plan)
+    # Every rank handed every rank's messages, then only those it sends, receives or relays
+    # (what the engine hands it): ranks 1 and 3 relay edge 0 -> 2 of a ring they are not on.
+    views = ring_schedule(plan, rank=rank)
     measured = {}
-    for routing in (False, True):
+    for kind, routing in itertools.product(("every", "own"), (False, True)):
         counters = LinkCounters(plan.topology)
         ex = DistExchanger(groups, plan=plan, routing=routing, counters=counters, timeout_s=30)
-        for s, msgs in enumerate(steps):
+        for s, msgs in enumerate(steps if kind == "every" else views):
             payload = {(m.src, m.dst): payload_rows(s, m) for m in msgs if m.src == rank}
             pending = ex.start(
                 msgs, payload, row_shape=ROW_SHAPE, dtype=torch.float64, tag=f"step {s}"
             )
             got = pending.wait()
-            assert set(got) == {(m.src, m.dst) for m in msgs if m.dst == rank}
-            for m in msgs:
+            assert set(got) == {(m.src, m.dst) for m in steps[s] if m.dst == rank}
+            for m in steps[s]:
                 if m.dst == rank:
                     assert torch.equal(got[(m.src, m.dst)], payload_rows(s, m)), (routing, s, m)
             with pytest.raises(ZeppelinCommError, match="called twice"):
                 pending.wait()
-        measured[routing] = counters.all_reduce()
+        measured[(kind, routing)] = counters.all_reduce()
 
     # Inter- and intra-node queues in flight together, waited in the reverse order.
     ex = DistExchanger(groups, plan=plan, routing=True, timeout_s=30)
@@ -243,8 +247,9 @@ def test_exchange_routed_and_direct_deliver_the_same_rows_and_count_the_predicte
             link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
         )
         for measured in results:
-            assert measured[routing] == predicted
-    direct, routed = results[0][False], results[0][True]
+            assert measured[("every", routing)] == predicted
+            assert measured[("own", routing)] == predicted
+    direct, routed = results[0][("every", False)], results[0][("every", True)]
     assert routed["nic"] == direct["nic"]  # routing moves NIC bytes, it never adds any
     assert routed["nvlink"] > direct["nvlink"]
     # Direct sends use only the senders' NICs; routing spreads them over every NIC of both nodes.

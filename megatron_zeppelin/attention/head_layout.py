@@ -59,8 +59,9 @@ class HeadLayout:
         self.rank = tokens.rank
         self.num_groups = heads.num_groups
         self.group = plan.topology.local_of(self.rank)
-        self.ring = RankLayout(heads.plan, self.rank)
-        """The column rings on the head buffer."""
+        self.ring = RankLayout(heads.plan, self.rank, routes=plan.route_index)
+        """The column rings on the head buffer (a column edge the plan routes is sent like any
+        message on it: the exchanger routes by the plan's edges)."""
         self.num_rows = self.ring.num_tokens
         self._tokens = tokens
         self._head_spans: dict[int, list[Span3]] = {
@@ -73,7 +74,7 @@ class HeadLayout:
         if keep_tokens:
             keep = (_rows(keep_tokens, tokens.num_tokens), _rows(keep_heads, self.num_rows))
         self.to_heads = self._exchange(
-            exchange_messages(plan, to_heads=True),
+            exchange_messages(plan, to_heads=True, rank=self.rank),
             send=lambda seq, dst: self._token_runs(seq),
             receive=lambda seq, src: self._head_runs(seq, src),
             keep=keep,
@@ -81,7 +82,7 @@ class HeadLayout:
         )
         """Token layout -> head layout (Q, K, V forward; dO backward)."""
         self.to_tokens = self._exchange(
-            exchange_messages(plan, to_heads=False),
+            exchange_messages(plan, to_heads=False, rank=self.rank),
             send=lambda seq, dst: self._head_runs(seq, dst),
             receive=lambda seq, src: self._token_runs(seq),
             keep=(keep[1], keep[0]) if keep is not None else None,

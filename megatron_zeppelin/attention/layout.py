@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -35,13 +36,8 @@ import torch
 
 from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
 from megatron_zeppelin.attention.pairs import Pair, block_pairs
-from megatron_zeppelin.planner.plan.plan import Plan, Tier
-from megatron_zeppelin.planner.plan.schedule import (
-    Message,
-    block_tokens,
-    gradient_schedule,
-    ring_schedule,
-)
+from megatron_zeppelin.planner.plan.plan import Plan, Route, Tier
+from megatron_zeppelin.planner.plan.schedule import Message, gradient_schedule, ring_schedule
 
 __all__ = [
     "KernelCall",
@@ -176,7 +172,8 @@ class RingStep:
 
     index: int
     kv: list[Message]
-    """Every rank's K/V messages of the step (``schedule.ring_schedule``), in global order."""
+    """The step's K/V messages this rank sends, receives or relays (``schedule.ring_schedule``
+    with its ``rank``), in the order of every rank's."""
     recv_from: list[int]
     """Sources of this rank's incoming messages in message order (K/V and dK/dV alike: a
     gradient message travels the edge of the K/V message with the same index)."""
@@ -187,7 +184,7 @@ class RingStep:
     calls: list[KernelCall]
     """This rank's queries against the held buffer."""
     grad: list[Message]
-    """Every rank's dK/dV messages of the step (``schedule.gradient_schedule``)."""
+    """The dK/dV messages of ``kv``'s edges (``schedule.gradient_schedule``)."""
     grad_sends: dict[int, Rows]
     """Destination -> rows of the held buffer's gradient."""
     grad_to_next: RowMove | None
@@ -229,39 +226,52 @@ class RankLayout:
     queries that see every earlier key of their document or, with ``window``, the ``window``
     key positions before their own."""
 
-    def __init__(self, plan: Plan, rank: int, *, window: int | None = None) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        rank: int,
+        *,
+        window: int | None = None,
+        routes: Mapping[tuple[int, int], Route] | None = None,
+    ) -> None:
+        """``routes``: the ring edges' routes the exchanger sends by (``plan.route_index`` by
+        default); the messages this rank relays over them are in its steps too."""
         if window is not None and window < 0:
             raise ValueError(f"an attention window counts key positions, got {window}")
         self.plan = plan
         self.rank = rank
         self.window = window
-        ranges = plan.attention_ranges(rank)
-        self.num_tokens = sum(r.num_tokens for r in ranges)
-        # Positions and rows of this rank's block of every document it holds queries of.
+        # Only the documents this rank holds a block of: at a thousand GPUs the rest of the
+        # plan is a thousand times more (its spans lie on its ring, ``plan_checks``).
+        mine = [seq for seq in plan.sequences if rank in seq.ring]
+        # Positions and rows of this rank's block of every document it holds queries of, in
+        # the attention buffer's order (``Plan.attention_ranges``: by id, spans as listed).
         self.own_spans: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        self.block_spans: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
         row = 0
-        for r in ranges:
-            self.own_spans[r.seq].append((r.start, r.end, row))
-            row += r.num_tokens
+        for seq in mine:
+            for span in seq.attention:
+                self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
+                if span.rank == rank:
+                    self.own_spans[seq.id].append((span.start, span.end, row))
+                    row += span.end - span.start
+        self.num_tokens = row
         self.own_rows = {
             seq: (spans[0][2], spans[-1][2] + spans[-1][1] - spans[-1][0])
             for seq, spans in self.own_spans.items()
         }
-        self.block_spans: dict[tuple[int, int], list[tuple[int, int]]] = defaultdict(list)
-        self.rings = {seq.id: seq.ring for seq in plan.sequences}
-        for seq in plan.sequences:
-            for span in seq.attention:
-                self.block_spans[(seq.id, span.rank)].append((span.start, span.end))
         # 2-D documents' attention runs on the head layout (``head_layout.py``). The other
         # documents between two of them make one run of rows: one set of calls per run takes
         # its rows as views instead of gathering around the 2-D rows.
-        self.two_d = frozenset(seq.id for seq in plan.sequences if seq.is_two_d)
+        self.two_d = frozenset(seq.id for seq in mine if seq.is_two_d)
         self.own_calls = self._own_calls()
-        # Inter-node first: its messages are the slowest, so they are posted first.
-        sizes = block_tokens(plan)  # shared by the four schedules below
+        # Inter-node first: its messages are the slowest, so they are posted first. Each step
+        # lists the messages this rank sends, receives or relays: the exchanger acts on no
+        # other, and the rest of a thousand GPUs' schedule would cost the host every layer.
+        routes = plan.route_index if routes is None else routes
         self.tiers = [
             t
-            for t in (self._tier(Tier.INTER, sizes), self._tier(Tier.INTRA, sizes))
+            for t in (self._tier(Tier.INTER, routes), self._tier(Tier.INTRA, routes))
             if t.num_steps > 0
         ]
 
@@ -305,9 +315,9 @@ class RankLayout:
             for call in kernel_calls(pairs, num_q_rows=rows, num_k_rows=rows)
         ]
 
-    def _tier(self, tier: Tier, sizes: dict[tuple[int, int], int]) -> TierLayout:
-        kv_steps = ring_schedule(self.plan, tiers=(tier,), sizes=sizes)
-        grad_steps = gradient_schedule(self.plan, tiers=(tier,), sizes=sizes, kv_steps=kv_steps)
+    def _tier(self, tier: Tier, routes: Mapping[tuple[int, int], Route]) -> TierLayout:
+        kv_steps = ring_schedule(self.plan, tiers=(tier,), rank=self.rank, routes=routes)
+        grad_steps = gradient_schedule(self.plan, tiers=(tier,), kv_steps=kv_steps)
         own = _Held(
             [],
             self.num_tokens,

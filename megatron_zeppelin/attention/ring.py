@@ -1,8 +1,9 @@
 """Ring attention over many documents at once: the forward, the backward, the autograd Function.
 
-Every rank runs the same program over the global ring schedule of its plan (``layout.py``
-precomputes what it means for this rank), so every rank posts and waits on the same exchanges in
-the same order, which is what keeps point-to-point transfers matched.
+Every rank runs the same program over the ring schedule of its plan (``layout.py`` precomputes
+what it means for this rank: the messages it sends, receives or relays, step by step, as many
+steps as every rank), so every rank posts and waits on the same exchanges in the same order,
+which is what keeps point-to-point transfers matched.
 
 Forward, per rank:
 

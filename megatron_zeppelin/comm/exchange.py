@@ -1,9 +1,10 @@
 """Ring-step exchanges over torch.distributed point-to-point, direct or routed over proxy GPUs.
 
-``DistExchanger`` implements ``comm.protocol.Exchanger``: the engine hands ``start`` the GLOBAL
-list of one ring step's messages (every rank the same list, in the same order) and this rank's
-outgoing tensors; transfers run in the background and ``Pending.wait`` returns what this rank
-received. Each rank only acts on the messages it sends, receives or relays.
+``DistExchanger`` implements ``comm.protocol.Exchanger``: the engine hands ``start`` the
+messages of one ring step this rank sends, receives or relays (in the order of every rank's;
+the whole list works alike) and this rank's outgoing tensors; transfers run in the background
+and ``Pending.wait`` returns what this rank received. Each rank only acts on the messages it
+sends, receives or relays.
 
 Routing (plan.routes, chosen by ``planner/plan/routing.py``; docs/DESIGN.md, "Routing over every
 NIC"): a message on a routed edge ``a -> b`` is cut along dim 0 into one part per route part
@@ -25,9 +26,10 @@ waits for the current stream when they are posted; ``wait`` makes the current st
 them. So the kernels of one ring step overlap the next step's transfers, and a kernel that reads
 received rows runs after they land, without the host ever blocking on a transfer.
 
-Ordering is what keeps point-to-point matched: every rank builds its operations by walking the
-same global message list, parts and hops in the same order, and all ranks call ``start``/``wait``
-in the same program order. Ranks are Zeppelin (plan) ranks throughout; ``ZeppelinGroups``
+Ordering is what keeps point-to-point matched: every rank builds its operations by walking its
+messages in the order of every rank's, parts and hops in the same order (the two ends of a hop
+list the legs that cross it alike), and all ranks call ``start``/``wait`` in the same program
+order. Ranks are Zeppelin (plan) ranks throughout; ``ZeppelinGroups``
 translates them to global ranks for the transfers, so the exchanger runs on a Zeppelin world
 that is a subset of the processes (tensor parallelism).
 

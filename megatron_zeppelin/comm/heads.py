@@ -45,7 +45,8 @@ class HeadExchange:
     """One direction of the head all-to-all as one rank sees it (``attention.head_layout``)."""
 
     messages: list[Message]
-    """Every rank's messages (``schedule.exchange_messages``), in global order."""
+    """The messages this rank sends or receives (``schedule.exchange_messages`` with its
+    ``rank``), in the order of every rank's."""
     sends: dict[int, Rows]
     """Destination -> rows of the source buffer it receives."""
     receives: list[tuple[int, Rows]]

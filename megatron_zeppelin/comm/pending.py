@@ -9,9 +9,12 @@ from the exchanger (groups, device, counters, timeout, an optional posting log):
   of every hop, and every first-hop send go out at once; a helper thread forwards what this
   rank relays, each later hop as soon as the hop before it has landed here. A proxy therefore
   relays while it computes: nobody downstream waits for the proxy to call ``wait``. Each
-  (leg, hop) has its own point-to-point tag, reserved from the groups' counter in program order
-  (the same on every rank), so a transfer matches its receive whatever order the main thread
-  and the helper threads post in, and exchanges in flight together never mix.
+  exchange reserves the same block of point-to-point tags from the groups' counter on every
+  rank (``EXCHANGE_TAGS``, in program order), and a hop ``a -> b`` takes the block's tag of its
+  place among the legs that cross ``a -> b`` in message order: both ends list those legs alike,
+  whatever else each lists (a rank is handed the messages it acts on, not every rank's). So a
+  transfer matches its receive whatever order the main thread and the helper threads post in,
+  and exchanges in flight together never mix.
 * ``StagedPending`` (NCCL, and any backend that matches point-to-point by posting order): the
   hops are stages; stage 0 is posted by ``start``, later stages by ``wait``, each after the
   stage before it. NCCL ignores tags and matches sends and receives by their order on a
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -53,11 +57,16 @@ from megatron_zeppelin.comm.groups import ZeppelinGroups
 from megatron_zeppelin.comm.posting import RECV, SEND, Batch, PostedOp, PostingLog
 from megatron_zeppelin.comm.protocol import ZeppelinCommError
 from megatron_zeppelin.planner.plan.plan import Route
-from megatron_zeppelin.planner.plan.schedule import MAX_HOPS, Leg, Message, message_legs
+from megatron_zeppelin.planner.plan.schedule import Leg, Message, message_legs
 
 __all__ = ["RelayPending", "StagedPending", "Transport", "step_legs"]
 
 JOIN_GRACE_S = 1.0
+EXCHANGE_TAGS = 1 << 12
+"""Point-to-point tags each gloo exchange reserves (``RelayPending``): the most legs that may
+cross one pair of ranks in one ring step. Routed parts of the edges between two nodes share a
+rail pair, at most a node's GPUs squared of them; far below this. The groups' tag space holds
+``TAG_SPACE / EXCHANGE_TAGS`` exchanges before it wraps, far more than are ever in flight."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +99,30 @@ def step_legs(
         for index, msg in enumerate(messages)
         for leg in message_legs(msg, routes.get((msg.src, msg.dst)))
     ]
+
+
+def _hop_tags(
+    legs: list[tuple[int, Leg]], base: int, rank: int, tag: str
+) -> dict[tuple[int, int], int]:
+    """``(leg index, hop) -> point-to-point tag`` of every hop ``rank`` sends or receives: the
+    ``n``-th leg to cross ``a -> b`` (in ``legs``' order) takes ``base + n`` for that hop. Its
+    two ends count the same legs, each listing every leg that touches it in the order of every
+    rank's."""
+    crossed: dict[tuple[int, int], int] = defaultdict(int)
+    tags = {}
+    for index, (_, leg) in enumerate(legs):
+        for hop, pair in enumerate(leg.hops):
+            if rank in pair:
+                place = crossed[pair]
+                crossed[pair] = place + 1
+                if place >= EXCHANGE_TAGS:
+                    raise ZeppelinCommError(
+                        f"exchange {tag!r}: more than {EXCHANGE_TAGS} transfers from rank "
+                        f"{pair[0]} to rank {pair[1]} in one ring step; the tags of one exchange "
+                        "run out (EXCHANGE_TAGS)"
+                    )
+                tags[(index, hop)] = base + place
+    return tags
 
 
 def _shown(notes: list[str]) -> str:
@@ -260,7 +293,8 @@ class RelayPending(_Pending):
         tr, rank = self._tr, self._tr.rank
         assert tr.host_waits and tr.posting_log is None, "relays run on gloo only, unrecorded"
         self._deadline = time.monotonic() + tr.timeout_s
-        base = tr.groups.reserve_tags(MAX_HOPS * len(self._legs))
+        base = tr.groups.reserve_tags(EXCHANGE_TAGS)
+        self._tags = _hop_tags(self._legs, base, rank, self.tag)
         self._works: list[tuple[dist.Work, str]] = []
         self._recvs: dict[tuple[int, int], tuple[dist.Work, torch.Tensor, str]] = {}
         # A gloo receive's wait consumes the arrival: waiting twice blocks. The helper thread
@@ -273,18 +307,18 @@ class RelayPending(_Pending):
                 if rank == b:
                     buffer = self._buffer(leg)
                     what = f"recv {a}->{b} (hop {hop + 1})"
-                    work = self._p2p(dist.irecv, buffer, a, b, base + MAX_HOPS * index + hop, what)
+                    work = self._p2p(dist.irecv, buffer, a, b, self._tags[(index, hop)], what)
                     self._recvs[(index, hop)] = (work, buffer, what)
                 elif rank == a:
                     (sends if hop == 0 else relays).append((hop, index))
         for hop, index in sends:
-            self._send(index, hop, self._held[index], base)
+            self._send(index, hop, self._held[index])
         self._relay_error: ZeppelinCommError | None = None
         self._thread: threading.Thread | None = None
         if relays:
             self._thread = threading.Thread(
                 target=self._relay,
-                args=(sorted(relays), base),
+                args=(sorted(relays),),
                 daemon=True,
                 name=f"zeppelin-relay {self.tag}",
             )
@@ -300,22 +334,22 @@ class RelayPending(_Pending):
         assert work is not None, "this rank is in every group it posts on"
         return work
 
-    def _send(self, index: int, hop: int, tensor: torch.Tensor, base: int) -> None:
+    def _send(self, index: int, hop: int, tensor: torch.Tensor) -> None:
         a, b = self._legs[index][1].hops[hop]
         what = f"send {a}->{b} (hop {hop + 1})"
-        work = self._p2p(dist.isend, tensor, a, b, base + MAX_HOPS * index + hop, what)
+        work = self._p2p(dist.isend, tensor, a, b, self._tags[(index, hop)], what)
         if self._tr.counters is not None:
             self._tr.counters.record(a, b, tensor.numel() * tensor.element_size())
         self._works.append((work, what))
 
-    def _relay(self, relays: list[tuple[int, int]], base: int) -> None:
+    def _relay(self, relays: list[tuple[int, int]]) -> None:
         """Helper thread: forward each relayed hop once the hop before it has landed here."""
         try:
             for hop, index in relays:
                 work, buffer, what = self._recvs[(index, hop - 1)]
                 self._wait_work(work, what, self._deadline)
                 self._relayed.add((index, hop - 1))
-                self._send(index, hop, buffer, base)
+                self._send(index, hop, buffer)
         except ZeppelinCommError as exc:
             self._relay_error = exc
         except Exception as exc:  # noqa: BLE001 - surfaced by wait() on the main thread

@@ -1,8 +1,10 @@
 """What the attention engine asks of a ring transport, and the checks every transport shares.
 
-The engine (``attention/ring.py``) types its transport as ``Exchanger``: ``start`` takes the
-GLOBAL list of one ring step's messages (every rank the same list, in the same order) and this
+The engine (``attention/ring.py``) types its transport as ``Exchanger``: ``start`` takes one
+ring step's messages, in the one order of every rank's (sorted by ``(src, dst)``), and this
 rank's outgoing rows, and returns a ``Pending`` whose ``wait`` returns what this rank received.
+The list is every rank's or only the messages this rank sends, receives or relays (what the
+engine hands it: ``schedule.ring_schedule``'s ``rank``); a transport acts on no others.
 Two transports implement it: ``comm.exchange.DistExchanger`` (torch.distributed point-to-point)
 and ``comm.threads.ThreadExchanger`` (ranks as threads of one process). Both refuse bad
 payloads the same way, with ``check_payload``, before anything is sent.
@@ -54,7 +56,8 @@ class Exchanger(Protocol):
         dtype: torch.dtype,
         tag: str,
     ) -> Pending:
-        """Post this rank's part of one ring step (``messages``: the step's global list)."""
+        """Post this rank's part of one ring step (``messages``: the step's, or those this rank
+        sends, receives or relays, in the order of every rank's)."""
         ...
 
 

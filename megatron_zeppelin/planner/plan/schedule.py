@@ -25,10 +25,18 @@ ordered by document id.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan, node_members
-from megatron_zeppelin.planner.plan.plan import Plan, Route, Scheme, Tier, split_by_weights
+from megatron_zeppelin.planner.plan.plan import (
+    Plan,
+    Route,
+    Scheme,
+    SequencePlan,
+    Tier,
+    split_by_weights,
+)
 
 MAX_HOPS = 3
 """A leg visits at most four GPUs: sender, source proxy, destination proxy, receiver."""
@@ -110,13 +118,25 @@ def routes_by_edge(plan: Plan, *, routing: bool = True) -> dict[tuple[int, int],
     return plan.route_index if routing else {}
 
 
-def block_tokens(plan: Plan) -> dict[tuple[int, int], int]:
-    """Tokens of each (document, rank) K/V block."""
+def block_tokens(
+    plan: Plan, sequences: Iterable[SequencePlan] | None = None
+) -> dict[tuple[int, int], int]:
+    """Tokens of each (document, rank) K/V block (of ``sequences`` alone where given)."""
     sizes: dict[tuple[int, int], int] = defaultdict(int)
-    for seq in plan.sequences:
+    for seq in plan.sequences if sequences is None else sequences:
         for span in seq.attention:
             sizes[(seq.id, span.rank)] += span.num_tokens
     return dict(sizes)
+
+
+def relayed_edges(routes: Mapping[tuple[int, int], Route], rank: int) -> set[tuple[int, int]]:
+    """The ring edges of ``routes`` whose parts ``rank`` relays (a proxy, not an end)."""
+    return {
+        edge
+        for edge, route in routes.items()
+        if rank not in edge
+        and any(rank in (part.src_proxy, part.dst_proxy) for part in route.parts)
+    }
 
 
 def ring_schedule(
@@ -124,24 +144,40 @@ def ring_schedule(
     tiers: tuple[Tier, ...] = (Tier.INTRA, Tier.INTER),
     *,
     sizes: dict[tuple[int, int], int] | None = None,
+    rank: int | None = None,
+    routes: Mapping[tuple[int, int], Route] | None = None,
 ) -> list[list[Message]]:
     """Messages per ring step for the documents of the given tiers (see the module docstring).
 
     Messages in a step are sorted by ``(src, dst)``; every rank computes the same list.
     ``sizes``: ``block_tokens(plan)`` when the caller already has it (it walks every span of
     the plan, so callers building several schedules of one plan compute it once).
+
+    With ``rank``, only the messages ``rank`` sends, receives or relays over ``routes``
+    (``plan.route_index`` by default), in the same order and with the same segments, and as
+    many steps: what one rank of a thousand acts on, worked out from the documents of its
+    rings and of the edges it relays alone (the rest of the schedule is never built).
     """
-    if sizes is None:
-        sizes = block_tokens(plan)
     wanted = {Tier(t) for t in tiers}
     # Ring size first: most documents are local, and the tier test is the slower one. 2-D
     # documents run their rings on the head layout (``two_d_link_bytes``).
     rings = [
         s
         for s in plan.sequences
-        if s.ring_size > 1 and Tier(s.tier) in wanted and s.scheme == Scheme.RING
+        if len(s.ring) > 1 and Tier(s.tier) in wanted and s.scheme == Scheme.RING
     ]
     num_steps = max((s.ring_size - 1 for s in rings), default=0)
+    keep: Callable[[int, int], bool] | None = None
+    if rank is not None:
+        relayed = relayed_edges(plan.route_index if routes is None else routes, rank)
+        relays = {src for src, _ in relayed}
+        rings = [s for s in rings if rank in s.ring or not relays.isdisjoint(s.ring)]
+
+        def keep(src: int, dst: int) -> bool:
+            return src == rank or dst == rank or (src, dst) in relayed
+
+    if sizes is None:
+        sizes = block_tokens(plan, rings if rank is not None else None)
     steps: list[list[Message]] = []
     for step in range(num_steps):
         edges: dict[tuple[int, int], list[Segment]] = defaultdict(list)
@@ -150,9 +186,12 @@ def ring_schedule(
             if step >= g - 1:
                 continue
             for i, src in enumerate(seq.ring):
+                dst = seq.ring[(i + 1) % g]
+                if keep is not None and not keep(src, dst):
+                    continue
                 origin = seq.ring[(i - step) % g]
                 n = sizes.get((seq.id, origin), 0)
-                edges[(src, seq.ring[(i + 1) % g])].append(Segment(seq.id, origin, n))
+                edges[(src, dst)].append(Segment(seq.id, origin, n))
         steps.append([Message(src, dst, tuple(segs)) for (src, dst), segs in sorted(edges.items())])
     return steps
 
@@ -205,13 +244,17 @@ def gradient_schedule(
     ``m``; only the segments' origins (and so their sizes) differ.
 
     ``sizes`` (``block_tokens(plan)``) and ``kv_steps`` (``ring_schedule(plan, tiers)``) may be
-    passed when the caller has them already; they are computed otherwise.
+    passed when the caller has them already; they are computed otherwise. Given one rank's
+    ``kv_steps`` (``ring_schedule``'s ``rank``), the gradients of that rank's messages.
     """
-    if sizes is None:
-        sizes = block_tokens(plan)
     if kv_steps is None:
+        sizes = block_tokens(plan) if sizes is None else sizes
         kv_steps = ring_schedule(plan, tiers=tiers, sizes=sizes)
-    rings = {seq.id: seq.ring for seq in plan.sequences}
+    docs = {seq.id: seq for seq in plan.sequences if len(seq.ring) > 1}
+    if sizes is None:  # the blocks of the documents ``kv_steps`` carries, and no others
+        carried = {seg.seq for step in kv_steps for msg in step for seg in msg.segments}
+        sizes = block_tokens(plan, [docs[seq] for seq in sorted(carried)])
+    rings = {seq_id: seq.ring for seq_id, seq in docs.items()}
     steps = []
     for step in kv_steps:
         messages = []
@@ -267,9 +310,10 @@ def training_link_bytes(
     return total
 
 
-def exchange_messages(plan: Plan, *, to_heads: bool) -> list[Message]:
+def exchange_messages(plan: Plan, *, to_heads: bool, rank: int | None = None) -> list[Message]:
     """The head all-to-all of ``plan``'s 2-D documents, every rank's messages in global order
-    (sorted by ``(src, dst)``, a message's segments by document id).
+    (sorted by ``(src, dst)``, a message's segments by document id); with ``rank``, only the
+    ones it sends or receives (they never leave a node: none is relayed).
 
     ``to_heads``: token layout -> head layout; ``src`` sends its own tokens of each document
     (``Segment.origin == src``), the heads of ``dst``'s group. Otherwise head layout -> token
@@ -278,8 +322,12 @@ def exchange_messages(plan: Plan, *, to_heads: bool) -> list[Message]:
     """
     edges: dict[tuple[int, int], list[Segment]] = defaultdict(list)
     for seq_id, row, tokens in node_members(plan):
+        if rank is not None and rank not in row:
+            continue
         for src in row:
             for dst in row:
+                if rank is not None and rank not in (src, dst):
+                    continue
                 owner = src if to_heads else dst
                 if src != dst and tokens.get(owner, 0):
                     edges[(src, dst)].append(Segment(seq_id, owner, tokens[owner]))
