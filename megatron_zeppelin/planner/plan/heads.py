@@ -36,7 +36,6 @@ ring (``schemes.py``).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -182,9 +181,22 @@ class HeadPlan:
         return self.gpus_per_node
 
 
-@functools.lru_cache(maxsize=8)
 def head_plan(plan: Plan) -> HeadPlan | None:
-    """The column rings of ``plan``'s 2-D documents (``None`` when it has none)."""
+    """The column rings of ``plan``'s 2-D documents (``None`` when it has none), made once per
+    plan and kept on it: the engine, the simulator and the byte predictions all ask. (Not a
+    cache keyed by the plan: hashing a plan walks every one of its records, and a cache would
+    keep old plans alive.)"""
+    kept = plan.__dict__.get("_head_plan", _NOT_YET)
+    if kept is _NOT_YET:
+        kept = _head_plan(plan)
+        object.__setattr__(plan, "_head_plan", kept)
+    return kept
+
+
+_NOT_YET = object()
+
+
+def _head_plan(plan: Plan) -> HeadPlan | None:
     topo = plan.topology
     sequences, document = [], []
     for seq in plan.two_d_sequences:
