@@ -91,12 +91,18 @@ def _buffer_offsets(ranges: list[TokenRange]) -> list[int]:
     return offsets
 
 
-def _owners(layout: Layout) -> dict[int, tuple[list[int], list[tuple[int, int, int, int]]]]:
-    """Per sequence, its ranges sorted by start: (starts, [(start, end, rank, buffer offset)])."""
+def _owners(
+    layout: Layout, seqs: set[int] | None = None
+) -> dict[int, tuple[list[int], list[tuple[int, int, int, int]]]]:
+    """Per sequence (of ``seqs`` alone where given), its ranges sorted by start:
+    (starts, [(start, end, rank, buffer offset)])."""
     by_seq: dict[int, list[tuple[int, int, int, int]]] = defaultdict(list)
     for rank, ranges in enumerate(layout):
-        for r, offset in zip(ranges, _buffer_offsets(ranges)):
-            by_seq[r.seq].append((r.start, r.end, rank, offset))
+        offset = 0
+        for r in ranges:
+            if seqs is None or r.seq in seqs:
+                by_seq[r.seq].append((r.start, r.end, rank, offset))
+            offset += r.end - r.start
     out = {}
     for seq, items in by_seq.items():
         items.sort()
@@ -209,7 +215,12 @@ def remap_pair(
     and who holds each range worked out once for both (every rank, every micro-batch);
     ``layouts``: ``plan_layouts(plan)``, where the caller has them already."""
     linear, attention = layouts or plan_layouts(plan)
-    of_linear, of_attention = _owners(linear), _owners(attention)
+    if not 0 <= rank < len(linear):
+        raise ValueError(f"rank {rank} outside 0..{len(linear) - 1}")
+    # Who holds the documents this rank holds, and no others: at a thousand GPUs the rest is
+    # most of the plan.
+    seqs = {r.seq for r in linear[rank]} | {r.seq for r in attention[rank]}
+    of_linear, of_attention = _owners(linear, seqs), _owners(attention, seqs)
     return (
         _remap(linear, attention, rank, of_linear, of_attention),
         _remap(attention, linear, rank, of_attention, of_linear),
