@@ -14,7 +14,11 @@ tokens each, zeppelin-B, LLaMA-3B; seed 0) is planned once. Then, alternating th
 Then what a rank works out from each plan it takes before its first layer, the remap's two
 directions for its rank (``remap_layout.remap_pair``), against the same from every rank's ranges
 asked of the plan rank by rank (``Plan.linear_ranges``, ``Plan.attention_ranges``) and
-``remap_between`` per direction, as it was done before ``remap_pair``; the collector off.
+``remap_between`` per direction, as it was done before ``remap_pair``; the collector off. And
+the whole of that work, part by part, as a training step does it: the rank's linear batch
+(``build_linear_batch``, tokens read from a reader of zeros), both layouts and the remap (as
+core attention works them out), and its engine (``ZeppelinAttention``: its ring steps, its
+attention layout, the 2-D documents' head layout), for three ranks.
 
     python scripts/bench_plan_wire.py
     python scripts/bench_plan_wire.py --rounds 5 --plans 16 --heap 500000
@@ -32,19 +36,27 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import torch  # noqa: F401 - a training process's modules, for the collector to walk
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_plan_scale import SHAPES  # noqa: E402
 
+from megatron_zeppelin.attention.engine import ZeppelinAttention  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
+from megatron_zeppelin.megatron.documents.batch import build_linear_batch  # noqa: E402
+from megatron_zeppelin.megatron.documents.sampler import DocumentSlice  # noqa: E402
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths  # noqa: E402
 from megatron_zeppelin.planner.cost.costmodel import CostModel  # noqa: E402
 from megatron_zeppelin.planner.cost.models import get_model  # noqa: E402
 from megatron_zeppelin.planner.plan import plan_wire  # noqa: E402
 from megatron_zeppelin.planner.plan.plan import Plan  # noqa: E402
-from megatron_zeppelin.planner.plan.remap_layout import remap_between, remap_pair  # noqa: E402
+from megatron_zeppelin.planner.plan.remap_layout import (  # noqa: E402
+    plan_layouts,
+    remap_between,
+    remap_pair,
+)
 from megatron_zeppelin.planner.search.partition import plan_batch  # noqa: E402
 from megatron_zeppelin.topology.presets import get_topology  # noqa: E402
 
@@ -140,6 +152,7 @@ def main() -> None:
             f"({spread:>7s}) {passes:19.2f} ({1e3 * pass_s:.1f})"
         )
     _remaps(plan, args.rounds)
+    _first_layer(plan, args.rounds)
 
 
 def _remap_rank_by_rank(plan: Plan, rank: int) -> tuple:
@@ -163,6 +176,43 @@ def _remaps(plan: Plan, rounds: int) -> None:
             f"a rank's two remaps of the plan, {name}: {1e3 * statistics.median(seconds):.0f} ms "
             f"({1e3 * min(seconds):.0f}-{1e3 * max(seconds):.0f}; ranks {list(ranks)})"
         )
+
+
+class _Zeros:
+    """A dataset that reads zeros (``batch.TokenReader``)."""
+
+    def read(self, doc: int, start: int = 0, end: int | None = None) -> np.ndarray:
+        return np.zeros(end - start, dtype=np.int32)
+
+
+class _NoTransport:
+    """The exchanger the engine is built with; nothing is sent."""
+
+    def __init__(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def for_plan(self, plan: Plan) -> _NoTransport:
+        return self
+
+
+def _first_layer(plan: Plan, rounds: int) -> None:
+    """CPU milliseconds of each part of a rank's work with a plan before its first layer."""
+    slices = [DocumentSlice(seq.id, 0, seq.length) for seq in plan.sequences]
+    ranks = (0, plan.world_size // 2 + 3, plan.world_size - 1)
+    parts: dict[str, Callable[[int], object]] = {
+        "linear batch": lambda rank: build_linear_batch(plan, rank, slices, _Zeros()),
+        "layouts and remap": lambda rank: remap_pair(plan, rank, plan_layouts(plan)),
+        "engine": lambda rank: ZeppelinAttention(plan, rank, _NoTransport(rank, plan.world_size)),
+    }
+    total = []
+    for name, fn in parts.items():
+        seconds = [_cpu(fn, rank, repeat=1) for rank in ranks * rounds]
+        total.append(statistics.median(seconds))
+        print(
+            f"before the first layer, {name}: {1e3 * statistics.median(seconds):.1f} ms "
+            f"({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f}; ranks {list(ranks)})"
+        )
+    print(f"before the first layer, in all: {1e3 * sum(total):.1f} ms per plan per rank")
 
 
 def _round(plan: Plan, write: Callable, read: Callable, args: argparse.Namespace) -> tuple:

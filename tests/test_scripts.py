@@ -167,6 +167,13 @@ def test_plan_wire_benchmark_compares_the_forms_and_the_remaps() -> None:
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line[:6] in FORMS}
     assert set(rows) == {"pickle", "wire"} and all(float(r[3]) > 0 for r in rows.values())
     assert "rank by rank" in out and "remap_pair" in out
+    parts = {
+        line.split(":")[0].removeprefix("before the first layer, "): float(line.split()[-7])
+        for line in out.splitlines()
+        if line.startswith("before the first layer") and "in all" not in line
+    }
+    assert set(parts) == {"linear batch", "layouts and remap", "engine"}
+    assert all(ms > 0 for ms in parts.values())
 
 
 FORMS = ("pickle", "wire  ")
