@@ -10,7 +10,7 @@
 # kernel that runs, one curve each), train (the training job on one GPU in bf16, world 1, with
 # the kernel the profile found fastest), validate (validate-cost-model with that file), host
 # (scripts/bench_host_overhead.py --device cuda: host work per layer next to the calibrated GPU
-# time), compare (zeppelin compare with the profile: same kernel and as deployed, TE's kernel
+# time), host-scale (the same on bench_plan_scale.py's 512-1024 GPU shapes), compare (zeppelin compare with the profile: same kernel and as deployed, TE's kernel
 # measured where TransformerEngine is installed). Each step's log goes to OUT_DIR/<step>.log; a
 # failed step is reported and the next one still runs; the exit status is 1 if any failed.
 set -uo pipefail
@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 out="${1:?usage: bash scripts/gpu_checks.sh OUT_DIR [STEP...]}"
 shift
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(tests kernels profile train validate host compare)
+[ ${#steps[@]} -gt 0 ] || steps=(tests kernels profile train validate host host-scale compare)
 mkdir -p "$out"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 python=${PYTHON:-python3}
@@ -53,6 +53,7 @@ run_step() {
              --num-kv-heads 4 --ffn-hidden-size 2816 --lr 5e-4 --steps 300 \
              --dataset-tokens 2000000 --run-dir "${TMPDIR:-/tmp}/zeppelin-gpu-train" --json "$out/train.json" ;;
     host) "$python" scripts/bench_host_overhead.py --device cuda ;;
+    host-scale) "$python" scripts/bench_host_overhead.py --device cuda --scale --repeats 3 ;;
     compare) "$python" -m megatron_zeppelin.cli compare --topology dgx-h100 --nodes 2 \
                --model "$model" --dist wikipedia --tokens 262144 --steps 4 --quiet \
                --cost-model "$calibration" --json "$out/compare.json" ;;
