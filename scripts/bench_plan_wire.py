@@ -18,7 +18,9 @@ asked of the plan rank by rank (``Plan.linear_ranges``, ``Plan.attention_ranges`
 the whole of that work, part by part, as a training step does it: the rank's linear batch
 (``build_linear_batch``, tokens read from a reader of zeros), both layouts and the remap (as
 core attention works them out), and its engine (``ZeppelinAttention``: its ring steps, its
-attention layout, the 2-D documents' head layout), for three ranks.
+attention layout, the 2-D documents' head layout), for three ranks. Last, what the logging
+rank adds for each plan line it prints (``--zeppelin-log-plan-every``): the plan's summary
+(``runtime.plan_summary``: its digest, tiers, imbalance and predicted bytes per link class).
 
     python scripts/bench_plan_wire.py
     python scripts/bench_plan_wire.py --rounds 5 --plans 16 --heap 500000
@@ -47,6 +49,7 @@ from megatron_zeppelin.attention.engine import ZeppelinAttention  # noqa: E402
 from megatron_zeppelin.config import ZeppelinConfig  # noqa: E402
 from megatron_zeppelin.megatron.documents.batch import build_linear_batch  # noqa: E402
 from megatron_zeppelin.megatron.documents.sampler import DocumentSlice  # noqa: E402
+from megatron_zeppelin.megatron.runtime import plan_summary  # noqa: E402
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths  # noqa: E402
 from megatron_zeppelin.planner.cost.costmodel import CostModel  # noqa: E402
 from megatron_zeppelin.planner.cost.models import get_model  # noqa: E402
@@ -213,6 +216,13 @@ def _first_layer(plan: Plan, rounds: int) -> None:
             f"({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f}; ranks {list(ranks)})"
         )
     print(f"before the first layer, in all: {1e3 * sum(total):.1f} ms per plan per rank")
+    spec = get_model(SHAPE.model)
+    line = lambda: plan_summary(plan, spec, routing=True)  # noqa: E731 - as the hooks ask
+    seconds = [_cpu(line, repeat=1) for _ in range(rounds)]
+    print(
+        f"the plan line's summary: {1e3 * statistics.median(seconds):.1f} ms "
+        f"({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f})"
+    )
 
 
 def _round(plan: Plan, write: Callable, read: Callable, args: argparse.Namespace) -> tuple:

@@ -174,6 +174,8 @@ def test_plan_wire_benchmark_compares_the_forms_and_the_remaps() -> None:
     }
     assert set(parts) == {"linear batch", "layouts and remap", "engine"}
     assert all(ms > 0 for ms in parts.values())
+    summary = next(line for line in out.splitlines() if line.startswith("the plan line's summary"))
+    assert float(summary.split()[4]) > 0
 
 
 FORMS = ("pickle", "wire  ")

@@ -37,6 +37,7 @@ from megatron_zeppelin.planner.plan.plan import (
     Tier,
     split_by_weights,
 )
+from megatron_zeppelin.topology.model import Topology
 
 MAX_HOPS = 3
 """A leg visits at most four GPUs: sender, source proxy, destination proxy, receiver."""
@@ -216,14 +217,77 @@ def link_bytes(
     out["nic"] = 0
     for step in steps:
         for msg in step:
-            for leg in message_legs(msg, routes.get((msg.src, msg.dst))):
-                num_bytes = leg.num_tokens * bytes_per_token
-                for a, b in leg.hops:
-                    if topo.same_node(a, b):
-                        out["nvlink"] += num_bytes
-                    else:
-                        out["nic"] += num_bytes
-                        out[f"nic:{topo.node_of(a)}.{topo.nic_of(a)}"] += num_bytes
+            _add_legs(out, topo, msg, routes.get((msg.src, msg.dst)), bytes_per_token)
+    return dict(out)
+
+
+def _add_legs(
+    out: dict[str, int], topo: Topology, msg: Message, route: Route | None, bytes_per_token: int
+) -> None:
+    """``link_bytes``' count of one message: every hop of every leg once."""
+    for leg in message_legs(msg, route):
+        num_bytes = leg.num_tokens * bytes_per_token
+        for a, b in leg.hops:
+            if topo.same_node(a, b):
+                out["nvlink"] += num_bytes
+            else:
+                out["nic"] += num_bytes
+                out[f"nic:{topo.node_of(a)}.{topo.nic_of(a)}"] += num_bytes
+
+
+def ring_link_bytes(
+    plan: Plan,
+    tiers: tuple[Tier, ...],
+    *,
+    bytes_per_token: int,
+    routing: bool,
+    gradients: bool = False,
+    routes_of: Plan | None = None,
+) -> dict[str, int]:
+    """``link_bytes(plan, ring_schedule(plan, tiers), ...)`` (with ``gradients``, of
+    ``gradient_schedule``), counted without building the schedule: at a thousand GPUs its
+    messages are hundreds of thousands, and a ring of ``g`` members ``g - 1`` steps of ``g``.
+
+    An edge the plan does not route carries the same bytes whatever travels with them, so its
+    document's share is counted once for all steps: over the K/V steps, edge ``i -> i + 1``
+    carries every block but the receiver's own; over the gradient steps, every block's gradient
+    but the sender's. A routed edge's message is cut by its route's weights as a whole, so its
+    documents' tokens are summed per step first, as the schedule would send them.
+    ``routes_of``: the plan whose routes the messages take (``plan`` by default; the column
+    rings of ``head_plan`` take their plan's).
+    """
+    topo = plan.topology
+    routes = routes_by_edge(routes_of or plan, routing=routing)
+    wanted = {Tier(t) for t in tiers}
+    out: dict[str, int] = defaultdict(int)
+    out["nvlink"] = 0
+    out["nic"] = 0
+    routed: dict[tuple[int, int, int], int] = defaultdict(int)  # (step, src, dst) -> tokens
+    shift = 1 if gradients else 0
+    for seq in plan.sequences:
+        ring = seq.ring
+        g = len(ring)
+        if g < 2 or Tier(seq.tier) not in wanted or seq.scheme != Scheme.RING:
+            continue
+        blocks: dict[int, int] = defaultdict(int)
+        for span in seq.attention:
+            blocks[span.rank] += span.end - span.start
+        total = sum(blocks.values())
+        for i, src in enumerate(ring):
+            dst = ring[(i + 1) % g]
+            if (src, dst) in routes:
+                for step in range(g - 1):
+                    tokens = blocks.get(ring[(i - step - shift) % g], 0)
+                    if tokens:
+                        routed[(step, src, dst)] += tokens
+                continue
+            tokens = total - blocks.get(ring[i] if gradients else dst, 0)
+            if tokens:
+                _add_legs(out, topo, Message(src, dst, (Segment(seq.id, src, tokens),)), None,
+                          bytes_per_token)  # fmt: skip
+    for (_, src, dst), tokens in routed.items():
+        message = Message(src, dst, (Segment(-1, src, tokens),))
+        _add_legs(out, topo, message, routes[(src, dst)], bytes_per_token)
     return dict(out)
 
 
@@ -293,18 +357,16 @@ def training_link_bytes(
             f"gradient {grad_bytes_per_token}"
         )
     total: dict[str, int] = {"nvlink": 0, "nic": 0}
-    sizes = block_tokens(plan)
     for tier in (Tier.INTER, Tier.INTRA):
-        kv_steps = ring_schedule(plan, tiers=(tier,), sizes=sizes)
-        passes = (
-            (kv_steps, 2 * kv_bytes_per_token),  # forward + backward
-            (
-                gradient_schedule(plan, tiers=(tier,), sizes=sizes, kv_steps=kv_steps),
-                grad_bytes_per_token,
-            ),
-        )
-        for steps, bytes_per_token in passes:
-            counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
+        passes = ((False, 2 * kv_bytes_per_token), (True, grad_bytes_per_token))  # K/V twice
+        for gradients, bytes_per_token in passes:
+            counts = ring_link_bytes(
+                plan,
+                (tier,),
+                bytes_per_token=bytes_per_token,
+                routing=routing,
+                gradients=gradients,
+            )
             for key, value in counts.items():
                 total[key] = total.get(key, 0) + value
     return total
@@ -352,18 +414,22 @@ def two_d_link_bytes(plan: Plan, shape: AttentionShape, *, routing: bool) -> dic
     qkv = (groups.num_q + 2 * groups.num_kv) * d  # values of one token's Q, K, V in a group
     o = groups.num_q * d  # values of one token's output (or its gradient) in a group
     kv = 2 * groups.num_kv * d
-    sizes = block_tokens(heads.plan)
-    kv_steps = ring_schedule(heads.plan, sizes=sizes)
-    grad_steps = gradient_schedule(heads.plan, sizes=sizes, kv_steps=kv_steps)
-    passes = (
-        # Q, K, V in (forward) and dO in (backward); the output back and dQ, dK, dV back.
-        ([exchange_messages(plan, to_heads=True)], qkv * value + o * value),
-        ([exchange_messages(plan, to_heads=False)], o * value + qkv * grad),
-        (kv_steps, 2 * kv * value),  # forward + backward
-        (grad_steps, kv * grad),
-    )
-    for steps, bytes_per_token in passes:
-        counts = link_bytes(plan, steps, bytes_per_token=bytes_per_token, routing=routing)
+    # Q, K, V in (forward) and dO in (backward); the output back and dQ, dK, dV back. Every
+    # message stays inside its node: each of a node's tokens of a document goes to every
+    # other rank of the node, one way and the other (``exchange_messages``).
+    swapped = sum((len(row) - 1) * sum(tokens.get(r, 0) for r in row) for _, row, tokens in
+                  node_members(plan))  # fmt: skip
+    total["nvlink"] += swapped * (qkv * value + o * value) + swapped * (o * value + qkv * grad)
+    passes = ((False, 2 * kv * value), (True, kv * grad))  # K/V forward + backward; dK, dV
+    for gradients, bytes_per_token in passes:
+        counts = ring_link_bytes(
+            heads.plan,
+            (Tier.INTRA, Tier.INTER),
+            bytes_per_token=bytes_per_token,
+            routing=routing,
+            gradients=gradients,
+            routes_of=plan,
+        )
         for key, value_ in counts.items():
             total[key] = total.get(key, 0) + value_
     return total
