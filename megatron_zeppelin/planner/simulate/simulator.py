@@ -66,9 +66,7 @@ from megatron_zeppelin.planner.plan.phases import (
 )
 from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, Tier
 from megatron_zeppelin.planner.plan.schedule import (
-    Message,
-    Segment,
-    link_bytes,
+    ring_link_bytes,
     ring_schedule,
     routes_by_edge,
 )
@@ -84,7 +82,6 @@ from megatron_zeppelin.planner.simulate.stepwise import (
 )
 from megatron_zeppelin.planner.simulate.transfers import (
     RingMessages,
-    ring_messages,
     ring_messages_of,
     transfer_times,
 )
@@ -437,24 +434,13 @@ def _layer(plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, in
     return _Layer(linear, wall, attn_compute, attn_exposed, remap_s)
 
 
-def _ring_steps(plan: Plan) -> list[list[Message]]:
-    """``ring_schedule(plan)``'s messages with their token counts (what ``link_bytes`` reads),
-    from ``transfers.ring_messages`` without building a segment per document block (2-D
-    documents ring on the head layout: ``two_d_forward_bytes``)."""
-    found = ring_messages([s for s in plan.sequences if not s.is_two_d])
-    steps: list[list[Message]] = [[] for _ in range(found.num_steps)]
-    for step, src, dst, n in zip(
-        found.group.tolist(), found.src.tolist(), found.dst.tolist(), found.tokens.tolist()
-    ):
-        steps[step].append(Message(src, dst, (Segment(-1, -1, n),)))
-    return steps
-
-
 def _bytes(
     plan: Plan, cost: CostModel, routing: bool, moved: dict[tuple[int, int], int]
 ) -> tuple[dict, dict]:
     kv = cost.model.kv_bytes_per_token()
-    ring = link_bytes(plan, _ring_steps(plan), bytes_per_token=kv, routing=routing)
+    # One forward's K/V around the flat rings (2-D documents: on the head layout).
+    tiers = (Tier.INTRA, Tier.INTER)
+    ring = ring_link_bytes(plan, tiers, bytes_per_token=kv, routing=routing)
     for key, value in two_d_forward_bytes(plan, cost, routing).items():
         ring[key] = ring.get(key, 0) + value
     remap_out = {"nvlink": 0, "nic": 0}

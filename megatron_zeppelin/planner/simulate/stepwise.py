@@ -16,13 +16,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, causal_pairs
-from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan
-from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, SequencePlan
+from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan, node_members
+from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, SequencePlan, Tier
 from megatron_zeppelin.planner.plan.schedule import (
     Message,
     exchange_messages,
-    link_bytes,
     message_legs,
+    ring_link_bytes,
     ring_schedule,
     route_paths,
     routes_by_edge,
@@ -233,13 +233,29 @@ def two_d_forward_messages(plan: Plan, cost: CostModel) -> list[tuple[list[Messa
 
 
 def two_d_forward_bytes(plan: Plan, cost: CostModel, routing: bool) -> dict[str, int]:
-    """Bytes per link class of ``two_d_forward_messages``."""
-    total: dict[str, int] = {}
-    for messages, per_token in two_d_forward_messages(plan, cost):
-        for key, n in link_bytes(
-            plan, [messages], bytes_per_token=per_token, routing=routing
-        ).items():
-            total[key] = total.get(key, 0) + n
+    """Bytes per link class of ``two_d_forward_messages``, counted without listing them (as
+    ``schedule.two_d_link_bytes`` counts: the all-to-all per node row, the column rings per
+    document and edge, ``ring_link_bytes``)."""
+    heads = head_plan(plan)
+    if heads is None:
+        return {}
+    shape = AttentionShape.of_model(cost.model)
+    groups = shape.groups(heads.num_groups)
+    d, value = shape.head_dim, shape.value_bytes
+    # Each of a node's tokens of a document to every other rank of the node, and back.
+    swapped = sum((len(row) - 1) * sum(tokens.get(r, 0) for r in row) for _, row, tokens in
+                  node_members(plan))  # fmt: skip
+    there, back = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
+    total = {"nvlink": swapped * (there + back), "nic": 0}
+    ring = ring_link_bytes(
+        heads.plan,
+        (Tier.INTRA, Tier.INTER),
+        bytes_per_token=2 * groups.num_kv * d * value,
+        routing=routing,
+        routes_of=plan,
+    )
+    for key, n in ring.items():
+        total[key] = total.get(key, 0) + n
     return total
 
 
