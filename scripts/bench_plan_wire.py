@@ -20,7 +20,9 @@ the whole of that work, part by part, as a training step does it: the rank's lin
 core attention works them out), and its engine (``ZeppelinAttention``: its ring steps, its
 attention layout, the 2-D documents' head layout), for three ranks. Last, what the logging
 rank adds for each plan line it prints (``--zeppelin-log-plan-every``): the plan's summary
-(``runtime.plan_summary``: its digest, tiers, imbalance and predicted bytes per link class).
+(``runtime.plan_summary``: its digest, tiers, imbalance and predicted bytes per link class);
+and the simulator's report of the plan (``simulate``: what ``zeppelin plan`` and the benchmarks
+print for each plan).
 
     python scripts/bench_plan_wire.py
     python scripts/bench_plan_wire.py --rounds 5 --plans 16 --heap 500000
@@ -61,6 +63,7 @@ from megatron_zeppelin.planner.plan.remap_layout import (  # noqa: E402
     remap_pair,
 )
 from megatron_zeppelin.planner.search.partition import plan_batch  # noqa: E402
+from megatron_zeppelin.planner.simulate.simulator import simulate  # noqa: E402
 from megatron_zeppelin.topology.presets import get_topology  # noqa: E402
 
 SHAPE = SHAPES[0]
@@ -217,12 +220,16 @@ def _first_layer(plan: Plan, rounds: int) -> None:
         )
     print(f"before the first layer, in all: {1e3 * sum(total):.1f} ms per plan per rank")
     spec = get_model(SHAPE.model)
-    line = lambda: plan_summary(plan, spec, routing=True)  # noqa: E731 - as the hooks ask
-    seconds = [_cpu(line, repeat=1) for _ in range(rounds)]
-    print(
-        f"the plan line's summary: {1e3 * statistics.median(seconds):.1f} ms "
-        f"({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f})"
-    )
+    cost = CostModel.default(spec, plan.topology)
+    for name, fn in (
+        ("the plan line's summary", lambda: plan_summary(plan, spec, routing=True)),
+        ("the simulator's report", lambda: simulate(plan, cost)),
+    ):
+        seconds = [_cpu(fn, repeat=1) for _ in range(rounds)]
+        print(
+            f"{name}: {1e3 * statistics.median(seconds):.1f} ms "
+            f"({1e3 * min(seconds):.1f}-{1e3 * max(seconds):.1f})"
+        )
 
 
 def _round(plan: Plan, write: Callable, read: Callable, args: argparse.Namespace) -> tuple:
