@@ -26,6 +26,7 @@ __all__ = [
     "Span",
     "Tier",
     "TokenRange",
+    "columns_of",
     "grouped_records",
     "node_chunks",
     "node_grid",
@@ -351,9 +352,6 @@ _CHUNK = 2048
 passes that hold the interpreter lock throughout: the training process unpickles plans in a
 reader thread, and the thread that launches the step's kernels gets the lock back between
 pieces (about a millisecond each) instead of after the whole plan."""
-_SEQUENCE_FIELDS = attrgetter("id", "length", "tier", "ring", "scheme")
-_SPAN_FIELDS = attrgetter("rank", "start", "end")
-_RANGE_FIELDS = attrgetter("seq", "start", "end")
 
 
 def pack_sequences(sequences: tuple[SequencePlan, ...]) -> list[bytes]:
@@ -396,20 +394,18 @@ def unpack_layout(pieces: list[bytes]) -> tuple[tuple[TokenRange, ...], ...]:
 def _sequence_columns(sequences: tuple[SequencePlan, ...]) -> tuple[list, ...]:
     attention = list(map(attrgetter("attention"), sequences))
     spans = list(chain.from_iterable(attention))
-    columns = _columns(_SEQUENCE_FIELDS, sequences, 5)
-    return (*columns, list(map(len, attention)), *_columns(_SPAN_FIELDS, spans, 3))
+    columns = columns_of(sequences, "id", "length", "tier", "ring", "scheme")
+    return (*columns, list(map(len, attention)), *columns_of(spans, "rank", "start", "end"))
 
 
 def _range_columns(layout: tuple[tuple[TokenRange, ...], ...]) -> tuple[list, ...]:
     ranges = list(chain.from_iterable(layout))
-    return (list(map(len, layout)), *_columns(_RANGE_FIELDS, ranges, 3))
+    return (list(map(len, layout)), *columns_of(ranges, "seq", "start", "end"))
 
 
-def _columns(fields: attrgetter, records: list, num_fields: int) -> list[list]:
-    """One list per field of ``records``; empty lists where there are none."""
-    return [list(column) for column in zip(*map(fields, records))] or [
-        [] for _ in range(num_fields)
-    ]
+def columns_of(records: Sequence, *names: str) -> list[list]:
+    """One list per field ``names`` of ``records`` (``records_of``'s columns)."""
+    return [list(map(attrgetter(name), records)) for name in names]
 
 
 def _pickled(columns: tuple[list, ...]) -> bytes:

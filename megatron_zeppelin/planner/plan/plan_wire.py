@@ -54,7 +54,7 @@ from megatron_zeppelin.planner.plan.plan import (
     Tier,
     TokenRange,
 )
-from megatron_zeppelin.planner.plan.plan_parts import grouped_records, records_of
+from megatron_zeppelin.planner.plan.plan_parts import columns_of, grouped_records, records_of
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = ["FORMAT", "decode", "encode"]
@@ -89,18 +89,18 @@ def encode(plan: Plan) -> bytes:
     ranges = list(chain.from_iterable(plan.linear))
     parts = list(chain.from_iterable(map(attrgetter("parts"), plan.routes)))
     columns = (
-        *_fields(seqs, "id", "length"),
+        *columns_of(seqs, "id", "length"),
         list(map(_TIER_CODE.__getitem__, map(attrgetter("tier"), seqs))),
         list(map(_SCHEME_CODE.__getitem__, map(attrgetter("scheme"), seqs))),
         [len(s.ring) for s in seqs],
         [len(s.attention) for s in seqs],
         list(chain.from_iterable(map(attrgetter("ring"), seqs))),
-        *_fields(spans, "rank", "start", "end"),
+        *columns_of(spans, "rank", "start", "end"),
         list(map(len, plan.linear)),
-        *_fields(ranges, "seq", "start", "end"),
-        *_fields(plan.routes, "src", "dst"),
+        *columns_of(ranges, "seq", "start", "end"),
+        *columns_of(plan.routes, "src", "dst"),
         [len(r.parts) for r in plan.routes],
-        *_fields(parts, "src_proxy", "dst_proxy", "weight"),
+        *columns_of(parts, "src_proxy", "dst_proxy", "weight"),
     )
     counts = [len(seqs), len(columns[6]), len(spans), len(plan.linear), len(ranges)]
     header = {
@@ -154,10 +154,6 @@ def _plain(value: object) -> object:
     if isinstance(value, (np.generic, np.ndarray)):
         return value.tolist()
     raise TypeError(f"a plan's meta holds {type(value).__name__} {value!r}: JSON cannot write it")
-
-
-def _fields(records: list, *names: str) -> list[list[int]]:
-    return [list(map(attrgetter(name), records)) for name in names]
 
 
 def _read(buf: memoryview) -> tuple[dict, list[np.ndarray]]:
