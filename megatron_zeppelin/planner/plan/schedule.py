@@ -226,13 +226,18 @@ def _add_legs(
 ) -> None:
     """``link_bytes``' count of one message: every hop of every leg once."""
     for leg in message_legs(msg, route):
-        num_bytes = leg.num_tokens * bytes_per_token
         for a, b in leg.hops:
-            if topo.same_node(a, b):
-                out["nvlink"] += num_bytes
-            else:
-                out["nic"] += num_bytes
-                out[f"nic:{topo.node_of(a)}.{topo.nic_of(a)}"] += num_bytes
+            _add_hop(out, topo, a, b, leg.num_tokens * bytes_per_token)
+
+
+def _add_hop(out: dict[str, int], topo: Topology, a: int, b: int, num_bytes: int) -> None:
+    """One hop ``a -> b`` of ``num_bytes``: on NVLink within a node, else on the NIC next to
+    ``a``."""
+    if topo.same_node(a, b):
+        out["nvlink"] += num_bytes
+    else:
+        out["nic"] += num_bytes
+        out[f"nic:{topo.node_of(a)}.{topo.nic_of(a)}"] += num_bytes
 
 
 def ring_link_bytes(
@@ -282,9 +287,8 @@ def ring_link_bytes(
                         routed[(step, src, dst)] += tokens
                 continue
             tokens = total - blocks.get(ring[i] if gradients else dst, 0)
-            if tokens:
-                _add_legs(out, topo, Message(src, dst, (Segment(seq.id, src, tokens),)), None,
-                          bytes_per_token)  # fmt: skip
+            if tokens:  # a message of no tokens has no leg
+                _add_hop(out, topo, src, dst, tokens * bytes_per_token)
     for (_, src, dst), tokens in routed.items():
         message = Message(src, dst, (Segment(-1, src, tokens),))
         _add_legs(out, topo, message, routes[(src, dst)], bytes_per_token)
@@ -396,6 +400,15 @@ def exchange_messages(plan: Plan, *, to_heads: bool, rank: int | None = None) ->
     return [Message(src, dst, tuple(segs)) for (src, dst), segs in sorted(edges.items())]
 
 
+def head_swap_tokens(plan: Plan) -> int:
+    """Tokens one direction of the head all-to-all sends (``exchange_messages``' total),
+    without listing its messages: each of a node's tokens of a 2-D document goes to every other
+    rank of the node, and no message leaves its node (NVLink alone)."""
+    return sum(
+        (len(row) - 1) * sum(tokens.get(r, 0) for r in row) for _, row, tokens in node_members(plan)
+    )
+
+
 def two_d_link_bytes(plan: Plan, shape: AttentionShape, *, routing: bool) -> dict[str, int]:
     """Bytes per link class of the 2-D documents in one attention forward and backward.
 
@@ -414,11 +427,8 @@ def two_d_link_bytes(plan: Plan, shape: AttentionShape, *, routing: bool) -> dic
     qkv = (groups.num_q + 2 * groups.num_kv) * d  # values of one token's Q, K, V in a group
     o = groups.num_q * d  # values of one token's output (or its gradient) in a group
     kv = 2 * groups.num_kv * d
-    # Q, K, V in (forward) and dO in (backward); the output back and dQ, dK, dV back. Every
-    # message stays inside its node: each of a node's tokens of a document goes to every
-    # other rank of the node, one way and the other (``exchange_messages``).
-    swapped = sum((len(row) - 1) * sum(tokens.get(r, 0) for r in row) for _, row, tokens in
-                  node_members(plan))  # fmt: skip
+    # Q, K, V in (forward) and dO in (backward); the output back and dQ, dK, dV back.
+    swapped = head_swap_tokens(plan)
     total["nvlink"] += swapped * (qkv * value + o * value) + swapped * (o * value + qkv * grad)
     passes = ((False, 2 * kv * value), (True, kv * grad))  # K/V forward + backward; dK, dV
     for gradients, bytes_per_token in passes:

@@ -16,11 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, causal_pairs
-from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan, node_members
+from megatron_zeppelin.planner.plan.heads import AttentionShape, head_plan
 from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, SequencePlan, Tier
 from megatron_zeppelin.planner.plan.schedule import (
     Message,
     exchange_messages,
+    head_swap_tokens,
     message_legs,
     ring_link_bytes,
     ring_schedule,
@@ -242,11 +243,8 @@ def two_d_forward_bytes(plan: Plan, cost: CostModel, routing: bool) -> dict[str,
     shape = AttentionShape.of_model(cost.model)
     groups = shape.groups(heads.num_groups)
     d, value = shape.head_dim, shape.value_bytes
-    # Each of a node's tokens of a document to every other rank of the node, and back.
-    swapped = sum((len(row) - 1) * sum(tokens.get(r, 0) for r in row) for _, row, tokens in
-                  node_members(plan))  # fmt: skip
     there, back = (groups.num_q + 2 * groups.num_kv) * d * value, groups.num_q * d * value
-    total = {"nvlink": swapped * (there + back), "nic": 0}
+    total = {"nvlink": head_swap_tokens(plan) * (there + back), "nic": 0}
     ring = ring_link_bytes(
         heads.plan,
         (Tier.INTRA, Tier.INTER),
