@@ -29,7 +29,9 @@ handed the plan kept for the same lengths (``megatron/plans/reuse.py``).
 
 ``scripts/plan_digests.py`` compares the plans of these batches (and others) between two
 versions of the planner.
-The process first plans one batch untimed (the first plan of a process pays one-time costs).
+The process first plans one batch untimed (the first plan of a process pays one-time costs),
+and builds the planner's compiled loops where numba is installed (``partition.warm``; its
+first line says which run: ``ZEPPELIN_PLANNER_JIT=0`` keeps numpy).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ from megatron_zeppelin.planner.baselines.distributions import (
 )
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
-from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch, warm
 from megatron_zeppelin.planner.simulate.simulator import simulate
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -208,6 +210,8 @@ def main() -> None:
     )
     if args.only:
         shapes = tuple(shapes[i] for i in args.only)
+    how = "compiled (numba)" if warm() else "numpy (numba not installed)"
+    print(f"the planner's inner loops: {how}")
     plan_once(SHAPES[2], sample_lengths("lognormal", num_tokens=1 << 20, seed=0), PlannerOptions())
     if shapes:
         print_table(shapes, args)

@@ -4,7 +4,8 @@ No torch.distributed here: every rank computes the same plan from the same lengt
 
 The planner is in wings (sub-packages), each importing only the wings before it in ``WINGS``:
 ``cost/`` (the cost model), ``plan/`` (the plan contract and what follows from a plan),
-``simulate/`` (the step-time simulator), ``place/`` (placements of documents on GPUs),
+``simulate/`` (the step-time simulator), ``loops/`` (the placement's innermost loops, compiled
+by numba where it is installed), ``place/`` (placements of documents on GPUs),
 ``search/`` (the search over placements and ``plan_batch``), ``baselines/`` (the systems
 compared with). The names below are the planner's public ones.
 """
@@ -39,7 +40,7 @@ from megatron_zeppelin.planner.plan.plan import (
 from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch, tier_thresholds
 
 # The wings, lowest first: a wing imports only wings before it (tests/test_layout.py).
-WINGS = ("cost", "plan", "simulate", "place", "search", "baselines")
+WINGS = ("cost", "plan", "simulate", "loops", "place", "search", "baselines")
 
 __all__ = [
     "CALIBRATION_FORMAT",

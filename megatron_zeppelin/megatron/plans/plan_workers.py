@@ -10,7 +10,8 @@ in their own interpreters: the training process only sends the lengths and decod
 
 Protocol (``python -m megatron_zeppelin.megatron.plans.plan_workers``, one per worker): the parent
 writes pickles to the worker's stdin, first the ``PlanRecipe`` and then one list of lengths per
-micro-batch; the worker answers ``"ready"`` once it has read the recipe (its imports done), then
+micro-batch; the worker answers ``"ready"`` once it has read the recipe (its imports done, and
+the planner's compiled loops built where numba is installed: ``planner/loops/jit.py``), then
 each micro-batch on its stdout, in order, with ``(plan's bytes, None, seconds)`` or
 ``(None, exception, seconds)``, the plan in its wire form (``planner/plan/plan_wire.py``); the
 training process decodes the plan (or, sharing plans, hands the bytes on as they are:
@@ -297,6 +298,7 @@ def _serve(inbox: Any, outbox: Any) -> None:
     recipe = next_job()
     if recipe is None:
         return
+    partition.warm()  # the planner's compiled loops, where numba is, before the first plan
     pickle.dump("ready", outbox)
     outbox.flush()
     while (lengths := next_job()) is not None:

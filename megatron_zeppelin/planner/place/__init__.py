@@ -6,5 +6,5 @@ leave.
 ``pool_rings``, ``pool``), ``shares`` (uneven ring shares), and the pass after it (``members``,
 ``refine``).
 
-May import ``cost/``, ``plan/`` and ``simulate/`` (``planner.WINGS``).
+May import ``cost/``, ``plan/``, ``simulate/`` and ``loops/`` (``planner.WINGS``).
 """

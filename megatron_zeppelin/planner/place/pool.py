@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from megatron_zeppelin.planner.loops import whole_docs
 from megatron_zeppelin.planner.place.least_load import least_load
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import (
@@ -310,6 +311,9 @@ def _place_whole(
     parked until the documents get short enough for it (they only get shorter, and a parked GPU
     takes nothing), so a nearly full cluster costs a heap operation per document, not a pass
     over every GPU. A document no GPU has room for becomes a ring of GPUs that have."""
+    if whole_docs.compiled():
+        _place_whole_compiled(docs, array, attention, loads, placements, goal)
+        return
     floor, capacity, weight = goal.floor, loads.capacity, loads.linear_weight
     keys = _projected(loads, floor).tolist()
     heap, parked = _heaps(keys)
@@ -341,6 +345,35 @@ def _place_whole(
         placements[doc] = local[rank]
         keys[rank] = loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
         heapq.heapreplace(heap, (keys[rank], rank))  # the top was its entry: one sift
+
+
+def _place_whole_compiled(
+    docs: np.ndarray,
+    array: np.ndarray,
+    attention: np.ndarray,
+    loads: Loads,
+    placements: list[Placement | None],
+    goal: PoolGoal,
+) -> None:
+    """``_place_whole`` in numba's compiled loop (``whole_docs.py``: the same GPUs), handing
+    back each document no GPU has room for to be made a ring here."""
+    state = whole_docs.WholeDocs(loads, goal.floor)
+    lengths = np.ascontiguousarray(array[docs], dtype=np.int64)
+    seconds = np.ascontiguousarray(attention[docs], dtype=np.float64)
+    ranks = np.empty(len(docs), dtype=np.int64)
+    local = [local_placement(r) for r in range(loads.topology.world_size)]
+    start = 0
+    while True:
+        stop = state.place(lengths, seconds, start, ranks)
+        for doc, rank in zip(docs[start:stop].tolist(), ranks[start:stop].tolist()):
+            placements[doc] = local[rank]
+        state.write_loads()
+        if stop == len(docs):
+            return
+        placed = place_ring(int(docs[stop]), int(lengths[stop]), loads, goal)
+        placements[int(docs[stop])] = placed
+        state.placed_ring(placed.ring)
+        start = stop + 1
 
 
 def _heaps(keys: list[float]) -> tuple[Heap, Heap]:

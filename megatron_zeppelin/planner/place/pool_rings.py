@@ -4,7 +4,8 @@
 ones (``ring_sizes``), and at each size the places ``ring_options.options`` allows, in order: the
 first that finds GPUs whose members all end within the target wins (``_members``: one node,
 whole nodes, or part of the GPUs of a window of nodes). Where none does, the size and GPUs whose
-busiest member ends soonest (``_soonest``).
+busiest member ends soonest (``_soonest``). Where numba is installed, both run as compiled loops
+(``loops/ring_search.py``) that find the same GPUs.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from megatron_zeppelin.planner.loops import ring_search
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement, capacity_error
 from megatron_zeppelin.planner.place.ring_options import (
@@ -75,11 +77,18 @@ def place_ring(
             tries.append((size, per_rank, ends, key, where))
             if float(least[size - 1]) + key > limit:
                 continue
-            ring = _members(ends.get(), room, size, key, per_rank, limit, k, where)
+            ring = ends.members(room, size, key, limit, k, where)
             if ring is not None:
                 return place_on(ring, length, loads, where == "whole")
     if not fallback:
         return None
+    if ring_search.compiled():  # ``_soonest`` in one compiled loop: the same try and GPUs
+        weight, floor = loads.linear_weight, goal.floor
+        plain = [(size, per_rank, key, where) for size, per_rank, _, key, where in tries]
+        found = ring_search.soonest(cost, tokens, room, least, weight, floor, plain, k)
+        if found is None:
+            raise capacity_error(doc, length, "on any GPUs of the pool")
+        return place_on(found[1], length, loads, tries[found[0]][4] == "whole")
     ring, two_d = _soonest(tries, room, least, k, doc, length)
     return place_on(ring, length, loads, two_d)
 
@@ -116,7 +125,7 @@ def _soonest(
                 tight = float(np.partition(fits, size - 1)[size - 1]) + key
                 heapq.heappush(heap, (tight, index, 1))
             continue
-        ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
+        ring = lazy.members(room, size, key, math.inf, k, where)
         if ring is None:
             continue
         if where == "node":
@@ -143,6 +152,17 @@ class _Ends:
     def __init__(self, arrays: Arrays, weight: float, floor: int, per_rank: int) -> None:
         self.arrays, self.weight, self.floor, self.per_rank = arrays, weight, floor, per_rank
         self.ends: np.ndarray | None = None
+
+    def members(
+        self, room: np.ndarray, size: int, key: float, limit: float, k: int, where: str
+    ) -> tuple[int, ...] | None:
+        """``_members`` of these ends (``ring_search.members`` where numba compiles it: the
+        same GPUs, without working out the ends as an array)."""
+        if ring_search.compiled():
+            cost, tokens = self.arrays.cost, self.arrays.tokens
+            args = (self.weight, self.floor, size, key, self.per_rank, limit, k, where)
+            return ring_search.members(cost, tokens, room, *args)
+        return _members(self.get(), room, size, key, self.per_rank, limit, k, where)
 
     def get(self) -> np.ndarray:
         if self.ends is None:

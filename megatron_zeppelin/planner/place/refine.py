@@ -24,10 +24,19 @@ after ``rounds`` changes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
 
+from megatron_zeppelin.planner.loops.local_changes import (
+    MIN_GAIN,
+    Change,
+    Rounds,
+    best_swap,
+    compiled,
+    light_gpus,
+)
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.members import move_member, replace_ring
 from megatron_zeppelin.planner.place.placement import Placement
@@ -38,15 +47,10 @@ __all__ = ["refine"]
 
 _LIGHT = 16
 """The least loaded GPUs holding local documents whose documents a swap may take."""
-_MIN_GAIN = 1e-6
-"""A change must lower the pair's peak by this fraction of the busiest load."""
 _SORTED_MOVES = 16
 """From this many documents on the busiest GPU, their moves are found from the GPUs sorted by
 load (``_moves``); fewer are each weighed against every GPU (``_scanned_moves``): the same
 answers, whichever is cheaper."""
-_FILTERED_SWAPS = 4096
-"""From this many pairs on, the documents no swap can take are left out before the pairs are
-weighed (the same answer; below it, leaving them out costs more than weighing them)."""
 
 
 def refine(
@@ -75,33 +79,76 @@ def refine(
             (on_rank if placement.tier == Tier.LOCAL else rings_on)[rank].append(doc)
     cost = np.asarray(loads.cost, dtype=np.float64)
     tokens = np.asarray(loads.tokens, dtype=np.int64)
-    # Each GPU's local documents as an array and how many, kept in step with ``on_rank``: a
-    # swap weighs the documents of many GPUs at once, joined from these.
-    held = _Held(
-        [np.asarray(d, dtype=np.int64) for d in on_rank], np.array(list(map(len, on_rank)))
-    )
+    if compiled():
+        weight, capacity = loads.linear_weight, loads.capacity
+        local = Rounds(on_rank, cost, tokens, array, work, attention, weight, capacity, light)
+    else:
+        local = _NumpyRounds(on_rank, cost, tokens, array, work, loads, light)
+
+    def apply(change: tuple[int, int, int | None], busiest: int) -> None:
+        _apply(change, busiest, array, attention, placements, loads, on_rank)
+
     changes = 0
-    for _ in range(rounds):
-        busiest = int(np.argmax(cost))
-        change = None
-        if on_rank[busiest]:
-            change = _best_change(busiest, held, array, work, cost, tokens, loads.capacity, light)
-        if change is not None:
-            _apply(change, busiest, array, attention, placements, loads, on_rank)
-            for rank in (busiest, change[0]):
-                cost[rank], tokens[rank] = loads.cost[rank], loads.tokens[rank]
-                held.docs[rank] = np.asarray(on_rank[rank], dtype=np.int64)
-                held.count[rank] = len(on_rank[rank])
-        elif goal is None or not (
+    while changes < rounds:
+        # Local changes until the busiest GPU has none that helps (``local_changes.py``) ...
+        made, stuck = local.run(rounds - changes, apply)
+        changes += made
+        if not stuck or changes >= rounds:
+            continue
+        # ... then, with the pool's goal, its rings.
+        busiest = int(np.argmax(local.cost))
+        if goal is None or not (
             _resize(busiest, array, placements, loads, goal, rings_on)
             or _move_member(busiest, array, placements, loads, rings_on)
         ):
             break
-        else:
-            cost = np.asarray(loads.cost, dtype=np.float64)
-            tokens = np.asarray(loads.tokens, dtype=np.int64)
+        local.cost[:] = loads.cost
+        local.tokens[:] = loads.tokens
         changes += 1
     return changes
+
+
+class _NumpyRounds:
+    """``local_changes.Rounds`` with numpy, a round at a time (``_best_change``): where numba
+    is not installed."""
+
+    def __init__(
+        self,
+        on_rank: list[list[int]],
+        cost: np.ndarray,
+        tokens: np.ndarray,
+        array: np.ndarray,
+        work: np.ndarray,
+        loads: Loads,
+        light: int,
+    ) -> None:
+        self.on_rank, self.cost, self.tokens, self.loads = on_rank, cost, tokens, loads
+        self.array, self.work, self.light = array, work, light
+        # Each GPU's local documents as an array and how many, kept in step with ``on_rank``:
+        # a swap weighs the documents of many GPUs at once, joined from these.
+        self.held = _Held(
+            [np.asarray(d, dtype=np.int64) for d in on_rank],
+            np.fromiter(map(len, on_rank), dtype=np.int64, count=len(on_rank)),
+        )
+
+    def run(self, limit: int, apply: Callable[[Change, int], None]) -> tuple[int, bool]:
+        """``Rounds.run``: up to ``limit`` changes, each applied by ``apply``."""
+        held, cost, tokens, loads = self.held, self.cost, self.tokens, self.loads
+        for made in range(limit):
+            busiest = int(np.argmax(cost))
+            if not held.count[busiest]:
+                return made, True
+            change = _best_change(
+                busiest, held, self.array, self.work, cost, tokens, loads.capacity, self.light
+            )
+            if change is None:
+                return made, True
+            apply(change, busiest)
+            for rank in (busiest, change[0]):
+                cost[rank], tokens[rank] = loads.cost[rank], loads.tokens[rank]
+                held.docs[rank] = np.asarray(self.on_rank[rank], dtype=np.int64)
+                held.count[rank] = len(self.on_rank[rank])
+        return limit, False
 
 
 def _apply(
@@ -135,7 +182,7 @@ def _resize(
 ) -> bool:
     """Whether one of the rings on ``busiest`` (longest first) found a place where every
     member ends below the busiest load (``members.replace_ring``)."""
-    below = loads.cost[busiest] * (1 - _MIN_GAIN)
+    below = loads.cost[busiest] * (1 - MIN_GAIN)
     for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
         old = placements[doc]
         # A GPU in two rings of other members makes each wait on the other's steps (the
@@ -163,7 +210,7 @@ def _move_member(
     """Whether one of the rings on ``busiest`` (longest first) let another GPU take
     ``busiest``'s place in it, every member ending below the busiest load
     (``members.move_member``)."""
-    below = loads.cost[busiest] * (1 - _MIN_GAIN)
+    below = loads.cost[busiest] * (1 - MIN_GAIN)
     for doc in sorted(rings_on[busiest], key=lambda d: (-int(array[d]), d)):
         old = placements[doc]
         new = move_member(int(array[doc]), old, loads, busiest, below)
@@ -246,38 +293,21 @@ def _best_change(
     dest, ends = moves(busiest, lengths, given, cost, room)
     peaks = np.maximum(top - given, ends)
     best_peak, best = float(peaks.min()), None
-    if best_peak < top * (1 - _MIN_GAIN):
+    if best_peak < top * (1 - MIN_GAIN):
         i = int(np.argmin(peaks))
         best = (int(dest[i]), int(docs[i]), None)
-    # Swaps: for a shorter document of one of the least loaded GPUs holding any, all at once.
-    holders = np.where(held.count > 0, cost, np.inf)
-    light = np.argpartition(holders, min(light_count, len(cost) - 1))[: light_count + 1]
-    light = light[(light != busiest) & (held.count[light] > 0)]
+    # Swaps: for a shorter document of one of the least loaded GPUs holding any (``swaps.py``).
+    light = light_gpus(cost, held.count, busiest, light_count)
     if not len(light):
         return best
     theirs = np.concatenate([held.docs[rank] for rank in light.tolist()])
     position = np.repeat(np.arange(len(light)), held.count[light])  # each column's GPU, as listed
     owner = light[position]
-    their_work, their_length = work[theirs], array[theirs]
-    cols = np.arange(len(theirs))
-    if len(docs) * len(theirs) > _FILTERED_SWAPS:
-        # Only their documents lighter than the busiest GPU's heaviest, with token room on
-        # both sides for a swap with one of its documents, can be swapped: the others are left
-        # out of the matrix (about half of them on a nearly full batch of short documents).
-        cols = cols[
-            (their_work < given.max())
-            & (lengths.min() - their_length <= room[owner])
-            & (their_length - lengths.max() <= room[busiest])
-        ]
-    delta = given[:, None] - their_work[cols][None, :]  # what the busiest GPU sheds
-    grow = lengths[:, None] - their_length[cols][None, :]  # tokens the light GPU gains
-    ok = (delta > 0) & (grow <= room[owner[cols]][None, :]) & (-grow <= room[busiest])
-    peak = np.where(ok, np.maximum(top - delta, cost[owner[cols]][None, :] + delta), np.inf)
-    low = float(peak.min()) if peak.size else np.inf
-    if low < min(best_peak, top * (1 - _MIN_GAIN)):
-        rows, at = np.nonzero(peak == low)
-        col = cols[at]
-        pick = int(np.lexsort((col, rows, position[col]))[0])  # ties: the first GPU listed
-        i, j = int(rows[pick]), int(col[pick])
+    swap = best_swap(
+        lengths, given, array[theirs], work[theirs], cost[owner], position, room[owner],
+        int(room[busiest]), top, min(best_peak, top * (1 - MIN_GAIN)),
+    )  # fmt: skip
+    if swap is not None:
+        i, j = swap
         best = (int(owner[j]), int(docs[i]), int(theirs[j]))
     return best

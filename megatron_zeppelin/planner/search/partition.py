@@ -69,6 +69,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.loops import jit, local_changes, ring_search, whole_docs
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import CapacityError
 from megatron_zeppelin.planner.place.tiers import TierRules, chunk_thresholds
@@ -84,7 +85,14 @@ from megatron_zeppelin.planner.search.search import Candidate, search
 from megatron_zeppelin.planner.search.spread import spread_evenly, wide_choices
 from megatron_zeppelin.topology.model import Topology
 
-__all__ = ["CapacityError", "PlannerOptions", "collector_paused", "plan_batch", "tier_thresholds"]
+__all__ = [
+    "CapacityError",
+    "PlannerOptions",
+    "collector_paused",
+    "plan_batch",
+    "tier_thresholds",
+    "warm",
+]
 
 
 @dataclass(frozen=True)
@@ -357,3 +365,14 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
 def _imbalance(values: np.ndarray) -> float:
     mean = float(values.mean())
     return float(values.max()) / mean if mean > 0 else 1.0
+
+
+def warm() -> bool:
+    """The planner's compiled loops (``planner/loops/``) built, or read from numba's cache, now
+    and not in the first plan: a planner process calls this before it says it is ready (seconds
+    the first time in an environment, about one after). Whether numba runs them."""
+    if not jit.enabled():
+        return False
+    for module in (local_changes, ring_search, whole_docs):
+        module.warm()
+    return True

@@ -1,0 +1,380 @@
+"""The pool's search for a ring's GPUs (``pool_rings._members``) as one compiled loop.
+
+``pool_rings.place_ring`` tries each ring size and place in turn, and ``_members`` answers each
+try with about a dozen numpy calls over every GPU: which GPUs may take a member of ``per_rank``
+tokens and end within the limit, then, by place, whole nodes, GPUs of one node, or GPUs over a
+window of nodes. A plan of a thousand GPUs asks it ten to twenty-five thousand times. Here the
+same answer comes from one pass over the GPUs and a few over the nodes, compiled by numba where
+it is installed (``loops/jit.py``): the same GPUs in the same order, ties broken as numpy's
+stable sorts and first minima break them (``tests/test_ring_search.py`` compares the two).
+
+A GPU's end as a member (``pool_rings._Ends``) is worked out here too, from its load and tokens,
+with the same operations. Where no try fits the target, ``soonest`` is ``pool_rings._soonest``
+in the same way: its heap of tries by what is known of their end, each bound raised as it comes
+up, and the same try wins.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron_zeppelin.planner.loops import jit
+
+__all__ = ["PLACES", "compiled", "members", "soonest", "warm"]
+
+PLACES = {"whole": 0, "node": 1, "any": 2}
+"""``ring_options.options``' places, by their code in the compiled loop."""
+
+
+def members(
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    room: np.ndarray,
+    weight: float,
+    floor: int,
+    size: int,
+    key: float,
+    per_rank: int,
+    limit: float,
+    k: int,
+    where: str,
+) -> tuple[int, ...] | None:
+    """``pool_rings._members`` of the ends ``pool_rings._Ends`` gives (``cost``, ``tokens``,
+    ``weight``, ``floor``, ``per_rank``), compiled; ``None`` without numba is not an answer:
+    callers ask ``compiled()`` first."""
+    kernel = _compiled()
+    assert kernel is not None, "ring_search.members runs where the loop compiles"
+    ring = kernel(
+        cost, tokens, room, float(weight), int(floor), int(size), float(key), int(per_rank),
+        float(limit), int(k), PLACES[where], math.isfinite(limit),
+    )  # fmt: skip
+    return tuple(ring.tolist()) if len(ring) else None
+
+
+def soonest(
+    cost: np.ndarray,
+    tokens: np.ndarray,
+    room: np.ndarray,
+    least: np.ndarray,
+    weight: float,
+    floor: int,
+    tries: list[tuple[int, int, float, str]],
+    k: int,
+) -> tuple[int, tuple[int, ...]] | None:
+    """``pool_rings._soonest`` compiled: of ``tries`` (``(size, per_rank, key, where)`` each, in
+    order), the index of the first whose ring's busiest member ends soonest, and its ring;
+    ``None`` where no try finds GPUs. ``least``: ``cost`` sorted."""
+    kernel = _compiled_soonest()
+    assert kernel is not None, "ring_search.soonest runs where the loop compiles"
+    sizes = np.fromiter((t[0] for t in tries), dtype=np.int64, count=len(tries))
+    per_rank = np.fromiter((t[1] for t in tries), dtype=np.int64, count=len(tries))
+    keys = np.fromiter((t[2] for t in tries), dtype=np.float64, count=len(tries))
+    places = np.fromiter((PLACES[t[3]] for t in tries), dtype=np.int64, count=len(tries))
+    index, ring = kernel(
+        cost, tokens, room, least, float(weight), int(floor), sizes, per_rank, keys, places, int(k)
+    )
+    return (int(index), tuple(ring.tolist())) if index >= 0 else None
+
+
+def compiled() -> bool:
+    """Whether ``members`` runs in this process."""
+    return _compiled() is not None
+
+
+def warm() -> None:
+    """The loops built (or read from numba's cache) now (``search.partition.warm``)."""
+    if compiled():
+        one, two = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.float64)
+        for where in PLACES:
+            members(two, one, one, 0.0, 0, 2, 0.0, 1, 1.0, 1, where)
+        soonest(two, one, one, two, 0.0, 0, [(2, 1, 0.0, "any")], 1)
+
+
+def _smallest(values, count):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
+    """The indices of the ``count`` least of ``values`` by value then index (numpy's stable
+    argsort, its first ``count``), in that order: by insertion, for the few GPUs of a node."""
+    order = np.empty(count, dtype=np.int64)
+    size = 0
+    for j in range(values.shape[0]):
+        at = size if size < count else count
+        while at > 0 and values[order[at - 1]] > values[j]:
+            at -= 1
+        if at >= count:
+            continue
+        for move in range(min(size, count - 1), at, -1):
+            order[move] = order[move - 1]
+        order[at] = j
+        size = min(size + 1, count)
+    return order[:size]
+
+
+def _sorted_small(items):  # noqa: ANN001, ANN202 - compiled by numba
+    """``items`` in increasing order, in place, by insertion (a ring's few nodes or GPUs)."""
+    for i in range(1, items.shape[0]):
+        item, at = items[i], i
+        while at > 0 and items[at - 1] > item:
+            items[at] = items[at - 1]
+            at -= 1
+        items[at] = item
+    return items
+
+
+def _whole(ok, ends, num, k):  # noqa: ANN001, ANN202 - compiled by numba
+    """``pool_rings._whole_nodes``."""
+    nodes = ends.shape[0] // k
+    full = np.empty(nodes, dtype=np.int64)
+    worst = np.empty(nodes)
+    count = 0
+    for node in range(nodes):
+        every, most = True, -np.inf
+        for j in range(k):
+            every = every and ok[node * k + j]
+            most = max(most, ends[node * k + j])
+        if every:
+            full[count], worst[count] = node, most
+            count += 1
+    if count < num:
+        return np.empty(0, dtype=np.int64)
+    chosen = _sorted_small(full[:count][_smallest(worst[:count], num)].copy())
+    ring = np.empty(num * k, dtype=np.int64)
+    for i in range(num):
+        for j in range(k):
+            ring[i * k + j] = chosen[i] * k + j
+    return ring
+
+
+def _in_node(ok, ends, size, k, best_fit):  # noqa: ANN001, ANN202 - compiled by numba
+    """``pool_rings._in_node``."""
+    nodes = ends.shape[0] // k
+    sign = -1.0 if best_fit else 1.0
+    masked = np.empty(k)
+    pick, pick_value = -1, np.inf
+    for node in range(nodes):
+        eligible = 0
+        for j in range(k):
+            eligible += ok[node * k + j]
+        if eligible < size:
+            continue
+        for j in range(k):
+            masked[j] = sign * ends[node * k + j] if ok[node * k + j] else np.inf
+        value = masked[_smallest(masked, size)[size - 1]]
+        if pick < 0 or value < pick_value:
+            pick, pick_value = node, value
+    if pick < 0:
+        return np.empty(0, dtype=np.int64)
+    for j in range(k):
+        masked[j] = sign * ends[pick * k + j] if ok[pick * k + j] else np.inf
+    return _sorted_small(_smallest(masked, size) + pick * k)
+
+
+def _across(ok, ends, size, k):  # noqa: ANN001, ANN202, PLR0912 - compiled by numba
+    """``pool_rings._across``."""
+    nodes = ends.shape[0] // k
+    counts = np.zeros(nodes, dtype=np.int64)
+    worst = np.full(nodes, -np.inf)
+    for r in range(ends.shape[0]):
+        counts[r // k] += ok[r]
+        worst[r // k] = max(worst[r // k], ends[r])
+    least = max(2, -(-size // k))
+    order = np.empty(0, dtype=np.int64)
+    for num in range(least, min(nodes, least + 1) + 1):
+        best, first, total = -1, -1, 0
+        for node in range(num):
+            total += counts[node]
+        for start in range(nodes - num + 1):
+            if start > 0:
+                total += counts[start + num - 1] - counts[start - 1]
+            if total > best:
+                best, first = total, start
+        if best >= size:
+            order = np.arange(first, first + num)
+            break
+    if order.shape[0] == 0:  # no window: the most eligible GPUs first, then the least loaded
+        order = np.arange(nodes)
+        for i in range(1, nodes):
+            node, at = order[i], i
+            while at > 0 and (
+                counts[order[at - 1]] < counts[node]
+                or (counts[order[at - 1]] == counts[node] and worst[order[at - 1]] > worst[node])
+            ):
+                order[at] = order[at - 1]
+                at -= 1
+            order[at] = node
+    ring = np.empty(size, dtype=np.int64)
+    taken, used = 0, 0
+    masked = np.empty(k)
+    for node in order:
+        if taken == size:
+            break
+        take = min(counts[node], size - taken)
+        if take <= 0:
+            continue
+        for j in range(k):
+            masked[j] = ends[node * k + j] if ok[node * k + j] else np.inf
+        for j in _smallest(masked, take):
+            ring[taken] = node * k + j
+            taken += 1
+        used += 1
+    if used < 2:
+        return np.empty(0, dtype=np.int64)  # one node's ring is priced on NVLink
+    return _sorted_small(ring)
+
+
+def _members(cost, tokens, room, weight, floor, size, key, per_rank, limit, k, where, best_fit):  # noqa: ANN001, ANN202, E501 - compiled by numba
+    """``pool_rings._members`` of ``pool_rings._Ends``' ends; ``where`` a code of ``PLACES``."""
+    world = cost.shape[0]
+    ends = np.empty(world)
+    ok = np.empty(world, dtype=np.bool_)
+    eligible = 0
+    for r in range(world):
+        ends[r] = cost[r] + weight * max(0, floor - tokens[r] - per_rank) if floor else cost[r]
+        ok[r] = room[r] >= per_rank and ends[r] + key <= limit
+        eligible += ok[r]
+    if eligible < size:
+        return np.empty(0, dtype=np.int64)
+    if where == 0:
+        return _whole(ok, ends, size // k, k)
+    if where == 1:
+        return _in_node(ok, ends, size, k, best_fit)
+    return _across(ok, ends, size, k)
+
+
+def _kth(values, kth):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
+    """The ``kth`` least of ``values`` (from 0), by selection on a copy: what
+    ``np.partition(values, kth)[kth]`` gives (numba's own partition takes seconds to compile)."""
+    work = values.copy()
+    low, high = 0, work.shape[0] - 1
+    while low < high:
+        pivot = work[(low + high) // 2]
+        i, j = low, high
+        while i <= j:
+            while work[i] < pivot:
+                i += 1
+            while work[j] > pivot:
+                j -= 1
+            if i <= j:
+                work[i], work[j] = work[j], work[i]
+                i += 1
+                j -= 1
+        if kth <= j:
+            high = j
+        elif kth >= i:
+            low = i
+        else:
+            break
+    return work[kth]
+
+
+def _bound(cost, tokens, room, weight, floor, size, per_rank, k, where):  # noqa: ANN001, ANN202
+    """``pool_rings._soonest``'s second bound of a try: for a ring in one node, the least over
+    the nodes of the ``size``-th least end of their GPUs with room (``pool_rings._node_end``);
+    else the ``size``-th least end of the GPUs with room. ``inf`` where none has that many."""
+    world = cost.shape[0]
+    ends = np.empty(world)
+    eligible = 0
+    for r in range(world):
+        ends[r] = cost[r] + weight * max(0, floor - tokens[r] - per_rank) if floor else cost[r]
+        if room[r] < per_rank:
+            ends[r] = np.inf
+        else:
+            eligible += 1
+    if where == 1:
+        best = np.inf
+        for node in range(world // k):
+            row = ends[node * k : (node + 1) * k]
+            best = min(best, row[_smallest(row, size)[size - 1]])
+        return best
+    return _kth(ends, size - 1) if eligible >= size else np.inf
+
+
+def _heap_push(bounds, tries, size, bound, index):  # noqa: ANN001, ANN202 - compiled by numba
+    """``(bound, index)`` onto the heap of ``size`` entries (the least on top); its new size."""
+    at = size
+    while at > 0:
+        up = (at - 1) // 2
+        if bounds[up] < bound or (bounds[up] == bound and tries[up] < index):
+            break
+        bounds[at], tries[at] = bounds[up], tries[up]
+        at = up
+    bounds[at], tries[at] = bound, index
+    return size + 1
+
+
+def _heap_pop(bounds, tries, size):  # noqa: ANN001, ANN202 - compiled by numba
+    """The top of the heap taken off; its new size."""
+    size -= 1
+    bound, index, at = bounds[size], tries[size], 0
+    while True:
+        child = 2 * at + 1
+        if child >= size:
+            break
+        if child + 1 < size and (
+            bounds[child + 1] < bounds[child]
+            or (bounds[child + 1] == bounds[child] and tries[child + 1] < tries[child])
+        ):
+            child += 1
+        if bound < bounds[child] or (bound == bounds[child] and index < tries[child]):
+            break
+        bounds[at], tries[at] = bounds[child], tries[child]
+        at = child
+    if size > 0:
+        bounds[at], tries[at] = bound, index
+    return size
+
+
+def _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, places, k):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """``soonest``: ``pool_rings._soonest``'s heap of tries by what is known of their end (a
+    try has one entry at a time: ``(bound, index)``, least first), each bound raised as it comes
+    up: the ``size``-th least load plus the key, then ``_bound`` plus the key, then its ring's
+    busiest end plus the key. The first to come off with its end known is the answer."""
+    count = sizes.shape[0]
+    bounds, tries = np.empty(count), np.empty(count, dtype=np.int64)
+    stage = np.zeros(count, dtype=np.int64)
+    size = 0
+    for i in range(count):
+        size = _heap_push(bounds, tries, size, least[sizes[i] - 1] + keys[i], i)
+    none = np.empty(0, dtype=np.int64)
+    while size > 0:
+        i = tries[0]
+        size = _heap_pop(bounds, tries, size)
+        if stage[i] == 0:
+            bound = _bound(cost, tokens, room, weight, floor, sizes[i], per_rank[i], k, places[i])
+            if bound < np.inf:
+                stage[i] = 1
+                size = _heap_push(bounds, tries, size, bound + keys[i], i)
+            continue
+        ring = _members(
+            cost, tokens, room, weight, floor, sizes[i], keys[i], per_rank[i], np.inf, k,
+            places[i], False,
+        )  # fmt: skip
+        if stage[i] == 2 or (ring.shape[0] > 0 and places[i] == 1):
+            return i, ring  # its end known: the least of every bound left
+        if ring.shape[0] == 0:
+            continue
+        most = -np.inf
+        for r in ring:
+            extra = max(0, floor - tokens[r] - per_rank[i]) if floor else 0
+            most = max(most, cost[r] + weight * extra if floor else cost[r])
+        stage[i] = 2
+        size = _heap_push(bounds, tries, size, most + keys[i], i)
+    return -1, none
+
+
+@functools.cache
+def _compiled() -> Callable | None:
+    """``_members`` compiled (``loops/jit.py``), or ``None`` without numba."""
+    return jit.compile_loops(
+        globals(), "_smallest", "_sorted_small", "_whole", "_in_node", "_across", "_members"
+    )
+
+
+@functools.cache
+def _compiled_soonest() -> Callable | None:
+    """``_soonest`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
+    if _compiled() is None:
+        return None
+    return jit.compile_loops(globals(), "_kth", "_bound", "_heap_push", "_heap_pop", "_soonest")

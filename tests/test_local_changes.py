@@ -1,0 +1,146 @@
+"""Tier: pure. The refinement's local changes compiled by numba (``planner/loops/local_changes.py``)
+against numpy's, a round at a time (``refine._NumpyRounds``): the same changes, in the same
+order, to the last bit of every GPU's load, so a plan is the same with numba or without.
+
+Skipped where numba is not installed (the ``fast`` extra); the numpy path is what the rest of
+the suite then runs.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.loops import local_changes
+from megatron_zeppelin.planner.place import refine as refine_module
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.placement import Placement
+from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool, pool_goal
+from megatron_zeppelin.planner.place.refine import refine
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.plan.plan import Tier
+from megatron_zeppelin.topology.presets import get_topology
+
+pytestmark = pytest.mark.pure
+numba = pytest.importorskip("numba", reason="the compiled loop needs numba (the fast extra)")
+
+CAPACITY = 32_768
+
+
+def _placed(name: str, gpus: int, fill: float, seed: int, order: int):  # noqa: ANN202
+    """A pool placement of a sampled batch, before its refinement."""
+    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    tokens = int(fill * gpus * CAPACITY)
+    array = np.asarray(sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2))
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
+    choice = assign_tiers(array, loads, rules)
+    first, scale, cross = ALL_ORDERS[order]
+    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
+    goal = pool_goal(array, loads, rules.chunks[1])
+    return array, placements, loads, choice.attention, goal
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, args: tuple, rounds: int, **kwargs):  # noqa: ANN202
+    """``refine`` on two copies of ``args``: compiled, then with numpy; each copy's placements,
+    loads and change count."""
+    out = []
+    for jit in (True, False):
+        array, placements, loads, attention, goal = copy.deepcopy(args)
+        monkeypatch.setattr(refine_module, "compiled", lambda jit=jit: jit)
+        made = refine(array, placements, loads, attention, rounds, goal, **kwargs)
+        out.append((placements, loads, made))
+    return out
+
+
+def _assert_same(compiled, numpy) -> None:  # noqa: ANN001
+    (placements, loads, made), (want_placements, want_loads, want_made) = compiled, numpy
+    assert made == want_made
+    assert placements == want_placements
+    # Bit for bit: the same float operations in the same order.
+    assert loads.cost == want_loads.cost
+    assert loads.attention == want_loads.attention
+    assert loads.exposed == want_loads.exposed
+    assert loads.tokens == want_loads.tokens
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed", "order"),
+    [
+        ("wikipedia", 64, 0.95, 0, 0),
+        ("prolong", 64, 0.95, 1, 3),
+        ("wlbllm", 32, 0.95, 0, 7),
+        ("lognormal", 32, 0.5, 1, 1),
+        ("mixture", 64, 0.95, 2, 2),
+        ("sft-bimodal", 32, 0.95, 0, 5),
+        ("power-law", 64, 0.95, 1, 4),
+    ],
+)
+@pytest.mark.parametrize("light", [16, 1 << 10])
+def test_compiled_rounds_make_numpys_changes(
+    monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, fill: float, seed: int, order: int,
+    light: int,
+) -> None:  # fmt: skip
+    """The pool's refinement (few light GPUs, rings placed again where the busiest GPU has no
+    local change) and the second refinement's (every GPU light, ``search._retime``)."""
+    args = _placed(name, gpus, fill, seed, order)
+    compiled, numpy = _both(monkeypatch, args, 4 * gpus, light=light)
+    assert numpy[2] > 0, "nothing to compare: the batch needs no change"
+    _assert_same(compiled, numpy)
+
+
+def test_compiled_rounds_past_the_log_and_with_full_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log shorter than the rounds (the loop is called again) and rows of documents that
+    fill up as documents move (the rows are widened, and the loop goes on): the same changes."""
+    monkeypatch.setattr(local_changes, "_CHUNK", 3)
+    monkeypatch.setattr(local_changes, "_SPARE", 0)
+    args = _placed("wikipedia", 32, 0.5, 3, 0)
+    compiled, numpy = _both(monkeypatch, args, 400)
+    assert numpy[2] > 6
+    _assert_same(compiled, numpy)
+
+
+def test_compiled_rounds_keep_ties_as_numpy_breaks_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Documents of a few lengths on GPUs of equal loads: moves and swaps tie on their peaks
+    everywhere, and the first GPU listed, the first document, the lowest rank win alike."""
+    topology = get_topology("zeppelin-C", num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    rng = np.random.default_rng(0)
+    array = rng.choice([512, 1024, 2048], size=400)
+    loads = Loads(topology, 20_000, cost)
+    attention = np.asarray([loads.ring_seconds(int(n), 1) for n in array])
+    # Half the GPUs get four times the documents of the others, in a repeating pattern.
+    where = [(i % 40) // 4 if i % 40 < 32 else 8 + (i % 8) for i in range(len(array))]
+    where = [w % topology.world_size for w in where]
+    placements = [Placement(Tier.LOCAL, (r,)) for r in where]
+    for rank, length, seconds in zip(where, array.tolist(), attention.tolist()):
+        loads.add_local(rank, length, seconds)
+    args = (array, placements, loads, attention, None)
+    for light in (2, 16):
+        compiled, numpy = _both(monkeypatch, args, 500, light=light)
+        assert numpy[2] > 0
+        _assert_same(compiled, numpy)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_compiled_light_gpus_are_numpys(seed: int) -> None:
+    """The compiled choice of the least loaded GPUs (``_least``: by load, then rank) against
+    ``light_gpus``, with many equal loads and GPUs holding nothing."""
+    assert local_changes.compiled()
+    rng = np.random.default_rng(seed)
+    world = int(rng.integers(2, 300))
+    cost = rng.choice([0.0, 1.0, 1.0 + 2**-52, 2.0, 3.5], size=world)
+    count = rng.integers(0, 3, size=world)
+    light = int(rng.integers(0, world + 2))
+    holders = np.where(count > 0, cost, np.inf)
+    least = local_changes._least(holders, min(light + 1, world))  # compiled once asked
+    got = least[(least != 0) & (count[least] > 0)]
+    assert np.array_equal(got, local_changes.light_gpus(cost, count, 0, light))

@@ -1,0 +1,86 @@
+"""Tier: pure. The pool placement with its compiled loops (``planner/loops/whole_docs.py`` for
+the whole documents, ``ring_search.py`` for the rings' GPUs) against numpy's: the same
+placement of every document and the same loads, to the last bit, on every pool order.
+
+Skipped where numba is not installed (the ``fast`` extra).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.loops import ring_search, whole_docs
+from megatron_zeppelin.planner.place import pool as pool_module
+from megatron_zeppelin.planner.place import pool_rings
+from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool
+from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.plan.plan import Tier
+from megatron_zeppelin.topology.presets import get_topology
+
+pytestmark = pytest.mark.pure
+numba = pytest.importorskip("numba", reason="the compiled loops need numba (the fast extra)")
+
+
+def _pool(name: str, gpus: int, capacity: int, fill: float, seed: int, order: int):  # noqa: ANN202
+    """``place_pool`` of a sampled batch in pool order ``order``: placements, loads."""
+    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    tokens = int(fill * gpus * capacity)
+    if name.startswith("fixed-"):  # one length: whole documents left without room become rings
+        length = int(name.split("-")[1])
+        array = np.full(tokens // length, length)
+    else:
+        array = np.asarray(
+            sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2)
+        )
+    thresholds = tier_thresholds(cost)
+    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
+    loads = Loads(topology, capacity, cost, topology.nics_per_node, two_d=True)
+    choice = assign_tiers(array, loads, rules)
+    first, scale, cross = ALL_ORDERS[order]
+    placements, promotions = place_pool(
+        array, choice, loads, rules.chunks[1], first, scale, cross=cross
+    )
+    return placements, promotions, loads
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "capacity", "fill", "seed"),
+    [
+        ("wikipedia", 64, 16_384, 0.95, 0),
+        ("prolong", 64, 16_384, 0.95, 1),
+        ("power-law", 64, 32_768, 0.95, 0),
+        ("lognormal", 32, 32_768, 0.95, 2),
+        ("mixture", 64, 32_768, 0.5, 1),
+        ("sft-bimodal", 32, 32_768, 0.95, 0),
+        ("long-tail", 32, 32_768, 0.95, 1),
+        ("fixed-3000", 16, 4_096, 0.95, 0),
+    ],
+)
+@pytest.mark.parametrize("order", range(len(ALL_ORDERS)))
+def test_compiled_pool_places_as_numpy(
+    monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, capacity: int, fill: float, seed: int,
+    order: int,
+) -> None:  # fmt: skip
+    assert whole_docs.compiled() and ring_search.compiled()
+    compiled = _pool(name, gpus, capacity, fill, seed, order)
+    monkeypatch.setattr(whole_docs, "compiled", lambda: False)
+    monkeypatch.setattr(pool_rings.ring_search, "compiled", lambda: False)
+    assert pool_module.whole_docs.compiled() is False
+    numpy = _pool(name, gpus, capacity, fill, seed, order)
+    (placements, promotions, loads), (want, want_promotions, want_loads) = compiled, numpy
+    assert placements == want
+    assert promotions == want_promotions
+    assert loads.cost == want_loads.cost
+    assert loads.attention == want_loads.attention
+    assert loads.exposed == want_loads.exposed
+    assert loads.tokens == want_loads.tokens
+    assert any(p.tier == Tier.LOCAL for p in placements)
+    if name.startswith("fixed-"):
+        assert promotions > 0, "no whole document was left without room: the ring path untried"
