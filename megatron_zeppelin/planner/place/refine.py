@@ -19,7 +19,9 @@ capacity. With the pool placement's goal, a busiest GPU no such change helps has
   (``members.move_member``): a GPU that two rings share while others are nearly idle.
 
 The pass stops at a busiest GPU nothing improves (a ring's share, not the packing, sets it), or
-after ``rounds`` changes.
+after ``rounds`` changes. The moves and swaps run round after round in one compiled loop where
+numba is installed (``loops/local_changes.py``: the same changes), a round at a time with numpy
+(``_best_change``) otherwise.
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ def _best_change(
     if best_peak < top * (1 - MIN_GAIN):
         i = int(np.argmin(peaks))
         best = (int(dest[i]), int(docs[i]), None)
-    # Swaps: for a shorter document of one of the least loaded GPUs holding any (``swaps.py``).
+    # Swaps: for a shorter document of one of the least loaded GPUs holding any.
     light = light_gpus(cost, held.count, busiest, light_count)
     if not len(light):
         return best
