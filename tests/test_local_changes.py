@@ -9,6 +9,7 @@ the suite then runs.
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import numpy as np
 import pytest
@@ -27,8 +28,13 @@ from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk
 from megatron_zeppelin.planner.plan.plan import Tier
 from megatron_zeppelin.topology.presets import get_topology
 
-pytestmark = pytest.mark.pure
-numba = pytest.importorskip("numba", reason="the compiled loop needs numba (the fast extra)")
+pytestmark = [
+    pytest.mark.pure,
+    pytest.mark.skipif(
+        importlib.util.find_spec("numba") is None,
+        reason="the compiled loop needs numba (the fast extra)",
+    ),
+]
 
 CAPACITY = 32_768
 

@@ -7,6 +7,7 @@ Skipped where numba is not installed (the ``fast`` extra).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import numpy as np
@@ -16,8 +17,13 @@ from megatron_zeppelin.planner.loops import ring_search
 from megatron_zeppelin.planner.place.placement import CapacityError
 from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _soonest
 
-pytestmark = pytest.mark.pure
-numba = pytest.importorskip("numba", reason="the compiled search needs numba (the fast extra)")
+pytestmark = [
+    pytest.mark.pure,
+    pytest.mark.skipif(
+        importlib.util.find_spec("numba") is None,
+        reason="the compiled search needs numba (the fast extra)",
+    ),
+]
 
 
 @pytest.mark.parametrize("seed", range(300))

@@ -7,6 +7,8 @@ Skipped where numba is not installed (the ``fast`` extra).
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import pytest
 
@@ -23,8 +25,13 @@ from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk
 from megatron_zeppelin.planner.plan.plan import Tier
 from megatron_zeppelin.topology.presets import get_topology
 
-pytestmark = pytest.mark.pure
-numba = pytest.importorskip("numba", reason="the compiled loops need numba (the fast extra)")
+pytestmark = [
+    pytest.mark.pure,
+    pytest.mark.skipif(
+        importlib.util.find_spec("numba") is None,
+        reason="the compiled loops need numba (the fast extra)",
+    ),
+]
 
 
 def _pool(name: str, gpus: int, capacity: int, fill: float, seed: int, order: int):  # noqa: ANN202
