@@ -23,3 +23,9 @@ quiet_pip() {
 }
 python -c "import torch" 2>/dev/null || quiet_pip "torch==${TORCH_VERSION}"
 quiet_pip -e ".[dev]"
+# The planner's compiled loops (numba, one of the development tools) built once into numba's
+# cache: the planner processes of a run then load them in about a second instead of each
+# compiling them for 15 s or more on its first plan (docs/DESIGN.md, "What a plan costs, and
+# where").
+python -W ignore -c "from megatron_zeppelin.planner.search.partition import warm; warm()" ||
+  { echo "setup: building the planner's compiled loops failed (above)" >&2; exit 1; }
