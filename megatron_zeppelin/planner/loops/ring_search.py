@@ -44,8 +44,7 @@ def members(
     where: str,
 ) -> tuple[int, ...] | None:
     """``pool_rings._members`` of the ends ``pool_rings._Ends`` gives (``cost``, ``tokens``,
-    ``weight``, ``floor``, ``per_rank``), compiled; ``None`` without numba is not an answer:
-    callers ask ``compiled()`` first."""
+    ``weight``, ``floor``, ``per_rank``), compiled (callers ask ``compiled()`` first)."""
     kernel = _compiled()
     assert kernel is not None, "ring_search.members runs where the loop compiles"
     ring = kernel(

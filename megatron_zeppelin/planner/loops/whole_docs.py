@@ -111,7 +111,7 @@ class WholeDocs:
             self.tokens[rank] = loads.tokens[rank]
             key = loads.cost[rank] + self.weight * max(0, self.floor - loads.tokens[rank])
             self.keys[rank] = key
-            _compiled_push(self.heap_keys, self.heap_ranks, self.sizes, 0, key, rank)
+            _push(self.heap_keys, self.heap_ranks, self.sizes, 0, key, rank)  # compiled
 
 
 def _before(key_a, rank_a, key_b, rank_b):  # noqa: ANN001, ANN202 - compiled by numba
@@ -140,7 +140,7 @@ def _replace_top(keys, ranks, sizes, which, key, rank):  # noqa: ANN001, ANN202 
             break
         if child + 1 < size and _before(
             keys[child + 1], ranks[child + 1], keys[child], ranks[child]
-        ):  # noqa: E501
+        ):
             child += 1
         if not _before(keys[child], ranks[child], key, rank):
             break
@@ -208,7 +208,3 @@ def _place(
 def _compiled() -> Callable | None:
     """``_place`` compiled (``loops/jit.py``), or ``None`` without numba."""
     return jit.compile_loops(globals(), "_before", "_replace_top", "_pop", "_push", "_place")
-
-
-def _compiled_push(*args) -> None:  # noqa: ANN002
-    _push(*args)  # compiled by then: ``WholeDocs`` is made only where ``_compiled`` is
