@@ -75,6 +75,26 @@ def test_plans_are_never_slower_than_the_staged_placement(name: str) -> None:
         assert plan.meta["predicted_step_s"] == pytest.approx(step, rel=1e-9)
 
 
+@pytest.mark.parametrize(("name", "gpus", "seed"), [("lognormal", 16, 1), ("power-law", 128, 0)])
+def test_only_the_best_predicted_pool_placements_are_timed(name: str, gpus: int, seed: int):
+    """Of the pool placements predicted within ``search._SHORTLIST`` of the best staged one,
+    the ``_MAX_POOL_TIMED`` best predicted are timed by the simulator, no others."""
+    lengths, topology, cost = _batch(name, gpus, 0.95, seed)
+    plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=CAPACITY)
+    tried = [c for c in plan.meta["candidates"] if not c.get("retimed")]
+    staged = min(c["predicted_layer_s"] for c in tried if c["placement"] == "staged")
+    pooled = [c for c in tried if c["placement"] == "pool"]
+    within = sorted(
+        (c for c in pooled if c["predicted_layer_s"] <= search._SHORTLIST * staged),
+        key=lambda c: c["predicted_layer_s"],
+    )
+    assert len(within) > search._MAX_POOL_TIMED  # more than the few: some are left untimed
+    timed = sorted(
+        (c for c in pooled if "simulated_layer_s" in c), key=lambda c: c["predicted_layer_s"]
+    )
+    assert timed == within[: search._MAX_POOL_TIMED]
+
+
 @pytest.mark.parametrize(
     ("name", "seed", "bound"),
     [("uniform-long", 0, 0.88), ("uniform-long", 1, 0.88), ("power-law", 0, 0.94)],
