@@ -29,6 +29,10 @@ COMMANDS: dict[str, tuple[str, str] | str] = {
     "make-dataset": ("megatron_zeppelin.commands.dataset", "write or inspect a .bin/.idx dataset"),
     "train": ("megatron_zeppelin.commands.train", "train a small GPT on emulated nodes (CPU)"),
     "check": ("megatron_zeppelin.commands.check", "check Zeppelin training against one process"),
+    "compile-planner": (
+        "megatron_zeppelin.commands.compile_planner",
+        "build the planner's compiled loops (numba) once for this environment",
+    ),
 }
 """Subcommand name -> ``(target, help)`` or just ``target``."""
 

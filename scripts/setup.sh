@@ -27,5 +27,5 @@ quiet_pip -e ".[dev]"
 # cache: the planner processes of a run then load them in about a second instead of each
 # compiling them for 15 s or more on its first plan (docs/DESIGN.md, "What a plan costs, and
 # where").
-python -W ignore -c "from megatron_zeppelin.planner.search.partition import warm; warm()" ||
+zeppelin compile-planner >/dev/null ||
   { echo "setup: building the planner's compiled loops failed (above)" >&2; exit 1; }

@@ -5,6 +5,7 @@ Tier: pure (commands run in-process; one subprocess checks that ``--help`` impor
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -219,3 +220,25 @@ def test_compare_without_a_terminal_shows_a_line_per_builder(capsys) -> None:
         )
     assert main([*argv, "--quiet"]) == 0
     assert "batch 1/2" not in capsys.readouterr().err
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("numba") is None, reason="the compiled loops need numba"
+)
+def test_compile_planner_builds_the_loops(capsys) -> None:
+    assert main(["compile-planner", "--require"]) == 0
+    assert "compiled loops are ready" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("require", [False, True])
+def test_compile_planner_without_the_loops_says_so(monkeypatch, capsys, require) -> None:
+    """Where numba is missing the command says the numpy loops run; ``--require`` fails."""
+    import megatron_zeppelin.commands.compile_planner as command
+
+    monkeypatch.setattr(command, "warm", lambda: False)
+    argv = ["compile-planner", "--require"] if require else ["compile-planner"]
+    assert main(argv) == (1 if require else 0)
+    assert "numba is not installed" in capsys.readouterr().out
+    monkeypatch.setenv("ZEPPELIN_PLANNER_JIT", "0")
+    assert main(argv) == (1 if require else 0)
+    assert "ZEPPELIN_PLANNER_JIT=0" in capsys.readouterr().out

@@ -18,7 +18,7 @@ import os
 from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["compile_loops", "enabled"]
+__all__ = ["compile_loops", "enabled", "version"]
 
 
 @functools.cache
@@ -37,6 +37,12 @@ def _numba() -> ModuleType | None:
 def enabled() -> bool:
     """Whether the planner's loops run compiled in this process."""
     return _numba() is not None
+
+
+def version() -> str | None:
+    """numba's version where the loops run compiled, else ``None``."""
+    numba = _numba()
+    return None if numba is None else str(numba.__version__)
 
 
 def compile_loops(namespace: dict, *names: str) -> Callable | None:
