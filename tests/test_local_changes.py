@@ -150,3 +150,18 @@ def test_compiled_light_gpus_are_numpys(seed: int) -> None:
     least = local_changes._least(holders, min(light + 1, world))  # compiled once asked
     got = least[(least != 0) & (count[least] > 0)]
     assert np.array_equal(got, local_changes.light_gpus(cost, count, 0, light))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_order_kept_after_two_values_change_is_a_stable_sort(seed: int) -> None:
+    """``_reorder`` against a fresh stable argsort, with ties and GPUs that empty (``inf``)."""
+    assert local_changes.compiled()
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 70))
+    values = rng.choice([0.5, 1.0, 1.5, 2.0, np.inf], size=size)
+    order = np.argsort(values, kind="stable").astype(np.int64)
+    for _ in range(20):
+        one, other = rng.choice(size, size=2, replace=False)
+        values[one], values[other] = rng.choice([0.25, 1.0, 1.75, np.inf], size=2)
+        local_changes._reorder(values, order, int(one), int(other))
+        assert order.tolist() == np.argsort(values, kind="stable").tolist()

@@ -241,6 +241,12 @@ def _rounds(
     them."""
     world, width = cost.shape[0], docs.shape[1]
     holders = np.empty(world)
+    for r in range(world):
+        holders[r] = cost[r] if count[r] > 0 else np.inf
+    # Every GPU by (holders, rank), sorted again after each change (``_reorder``: only its two
+    # GPUs move): the first ``light + 1`` are ``light_gpus``' pick, without a selection over
+    # every GPU per round (a second refinement weighs swaps with all of them).
+    order = _least(holders, world)
     made = 0
     while made < log.shape[0]:
         busiest = np.argmax(cost)
@@ -268,11 +274,9 @@ def _rounds(
         if best_peak < limit:
             give, dest = docs[busiest, move_i], move_dest
         # Swaps with the light GPUs' documents, GPU by GPU in their order.
-        for r in range(world):
-            holders[r] = cost[r] if count[r] > 0 else np.inf
         busiest_room = capacity - tokens[busiest]
         best = bound
-        for owner in _least(holders, min(light + 1, world)):
+        for owner in order[: min(light + 1, world)]:
             if owner == busiest or count[owner] == 0 or cost[owner] > best:
                 continue
             owner_room = capacity - tokens[owner]
@@ -300,9 +304,37 @@ def _rounds(
         _move(give, busiest, dest, cost, tokens, docs, count, lengths, attention, weight)
         if take >= 0:
             _move(take, dest, busiest, cost, tokens, docs, count, lengths, attention, weight)
+        for r in (busiest, dest):
+            holders[r] = cost[r] if count[r] > 0 else np.inf
+        _reorder(holders, order, busiest, dest)
         log[made, 0], log[made, 1], log[made, 2], log[made, 3] = busiest, dest, give, take
         made += 1
     return made, 1
+
+
+def _reorder(values, order, one, other):  # noqa: ANN001, ANN202 - compiled by numba
+    """``order`` (every index by value then index) sorted again after the values of ``one`` and
+    ``other`` changed: both taken out, the rest closed up (still in order), then each put back
+    where a binary search over the rest finds its place."""
+    size = order.shape[0]
+    kept = 0
+    for i in range(size):
+        if order[i] != one and order[i] != other:
+            order[kept] = order[i]
+            kept += 1
+    for item in (one, other):
+        low, high = 0, kept
+        while low < high:
+            mid = (low + high) // 2
+            there = order[mid]
+            if values[there] < values[item] or (values[there] == values[item] and there < item):
+                low = mid + 1
+            else:
+                high = mid
+        for i in range(kept, low, -1):
+            order[i] = order[i - 1]
+        order[low] = item
+        kept += 1
 
 
 def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):  # noqa: ANN001, ANN202, E501
@@ -327,4 +359,4 @@ def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):
 @functools.cache
 def _compiled() -> Callable | None:
     """``_rounds`` compiled (``loops/jit.py``), or ``None`` without numba."""
-    return jit.compile_loops(globals(), "_sift_down", "_least", "_move", "_rounds")
+    return jit.compile_loops(globals(), "_sift_down", "_least", "_reorder", "_move", "_rounds")

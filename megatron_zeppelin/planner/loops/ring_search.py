@@ -111,6 +111,19 @@ def _smallest(values, count):  # noqa: ANN001, ANN202 - compiled by numba, typed
     return order[:size]
 
 
+def _nth_value(values, count, work):  # noqa: ANN001, ANN202 - compiled by numba
+    """The ``count``-th least of ``values`` (from 1): ``values[_smallest(values, count)[-1]]``
+    without building the indices, sorted by insertion in ``work`` (as long as ``values``; a
+    node's few GPUs, for every node in turn)."""
+    for i in range(values.shape[0]):
+        item, at = values[i], i
+        while at > 0 and work[at - 1] > item:
+            work[at] = work[at - 1]
+            at -= 1
+        work[at] = item
+    return work[count - 1]
+
+
 def _sorted_small(items):  # noqa: ANN001, ANN202 - compiled by numba
     """``items`` in increasing order, in place, by insertion (a ring's few nodes or GPUs)."""
     for i in range(1, items.shape[0]):
@@ -150,7 +163,7 @@ def _in_node(ok, ends, size, k, best_fit):  # noqa: ANN001, ANN202 - compiled by
     """``pool_rings._in_node``."""
     nodes = ends.shape[0] // k
     sign = -1.0 if best_fit else 1.0
-    masked = np.empty(k)
+    masked, work = np.empty(k), np.empty(k)
     pick, pick_value = -1, np.inf
     for node in range(nodes):
         eligible = 0
@@ -160,7 +173,7 @@ def _in_node(ok, ends, size, k, best_fit):  # noqa: ANN001, ANN202 - compiled by
             continue
         for j in range(k):
             masked[j] = sign * ends[node * k + j] if ok[node * k + j] else np.inf
-        value = masked[_smallest(masked, size)[size - 1]]
+        value = _nth_value(masked, size, work)
         if pick < 0 or value < pick_value:
             pick, pick_value = node, value
     if pick < 0:
@@ -282,10 +295,9 @@ def _bound(cost, tokens, room, weight, floor, size, per_rank, k, where):  # noqa
         else:
             eligible += 1
     if where == 1:
-        best = np.inf
+        best, work = np.inf, np.empty(k)
         for node in range(world // k):
-            row = ends[node * k : (node + 1) * k]
-            best = min(best, row[_smallest(row, size)[size - 1]])
+            best = min(best, _nth_value(ends[node * k : (node + 1) * k], size, work))
         return best
     return _kth(ends, size - 1) if eligible >= size else np.inf
 
@@ -367,7 +379,14 @@ def _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, pl
 def _compiled() -> Callable | None:
     """``_members`` compiled (``loops/jit.py``), or ``None`` without numba."""
     return jit.compile_loops(
-        globals(), "_smallest", "_sorted_small", "_whole", "_in_node", "_across", "_members"
+        globals(),
+        "_smallest",
+        "_nth_value",
+        "_sorted_small",
+        "_whole",
+        "_in_node",
+        "_across",
+        "_members",
     )
 
 
