@@ -9,50 +9,31 @@ the suite then runs.
 from __future__ import annotations
 
 import copy
-import importlib.util
 
 import numpy as np
 import pytest
+from pool_batches import CAPACITY, NEEDS_NUMBA, pool_placed, stress_batch
 
-from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
-from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
 from megatron_zeppelin.planner.loops import local_changes
 from megatron_zeppelin.planner.place import refine as refine_module
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement
-from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool, pool_goal
+from megatron_zeppelin.planner.place.pool import pool_goal
 from megatron_zeppelin.planner.place.refine import refine
-from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.planner.plan.plan import Tier
 from megatron_zeppelin.topology.presets import get_topology
 
-pytestmark = [
-    pytest.mark.pure,
-    pytest.mark.skipif(
-        importlib.util.find_spec("numba") is None,
-        reason="the compiled loop needs numba (the fast extra)",
-    ),
-]
-
-CAPACITY = 32_768
+pytestmark = [pytest.mark.pure, NEEDS_NUMBA]
 
 
 def _placed(name: str, gpus: int, fill: float, seed: int, order: int):  # noqa: ANN202
     """A pool placement of a sampled batch, before its refinement."""
-    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
-    cost = CostModel.default(get_model("llama-7b"), topology)
-    tokens = int(fill * gpus * CAPACITY)
-    array = np.asarray(sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2))
-    thresholds = tier_thresholds(cost)
-    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
-    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node, two_d=True)
-    choice = assign_tiers(array, loads, rules)
-    first, scale, cross = ALL_ORDERS[order]
-    placements, _ = place_pool(array, choice, loads, rules.chunks[1], first, scale, cross=cross)
-    goal = pool_goal(array, loads, rules.chunks[1])
-    return array, placements, loads, choice.attention, goal
+    batch = stress_batch(name, gpus, fill, seed, CAPACITY)
+    placements, _, loads, choice = pool_placed(batch, order)
+    goal = pool_goal(batch.array, loads, batch.rules.chunks[1])
+    return batch.array, placements, loads, choice.attention, goal
 
 
 def _both(monkeypatch: pytest.MonkeyPatch, args: tuple, rounds: int, **kwargs):  # noqa: ANN202

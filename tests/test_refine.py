@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from pool_batches import stress_batch
 
-from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
-from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.members import remove_ring, replace_ring
 from megatron_zeppelin.planner.place.placement import Placement
 from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool, pool_goal
 from megatron_zeppelin.planner.place.pool_rings import place_on
 from megatron_zeppelin.planner.place.refine import refine
-from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.place.tiers import assign_tiers
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -31,13 +30,8 @@ ORDERS = list(ALL_ORDERS)
 
 
 def _setup(name: str, gpus: int, fill: float, seed: int):  # noqa: ANN202
-    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
-    cost = CostModel.default(get_model("llama-7b"), topology)
-    tokens = int(fill * gpus * CAPACITY)
-    array = np.asarray(sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2))
-    thresholds = tier_thresholds(cost)
-    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
-    return array, topology, cost, rules
+    batch = stress_batch(name, gpus, fill, seed, CAPACITY)
+    return batch.array, batch.topology, batch.cost, batch.rules
 
 
 def _tokens_from(placements: list[Placement], array: np.ndarray, world: int) -> list[int]:

@@ -7,23 +7,30 @@ Skipped where numba is not installed (the ``fast`` extra).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 
 import numpy as np
 import pytest
+from pool_batches import NEEDS_NUMBA
 
 from megatron_zeppelin.planner.loops import ring_search
 from megatron_zeppelin.planner.place.placement import CapacityError
 from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _soonest
 
-pytestmark = [
-    pytest.mark.pure,
-    pytest.mark.skipif(
-        importlib.util.find_spec("numba") is None,
-        reason="the compiled search needs numba (the fast extra)",
-    ),
-]
+pytestmark = [pytest.mark.pure, NEEDS_NUMBA]
+
+
+def _random_gpus(rng: np.random.Generator, least_nodes: int):  # noqa: ANN202
+    """GPUs per node, GPUs, and their loads with many ties (a few values, GPUs one rounding
+    step apart), tokens, rooms that bar some, the linear weight and a floor that raises some
+    ends (``0`` half the time)."""
+    k = int(rng.choice([2, 4, 8]))
+    world = k * int(rng.integers(least_nodes, 17))
+    cost = rng.choice([0.0, 0.5, 1.0, 1.0 + 2**-52, 2.0], size=world) * rng.choice([1.0, 1.1])
+    tokens = rng.integers(0, 100, size=world).astype(np.int64)
+    weight = float(rng.choice([0.0, 1e-3, 0.01]))
+    floor = int(rng.choice([0, 0, 60, 150]))
+    return k, world, cost, tokens, 120 - tokens, weight, floor
 
 
 @pytest.mark.parametrize("seed", range(300))
@@ -32,13 +39,7 @@ def test_compiled_members_are_numpys(seed: int) -> None:
     bar some GPUs, every place and a finite or infinite limit; floors that raise some ends."""
     assert ring_search.compiled()
     rng = np.random.default_rng(seed)
-    k = int(rng.choice([2, 4, 8]))
-    world = k * int(rng.integers(1, 17))
-    cost = rng.choice([0.0, 0.5, 1.0, 1.0 + 2**-52, 2.0], size=world) * rng.choice([1.0, 1.1])
-    tokens = rng.integers(0, 100, size=world).astype(np.int64)
-    room = 120 - tokens
-    weight = float(rng.choice([0.0, 1e-3, 0.01]))
-    floor = int(rng.choice([0, 0, 60, 150]))
+    k, world, cost, tokens, room, weight, floor = _random_gpus(rng, least_nodes=1)
     per_rank = int(rng.integers(1, 80))
     ends = _Ends(Arrays(cost, tokens), weight, floor, per_rank)
     for where in ("whole", "node", "any"):
@@ -63,13 +64,7 @@ def test_compiled_soonest_is_numpys(seed: int) -> None:
     ``_members``) against ``ring_search.soonest``: the same try and the same GPUs, on loads with
     ties and tries of every place, some of which find nothing."""
     rng = np.random.default_rng(1000 + seed)
-    k = int(rng.choice([2, 4, 8]))
-    world = k * int(rng.integers(2, 17))
-    cost = rng.choice([0.0, 0.5, 1.0, 1.0 + 2**-52, 2.0], size=world) * rng.choice([1.0, 1.1])
-    tokens = rng.integers(0, 100, size=world).astype(np.int64)
-    room = 120 - tokens
-    weight = float(rng.choice([0.0, 1e-3, 0.01]))
-    floor = int(rng.choice([0, 0, 60, 150]))
+    k, world, cost, tokens, room, weight, floor = _random_gpus(rng, least_nodes=2)
     arrays = Arrays(cost, tokens)
     tries = []
     for _ in range(int(rng.integers(1, 12))):

@@ -7,52 +7,23 @@ Skipped where numba is not installed (the ``fast`` extra).
 
 from __future__ import annotations
 
-import importlib.util
-
-import numpy as np
 import pytest
+from pool_batches import NEEDS_NUMBA, pool_placed, stress_batch
 
-from megatron_zeppelin.planner.baselines.distributions import sample_lengths
-from megatron_zeppelin.planner.cost.costmodel import CostModel
-from megatron_zeppelin.planner.cost.models import get_model
-from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
 from megatron_zeppelin.planner.loops import ring_search, whole_docs
 from megatron_zeppelin.planner.place import pool as pool_module
 from megatron_zeppelin.planner.place import pool_rings
-from megatron_zeppelin.planner.place.loads import Loads
-from megatron_zeppelin.planner.place.pool import ALL_ORDERS, place_pool
-from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.place.pool import ALL_ORDERS
 from megatron_zeppelin.planner.plan.plan import Tier
-from megatron_zeppelin.topology.presets import get_topology
 
-pytestmark = [
-    pytest.mark.pure,
-    pytest.mark.skipif(
-        importlib.util.find_spec("numba") is None,
-        reason="the compiled loops need numba (the fast extra)",
-    ),
-]
+pytestmark = [pytest.mark.pure, NEEDS_NUMBA]
 
 
 def _pool(name: str, gpus: int, capacity: int, fill: float, seed: int, order: int):  # noqa: ANN202
-    """``place_pool`` of a sampled batch in pool order ``order``: placements, loads."""
-    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
-    cost = CostModel.default(get_model("llama-7b"), topology)
-    tokens = int(fill * gpus * capacity)
-    if name.startswith("fixed-"):  # one length: whole documents left without room become rings
-        length = int(name.split("-")[1])
-        array = np.full(tokens // length, length)
-    else:
-        array = np.asarray(
-            sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2)
-        )
-    thresholds = tier_thresholds(cost)
-    rules = TierRules(True, True, thresholds, chunk_thresholds(thresholds, topology, True))
-    loads = Loads(topology, capacity, cost, topology.nics_per_node, two_d=True)
-    choice = assign_tiers(array, loads, rules)
-    first, scale, cross = ALL_ORDERS[order]
-    placements, promotions = place_pool(
-        array, choice, loads, rules.chunks[1], first, scale, cross=cross
+    """``place_pool`` of a sampled batch in pool order ``order``: placements, loads
+    (``fixed-N``: one length, whole documents left without room become rings)."""
+    placements, promotions, loads, _ = pool_placed(
+        stress_batch(name, gpus, fill, seed, capacity), order
     )
     return placements, promotions, loads
 
