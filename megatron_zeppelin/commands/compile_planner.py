@@ -16,7 +16,6 @@ environment that must have them).
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 from megatron_zeppelin.planner.loops import jit
@@ -33,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     failed = 1 if args.require else 0
-    if os.environ.get("ZEPPELIN_PLANNER_JIT", "1") == "0":
+    if jit.turned_off():
         print("ZEPPELIN_PLANNER_JIT=0: the planner runs its numpy loops; nothing to build")
         return failed
     start = time.perf_counter()

@@ -18,12 +18,17 @@ import os
 from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["compile_loops", "enabled", "version"]
+__all__ = ["compile_loops", "enabled", "turned_off", "version"]
+
+
+def turned_off() -> bool:
+    """Whether ``ZEPPELIN_PLANNER_JIT=0`` keeps numpy's loops, numba installed or not."""
+    return os.environ.get("ZEPPELIN_PLANNER_JIT", "1") == "0"
 
 
 @functools.cache
 def _numba() -> ModuleType | None:
-    if os.environ.get("ZEPPELIN_PLANNER_JIT", "1") == "0":
+    if turned_off():
         return None
     try:
         # lazy: numba is optional (the fast extra), takes half a second to load, and is not
