@@ -96,6 +96,43 @@ def test_only_the_best_predicted_pool_placements_are_timed(name: str, gpus: int,
 
 
 @pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed", "behind"),
+    [
+        ("mixture", 32, 0.95, 2, True),
+        ("uniform-long", 16, 0.5, 1, True),
+        ("power-law", 16, 0.5, 0, False),
+    ],
+)
+def test_a_staged_placement_timed_far_behind_the_pool_is_not_refined_again(
+    name: str, gpus: int, fill: float, seed: int, behind: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The fastest timed staged placement is refined again on the simulator's figures
+    (``search._retime``) unless it is timed more than ``_RETIME_BEHIND`` above the fastest
+    timed pool placement; with that bar out of reach, it is refined again as before."""
+    lengths, topology, cost = _batch(name, gpus, fill, seed)
+    retimed: list[bool] = []  # the kind of each placement refined again: pooled or not
+    original = search._retime
+
+    def spy(batch, best):  # noqa: ANN001, ANN202
+        retimed.append(best.pooled)
+        return original(batch, best)
+
+    monkeypatch.setattr(search, "_retime", spy)
+    plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=CAPACITY)
+    timed = [
+        c for c in plan.meta["candidates"] if "simulated_layer_s" in c and not c.get("retimed")
+    ]
+    pool = min(c["simulated_layer_s"] for c in timed if c["placement"] == "pool")
+    staged = min(c["simulated_layer_s"] for c in timed if c["placement"] != "pool")
+    assert (staged > search._RETIME_BEHIND * pool) == behind
+    assert retimed == ([True] if behind else [True, False])
+    retimed.clear()
+    monkeypatch.setattr(search, "_RETIME_BEHIND", 10.0)
+    plan_batch(lengths, topology=topology, cost_model=cost, capacity=CAPACITY)
+    assert retimed == [True, False]
+
+
+@pytest.mark.parametrize(
     ("name", "seed", "bound"),
     [("uniform-long", 0, 0.88), ("uniform-long", 1, 0.88), ("power-law", 0, 0.94)],
 )
