@@ -146,3 +146,24 @@ def test_order_kept_after_two_values_change_is_a_stable_sort(seed: int) -> None:
         values[one], values[other] = rng.choice([0.25, 1.0, 1.75, np.inf], size=2)
         local_changes._reorder(values, order, int(one), int(other))
         assert order.tolist() == np.argsort(values, kind="stable").tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_a_move_goes_where_a_pass_over_every_gpu_sends_it(seed: int) -> None:
+    """``_move_to``, along the GPUs by load, against a pass over every GPU in rank order: with
+    loads whose sums with the document's seconds round alike (a lower rank a little more
+    loaded ends at the very same sum, and takes it), GPUs short of room, and none with room."""
+    assert local_changes.compiled()
+    rng = np.random.default_rng(seed)
+    world = int(rng.integers(2, 80))
+    work = float(rng.choice([1.0, 0.5, 2.0**-3]))
+    cost = rng.choice([0.0, 2.0**-60, 2.0**-58, 0.25, 0.25 + 2.0**-55, 1.0], size=world)
+    tokens = rng.integers(0, 10, size=world)
+    most, busiest = int(rng.integers(-1, 10)), int(rng.integers(world))
+    by_load = np.argsort(cost, kind="stable").astype(np.int64)
+    end, at = local_changes._move_to(cost, tokens, by_load, busiest, most, work)
+    want_end, want_at = np.inf, -1
+    for r in range(world):
+        if r != busiest and tokens[r] <= most and cost[r] + work < want_end:
+            want_end, want_at = cost[r] + work, r
+    assert (end, at) == (want_end, want_at)

@@ -166,6 +166,10 @@ def warm() -> None:
         kernel(two, one, np.zeros((1, 1), dtype=np.int64), one, one, two, two, 0.0, 0, 0, 0.0, log)
 
 
+_SLACK = 1e-12
+"""A margin, as a part of the busiest GPU's load, a thousand times the rounding error of the few
+float operations a swap's bound takes: a bound within it of ruling a swap out leaves it in."""
+
 _STUCK, _LIMIT, _FULL = 0, 1, 2
 """How ``_rounds`` stopped: at a busiest GPU no change helps, at its log's length, or at a GPU
 whose row of documents is full."""
@@ -247,6 +251,9 @@ def _rounds(
     # GPUs move): the first ``light + 1`` are ``light_gpus``' pick, without a selection over
     # every GPU per round (a second refinement weighs swaps with all of them).
     order = _least(holders, world)
+    # Every GPU by (load, rank), kept the same way: a move looks along it for the least loaded
+    # GPU with room, not over every GPU.
+    by_load = _least(cost, world)
     made = 0
     while made < log.shape[0]:
         busiest = np.argmax(cost)
@@ -254,17 +261,12 @@ def _rounds(
         if n == 0:
             return made, 0
         top = cost[busiest]
-        # Moves: each document to the least loaded other GPU with room.
+        # Moves: each document to the least loaded other GPU with room (``_move_to``).
         best_peak, give, dest, take = np.inf, -1, -1, -1
         move_i, move_dest = -1, -1
         for i in range(n):
             doc = docs[busiest, i]
-            end, at = np.inf, -1
-            for r in range(world):
-                if r != busiest and capacity - tokens[r] >= lengths[doc]:
-                    ends = cost[r] + work[doc]
-                    if ends < end:
-                        end, at = ends, r
+            end, at = _move_to(cost, tokens, by_load, busiest, capacity - lengths[doc], work[doc])
             shed = top - work[doc]
             peak = shed if shed >= end else end
             if peak < best_peak:
@@ -278,6 +280,11 @@ def _rounds(
         best = bound
         for owner in order[: min(light + 1, world)]:
             if owner == busiest or count[owner] == 0 or cost[owner] > best:
+                continue
+            # A swap ends below ``best`` only where what it sheds exceeds ``top - best`` and the
+            # owner then stays below ``best``: none of this owner's can where its load is past
+            # ``2 best - top`` (with a margin far above the sums' rounding).
+            if cost[owner] + (top - best) > best + _SLACK * top:
                 continue
             owner_room = capacity - tokens[owner]
             for i in range(n):
@@ -307,9 +314,34 @@ def _rounds(
         for r in (busiest, dest):
             holders[r] = cost[r] if count[r] > 0 else np.inf
         _reorder(holders, order, busiest, dest)
+        _reorder(cost, by_load, busiest, dest)
         log[made, 0], log[made, 1], log[made, 2], log[made, 3] = busiest, dest, give, take
         made += 1
     return made, 1
+
+
+def _move_to(cost, tokens, by_load, busiest, most, work):  # noqa: ANN001, ANN202 - compiled by numba
+    """Where a document of ``work`` seconds off ``busiest`` ends soonest, and that end: of the
+    other GPUs holding at most ``most`` tokens, the one whose load plus ``work`` is least, the
+    lowest rank on ties (a pass over every GPU in rank order finds the same). Along
+    ``by_load`` (every GPU by load, then rank) the first with room has the least load; a GPU a
+    little more loaded may end at the very same sum (rounding), so the walk goes on while the
+    sums are equal, and stops at the first greater (the sum never falls as the load rises).
+    ``(inf, -1)`` where no GPU has room."""
+    end, at = np.inf, -1
+    for index in range(by_load.shape[0]):
+        r = by_load[index]
+        if r == busiest or tokens[r] > most:
+            continue
+        ends = cost[r] + work
+        if at < 0:
+            end, at = ends, r
+        elif ends == end:
+            if r < at:
+                at = r
+        else:
+            break
+    return end, at
 
 
 def _reorder(values, order, one, other):  # noqa: ANN001, ANN202 - compiled by numba
@@ -359,4 +391,6 @@ def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):
 @functools.cache
 def _compiled() -> Callable | None:
     """``_rounds`` compiled (``loops/jit.py``), or ``None`` without numba."""
-    return jit.compile_loops(globals(), "_sift_down", "_least", "_reorder", "_move", "_rounds")
+    return jit.compile_loops(
+        globals(), "_sift_down", "_least", "_reorder", "_move_to", "_move", "_rounds"
+    )
