@@ -76,9 +76,13 @@ def refine(
     work = attention + loads.linear_weight * array
     on_rank: list[list[int]] = [[] for _ in range(world)]
     rings_on: list[list[int]] = [[] for _ in range(world)]
+    local = Tier.LOCAL
     for doc, placement in enumerate(placements):
-        for rank in placement.ring:
-            (on_rank if placement.tier == Tier.LOCAL else rings_on)[rank].append(doc)
+        if placement.tier == local:  # one rank: most of a batch's documents
+            on_rank[placement.ring[0]].append(doc)
+        else:
+            for rank in placement.ring:
+                rings_on[rank].append(doc)
     cost = np.asarray(loads.cost, dtype=np.float64)
     tokens = np.asarray(loads.tokens, dtype=np.int64)
     if compiled():
