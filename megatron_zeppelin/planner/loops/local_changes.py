@@ -17,9 +17,10 @@ Two implementations make the same changes, in the same order, with the same floa
 - where numba is installed (``loops/jit.py``), ``Rounds``: every round in one compiled loop
   over plain arrays (``_rounds``), which the caller then replays on ``Loads`` and the
   placements. A round there costs microseconds instead of the tenth of a millisecond or more of
-  numpy calls, and the swap search passes over a GPU whose load alone is above the best peak so
-  far and over a document that sheds too little to beat it (both exact: a pair's peak is at
-  least either).
+  numpy calls: a move's GPU is found along the GPUs kept sorted by load (``_move_to``), and the
+  swap search passes over a GPU whose load alone is above the best peak so far and over a
+  document that sheds too little to beat it (both exact: a pair's peak is at least either), and
+  over a GPU whose load leaves no swap of it below the best peak (``_SLACK``).
 """
 
 from __future__ import annotations
