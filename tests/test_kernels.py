@@ -13,6 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+from megatron_zeppelin.attention.kernels import kernels as kernel_registry
 from megatron_zeppelin.attention.kernels.kernel_api import VarlenBatch
 from megatron_zeppelin.attention.kernels.kernel_torch import TorchKernel, _tile_chunks
 from megatron_zeppelin.attention.kernels.kernels import (
@@ -200,7 +201,11 @@ def test_low_precision_inputs_accumulate_in_float32(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.pure
-def test_registry_resolves_and_rejects() -> None:
+def test_registry_resolves_and_rejects(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The kernel registered here leaves with the test: the registry is the process's, and
+    # another test in this worker lists every registered kernel.
+    for table in ("_FACTORIES", "_UNAVAILABLE", "_INSTANCES", "_AUTO"):
+        monkeypatch.setattr(kernel_registry, table, dict(getattr(kernel_registry, table)))
     assert get_kernel("auto", device="cpu", dtype=torch.bfloat16).name == "torch"
     assert get_kernel("torch").name == "torch"
     with pytest.raises(ValueError, match="unknown attention kernel"):
