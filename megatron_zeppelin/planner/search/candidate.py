@@ -76,6 +76,11 @@ class Candidate:
         return "shares" if self.shared else "pool" if self.pooled else "staged"
 
     @property
+    def predicted_s(self) -> float:
+        """``Loads``' layer time under the best layout it priced."""
+        return min(self.predicted.values())
+
+    @property
     def seconds(self) -> float:
         """The simulator's layer time under the best layout (after ``simulate``)."""
         return min(self.simulated.values())
@@ -99,7 +104,7 @@ class Candidate:
     def even_enough(self, factor: float = 0.0) -> bool:
         """Predicted within ``factor`` (default ``_EVEN_ENOUGH``) of the GPUs' mean attention
         plus linear seconds."""
-        return min(self.predicted.values()) <= (factor or _EVEN_ENOUGH) * self.mean_seconds
+        return self.predicted_s <= (factor or _EVEN_ENOUGH) * self.mean_seconds
 
     def settled(self, array: np.ndarray, factor: float = 0.0) -> bool:
         """``_settled`` once per factor: the search asks again for every variant it tries
@@ -179,7 +184,7 @@ class Candidate:
             "balance": self.balance,
             "rings": self.rings,
             "extra_rings": self.extra_rings,
-            "predicted_layer_s": min(self.predicted.values()),
+            "predicted_layer_s": self.predicted_s,
         }
         if self.retimed:
             out["retimed"] = True

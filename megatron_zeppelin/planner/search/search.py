@@ -204,17 +204,11 @@ def _keep_fastest(
     (a lone one keeps ``Loads``' prediction); the fastest timed of each kind is refined again on
     the simulator's figures (``_retime``; the staged one unless ``_RETIME_BEHIND`` of the pool
     one), and the fastest of all is kept."""
-    best_prediction = min(min(c.predicted.values()) for c in staged)
-    shortlist = sorted(
-        (c for c in staged if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
-        key=lambda c: min(c.predicted.values()),
-    )[:_MAX_TIMED]
-    # Timed beside the staged shortlist where predicted within it (``Loads`` misjudges them
-    # by a few percent, not by more), the best predicted first.
-    shortlist += sorted(
-        (c for c in pooled if min(c.predicted.values()) <= _SHORTLIST * best_prediction),
-        key=lambda c: min(c.predicted.values()),
-    )[:_MAX_POOL_TIMED]
+    within = _SHORTLIST * min(c.predicted_s for c in staged)
+    # The pool's are timed beside the staged shortlist where predicted within it (``Loads``
+    # misjudges them by a few percent, not by more).
+    shortlist = _best_predicted(staged, within, _MAX_TIMED)
+    shortlist += _best_predicted(pooled, within, _MAX_POOL_TIMED)
     for candidate in shortlist:
         candidate.build(batch.array, batch.routing)
         if len(shortlist) > 1:
@@ -227,19 +221,26 @@ def _keep_fastest(
         # The fastest of each kind: a staged placement had no refinement pass of its own yet,
         # so it may gain more from this one than a faster pool placement does, unless it is
         # timed too far behind the fastest pool placement to catch up (``_RETIME_BEHIND``).
-        pool_s = min((c.seconds for c in shortlist if c.pooled), default=None)
-        for kind in (True, False):
-            timed = [c for c in shortlist if c.pooled == kind]
-            if not timed:
+        fastest = {
+            kind: min((c for c in shortlist if c.pooled == kind), key=lambda c: c.seconds)
+            for kind in (True, False)
+            if any(c.pooled == kind for c in shortlist)
+        }
+        pool = fastest.get(True)
+        for kind, candidate in fastest.items():
+            if not kind and pool is not None and candidate.seconds > _RETIME_BEHIND * pool.seconds:
                 continue
-            fastest = min(timed, key=lambda c: c.seconds)
-            if not kind and pool_s is not None and fastest.seconds > _RETIME_BEHIND * pool_s:
-                continue
-            retimed = _retime(batch, fastest)
+            retimed = _retime(batch, candidate)
             if retimed is not None:
                 found.append(retimed)
                 best = min(best, retimed, key=lambda c: c.seconds)
     return best, [c.summary() for c in found], batch.least_load
+
+
+def _best_predicted(candidates: list[Candidate], within: float, count: int) -> list[Candidate]:
+    """The ``count`` best predicted of ``candidates`` predicted within ``within``, best first."""
+    kept = [c for c in candidates if c.predicted_s <= within]
+    return sorted(kept, key=lambda c: c.predicted_s)[:count]
 
 
 def _retime(batch: _Batch, best: Candidate) -> Candidate | None:
@@ -295,7 +296,7 @@ def _pool_candidates(
     assert batch.pool is not None, "the pool is placed only where ``search`` made its batch"
     if any(c.even_enough() for c in found):
         return first
-    staged = min(min(c.predicted.values()) for c in found)
+    staged = min(c.predicted_s for c in found)
     if batch.pool.least_load * _POOL_GAIN >= staged:
         return first  # no placement ends far enough below the staged ones (``least_load.py``)
     orders, retries = pool_orders(batch.array, batch.new_loads(True, True), batch.pool)
@@ -312,7 +313,7 @@ def _pool_candidates(
         if candidate is None:
             continue  # the order runs out of room
         out.append(candidate)
-        if min(candidate.predicted.values()) > _POOL_STOP * staged:
+        if candidate.predicted_s > _POOL_STOP * staged:
             break  # the orders pack alike: one this far behind says the others will be too
     if orders == RING_ORDERS or len(batch.array) <= batch.world:
         # Every document a ring, or no more documents than GPUs: rings of whole GPUs pack

@@ -139,7 +139,7 @@ def _candidates(
             candidate = None
         if candidate is not None:
             yield candidate
-            predicted = min(candidate.predicted.values())
+            predicted = candidate.predicted_s
             misses = misses + 1 if predicted >= best * (1 - _MIN_GAIN) else 0
             if candidate.settled(array) or misses == _MAX_MISSES:
                 return
