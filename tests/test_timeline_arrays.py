@@ -1,7 +1,8 @@
 """Tier: pure. The array timeline's shortcuts give what the long way gives: the column rings of
 2-D documents read as arrays (``heads.column_layout``) against the head-layout plan
-(``heads.head_plan``) they stand for, and the table index of calls and ports
-(``phases.unique_inverse``) against ``np.unique``."""
+(``heads.head_plan``) they stand for, the table index of calls and ports
+(``phases.unique_inverse``) against ``np.unique``, and the routes' hops as arrays
+(``transfers._RouteTable``) against ``stepwise.route_hops``."""
 
 from __future__ import annotations
 
@@ -27,7 +28,15 @@ from megatron_zeppelin.planner.plan.plan import (
     Tier,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.simulate.transfers import ring_messages, ring_messages_of
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.plan.plan import Route, RoutePart
+from megatron_zeppelin.planner.simulate.stepwise import route_hops
+from megatron_zeppelin.planner.simulate.transfers import (
+    _RouteTable,
+    ring_messages,
+    ring_messages_of,
+)
 from megatron_zeppelin.topology.model import Topology
 
 pytestmark = pytest.mark.pure
@@ -103,3 +112,70 @@ def test_unique_inverse_is_numpys(keys, small) -> None:  # noqa: ANN001
     np.testing.assert_array_equal(unique, want_unique)
     np.testing.assert_array_equal(inverse, want_inverse)
     np.testing.assert_array_equal(unique[inverse], array)
+
+
+_ROUTED = Topology(num_nodes=3, gpus_per_node=4, nics_per_node=2, nic_of_gpu=(1, 0, 0, 1))
+
+
+def _port_id(port: tuple, topo: Topology) -> int:
+    """``stepwise.hop_ports``' port tuples as the table's ids: GPU out / in, then NIC out / in
+    per (node, NIC)."""
+    world, m = topo.world_size, topo.nics_per_node
+    if port[0] in ("gpu-out", "gpu-in"):
+        return port[1] + (world if port[0] == "gpu-in" else 0)
+    base = 2 * world + (0 if port[0] == "nic-out" else topo.num_nodes * m)
+    return base + port[1] * m + port[2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    routes=st.lists(
+        st.tuples(
+            st.integers(0, 11),
+            st.integers(1, 2),  # the destination's node, after the source's
+            st.integers(0, 3),
+            st.lists(
+                st.tuples(st.integers(0, 3), st.integers(0, 3), st.integers(0, 5)),
+                min_size=1,
+                max_size=3,
+            ),
+        ),
+        max_size=6,
+    )
+)
+def test_route_table_is_route_hops(routes) -> None:  # noqa: ANN001
+    """Every route's padded weights, parts, and hops in part then path order, with their
+    ports and links, are what ``stepwise.route_hops`` gives route by route: proxies equal to
+    the sender or the receiver (a hop skipped), or not; parts of no weight too."""
+    topo, k = _ROUTED, _ROUTED.gpus_per_node
+    made = []
+    for src, later, dst_local, parts in routes:
+        dst = ((src // k + later) % topo.num_nodes) * k + dst_local
+        made.append(
+            Route(
+                src,
+                dst,
+                tuple(
+                    RoutePart((src // k) * k + a, (dst // k) * k + b, w) for a, b, w in parts
+                ),
+            )
+        )
+    cost = CostModel.default(get_model("llama-7b"), topo)
+    table = _RouteTable.of(made, topo, cost)
+    widest = max((len(r.parts) for r in made), default=1)
+    assert table.weights.shape == (len(made), widest)
+    hops = []
+    for i, route in enumerate(made):
+        weights = [p.weight for p in route.parts]
+        assert table.weights[i].tolist() == weights + [0] * (widest - len(weights))
+        assert table.num_parts[i] == len(route.parts)
+        found = [(p, hop) for p, path in enumerate(route_hops(topo, route)) for hop in path]
+        assert table.num_hops[i] == len(found)
+        assert table.hop_start[i] == len(hops)
+        hops += found
+    assert table.part.tolist() == [p for p, _ in hops]
+    assert table.out_port.tolist() == [_port_id(out, topo) for _, (_, out, _) in hops]
+    assert table.in_port.tolist() == [_port_id(into, topo) for _, (_, _, into) in hops]
+    links = [cost.link(kind) for _, (kind, _, _) in hops]
+    assert table.bandwidth.tolist() == [link.bytes_per_s for link in links]
+    assert table.latency.tolist() == [link.latency_s for link in links]

@@ -23,7 +23,6 @@ from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.plan.phases import ZigzagRings, split_by_layout, unique_inverse
 from megatron_zeppelin.planner.plan.plan import Route, SequencePlan
 from megatron_zeppelin.planner.plan.schedule import Message
-from megatron_zeppelin.planner.simulate.stepwise import route_hops
 from megatron_zeppelin.topology.model import Topology
 
 __all__ = [
@@ -247,17 +246,9 @@ def _direct_hops(
 ) -> _Hops:
     """Messages that take one hop: inside a node over NVLink, across nodes over the sender's
     and the receiver's NICs."""
-    world, k, m = topology.world_size, topology.gpus_per_node, topology.nics_per_node
     chosen = np.flatnonzero(chosen_mask)
     group, src, dst = messages.group[chosen], messages.src[chosen], messages.dst[chosen]
-    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
-    same = src // k == dst // k
-    # Port ids: GPU out / in (NVLink), then NIC out / in per (node, NIC).
-    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
-    in_port = np.where(
-        same, world + dst, 2 * world + topology.num_nodes * m + (dst // k) * m + nic_of[dst % k]
-    )
-    nv, nic = cost.nvlink, cost.nic
+    out_port, in_port, bandwidth, latency = _hop_links(src, dst, topology, cost)
     parts = np.arange(len(chosen))
     return _Hops(
         group,
@@ -265,8 +256,8 @@ def _direct_hops(
         in_port,
         messages.tokens[chosen],
         messages.scaled()[chosen],
-        np.where(same, nv.bytes_per_s, nic.bytes_per_s),
-        np.where(same, nv.latency_s, nic.latency_s),
+        bandwidth,
+        latency,
         parts,
         len(chosen),
         parts,
@@ -274,6 +265,24 @@ def _direct_hops(
         src,
         dst,
     )
+
+
+def _hop_links(
+    src: np.ndarray, dst: np.ndarray, topology: Topology, cost: CostModel
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """The hops ``src -> dst`` (``stepwise.hop_ports``) as port ids, out and in, with their
+    link's bandwidth and latency: inside a node the GPUs' NVLink ports, across nodes the NICs
+    next to each end. Port ids: GPU out / in, then NIC out / in per (node, NIC)."""
+    world, k, m = topology.world_size, topology.gpus_per_node, topology.nics_per_node
+    nic_of = np.asarray([topology.nic_of(r) for r in range(k)], dtype=np.int64)
+    same = src // k == dst // k
+    out_port = np.where(same, src, 2 * world + (src // k) * m + nic_of[src % k])
+    in_port = np.where(
+        same, world + dst, 2 * world + topology.num_nodes * m + (dst // k) * m + nic_of[dst % k]
+    )
+    nv, nic = cost.nvlink, cost.nic
+    bandwidth = np.where(same, nv.bytes_per_s, nic.bytes_per_s)
+    return out_port, in_port, bandwidth, np.where(same, nv.latency_s, nic.latency_s)
 
 
 def _joined(a: _Hops, b: _Hops) -> _Hops:
@@ -305,7 +314,7 @@ def _routed_hops(
 ) -> _Hops:
     """Hops of the routed messages, edge by edge (edges in order, an edge's messages in order,
     each message's hops in part and path order). A route's parts and hops are the same in every
-    step, only the tokens differ: ``route_hops`` is asked once per edge (``_RouteTable``), and
+    step, only the tokens differ: they are worked out once per edge (``_RouteTable``), and
     every message's tokens are split by its edge's weights at once."""
     chosen = np.flatnonzero(is_routed)
     world = topology.world_size
@@ -362,36 +371,34 @@ class _RouteTable:
 
     @classmethod
     def of(cls, routes: list[Route], topology: Topology, cost: CostModel) -> _RouteTable:
-        world, m = topology.world_size, topology.nics_per_node
-        k, num_nodes = topology.gpus_per_node, topology.num_nodes
-        widest = max((len(r.parts) for r in routes), default=1)
+        """The table of ``routes``, in numpy: a part's path is ``src -> src_proxy -> dst_proxy
+        -> dst`` less each rank equal to the one before it (``schedule.route_paths``), so its
+        hops are the pairs of neighbours that differ, in path order (``stepwise.route_hops``,
+        which the tests compare it with)."""
+        num_parts = np.fromiter((len(r.parts) for r in routes), np.int64, len(routes))
+        widest = int(num_parts.max()) if len(routes) else 1
+        rows = [(r.src, p.src_proxy, p.dst_proxy, r.dst, p.weight) for r in routes for p in r.parts]
+        parts = np.asarray(rows, dtype=np.int64).reshape(-1, 5)
+        first_part = np.cumsum(num_parts) - num_parts
+        route_of_part = np.repeat(np.arange(len(routes)), num_parts)
+        slot = np.arange(len(parts)) - first_part[route_of_part]  # a part's index in its route
         weights = np.zeros((len(routes), widest), dtype=np.int64)
-        num_hops, hops = [], []
-        for i, route in enumerate(routes):
-            weights[i, : len(route.parts)] = [p.weight for p in route.parts]
-            found = [(p, hop) for p, path in enumerate(route_hops(topology, route)) for hop in path]
-            num_hops.append(len(found))
-            hops += found
-        links = {kind: cost.link(kind) for kind in ("nvlink", "nic")}
-        num_hops_array = np.asarray(num_hops, dtype=np.int64)
+        weights[route_of_part, slot] = parts[:, 4]
+        path = parts[:, :4]
+        # Part by part, each in path order: the hops ``path[j-1] -> path[j]`` that move.
+        part_of_hop, step = np.nonzero(path[:, 1:] != path[:, :-1])
+        out_port, in_port, bandwidth, latency = _hop_links(
+            path[part_of_hop, step], path[part_of_hop, step + 1], topology, cost
+        )
+        num_hops = np.bincount(route_of_part[part_of_hop], minlength=len(routes)).astype(np.int64)
         return cls(
             weights,
-            np.asarray([len(r.parts) for r in routes], dtype=np.int64),
-            num_hops_array,
-            np.cumsum(num_hops_array) - num_hops_array,
-            np.asarray([p for p, _ in hops], dtype=np.int64),
-            np.asarray([_port_id(o, world, k, m, num_nodes) for _, (_, o, _) in hops], np.int64),
-            np.asarray([_port_id(i, world, k, m, num_nodes) for _, (_, _, i) in hops], np.int64),
-            np.asarray([links[kind].bytes_per_s for _, (kind, _, _) in hops], np.float64),
-            np.asarray([links[kind].latency_s for _, (kind, _, _) in hops], np.float64),
+            num_parts,
+            num_hops,
+            np.cumsum(num_hops) - num_hops,
+            slot[part_of_hop],
+            out_port,
+            in_port,
+            bandwidth,
+            latency,
         )
-
-
-def _port_id(port: tuple, world: int, k: int, m: int, num_nodes: int) -> int:
-    """The simulator's port tuples as the integer ids used here."""
-    if port[0] == "gpu-out":
-        return port[1]
-    if port[0] == "gpu-in":
-        return world + port[1]
-    base = 2 * world + (0 if port[0] == "nic-out" else num_nodes * m)
-    return base + port[1] * m + port[2]
