@@ -1,6 +1,7 @@
 """The staged placement's shortcuts give what the plain computation gives: ring sizes that fit,
 ring shares over NVLink, cross-node members' exposure, the linear layouts left unpriced, a
-node's documents in placement order, and stage 2 placed once for both packings.
+node's documents in placement order, stage 2 placed once for both packings, and stage 2's
+compiled loop against numpy's heap.
 
 Tier: pure.
 """
@@ -14,12 +15,14 @@ import pytest
 from examples import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pool_batches import NEEDS_NUMBA, stress_batch
 
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
 from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
-from megatron_zeppelin.planner.place.placement import _NodeBatch
+from megatron_zeppelin.planner.place.placement import _NodeBatch, place_across_nodes
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
@@ -253,3 +256,42 @@ def test_cross_node_prices_are_cached_apart_with_and_without_the_2d_scheme() -> 
         for two_d in (False, True) if first_flat else (True, False):
             answers[two_d] = loads.ring_key(length, size, "nic", flat=not two_d)
         assert answers == {False: flat, True: best}
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize(
+    ("name", "gpus", "capacity", "fill", "seed"),
+    [
+        ("wikipedia", 64, 16_384, 0.95, 0),
+        ("prolong", 64, 16_384, 0.95, 1),
+        ("power-law", 32, 32_768, 0.95, 2),
+        ("mixture", 64, 32_768, 0.5, 1),
+        ("fixed-6000", 16, 8_192, 1.0, 0),
+    ],
+)
+def test_compiled_stage_two_gives_the_nodes_numpy_gives(
+    monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, capacity: int, fill: float, seed: int
+) -> None:
+    """Stage 2 with its compiled loop (``loops/node_lpt.py``) against numpy's heap: every
+    document on the same node, the same documents spread over nodes for want of room, the
+    same loads to the last bit; on nearly full batches, where most documents find the heap's
+    top full, and one (``fixed-6000``: ten documents fill a node) where the last finds no node."""
+    batch = stress_batch(name, gpus, fill, seed, capacity)
+
+    def stage_two() -> tuple:
+        loads = batch.new_loads()
+        choice = assign_tiers(batch.array, loads, batch.rules)
+        placements: list = [None] * len(batch.array)
+        by_node, promotions = place_across_nodes(batch.array, choice, loads, placements)
+        return by_node, promotions, placements, loads
+
+    assert node_lpt.compiled()
+    by_node, promotions, placements, loads = stage_two()
+    monkeypatch.setattr(node_lpt, "compiled", lambda: False)
+    want_by_node, want_promotions, want_placements, want_loads = stage_two()
+    assert by_node == want_by_node
+    assert (promotions, placements) == (want_promotions, want_placements)
+    assert loads.cost == want_loads.cost and loads.tokens == want_loads.tokens
+    assert sum(map(len, by_node)) > 0
+    if name.startswith("fixed-"):
+        assert promotions > 0, "every document found a node: the spreading path untried"

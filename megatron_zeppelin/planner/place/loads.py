@@ -91,11 +91,15 @@ class Loads:
         balance_linear: bool = True,
         two_d: bool = False,
         shares: dict | None = None,
+        keys: dict | None = None,
     ) -> None:
         self.topology = topology
         self._shares: dict[tuple, RankShare] = {} if shares is None else shares
         """``rank_share`` by its arguments; placements of one batch with the same ``two_d``
         may share it (the planner asks for the same few lengths and ring sizes many times)."""
+        self._keys: dict[tuple, float] = {} if keys is None else keys
+        """``ring_key`` by its arguments; shared as ``shares`` is, by placements that also
+        balance alike (``balance_linear`` sets the key's linear seconds)."""
         self.two_d = SchemePrices(cost_model, topology) if two_d else None
         """With ``two_d``: a ring over whole nodes is priced as the faster of the flat ring and
         the 2-D scheme (``schemes.py``)."""
@@ -219,9 +223,14 @@ class Loads:
         ``rank_share``. ``crossing=False``: at a member whose ring edges stay inside its node
         (``RankShare.exposed_at``), which waits the least; else at one whose edges cross nodes,
         the most."""
-        share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
-        exposed = share.exposed_s if crossing else share.exposed_at(False)
-        return share.compute_s + exposed + self.linear_weight * length / ring_size
+        key = (length, ring_size, link, flat, crossing)
+        value = self._keys.get(key)
+        if value is None:
+            share = self.rank_share(length, ring_size, link, self.num_links, flat=flat)
+            exposed = share.exposed_s if crossing else share.exposed_at(False)
+            value = share.compute_s + exposed + self.linear_weight * length / ring_size
+            self._keys[key] = value
+        return value
 
     def best_num_nodes(self, length: int, rest_work: float) -> int:
         """How many whole nodes a document's ring should span so that the step ends soonest:

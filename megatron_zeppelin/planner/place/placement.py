@@ -15,6 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 
@@ -214,6 +215,34 @@ def _nodes_by_lpt(
     promotions = 0
     # A ring's zigzag rounding may put a token more than L/g on a GPU: leave a little slack.
     needs = (lengths[rest] + np.where(choice.split[rest], 2 * k, 0))[order].tolist()
+
+    def spread(doc: int, length: int) -> _Nodes:
+        """``doc`` over nodes, as a long document would be (no single node has room for it);
+        the nodes' loads worked out again."""
+        nonlocal promotions
+        if num_nodes == 1:
+            raise capacity_error(doc, length, "on the node")
+        placed = place_inter(doc, length, 2, num_inter, loads, list(tokens_given))
+        placements[doc] = placed
+        promotions += 1
+        for n in {rank // k for rank in placed.ring}:
+            shares[n] = _ring_shares(loads, n, k)
+        return nodes()
+
+    if node_lpt.compiled():  # the same nodes, in one compiled loop
+        arrays = np.asarray(needs, dtype=np.int64), np.asarray(works, dtype=np.float64)
+        lengths_given, given = np.asarray(sizes, dtype=np.int64), np.empty(len(docs), np.int64)
+        start = 0
+        while True:
+            stop = node_lpt.give(
+                state.load_array, state.tokens_array, state.room, reserve, *arrays,
+                lengths_given, start, given,
+            )  # fmt: skip
+            for i, node in enumerate(given[start:stop].tolist(), start):
+                give(node, docs[i], works[i], sizes[i])
+            if stop == len(docs):
+                return by_node, promotions
+            state, start = spread(docs[stop], sizes[stop]), stop + 1
     heap, load, held, room = state.heap, state.load, state.tokens, state.room
     for doc, length, needed, work in zip(docs, sizes, needs, works):
         # ``_Nodes.take_top``, inline: the heap's top is current and has room (the usual case).
@@ -230,15 +259,7 @@ def _nodes_by_lpt(
             state.add(picked, work, length)
             give(picked, doc, work, length)
             continue
-        # No single node has room: spread it over nodes, as a long document would be.
-        if num_nodes == 1:
-            raise capacity_error(doc, length, "on the node")
-        placed = place_inter(doc, length, 2, num_inter, loads, list(tokens_given))
-        placements[doc] = placed
-        promotions += 1
-        for n in {rank // k for rank in placed.ring}:
-            shares[n] = _ring_shares(loads, n, k)
-        state = nodes()
+        state = spread(doc, length)
         heap, load, held = state.heap, state.load, state.tokens
     return by_node, promotions
 
@@ -546,6 +567,8 @@ def place_intra(
     if start is None or start > k:
         raise capacity_error(doc, length, f"on node {loads.topology.node_of(ranks[0])}")
     by_load = sorted(sorted(ranks), key=cost.__getitem__)  # ties: the lower rank
+    held = [tokens[r] for r in by_load]
+    fullest, ring_key = max(held), loads.ring_key
     best: tuple[float, int, list[int]] | None = None
     sizes = [*range(start, k + 1), *range(min(start, smallest) - 1, 1, -1)]
     for g in sizes:
@@ -553,11 +576,14 @@ def place_intra(
             break
         # The ``g`` least loaded that have room for a member's share.
         most = capacity - max(zigzag_loads(length, g))  # tokens a member may hold already
-        chosen = [r for r in by_load if tokens[r] <= most][:g]
+        if fullest <= most:  # every GPU has room (the usual case)
+            chosen = by_load[:g]
+        else:
+            chosen = [r for r, held_r in zip(by_load, held) if held_r <= most][:g]
         if len(chosen) < g:
             continue
         # ``chosen`` keeps ``by_load``'s order: its last member is its busiest.
-        finish = cost[chosen[-1]] + loads.ring_key(length, g, "nvlink")
+        finish = cost[chosen[-1]] + ring_key(length, g, "nvlink")
         if target is not None and finish <= target:
             best = (finish, g, chosen)
             break

@@ -69,7 +69,7 @@ import numpy as np
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
-from megatron_zeppelin.planner.loops import jit, local_changes, ring_search, whole_docs
+from megatron_zeppelin.planner.loops import jit, local_changes, node_lpt, ring_search, whole_docs
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import CapacityError
 from megatron_zeppelin.planner.place.tiers import TierRules, chunk_thresholds
@@ -288,6 +288,7 @@ def _plan(
     rules = TierRules(options.allow_split, options.thresholds == "auto", thresholds, chunks)
     num_links = topology.nics_per_node if options.routing else 1
     shares: dict[bool, dict] = {False: {}, True: {}}  # rank shares, with and without 2-D
+    keys: dict[tuple[bool, bool], dict] = {}  # ring keys, by balance mode and 2-D
     best, tried, least = search(
         array,
         lambda balance_linear, two_d: Loads(
@@ -298,6 +299,7 @@ def _plan(
             balance_linear=balance_linear,
             two_d=two_d and options.two_d,
             shares=shares[two_d and options.two_d],
+            keys=keys.setdefault((balance_linear, two_d and options.two_d), {}),
         ),
         rules,
         _layout_candidates(options),
@@ -373,6 +375,6 @@ def warm() -> bool:
     the first time in an environment, about one after). Whether numba runs them."""
     if not jit.enabled():
         return False
-    for module in (local_changes, ring_search, whole_docs):
+    for module in (local_changes, node_lpt, ring_search, whole_docs):
         module.warm()
     return True
