@@ -13,6 +13,8 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from megatron_zeppelin.planner.cost.costmodel import CostModel
+from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.plan.heads import column_layout, head_plan
 from megatron_zeppelin.planner.plan.linear_layout import attention_layout
 from megatron_zeppelin.planner.plan.phases import (
@@ -23,14 +25,13 @@ from megatron_zeppelin.planner.plan.phases import (
 )
 from megatron_zeppelin.planner.plan.plan import (
     Plan,
+    Route,
+    RoutePart,
     Scheme,
     SequencePlan,
     Tier,
     zigzag_spans,
 )
-from megatron_zeppelin.planner.cost.costmodel import CostModel
-from megatron_zeppelin.planner.cost.models import get_model
-from megatron_zeppelin.planner.plan.plan import Route, RoutePart
 from megatron_zeppelin.planner.simulate.stepwise import route_hops
 from megatron_zeppelin.planner.simulate.transfers import (
     _RouteTable,
@@ -155,9 +156,7 @@ def test_route_table_is_route_hops(routes) -> None:  # noqa: ANN001
             Route(
                 src,
                 dst,
-                tuple(
-                    RoutePart((src // k) * k + a, (dst // k) * k + b, w) for a, b, w in parts
-                ),
+                tuple(RoutePart((src // k) * k + a, (dst // k) * k + b, w) for a, b, w in parts),
             )
         )
     cost = CostModel.default(get_model("llama-7b"), topo)

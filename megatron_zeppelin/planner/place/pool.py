@@ -51,7 +51,6 @@ from megatron_zeppelin.planner.place.placement import (
 )
 from megatron_zeppelin.planner.place.pool_rings import Arrays, place_ring, ring_sizes
 from megatron_zeppelin.planner.place.ring_options import TOLERANCE, PoolGoal, price
-from megatron_zeppelin.planner.plan.plan import Tier
 
 __all__ = [
     "ALL_ORDERS",
@@ -195,14 +194,13 @@ def place_pool(
     whole = np.flatnonzero(~rings)
     whole = whole[np.lexsort((whole, -array[whole]))]
     count = early_count(batch, first)
-    _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
+    promotions = _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
     arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
     for doc in batch.ring_docs:
         placement = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
         placements[doc] = placement
         arrays.update(placement.ring, loads)  # type: ignore[union-attr]
-    _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
-    promotions = sum(placements[d].tier != Tier.LOCAL for d in whole.tolist())  # type: ignore[union-attr]
+    promotions += _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     return placements, promotions  # type: ignore[return-value]
 
 
@@ -305,19 +303,20 @@ def _place_whole(
     loads: Loads,
     placements: list[Placement | None],
     goal: PoolGoal,
-) -> None:
+) -> int:
     """Whole documents, longest first, on the GPU with room of the least ``_projected`` load
     (ties: the lowest rank), over the world. A GPU without room for the current document is
     parked until the documents get short enough for it (they only get shorter, and a parked GPU
     takes nothing), so a nearly full cluster costs a heap operation per document, not a pass
-    over every GPU. A document no GPU has room for becomes a ring of GPUs that have."""
+    over every GPU. A document no GPU has room for becomes a ring of GPUs that have (of two
+    GPUs or more: ``ring_sizes``). Returns how many did."""
     if whole_docs.compiled():
-        _place_whole_compiled(docs, array, attention, loads, placements, goal)
-        return
+        return _place_whole_compiled(docs, array, attention, loads, placements, goal)
     floor, capacity, weight = goal.floor, loads.capacity, loads.linear_weight
     keys = _projected(loads, floor).tolist()
     heap, parked = _heaps(keys)
     local = [local_placement(r) for r in range(loads.topology.world_size)]
+    rings = 0
     for doc, length, seconds in zip(docs.tolist(), array[docs].tolist(), attention[docs].tolist()):
         while parked and -parked[0][0] >= length:
             rank = heapq.heappop(parked)[1]
@@ -334,6 +333,7 @@ def _place_whole(
         if not heap:
             placed = place_ring(doc, length, loads, goal)
             placements[doc] = placed
+            rings += 1
             # Only the ring's members changed: they go back on the heap with their new keys
             # (their parked entries, if any, are looked at again when due).
             for rank in placed.ring:
@@ -345,6 +345,7 @@ def _place_whole(
         placements[doc] = local[rank]
         keys[rank] = loads.cost[rank] + weight * max(0, floor - loads.tokens[rank])
         heapq.heapreplace(heap, (keys[rank], rank))  # the top was its entry: one sift
+    return rings
 
 
 def _place_whole_compiled(
@@ -354,26 +355,26 @@ def _place_whole_compiled(
     loads: Loads,
     placements: list[Placement | None],
     goal: PoolGoal,
-) -> None:
+) -> int:
     """``_place_whole`` in numba's compiled loop (``whole_docs.py``: the same GPUs), handing
-    back each document no GPU has room for to be made a ring here."""
+    back each document no GPU has room for to be made a ring here; how many were."""
     state = whole_docs.WholeDocs(loads, goal.floor)
     lengths = np.ascontiguousarray(array[docs], dtype=np.int64)
     seconds = np.ascontiguousarray(attention[docs], dtype=np.float64)
     ranks = np.empty(len(docs), dtype=np.int64)
     local = [local_placement(r) for r in range(loads.topology.world_size)]
-    start = 0
+    start = rings = 0
     while True:
         stop = state.place(lengths, seconds, start, ranks)
         for doc, rank in zip(docs[start:stop].tolist(), ranks[start:stop].tolist()):
             placements[doc] = local[rank]
         state.write_loads()
         if stop == len(docs):
-            return
+            return rings
         placed = place_ring(int(docs[stop]), int(lengths[stop]), loads, goal)
         placements[int(docs[stop])] = placed
         state.placed_ring(placed.ring)
-        start = stop + 1
+        start, rings = stop + 1, rings + 1
 
 
 def _heaps(keys: list[float]) -> tuple[Heap, Heap]:

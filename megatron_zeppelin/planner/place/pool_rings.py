@@ -71,9 +71,12 @@ def place_ring(
     least = np.sort(cost)
     tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
     for size in ring_sizes(length, work, goal.target, loads, goal.member_tokens):
+        places = options(length, size, loads, goal)
+        if not places:
+            continue  # pieces too short to cross nodes, and no node's ring this wide
         per_rank = most_tokens(length, size)
         ends = _Ends(arrays, loads.linear_weight, goal.floor, per_rank)
-        for key, where in options(length, size, loads, goal):
+        for key, where in places:
             tries.append((size, per_rank, ends, key, where))
             if float(least[size - 1]) + key > limit:
                 continue
