@@ -22,7 +22,11 @@ from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
-from megatron_zeppelin.planner.place.placement import _NodeBatch, place_across_nodes
+from megatron_zeppelin.planner.place.placement import (
+    _NodeBatch,
+    place_across_nodes,
+    place_within_nodes,
+)
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
@@ -295,3 +299,73 @@ def test_compiled_stage_two_gives_the_nodes_numpy_gives(
     assert sum(map(len, by_node)) > 0
     if name.startswith("fixed-"):
         assert promotions > 0, "every document found a node: the spreading path untried"
+
+
+@pytest.mark.parametrize(("distribution", "seed"), [("lognormal", 0), ("long-tail", 0)])
+def test_nodes_placed_before_are_placed_as_from_scratch(distribution: str, seed: int) -> None:
+    """Stage 3 with the nodes of earlier placements at hand (``place_within_nodes``' ``done``,
+    shared by the staged tries of a batch) places every try as it would from scratch: the same
+    rings, the same loads to the last bit, the same predictions; and it does find nodes placed
+    before (a batch of few documents per node, its tries a ring apart)."""
+    topology, cost = _model()
+    capacity = 32_768
+    lengths = np.asarray(sample_lengths(distribution, num_tokens=400_000, seed=seed))
+    rules = _rules(topology, cost)
+
+    def new_loads() -> Loads:
+        return Loads(topology, capacity, cost, topology.nics_per_node, two_d=True)
+
+    base = assign_tiers(lengths, new_loads(), rules)
+    extra = np.flatnonzero(base.splittable)
+    extra = extra[np.lexsort((extra, -lengths[extra]))].tolist()
+    assert len(extra) >= 4
+    done: dict = {}
+    for count in range(4):
+        rings = tuple(extra[:count])
+        choice = base.with_rings(list(rings))
+        shared = _place(lengths, choice, new_loads(), LAYOUTS, count, {}, rings, done)
+        alone = _place(lengths, choice, new_loads(), LAYOUTS, count, {}, rings)
+        assert shared.placements == alone.placements
+        assert shared.loads.cost == alone.loads.cost
+        assert shared.loads.attention == alone.loads.attention
+        assert shared.loads.exposed == alone.loads.exposed
+        assert shared.loads.tokens == alone.loads.tokens
+        assert shared.predicted == alone.predicted
+    assert len(done) < 4 * topology.num_nodes, "no node was placed as before"
+
+
+@pytest.mark.parametrize("pack", [True, False])
+def test_a_node_is_placed_as_before_only_where_its_documents_and_loads_are(pack: bool) -> None:
+    """``place_within_nodes``' ``done`` hands back a node placed before only for the same
+    documents on the same loads: a GPU already loaded otherwise, or a whole document given to
+    another node, is placed afresh (as with nothing at hand); with rings packed to the node's
+    mean load (which both change) and without."""
+    from dataclasses import replace
+
+    topology, cost = _model()
+    lengths = np.asarray(sample_lengths("wlbllm", num_tokens=300_000, seed=3), dtype=np.int64)
+    choice = assign_tiers(lengths, Loads(topology, 1 << 20, cost), _rules(topology, cost))
+    choice = replace(choice, pack=pack)
+    rng = np.random.default_rng(1)
+    by_node: list[list[int]] = [[] for _ in range(topology.num_nodes)]
+    for doc in rng.permutation(np.flatnonzero(~choice.inter)).tolist():
+        by_node[int(rng.integers(topology.num_nodes))].append(doc)
+    moved = next(d for d in by_node[0] if not choice.split[d])
+    elsewhere = [[d for d in docs if d != moved] for docs in by_node]
+    elsewhere[1].append(moved)
+
+    def placed(nodes: list[list[int]], done: dict | None, busy: bool) -> tuple:
+        loads = Loads(topology, 1 << 20, cost)
+        if busy:  # one GPU of node 0 loaded before stage 3
+            loads.add_local(1, 5_000)
+        placements: list = [None] * len(lengths)
+        promotions = place_within_nodes(lengths, choice, nodes, loads, placements, done)
+        return placements, promotions, loads.cost, loads.attention, loads.exposed, loads.tokens
+
+    done: dict = {}
+    first = placed(by_node, done, busy=False)
+    assert len(done) == topology.num_nodes
+    assert placed(by_node, done, busy=False) == first and len(done) == topology.num_nodes
+    for nodes, busy in ((by_node, True), (elsewhere, False)):
+        assert placed(nodes, done, busy) == placed(nodes, None, busy)
+    assert len(done) == topology.num_nodes + 1 + 2  # node 0 loaded; nodes 0 and 1 given others

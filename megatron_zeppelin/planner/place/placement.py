@@ -317,10 +317,15 @@ def place_within_nodes(
     by_node: list[list[int]],
     loads: Loads,
     placements: list[Placement | None],
+    done: dict | None = None,
 ) -> int:
     """Level 2 on every node (``_place_node``); a node whose documents do not fit is placed
     again with the next ``_Attempt``. Documents the last attempt hands on go wherever room is
-    left (``place_anywhere``). Returns how many documents capacity moved to a higher tier."""
+    left (``place_anywhere``). Returns how many documents capacity moved to a higher tier.
+    ``done``: the nodes placed before (by ``_node_key``), shared by placements of one batch
+    with the same cost model, capacity and topology: a node whose documents, loads and target
+    are those of one placed before is placed as it was (the staged placement's tries differ in
+    a few documents, and most nodes of a batch of few documents per node come out alike)."""
     topo = loads.topology
     k = topo.gpus_per_node
     spread = np.full(len(lengths), k, dtype=np.int64)
@@ -330,10 +335,20 @@ def place_within_nodes(
     for node in range(topo.num_nodes):
         docs = batch.docs(node)
         ranks = list(topo.ranks_of_node(node))
-        saved = loads.snapshot(ranks)
+        target = batch.target(node, ranks) if choice.pack else None
+        key = None if done is None else _node_key(docs, ranks, choice, loads, target)
+        if key is not None and key in done:
+            placed, values, promoted, handed_on = done[key]
+            for doc, placement in placed:
+                placements[doc] = placement
+            loads.restore(values)
+            promotions += promoted
+            overflow += handed_on
+            continue
+        saved, first = loads.snapshot(ranks), len(overflow)
         for attempt in _ATTEMPTS:
             try:
-                promotions += _place_node(
+                promoted = _place_node(
                     docs,
                     ranks,
                     choice,
@@ -341,7 +356,7 @@ def place_within_nodes(
                     spread if attempt.spread else choice.largest_ring,
                     loads,
                     placements,
-                    target=batch.target(node, ranks) if choice.pack else None,
+                    target=target,
                     by_room=attempt.by_room,
                     overflow=overflow if attempt.hand_on else None,
                     local=batch.local,
@@ -350,10 +365,34 @@ def place_within_nodes(
             except CapacityError:
                 assert not attempt.hand_on, "the last attempt hands leftovers on instead of failing"
                 loads.restore(saved)
+        promotions += promoted
+        if key is not None:
+            mine = [*docs.ring_docs, *docs.whole_docs]
+            placed = [(doc, placements[doc]) for doc in mine]
+            done[key] = (placed, loads.snapshot(ranks), promoted, overflow[first:])
     for doc in _longest_first(overflow, lengths):
         placements[doc] = place_anywhere(doc, int(lengths[doc]), loads)
         promotions += 1
     return promotions
+
+
+def _node_key(
+    docs: _NodeDocs, ranks: list[int], choice: TierChoice, loads: Loads, target: float | None
+) -> tuple:
+    """What ``place_within_nodes``' attempts on one node read: its documents (which ring), the
+    largest ring each may take, its GPUs' loads, the target, and the balance mode (the linear
+    seconds a token adds)."""
+    mine = [*docs.ring_docs, *docs.whole_docs]
+    held = [(loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r]) for r in ranks]
+    return (
+        tuple(docs.ring_docs),
+        tuple(docs.whole_docs),
+        tuple(choice.largest_ring[mine].tolist()),
+        tuple(ranks),
+        tuple(held),
+        target,
+        loads.linear_weight,
+    )
 
 
 @dataclass(frozen=True)

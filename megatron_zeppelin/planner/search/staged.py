@@ -21,7 +21,10 @@ mixtures are covered: a linear layout that moves tokens only inside nodes remaps
 pays), less those a bound shows cannot beat the attention layout (its ``prune``).
 
 Placements of one batch share what does not change between them: stage 1 per balance mode and
-scheme, the inter-node rings per stage 1, and stage 2 for both packings of the same rings.
+scheme, the inter-node rings per stage 1, stage 2 for both packings of the same rings, and stage
+3's nodes: a node given the same documents on the same loads as in an earlier placement is
+placed as it was then (``placement.place_within_nodes``; on batches of few documents per node,
+where the tries are many, most nodes of a try).
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ def staged_candidates(
     # Per balance mode and scheme: each stage 2 (by its rings), the same for both packings
     # (``pack`` sizes the rings inside nodes, in stage 3).
     across: dict[tuple[bool, bool], dict[tuple[int, ...] | None, _Across]] = {}
+    nodes: dict = {}  # stage 3's nodes placed so far (``place_within_nodes``' ``done``)
     first = True
     for balance_linear, pack, two_d in [*variants, (True, True, False)]:
         staged = [c for c in found if not c.pooled]
@@ -97,7 +101,8 @@ def staged_candidates(
             tiers[family] = assign_tiers(array, loads(), rules)
         base = replace(tiers[family], pack=pack)
         stage_2 = across.setdefault(family, {})
-        for candidate in _candidates(array, base, loads, layouts, budget, stage_2, first=first):
+        found_now = _candidates(array, base, loads, layouts, budget, stage_2, nodes, first=first)
+        for candidate in found_now:
             first = False
             yield candidate
 
@@ -109,6 +114,7 @@ def _candidates(
     layouts: tuple[str, ...],
     budget: list[int],
     across: dict[tuple[int, ...] | None, _Across],
+    nodes: dict,
     *,
     first: bool,
 ) -> Iterator[Candidate]:
@@ -117,7 +123,8 @@ def _candidates(
     document never lands in a lower tier than a shorter one). Only the very first placement may
     fail on capacity (``plan_batch`` then splits less); later ones that run out of room are
     skipped. ``across``: stage 2 of every placement made so far with the same stage 1, by its
-    extra rings (``_place``)."""
+    extra rings (``_place``); ``nodes``: stage 3's nodes placed so far, for every placement of
+    the batch."""
     extra = np.flatnonzero(base.splittable)
     extra = extra[np.lexsort((extra, -array[extra]))]  # longest first
     # Rings aimed at the busiest GPU: more of them than GPUs no longer are.
@@ -132,7 +139,9 @@ def _candidates(
             choice = base.with_rings(rings)
             # The last try's stage 2 serves no other: kept aside, not in ``across``.
             kept = across if budget[0] >= len(array) else dict(across)
-            candidate = _place(array, choice, new_loads(), layouts, count, kept, tuple(rings))
+            candidate = _place(
+                array, choice, new_loads(), layouts, count, kept, tuple(rings), nodes
+            )
         except CapacityError:
             if first and count == 0:
                 raise
@@ -188,10 +197,12 @@ def _place(
     extra: int,
     across: dict[tuple[int, ...] | None, _Across],
     rings: tuple[int, ...],
+    nodes: dict | None = None,
 ) -> Candidate:
     """Stages 2 and 3, and the layer time ``Loads`` predicts under each linear layout. Stage 2
     comes from ``across`` where a placement with the same ``rings`` made it already, and its
-    inter-node rings where any placement of the same stage 1 did."""
+    inter-node rings where any placement of the same stage 1 did; stage 3's nodes from
+    ``nodes`` where placed alike before."""
     done, everyone = across.get(rings), range(loads.topology.world_size)
     if done is None:
         # The inter-node rings come first and alike whatever the rings inside nodes: placed
@@ -211,7 +222,7 @@ def _place(
     else:
         by_node, placements, promotions = done.by_node, list(done.placements), done.promotions
         loads.restore(done.loads)
-    promotions += place_within_nodes(array, choice, by_node, loads, placements)
+    promotions += place_within_nodes(array, choice, by_node, loads, placements, nodes)
     attention_s = np.add(loads.attention, loads.exposed).tolist()
     predicted = price_linear_layouts(
         loads.tokens, attention_s, loads.topology, loads.cost_model, layouts, prune=True
