@@ -336,7 +336,8 @@ def place_within_nodes(
         docs = batch.docs(node)
         ranks = list(topo.ranks_of_node(node))
         target = batch.target(node, ranks) if choice.pack else None
-        key = None if done is None else _node_key(docs, ranks, choice, loads, target)
+        mine = [*docs.ring_docs, *docs.whole_docs]
+        key = None if done is None else _node_key(docs, mine, ranks, choice, loads, target)
         if key is not None and key in done:
             placed, values, promoted, handed_on = done[key]
             for doc, placement in placed:
@@ -367,7 +368,6 @@ def place_within_nodes(
                 loads.restore(saved)
         promotions += promoted
         if key is not None:
-            mine = [*docs.ring_docs, *docs.whole_docs]
             placed = [(doc, placements[doc]) for doc in mine]
             done[key] = (placed, loads.snapshot(ranks), promoted, overflow[first:])
     for doc in _longest_first(overflow, lengths):
@@ -377,12 +377,16 @@ def place_within_nodes(
 
 
 def _node_key(
-    docs: _NodeDocs, ranks: list[int], choice: TierChoice, loads: Loads, target: float | None
+    docs: _NodeDocs,
+    mine: list[int],
+    ranks: list[int],
+    choice: TierChoice,
+    loads: Loads,
+    target: float | None,
 ) -> tuple:
-    """What ``place_within_nodes``' attempts on one node read: its documents (which ring), the
-    largest ring each may take, its GPUs' loads, the target, and the balance mode (the linear
-    seconds a token adds)."""
-    mine = [*docs.ring_docs, *docs.whole_docs]
+    """What ``place_within_nodes``' attempts on one node read: its documents (which ring;
+    ``mine``: all of them), the largest ring each may take, its GPUs' loads, the target, and the
+    balance mode (the linear seconds a token adds)."""
     held = [(loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r]) for r in ranks]
     return (
         tuple(docs.ring_docs),

@@ -153,6 +153,11 @@ def _lay(lengths: list[int], whole: list[float], loads: Loads, target: float) ->
     laid: _Laid = []
     tokens_on = [0] * topology.world_size
     for length, members in zip(lengths, stretches):
+        if len(members) == 1:  # whole on one GPU: most documents (``_members``' answer)
+            rank = members[0][0]
+            tokens_on[rank] += length
+            laid.append(((rank,), None))
+            continue
         ring, tokens = _members(length, members, k, target)
         for rank, num in zip(ring, tokens or (length,)):
             tokens_on[rank] += num
