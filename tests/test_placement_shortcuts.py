@@ -369,3 +369,118 @@ def test_a_node_is_placed_as_before_only_where_its_documents_and_loads_are(pack:
     for nodes, busy in ((by_node, True), (elsewhere, False)):
         assert placed(nodes, done, busy) == placed(nodes, None, busy)
     assert len(done) == topology.num_nodes + 1 + 2  # node 0 loaded; nodes 0 and 1 given others
+
+
+def _node_attempt(
+    monkeypatch: pytest.MonkeyPatch, loads: Loads, case: dict, *, compiled: bool
+) -> tuple:
+    """``_place_node`` of ``case`` on a copy of ``loads``, compiled or in Python: its answer,
+    placements, leftovers and loads, or the capacity error it raised."""
+    import megatron_zeppelin.planner.place.placement as placement
+
+    monkeypatch.setattr(placement.node_rings, "compiled", lambda: compiled)
+    mine = Loads(
+        loads.topology, loads.capacity, loads.cost_model, balance_linear=loads.balance_linear
+    )
+    for name in ("cost", "attention", "exposed", "tokens"):
+        setattr(mine, name, list(getattr(loads, name)))
+    placements: list = [None] * case["size"]
+    overflow: list[int] | None = [] if case["hand_on"] else None
+    try:
+        promoted = placement._place_node(
+            case["docs"], case["ranks"], None, case["smallest"], case["largest"], mine,  # type: ignore[arg-type]
+            placements, target=case["target"], by_room=case["by_room"], overflow=overflow,
+            local=case["local"],
+        )  # fmt: skip
+    except placement.CapacityError as error:
+        return ("full", str(error))
+    return (promoted, placements, overflow, mine.cost, mine.attention, mine.exposed, mine.tokens)
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100"])
+def test_compiled_stage_three_places_a_node_as_python_does(
+    monkeypatch: pytest.MonkeyPatch, cluster: str
+) -> None:
+    """One node's attempt (``_place_node``) in the compiled loop (``loops/node_rings.py``)
+    against Python's, on 300 drawn nodes: GPUs already holding loads and tokens, rings and whole
+    documents of any size, packed or not, by load or by room, leftovers handed on or not. The
+    same answer every time: the same rings and GPUs, the same loads to the last bit, or the same
+    document out of room; and every answer comes up (placed, a ring out of room, a whole
+    document out of room, which the compiled loop leaves to Python)."""
+    import megatron_zeppelin.planner.place.placement as placement
+
+    topology = get_topology(cluster, num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    k, capacity = topology.gpus_per_node, 32_768
+    ranks = list(topology.ranks_of_node(1))
+    local = [placement.local_placement(r) for r in range(topology.world_size)]
+    rng = np.random.default_rng(7)
+    answers: list[int] = []
+    place = placement.node_rings.place
+
+    def counted(*args):  # noqa: ANN002, ANN202
+        answers.append(place(*args))
+        return answers[-1]
+
+    monkeypatch.setattr(placement.node_rings, "place", counted)
+    for _ in range(300):
+        balance_linear, by_room, hand_on = (bool(b) for b in rng.integers(0, 2, 3))
+        loads = Loads(topology, capacity, cost, balance_linear=balance_linear)
+        for rank in ranks:  # what stage 2's inter-node rings left on the node
+            held = int(rng.integers(0, capacity // 2)) if rng.random() < 0.5 else 0
+            if held:
+                loads.add_local(rank, held)
+        lengths = np.concatenate(
+            [rng.integers(2, 4 * capacity, int(rng.integers(0, 5))), rng.integers(1, 6000, 12)]
+        ).astype(np.int64)
+        rings = rng.random(len(lengths)) < 0.3
+        rings[lengths > capacity] = True
+        order = np.lexsort((np.arange(len(lengths)), -lengths, ~rings))
+        ring_docs = [d for d in order.tolist() if rings[d]]
+        whole = [d for d in order.tolist() if not rings[d]]
+        seconds = [loads.ring_seconds(int(lengths[d]), 1) for d in whole]
+        docs = placement._NodeDocs(
+            ring_docs, lengths[ring_docs].tolist(), whole, lengths[whole].tolist(), seconds
+        )
+        largest = rng.integers(2, k + 1, len(lengths))
+        smallest = int(rng.choice([2, k]))
+        target = (
+            float(np.mean(loads.cost[ranks[0] :]) + rng.random() * 0.05)
+            if rng.random() < 0.5
+            else None
+        )
+
+        case = dict(
+            docs=docs, ranks=ranks, smallest=smallest, largest=largest, target=target,
+            by_room=by_room, hand_on=hand_on, local=local, size=len(lengths),
+        )  # fmt: skip
+        want = _node_attempt(monkeypatch, loads, case, compiled=False)
+        assert _node_attempt(monkeypatch, loads, case, compiled=True) == want
+    assert set(answers) == {
+        placement.node_rings.PLACED,
+        placement.node_rings.FULL,
+        placement.node_rings.AGAIN,
+    }
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100"])
+def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
+    """Stage 3's compiled loop prices a ring over NVLink as ``Loads`` does, to the last bit:
+    ``rank_share``'s compute and exposed seconds and ``ring_key``, at every size of a node,
+    balancing linear seconds or not, over lengths from a few tokens to a million."""
+    from megatron_zeppelin.planner.loops import node_rings
+
+    assert node_rings.compiled()
+    topology = get_topology(cluster, num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    lengths = np.random.default_rng(3).integers(2, 1 << 20, 400).tolist() + [2, 3, 17, 1 << 20]
+    for balance_linear in (True, False):
+        loads = Loads(topology, 1 << 20, cost, balance_linear=balance_linear)
+        terms = loads.nvlink_terms()
+        for length in lengths:
+            for g in range(1, topology.gpus_per_node + 1):
+                share = loads.rank_share(length, g, "nvlink")
+                assert node_rings._share(length, g, terms) == (share.compute_s, share.exposed_s)
+                assert node_rings._key(length, g, terms) == loads.ring_key(length, g, "nvlink")

@@ -14,6 +14,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, Link
 from megatron_zeppelin.planner.cost.thresholds import linear_seconds_per_token
 from megatron_zeppelin.planner.place.schemes import SchemePrices
@@ -231,6 +233,27 @@ class Loads:
             value = share.compute_s + exposed + self.linear_weight * length / ring_size
             self._keys[key] = value
         return value
+
+    def nvlink_terms(self) -> np.ndarray:
+        """What ``rank_share`` and ``ring_key`` read to price a ring over NVLink, for stage 3's
+        compiled loop (``loops/node_rings.py``, which works them out with the same operations):
+        both curves' ``(seconds per pair, half_tokens, fall_tokens)`` (diagonal first), the
+        overhead per kernel call, the K/V bytes per token, NVLink's latency and bytes per second,
+        ``FWD_SHARE`` and ``linear_weight``."""
+        nvlink = self.cost_model.nvlink
+        return np.asarray(
+            [
+                *(value or 0.0 for value in self._curves[True]),
+                *(value or 0.0 for value in self._curves[False]),
+                self._overhead_s,
+                self._kv_bytes,
+                nvlink.latency_s,
+                nvlink.bytes_per_s,
+                FWD_SHARE,
+                self.linear_weight,
+            ],
+            dtype=np.float64,
+        )
 
     def best_num_nodes(self, length: int, rest_work: float) -> int:
         """How many whole nodes a document's ring should span so that the step ends soonest:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import node_lpt
+from megatron_zeppelin.planner.loops import node_lpt, node_rings
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 
@@ -475,6 +475,13 @@ def _place_node(
     documents that find no room are appended to it instead of failing. ``local``: the
     placement of a whole document on each rank."""
 
+    if node_rings.compiled():
+        placed = _place_node_compiled(
+            docs, ranks, smallest, largest, loads, placements, target, by_room, overflow, local
+        )
+        if placed is not None:
+            return placed  # else a whole document finds no room: placed here, below
+
     def ring(doc: int, length: int) -> Placement | None:
         try:
             return place_intra(doc, length, smallest, int(largest[doc]), ranks, loads, target)
@@ -513,6 +520,67 @@ def _place_node(
         heap = [(key_of[r], r) for r in ranks]
         heapq.heapify(heap)
     return promotions
+
+
+def _place_node_compiled(
+    docs: _NodeDocs,
+    ranks: list[int],
+    smallest: int,
+    largest: np.ndarray,
+    loads: Loads,
+    placements: list[Placement | None],
+    target: float | None,
+    by_room: bool,
+    overflow: list[int] | None,
+    local: list[Placement],
+) -> int | None:
+    """``_place_node`` in one compiled call (``loops/node_rings.py``: the same rings and GPUs,
+    the same loads), on copies of the node's loads written back once every document is placed;
+    ``None`` (nothing changed) where a whole document finds no GPU with room."""
+    first, stop = ranks[0], ranks[-1] + 1  # a node's ranks are consecutive
+    k = stop - first
+    cost = np.array(loads.cost[first:stop], dtype=np.float64)
+    attention = np.array(loads.attention[first:stop], dtype=np.float64)
+    exposed = np.array(loads.exposed[first:stop], dtype=np.float64)
+    tokens = np.array(loads.tokens[first:stop], dtype=np.int64)
+    rings = np.zeros(len(docs.ring_docs), dtype=np.int64)
+    gpus = np.zeros(len(docs.whole_docs), dtype=np.int64)
+    answer = node_rings.place(
+        cost, attention, exposed, tokens, loads.capacity, 0.0 if target is None else target,
+        target is not None, loads.nvlink_terms(),
+        np.asarray(docs.ring_lengths, dtype=np.int64),
+        np.ascontiguousarray(largest[docs.ring_docs], dtype=np.int64),
+        np.asarray(docs.whole_lengths, dtype=np.int64),
+        np.asarray(docs.whole_seconds, dtype=np.float64),
+        smallest, by_room, overflow is not None, rings, gpus,
+    )  # fmt: skip
+    if answer == node_rings.AGAIN:
+        return None
+    if answer == node_rings.FULL:  # the first ring without members found no room
+        i = int(np.flatnonzero(rings == 0)[0])
+        doc, length = docs.ring_docs[i], docs.ring_lengths[i]
+        raise capacity_error(doc, length, f"on node {loads.topology.node_of(first)}")
+    loads.cost[first:stop] = cost.tolist()
+    loads.attention[first:stop] = attention.tolist()
+    loads.exposed[first:stop] = exposed.tolist()
+    loads.tokens[first:stop] = tokens.tolist()
+    members = _members_of_masks(k)
+    for doc, mask in zip(docs.ring_docs, rings.tolist()):
+        if mask == 0:  # no room: handed on (``overflow``)
+            overflow.append(doc)  # type: ignore[union-attr]
+            placements[doc] = None
+            continue
+        ring = tuple(first + j for j in members[mask])
+        placements[doc] = Placement(Tier.LOCAL if len(ring) == 1 else Tier.INTRA, ring)
+    for doc, gpu in zip(docs.whole_docs, gpus.tolist()):
+        placements[doc] = local[first + gpu]
+    return 0
+
+
+@functools.cache
+def _members_of_masks(k: int) -> list[tuple[int, ...]]:
+    """The local GPUs of every bit mask over ``k`` GPUs, in order."""
+    return [tuple(j for j in range(k) if mask >> j & 1) for mask in range(1 << k)]
 
 
 @functools.cache

@@ -69,7 +69,14 @@ import numpy as np
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
-from megatron_zeppelin.planner.loops import jit, local_changes, node_lpt, ring_search, whole_docs
+from megatron_zeppelin.planner.loops import (
+    jit,
+    local_changes,
+    node_lpt,
+    node_rings,
+    ring_search,
+    whole_docs,
+)
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import CapacityError
 from megatron_zeppelin.planner.place.tiers import TierRules, chunk_thresholds
@@ -375,6 +382,6 @@ def warm() -> bool:
     the first time in an environment, about one after). Whether numba runs them."""
     if not jit.enabled():
         return False
-    for module in (local_changes, node_lpt, ring_search, whole_docs):
+    for module in (local_changes, node_lpt, node_rings, ring_search, whole_docs):
         module.warm()
     return True
