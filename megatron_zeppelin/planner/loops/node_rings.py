@@ -79,27 +79,22 @@ def place(
     )  # fmt: skip
 
 
-def _most_tokens(length, size):  # noqa: ANN001, ANN202 - compiled by numba
-    """``max(zigzag_loads(length, size))``: cuts ``round(j * L / 2g)``, halves to even."""
-    n = 2 * size
-    most = 0
-    for i in range(size):
-        a = np.rint(i * length / n)
-        b = np.rint((i + 1) * length / n)
-        c = np.rint((n - 1 - i) * length / n)
-        d = np.rint((n - i) * length / n)
-        most = max(most, int(b - a + d - c))
-    return most
-
-
 def _zigzag_tokens(length, size, position):  # noqa: ANN001, ANN202 - compiled by numba
-    """``zigzag_loads(length, size)[position]``."""
+    """``zigzag_loads(length, size)[position]``: cuts ``round(j * L / 2g)``, halves to even."""
     n = 2 * size
     a = np.rint(position * length / n)
     b = np.rint((position + 1) * length / n)
     c = np.rint((n - 1 - position) * length / n)
     d = np.rint((n - position) * length / n)
     return int(b - a + d - c)
+
+
+def _most_tokens(length, size):  # noqa: ANN001, ANN202 - compiled by numba
+    """``max(zigzag_loads(length, size))``."""
+    most = 0
+    for position in range(size):
+        most = max(most, _zigzag_tokens(length, size, position))
+    return most
 
 
 def _block(pairs, num_tokens, pair_seconds, half, fall):  # noqa: ANN001, ANN202 - compiled
@@ -264,8 +259,8 @@ def _compiled() -> Callable | None:
     """``_place`` compiled (``loops/jit.py``), or ``None`` without numba."""
     return jit.compile_loops(
         globals(),
-        "_most_tokens",
         "_zigzag_tokens",
+        "_most_tokens",
         "_block",
         "_share",
         "_key",
