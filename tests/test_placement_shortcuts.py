@@ -22,12 +22,9 @@ from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
-from megatron_zeppelin.planner.place.placement import (
-    _NodeBatch,
-    place_across_nodes,
-    place_within_nodes,
-)
+from megatron_zeppelin.planner.place.placement import place_across_nodes
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
+from megatron_zeppelin.planner.place.within_nodes import _NodeBatch, place_within_nodes
 from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 from megatron_zeppelin.planner.search.partition import PlannerOptions
@@ -376,9 +373,9 @@ def _node_attempt(
 ) -> tuple:
     """``_place_node`` of ``case`` on a copy of ``loads``, compiled or in Python: its answer,
     placements, leftovers and loads, or the capacity error it raised."""
-    import megatron_zeppelin.planner.place.placement as placement
+    import megatron_zeppelin.planner.place.within_nodes as within
 
-    monkeypatch.setattr(placement.node_rings, "compiled", lambda: compiled)
+    monkeypatch.setattr(within.node_rings, "compiled", lambda: compiled)
     mine = Loads(
         loads.topology, loads.capacity, loads.cost_model, balance_linear=loads.balance_linear
     )
@@ -387,12 +384,12 @@ def _node_attempt(
     placements: list = [None] * case["size"]
     overflow: list[int] | None = [] if case["hand_on"] else None
     try:
-        promoted = placement._place_node(
+        promoted = within._place_node(
             case["docs"], case["ranks"], None, case["smallest"], case["largest"], mine,  # type: ignore[arg-type]
             placements, target=case["target"], by_room=case["by_room"], overflow=overflow,
             local=case["local"],
         )  # fmt: skip
-    except placement.CapacityError as error:
+    except within.CapacityError as error:
         return ("full", str(error))
     return (promoted, placements, overflow, mine.cost, mine.attention, mine.exposed, mine.tokens)
 
@@ -408,22 +405,22 @@ def test_compiled_stage_three_places_a_node_as_python_does(
     same answer every time: the same rings and GPUs, the same loads to the last bit, or the same
     document out of room; and every answer comes up (placed, a ring out of room, a whole
     document out of room, which the compiled loop leaves to Python)."""
-    import megatron_zeppelin.planner.place.placement as placement
+    import megatron_zeppelin.planner.place.within_nodes as within
 
     topology = get_topology(cluster, num_nodes=2)
     cost = CostModel.default(get_model("llama-7b"), topology)
     k, capacity = topology.gpus_per_node, 32_768
     ranks = list(topology.ranks_of_node(1))
-    local = [placement.local_placement(r) for r in range(topology.world_size)]
+    local = [within.local_placement(r) for r in range(topology.world_size)]
     rng = np.random.default_rng(7)
     answers: list[int] = []
-    place = placement.node_rings.place
+    place = within.node_rings.place
 
     def counted(*args):  # noqa: ANN002, ANN202
         answers.append(place(*args))
         return answers[-1]
 
-    monkeypatch.setattr(placement.node_rings, "place", counted)
+    monkeypatch.setattr(within.node_rings, "place", counted)
     for _ in range(300):
         balance_linear, by_room, hand_on = (bool(b) for b in rng.integers(0, 2, 3))
         loads = Loads(topology, capacity, cost, balance_linear=balance_linear)
@@ -440,7 +437,7 @@ def test_compiled_stage_three_places_a_node_as_python_does(
         ring_docs = [d for d in order.tolist() if rings[d]]
         whole = [d for d in order.tolist() if not rings[d]]
         seconds = [loads.ring_seconds(int(lengths[d]), 1) for d in whole]
-        docs = placement._NodeDocs(
+        docs = within._NodeDocs(
             ring_docs, lengths[ring_docs].tolist(), whole, lengths[whole].tolist(), seconds
         )
         largest = rng.integers(2, k + 1, len(lengths))
@@ -458,9 +455,9 @@ def test_compiled_stage_three_places_a_node_as_python_does(
         want = _node_attempt(monkeypatch, loads, case, compiled=False)
         assert _node_attempt(monkeypatch, loads, case, compiled=True) == want
     assert set(answers) == {
-        placement.node_rings.PLACED,
-        placement.node_rings.FULL,
-        placement.node_rings.AGAIN,
+        within.node_rings.PLACED,
+        within.node_rings.FULL,
+        within.node_rings.AGAIN,
     }
 
 

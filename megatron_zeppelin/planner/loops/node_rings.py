@@ -1,4 +1,4 @@
-"""Stage 3 on one node (``placement._place_node``) in one compiled loop.
+"""Stage 3 on one node (``within_nodes._place_node``) in one compiled loop.
 
 A node's in-node rings come first, longest first: each is the smallest ring of the node's least
 loaded GPUs with room that ends within the node's mean load (``pack``), else the one that ends
@@ -226,7 +226,7 @@ def _place(
     rings,
     ranks,
 ):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
-    """``place``: ``placement._place_node``'s loops."""
+    """``place``: ``within_nodes._place_node``'s loops."""
     order = np.empty(cost.shape[0], dtype=np.int64)
     for i in range(ring_lengths.shape[0]):
         rings[i] = _ring(

@@ -1,21 +1,22 @@
-"""Stages 2 and 3 of the planner: documents onto nodes, then onto GPUs (see ``partition``).
+"""Stage 2 of the planner, documents onto nodes (see ``partition``), and what stages 2 and 3 share.
 
 ``place_across_nodes`` gives every inter-node document a ring over consecutive whole nodes and
-every other document a node; ``place_within_nodes`` then gives the documents of each node a ring
-of its GPUs or one GPU. Both record a ``Placement`` (the document's tier and ring) and add its
-predicted work to ``Loads``.
+every other document a node; stage 3 (``within_nodes.place_within_nodes``) then gives the
+documents of each node a ring of its GPUs or one GPU. Both record a ``Placement`` (the
+document's tier and ring) and add its predicted work to ``Loads``; the rings themselves are
+placed here (``place_inter`` across nodes, ``place_intra`` inside one, ``place_anywhere`` where
+room is left).
 """
 
 from __future__ import annotations
 
 import functools
 import heapq
-import itertools
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import node_lpt, node_rings
+from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
 
@@ -24,10 +25,10 @@ __all__ = [
     "Placement",
     "TierChoice",
     "local_placement",
+    "longest_first",
     "place_across_nodes",
     "place_anywhere",
     "place_inter_documents",
-    "place_within_nodes",
 ]
 
 
@@ -96,7 +97,7 @@ def pop_with_room(heap: Heap, used: list[int], limit: int, needed: int) -> tuple
     return found
 
 
-def _longest_first(docs, lengths: np.ndarray) -> list[int]:
+def longest_first(docs, lengths: np.ndarray) -> list[int]:
     docs = np.fromiter(docs, dtype=np.int64)
     return docs[np.lexsort((docs, -lengths[docs]))].tolist()
 
@@ -126,7 +127,7 @@ def place_inter_documents(
 ) -> None:
     """Stage 2's first part: the inter-node documents' rings, longest first. It reads only
     ``choice.inter`` and ``choice.wanted_nodes``, not which documents ring inside nodes."""
-    inter_docs = _longest_first(np.flatnonzero(choice.inter).tolist(), lengths)
+    inter_docs = longest_first(np.flatnonzero(choice.inter).tolist(), lengths)
     for order, doc in enumerate(inter_docs):
         wanted = choice.wanted_nodes[doc]
         placements[doc] = place_inter(doc, int(lengths[doc]), wanted, order, loads)
@@ -289,298 +290,6 @@ def _placed_work(
                 key[i] = g * finish
                 break
     return key
-
-
-# --- stage 3: within nodes -----------------------------------------------------------------------
-@dataclass(frozen=True)
-class _Attempt:
-    """How to place one node's documents; tighter capacity needs the later attempts."""
-
-    by_room: bool
-    """Local documents to the GPU with the most room (worst fit, keeps tokens even)."""
-    spread: bool
-    """Every ring over all the node's GPUs (the layout that leaves the most room on each)."""
-    hand_on: bool
-    """Documents that still find no room go to other nodes instead of failing."""
-
-
-_ATTEMPTS = (
-    _Attempt(by_room=False, spread=False, hand_on=False),
-    _Attempt(by_room=True, spread=False, hand_on=False),
-    _Attempt(by_room=True, spread=True, hand_on=True),
-)
-
-
-def place_within_nodes(
-    lengths: np.ndarray,
-    choice: TierChoice,
-    by_node: list[list[int]],
-    loads: Loads,
-    placements: list[Placement | None],
-    done: dict | None = None,
-) -> int:
-    """Level 2 on every node (``_place_node``); a node whose documents do not fit is placed
-    again with the next ``_Attempt``. Documents the last attempt hands on go wherever room is
-    left (``place_anywhere``). Returns how many documents capacity moved to a higher tier.
-    ``done``: the nodes placed before (by ``_node_key``), shared by placements of one batch
-    with the same cost model, capacity and topology: a node whose documents, loads and target
-    are those of one placed before is placed as it was (the staged placement's tries differ in
-    a few documents, and most nodes of a batch of few documents per node come out alike)."""
-    topo = loads.topology
-    k = topo.gpus_per_node
-    spread = np.full(len(lengths), k, dtype=np.int64)
-    batch = _NodeBatch(lengths, choice, by_node, loads)
-    promotions = 0
-    overflow: list[int] = []
-    for node in range(topo.num_nodes):
-        docs = batch.docs(node)
-        ranks = list(topo.ranks_of_node(node))
-        target = batch.target(node, ranks) if choice.pack else None
-        mine = [*docs.ring_docs, *docs.whole_docs]
-        key = None if done is None else _node_key(docs, mine, ranks, choice, loads, target)
-        if key is not None and key in done:
-            placed, values, promoted, handed_on = done[key]
-            for doc, placement in placed:
-                placements[doc] = placement
-            loads.restore(values)
-            promotions += promoted
-            overflow += handed_on
-            continue
-        saved, first = loads.snapshot(ranks), len(overflow)
-        for attempt in _ATTEMPTS:
-            try:
-                promoted = _place_node(
-                    docs,
-                    ranks,
-                    choice,
-                    k if attempt.spread else 2,
-                    spread if attempt.spread else choice.largest_ring,
-                    loads,
-                    placements,
-                    target=target,
-                    by_room=attempt.by_room,
-                    overflow=overflow if attempt.hand_on else None,
-                    local=batch.local,
-                )
-                break
-            except CapacityError:
-                assert not attempt.hand_on, "the last attempt hands leftovers on instead of failing"
-                loads.restore(saved)
-        promotions += promoted
-        if key is not None:
-            placed = [(doc, placements[doc]) for doc in mine]
-            done[key] = (placed, loads.snapshot(ranks), promoted, overflow[first:])
-    for doc in _longest_first(overflow, lengths):
-        placements[doc] = place_anywhere(doc, int(lengths[doc]), loads)
-        promotions += 1
-    return promotions
-
-
-def _node_key(
-    docs: _NodeDocs,
-    mine: list[int],
-    ranks: list[int],
-    choice: TierChoice,
-    loads: Loads,
-    target: float | None,
-) -> tuple:
-    """What ``place_within_nodes``' attempts on one node read: its documents (which ring;
-    ``mine``: all of them), the largest ring each may take, its GPUs' loads, the target, and the
-    balance mode (the linear seconds a token adds)."""
-    held = [(loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r]) for r in ranks]
-    return (
-        tuple(docs.ring_docs),
-        tuple(docs.whole_docs),
-        tuple(choice.largest_ring[mine].tolist()),
-        tuple(ranks),
-        tuple(held),
-        target,
-        loads.linear_weight,
-    )
-
-
-@dataclass(frozen=True)
-class _NodeDocs:
-    """One node's documents as stage 3 places them, longest first (ties: lower index): its
-    in-node rings, then the others with their attention seconds on one GPU."""
-
-    ring_docs: list[int]
-    ring_lengths: list[int]
-    whole_docs: list[int]
-    whole_lengths: list[int]
-    whole_seconds: list[float]
-
-
-class _NodeBatch:
-    """Every node's documents sorted for ``_place_node`` at once (a few numpy calls for the
-    batch, not a sort per node), and what ``_place_node`` reads of them."""
-
-    def __init__(
-        self, lengths: np.ndarray, choice: TierChoice, by_node: list[list[int]], loads: Loads
-    ) -> None:
-        self.by_node, self.choice, self.loads = by_node, choice, loads
-        docs = np.fromiter(itertools.chain.from_iterable(by_node), dtype=np.int64)
-        node = np.repeat(np.arange(len(by_node)), [len(d) for d in by_node])
-        # Node, then rings before whole documents, then longest first, then lower index.
-        sort = np.lexsort((docs, -lengths[docs], ~choice.split[docs], node))
-        self._docs, node = docs[sort], node[sort]
-        self._lengths_of_docs = lengths[self._docs]
-        self._cuts = np.searchsorted(
-            node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
-        ).tolist()
-        self.local = [local_placement(r) for r in range(loads.topology.world_size)]
-        self._lengths = lengths
-
-    def docs(self, node: int) -> _NodeDocs:
-        """Node ``node``'s documents (lists made per node: a million documents at once would
-        hold them all in memory)."""
-        ring, whole, end = self._cuts[2 * node : 2 * node + 3]
-        docs, lengths = self._docs, self._lengths_of_docs
-        return _NodeDocs(
-            docs[ring:whole].tolist(),
-            lengths[ring:whole].tolist(),
-            docs[whole:end].tolist(),
-            lengths[whole:end].tolist(),
-            self.choice.attention[docs[whole:end]].tolist(),
-        )
-
-    def target(self, node: int, ranks: list[int]) -> float:
-        """The mean load of the node's GPUs once its documents are placed (``pack``)."""
-        docs, loads = self.by_node[node], self.loads
-        total = float(sum(self.choice.work[docs].tolist()))
-        if not loads.balance_linear:  # only attention is balanced: less the linear seconds
-            total -= loads.token_weight * float(sum(self._lengths[docs].tolist()))
-        return (sum(loads.cost[r] for r in ranks) + total) / len(ranks)
-
-
-def _place_node(
-    docs: _NodeDocs,
-    ranks: list[int],
-    choice: TierChoice,
-    smallest: int,
-    largest: np.ndarray,
-    loads: Loads,
-    placements: list[Placement | None],
-    *,
-    target: float | None = None,
-    by_room: bool = False,
-    overflow: list[int] | None = None,
-    local: list[Placement],
-) -> int:
-    """One node: rings first (longest first), then local documents by LPT. With a ``target``
-    (``pack``: the node's mean load), each ring is the smallest that ends within it where one
-    does (the other GPUs stay free for whole documents); otherwise the one that ends soonest
-    (wide rings, which spread the tokens too: better where the node is short of token room).
-    Returns how many local documents had to become rings for lack of room. With ``overflow``,
-    documents that find no room are appended to it instead of failing. ``local``: the
-    placement of a whole document on each rank."""
-
-    if node_rings.compiled():
-        placed = _place_node_compiled(
-            docs, ranks, smallest, largest, loads, placements, target, by_room, overflow, local
-        )
-        if placed is not None:
-            return placed  # else a whole document finds no room: placed here, below
-
-    def ring(doc: int, length: int) -> Placement | None:
-        try:
-            return place_intra(doc, length, smallest, int(largest[doc]), ranks, loads, target)
-        except CapacityError:
-            if overflow is None:
-                raise
-            overflow.append(doc)
-            return None
-
-    promotions = 0
-    for doc, length in zip(docs.ring_docs, docs.ring_lengths):
-        placements[doc] = ring(doc, length)
-    # Heap keys: predicted load (attention plus linear seconds), or tokens alone.
-    key_of = loads.tokens if by_room else loads.cost
-    heap: Heap = [(key_of[r], r) for r in ranks]
-    heapq.heapify(heap)
-    cost, attention, tokens_of = loads.cost, loads.attention, loads.tokens
-    capacity, weight = loads.capacity, loads.linear_weight
-    heapreplace, heappush = heapq.heapreplace, heapq.heappush
-    for doc, length, seconds in zip(docs.whole_docs, docs.whole_lengths, docs.whole_seconds):
-        top = heap[0]  # the least loaded has room in the usual case: one sift, no pop
-        found = top if capacity - tokens_of[top[1]] >= length else None
-        found = found or pop_with_room(heap, tokens_of, capacity, length)
-        if found is not None:
-            rank = found[1]
-            # ``Loads.add_local``, inline: the planner's innermost loop.
-            cost[rank] += seconds + weight * length
-            attention[rank] += seconds
-            tokens_of[rank] += length
-            placements[doc] = local[rank]
-            (heapreplace if found is top else heappush)(heap, (key_of[rank], rank))
-            continue
-        # No GPU has room for it whole: a ring of the GPUs with room.
-        placements[doc] = ring(doc, length)
-        promotions += placements[doc] is not None
-        heap = [(key_of[r], r) for r in ranks]
-        heapq.heapify(heap)
-    return promotions
-
-
-def _place_node_compiled(
-    docs: _NodeDocs,
-    ranks: list[int],
-    smallest: int,
-    largest: np.ndarray,
-    loads: Loads,
-    placements: list[Placement | None],
-    target: float | None,
-    by_room: bool,
-    overflow: list[int] | None,
-    local: list[Placement],
-) -> int | None:
-    """``_place_node`` in one compiled call (``loops/node_rings.py``: the same rings and GPUs,
-    the same loads), on copies of the node's loads written back once every document is placed;
-    ``None`` (nothing changed) where a whole document finds no GPU with room."""
-    first, stop = ranks[0], ranks[-1] + 1  # a node's ranks are consecutive
-    k = stop - first
-    cost = np.array(loads.cost[first:stop], dtype=np.float64)
-    attention = np.array(loads.attention[first:stop], dtype=np.float64)
-    exposed = np.array(loads.exposed[first:stop], dtype=np.float64)
-    tokens = np.array(loads.tokens[first:stop], dtype=np.int64)
-    rings = np.zeros(len(docs.ring_docs), dtype=np.int64)
-    gpus = np.zeros(len(docs.whole_docs), dtype=np.int64)
-    answer = node_rings.place(
-        cost, attention, exposed, tokens, loads.capacity, 0.0 if target is None else target,
-        target is not None, loads.nvlink_terms(),
-        np.asarray(docs.ring_lengths, dtype=np.int64),
-        np.ascontiguousarray(largest[docs.ring_docs], dtype=np.int64),
-        np.asarray(docs.whole_lengths, dtype=np.int64),
-        np.asarray(docs.whole_seconds, dtype=np.float64),
-        smallest, by_room, overflow is not None, rings, gpus,
-    )  # fmt: skip
-    if answer == node_rings.AGAIN:
-        return None
-    if answer == node_rings.FULL:  # the first ring without members found no room
-        i = int(np.flatnonzero(rings == 0)[0])
-        doc, length = docs.ring_docs[i], docs.ring_lengths[i]
-        raise capacity_error(doc, length, f"on node {loads.topology.node_of(first)}")
-    loads.cost[first:stop] = cost.tolist()
-    loads.attention[first:stop] = attention.tolist()
-    loads.exposed[first:stop] = exposed.tolist()
-    loads.tokens[first:stop] = tokens.tolist()
-    members = _members_of_masks(k)
-    for doc, mask in zip(docs.ring_docs, rings.tolist()):
-        if mask == 0:  # no room: handed on (``overflow``)
-            overflow.append(doc)  # type: ignore[union-attr]
-            placements[doc] = None
-            continue
-        ring = tuple(first + j for j in members[mask])
-        placements[doc] = Placement(Tier.LOCAL if len(ring) == 1 else Tier.INTRA, ring)
-    for doc, gpu in zip(docs.whole_docs, gpus.tolist()):
-        placements[doc] = local[first + gpu]
-    return 0
-
-
-@functools.cache
-def _members_of_masks(k: int) -> list[tuple[int, ...]]:
-    """The local GPUs of every bit mask over ``k`` GPUs, in order."""
-    return [tuple(j for j in range(k) if mask >> j & 1) for mask in range(1 << k)]
 
 
 @functools.cache

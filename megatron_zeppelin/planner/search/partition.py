@@ -33,7 +33,7 @@ different documents leave from different GPUs (and NICs). The other documents go
 greedy LPT on what they will cost there (a ring's members' total); a node keeps a small token
 reserve while any other node has room, so its GPUs can still pack documents whole.
 
-**Within nodes** (``placement.place_within_nodes``). Intra-node documents, longest first, take a
+**Within nodes** (``within_nodes.place_within_nodes``). Intra-node documents, longest first, take a
 ring of the least-loaded GPUs with room: the smallest that ends within the node's mean, or the
 one that ends soonest (no larger than keeps each chunk above the NVLink chunk threshold). Local
 documents then go by LPT to the least-loaded GPU with room, counting the shares GPUs already

@@ -23,7 +23,7 @@ pays), less those a bound shows cannot beat the attention layout (its ``prune``)
 Placements of one batch share what does not change between them: stage 1 per balance mode and
 scheme, the inter-node rings per stage 1, stage 2 for both packings of the same rings, and stage
 3's nodes: a node given the same documents on the same loads as in an earlier placement is
-placed as it was then (``placement.place_within_nodes``; on batches of few documents per node,
+placed as it was then (``within_nodes.place_within_nodes``; on batches of few documents per node,
 where the tries are many, most nodes of a try).
 """
 
@@ -43,9 +43,9 @@ from megatron_zeppelin.planner.place.placement import (
     TierChoice,
     place_across_nodes,
     place_inter_documents,
-    place_within_nodes,
 )
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers
+from megatron_zeppelin.planner.place.within_nodes import place_within_nodes
 from megatron_zeppelin.planner.plan.linear_layout import price_linear_layouts
 from megatron_zeppelin.planner.search.candidate import Candidate, spans_nodes
 
