@@ -293,7 +293,6 @@ def test_soonest_ring_is_the_one_a_look_at_every_try_finds(seed: int) -> None:
     """``pool_rings._soonest`` (tries off a heap by bounds on their end) against a look at
     every try: the ring whose busiest member ends soonest, ties to the first try; equal loads,
     loads a rounding step apart, GPUs without room, tries no GPUs can take."""
-    from megatron_zeppelin.planner.place.placement import CapacityError
     from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _soonest
 
     rng = np.random.default_rng(seed)
@@ -320,8 +319,31 @@ def test_soonest_ring_is_the_one_a_look_at_every_try_finds(seed: int) -> None:
             end = float(ends.get()[list(ring)].max()) + key
             if best is None or (end, index) < best[:2]:
                 best = (end, index, ring, where == "whole")
-    if best is None:
-        with pytest.raises(CapacityError):
-            _soonest(tries, room, np.sort(cost), k, 0, 100)
-    else:
-        assert _soonest(tries, room, np.sort(cost), k, 0, 100) == (best[2], best[3])
+    found = _soonest(tries, room, np.sort(cost), k)
+    assert found == (None if best is None else (best[1], best[2]))
+
+
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed"),
+    [("prolong", 64, 0.95, 1), ("lognormal", 32, 0.95, 2), ("mixture", 64, 0.5, 1)],
+)
+def test_rings_tried_once_per_length_and_goal_place_as_fresh(
+    name: str, gpus: int, fill: float, seed: int
+) -> None:
+    """Every order placed with one ``PoolBatch`` (its memo of ring tries filled by the orders
+    before) places every document and load as an order placed from scratch; the memo is read
+    again (fewer tries kept than rings placed). Keying the tries by length alone, not by the
+    goal, fails it: the orders' targets differ."""
+    from pool_batches import stress_batch
+
+    batch = stress_batch(name, gpus, fill, seed, 32_768)
+    chunk = batch.rules.chunks[1]
+    choice = assign_tiers(batch.array, batch.new_loads(), batch.rules)
+    shared = pool_batch(batch.array, choice, batch.new_loads(), chunk)
+    for first, scale, cross in ALL_ORDERS:
+        remembered, fresh = batch.new_loads(), batch.new_loads()
+        got = place_pool(batch.array, choice, remembered, chunk, first, scale, shared, cross)
+        want = place_pool(batch.array, choice, fresh, chunk, first, scale, cross=cross)
+        assert got == want, (first, scale, cross)
+        assert (remembered.cost, remembered.tokens) == (fresh.cost, fresh.tokens)
+    assert 0 < len(shared.tries) < len(ALL_ORDERS) * len(shared.ring_docs)

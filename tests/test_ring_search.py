@@ -7,6 +7,7 @@ Skipped where numba is not installed (the ``fast`` extra).
 
 from __future__ import annotations
 
+import collections
 import math
 
 import numpy as np
@@ -14,8 +15,7 @@ import pytest
 from pool_batches import NEEDS_NUMBA
 
 from megatron_zeppelin.planner.loops import ring_search
-from megatron_zeppelin.planner.place.placement import CapacityError
-from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _soonest
+from megatron_zeppelin.planner.place.pool_rings import Arrays, Tries, _Ends, _members, _place
 
 pytestmark = [pytest.mark.pure, NEEDS_NUMBA]
 
@@ -58,15 +58,9 @@ def test_compiled_members_are_numpys(seed: int) -> None:
             assert got == want, (where, size, key, limit)
 
 
-@pytest.mark.parametrize("seed", range(150))
-def test_compiled_soonest_is_numpys(seed: int) -> None:
-    """``pool_rings._soonest`` (a heap of tries in Python, numpy's partitions and
-    ``_members``) against ``ring_search.soonest``: the same try and the same GPUs, on loads with
-    ties and tries of every place, some of which find nothing."""
-    rng = np.random.default_rng(1000 + seed)
-    k, world, cost, tokens, room, weight, floor = _random_gpus(rng, least_nodes=2)
-    arrays = Arrays(cost, tokens)
-    tries = []
+def _random_tries(rng: np.random.Generator, k: int, world: int) -> Tries:
+    """Up to a dozen tries of every place, of sizes some of which find no GPUs."""
+    rows = []
     for _ in range(int(rng.integers(1, 12))):
         where = str(rng.choice(["whole", "node", "any"]))
         size = {
@@ -76,17 +70,36 @@ def test_compiled_soonest_is_numpys(seed: int) -> None:
         }[where]
         per_rank = int(rng.integers(1, 130))
         key = float(rng.choice([0.0, 0.25, 1.0, 1.0 + 2**-52]))
-        tries.append((size, per_rank, _Ends(arrays, weight, floor, per_rank), key, where))
-    least = np.sort(cost)
-    try:
-        want = _soonest(tries, room, least, k, 0, 1)
-    except CapacityError:
-        want = None
-    plain = [(size, per_rank, key, where) for size, per_rank, _, key, where in tries]
-    got = ring_search.soonest(cost, tokens, room, least, weight, floor, plain, k)
-    if want is None:
-        assert got is None
-    else:
-        assert got is not None
-        index, ring = got
-        assert (ring, tries[index][4] == "whole") == want
+        rows.append((size, per_rank, key, where))
+    sizes, per_rank, keys, wheres = zip(*rows)
+    return Tries(
+        np.asarray(sizes, dtype=np.int64),
+        np.asarray(per_rank, dtype=np.int64),
+        np.asarray(keys, dtype=np.float64),
+        np.asarray([ring_search.PLACES[where] for where in wheres], dtype=np.int64),
+        wheres,
+    )
+
+
+def test_compiled_ring_search_is_numpys() -> None:
+    """``pool_rings._place`` (the tries in order with numpy's ``_members``, then
+    ``_soonest``'s heap in Python) against ``ring_search.place``: the same try and the same
+    GPUs, on loads with ties and tries of every place, some of which find nothing, under limits
+    some tries fit within and some none do, with the fallback and without. Every answer comes
+    up: a try within the limit, the soonest of all, none."""
+    kinds = collections.Counter()
+    for seed in range(150):
+        rng = np.random.default_rng(1000 + seed)
+        k, world, cost, tokens, room, weight, floor = _random_gpus(rng, least_nodes=2)
+        arrays, tries = Arrays(cost, tokens), _random_tries(rng, k, world)
+        for limit in (0.5, 1.5, 2.5, 3.5):
+            found = {}
+            for fallback in (True, False):
+                want = _place(tries, arrays, room, weight, floor, limit, k, fallback=fallback)
+                got = ring_search.place(
+                    cost, tokens, room, weight, floor, tries, limit, k, fallback
+                )
+                assert got == want, (seed, limit, fallback)
+                found[fallback] = want
+            kinds["fits" if found[False] else "soonest" if found[True] else "none"] += 1
+    assert min(kinds["fits"], kinds["soonest"], kinds["none"]) > 0, kinds

@@ -1,17 +1,20 @@
-"""The pool's search for a ring's GPUs (``pool_rings._members``) as one compiled loop.
+"""The pool's search for a ring's GPUs (``pool_rings._place``) as one compiled call.
 
-``pool_rings.place_ring`` tries each ring size and place in turn, and ``_members`` answers each
-try with about a dozen numpy calls over every GPU: which GPUs may take a member of ``per_rank``
-tokens and end within the limit, then, by place, whole nodes, GPUs of one node, or GPUs over a
-window of nodes. A plan of a thousand GPUs asks it ten to twenty-five thousand times. Here the
-same answer comes from one pass over the GPUs and a few over the nodes, compiled by numba where
-it is installed (``loops/jit.py``): the same GPUs in the same order, ties broken as numpy's
-stable sorts and first minima break them (``tests/test_ring_search.py`` compares the two).
+``pool_rings.place_ring`` tries each ring size and place in turn (``pool_rings.Tries``), and
+``_members`` answers each try with about a dozen numpy calls over every GPU: which GPUs may take
+a member of ``per_rank`` tokens and end within the limit, then, by place, whole nodes, GPUs of
+one node, or GPUs over a window of nodes. A plan of a thousand GPUs asks it ten to twenty-five
+thousand times. Here the same answer comes from one pass over the GPUs and a few over the nodes,
+compiled by numba where it is installed (``loops/jit.py``): the same GPUs in the same order,
+ties broken as numpy's stable sorts and first minima break them (``tests/test_ring_search.py``
+compares the two).
 
 A GPU's end as a member (``pool_rings._Ends``) is worked out here too, from its load and tokens,
-with the same operations. Where no try fits the target, ``soonest`` is ``pool_rings._soonest``
-in the same way: its heap of tries by what is known of their end, each bound raised as it comes
-up, and the same try wins.
+with the same operations. ``place`` runs the tries in order as ``pool_rings._place`` does, each
+answered here, and where no try fits the target, ``pool_rings._soonest`` in the same way: its
+heap of tries by what is known of their end, each bound raised as it comes up, and the same try
+wins. One call places a ring: Python's share of a ring is its tries (once per length and goal)
+and adding it to ``Loads``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,16 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from megatron_zeppelin.planner.loops import jit
 
-__all__ = ["PLACES", "compiled", "members", "soonest", "warm"]
+if TYPE_CHECKING:  # pool_rings calls this module
+    from megatron_zeppelin.planner.place.pool_rings import Tries
+
+__all__ = ["PLACES", "compiled", "members", "place", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
@@ -54,28 +61,27 @@ def members(
     return tuple(ring.tolist()) if len(ring) else None
 
 
-def soonest(
+def place(
     cost: np.ndarray,
     tokens: np.ndarray,
     room: np.ndarray,
-    least: np.ndarray,
     weight: float,
     floor: int,
-    tries: list[tuple[int, int, float, str]],
+    tries: Tries,
+    limit: float,
     k: int,
+    fallback: bool,
 ) -> tuple[int, tuple[int, ...]] | None:
-    """``pool_rings._soonest`` compiled: of ``tries`` (``(size, per_rank, key, where)`` each, in
-    order), the index of the first whose ring's busiest member ends soonest, and its ring;
-    ``None`` where no try finds GPUs. ``least``: ``cost`` sorted."""
-    kernel = _compiled_soonest()
-    assert kernel is not None, "ring_search.soonest runs where the loop compiles"
-    sizes = np.fromiter((t[0] for t in tries), dtype=np.int64, count=len(tries))
-    per_rank = np.fromiter((t[1] for t in tries), dtype=np.int64, count=len(tries))
-    keys = np.fromiter((t[2] for t in tries), dtype=np.float64, count=len(tries))
-    places = np.fromiter((PLACES[t[3]] for t in tries), dtype=np.int64, count=len(tries))
+    """``pool_rings._place`` compiled: of ``tries`` (``pool_rings.Tries``), the index of the
+    first whose ring's members all end within ``limit``, and its ring; else, with ``fallback``,
+    of the first whose busiest member ends soonest (``pool_rings._soonest``); ``None`` where
+    none finds GPUs (callers ask ``compiled()`` first)."""
+    kernel = _compiled_place()
+    assert kernel is not None, "ring_search.place runs where the loop compiles"
     index, ring = kernel(
-        cost, tokens, room, least, float(weight), int(floor), sizes, per_rank, keys, places, int(k)
-    )
+        cost, tokens, room, float(weight), int(floor), tries.sizes, tries.per_rank, tries.keys,
+        tries.places, float(limit), int(k), bool(fallback),
+    )  # fmt: skip
     return (int(index), tuple(ring.tolist())) if index >= 0 else None
 
 
@@ -90,7 +96,7 @@ def warm() -> None:
         one, two = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.float64)
         for where in PLACES:
             members(two, one, one, 0.0, 0, 2, 0.0, 1, 1.0, 1, where)
-        soonest(two, one, one, two, 0.0, 0, [(2, 1, 0.0, "any")], 1)
+        _compiled_place()(two, one, one, 0.0, 0, one, one, two, one, 1.0, 1, True)
 
 
 def _smallest(values, count):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
@@ -375,6 +381,25 @@ def _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, pl
     return -1, none
 
 
+def _place(cost, tokens, room, weight, floor, sizes, per_rank, keys, places, limit, k, fallback):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """``place``: the tries in order, each skipped where the ``size``-th least load plus its key
+    is over ``limit`` (no ``size`` GPUs can end within it), else asked of ``_members`` (best
+    fit); the first to find GPUs wins. Else ``_soonest`` where ``fallback``."""
+    least = np.sort(cost)
+    for i in range(sizes.shape[0]):
+        if least[sizes[i] - 1] + keys[i] > limit:
+            continue
+        ring = _members(
+            cost, tokens, room, weight, floor, sizes[i], keys[i], per_rank[i], limit, k,
+            places[i], np.isfinite(limit),
+        )  # fmt: skip
+        if ring.shape[0] > 0:
+            return i, ring
+    if not fallback:
+        return -1, np.empty(0, dtype=np.int64)
+    return _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, places, k)
+
+
 @functools.cache
 def _compiled() -> Callable | None:
     """``_members`` compiled (``loops/jit.py``), or ``None`` without numba."""
@@ -391,8 +416,9 @@ def _compiled() -> Callable | None:
 
 
 @functools.cache
-def _compiled_soonest() -> Callable | None:
-    """``_soonest`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
+def _compiled_place() -> Callable | None:
+    """``_place`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
     if _compiled() is None:
         return None
-    return jit.compile_loops(globals(), "_kth", "_bound", "_heap_push", "_heap_pop", "_soonest")
+    names = ("_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_place")
+    return jit.compile_loops(globals(), *names)

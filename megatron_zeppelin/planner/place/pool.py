@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import numpy as np
@@ -131,6 +131,8 @@ class PoolBatch:
     """The least load a placement's busiest GPU can end at (``least_load.least_load``)."""
     member_tokens: int
     """``_member_tokens``: the most tokens a ring member takes."""
+    tries: dict = field(default_factory=dict, compare=False, repr=False)
+    """``pool_rings.place_ring``'s memo of every order's rings (priced by ``pricing``)."""
 
     @functools.cached_property
     def target(self) -> float:
@@ -197,7 +199,7 @@ def place_pool(
     promotions = _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
     arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
     for doc in batch.ring_docs:
-        placement = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays)
+        placement = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays, memo=batch.tries)
         placements[doc] = placement
         arrays.update(placement.ring, loads)  # type: ignore[union-attr]
     promotions += _place_whole(whole[count:], array, choice.attention, loads, placements, goal)

@@ -4,8 +4,10 @@
 ones (``ring_sizes``), and at each size the places ``ring_options.options`` allows, in order: the
 first that finds GPUs whose members all end within the target wins (``_members``: one node,
 whole nodes, or part of the GPUs of a window of nodes). Where none does, the size and GPUs whose
-busiest member ends soonest (``_soonest``). Where numba is installed, both run as compiled loops
-(``loops/ring_search.py``) that find the same GPUs.
+busiest member ends soonest (``_soonest``). The tries depend on the document's length and the
+goal alone (``ring_tries``): a placement of many rings works them out once per length. Where
+numba is installed, the whole search is one compiled call (``loops/ring_search.py``) that finds
+the same GPUs.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from megatron_zeppelin.planner.place.ring_options import (
 )
 from megatron_zeppelin.planner.plan.plan import Tier
 
-__all__ = ["Arrays", "place_on", "place_ring", "ring_sizes"]
+__all__ = ["Arrays", "Tries", "place_on", "place_ring", "ring_sizes", "ring_tries"]
 
 
 def ring_sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
@@ -43,6 +45,48 @@ def ring_sizes(length: int, work: float, target: float, loads: Loads, most: int)
     return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
 
 
+@dataclass(frozen=True)
+class Tries:
+    """Every ring ``place_ring`` may try for one document, in the order it tries them: each
+    size of ``ring_sizes`` with a place to go, and at it each place ``ring_options.options``
+    allows. They depend on the document's length, the goal and the pricing alone, not on the
+    loads, so a placement of many rings works them out once per length and goal
+    (``place_ring``'s ``memo``)."""
+
+    sizes: np.ndarray
+    per_rank: np.ndarray
+    """The most tokens a member takes (``most_tokens``)."""
+    keys: np.ndarray
+    """What the ring adds to each member's load there (``options``)."""
+    places: np.ndarray
+    """Where, by ``ring_search.PLACES``' code..."""
+    wheres: tuple[str, ...]
+    """... and by name."""
+
+
+def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
+    """``Tries`` of a document of ``length`` under ``goal``, priced by ``loads``."""
+    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+    sizes, per_rank, keys, wheres = [], [], [], []
+    for size in ring_sizes(length, work, goal.target, loads, goal.member_tokens):
+        places = options(length, size, loads, goal)
+        if not places:
+            continue  # pieces too short to cross nodes, and no node's ring this wide
+        most = most_tokens(length, size)
+        for key, where in places:
+            sizes.append(size)
+            per_rank.append(most)
+            keys.append(key)
+            wheres.append(where)
+    return Tries(
+        np.asarray(sizes, dtype=np.int64),
+        np.asarray(per_rank, dtype=np.int64),
+        np.asarray(keys, dtype=np.float64),
+        np.asarray([ring_search.PLACES[where] for where in wheres], dtype=np.int64),
+        tuple(wheres),
+    )
+
+
 def place_ring(
     doc: int,
     length: int,
@@ -52,60 +96,86 @@ def place_ring(
     fallback: bool = True,
     barred: np.ndarray | None = None,
     arrays: Arrays | None = None,
+    memo: dict | None = None,
 ) -> Placement | None:
-    """The smallest ring (by ``ring_sizes``) that finds GPUs ending within the target; if none does,
+    """The first ring of ``ring_tries`` that finds GPUs ending within the target; if none does,
     the size and GPUs that end soonest (``None`` without ``fallback``). Across nodes only with
     pieces of at least ``goal.nic_chunk`` tokens, or where capacity leaves no other way. GPUs
-    ``barred`` are not used. ``arrays``: ``loads``' cost and tokens as arrays, when kept."""
+    ``barred`` are not used. ``arrays``: ``loads``' cost and tokens as arrays, when kept;
+    ``memo``: the tries of earlier calls with loads priced alike, by length and goal. Where
+    numba is installed, the search runs as one compiled call (``ring_search.place``: the same
+    try and GPUs)."""
     k = loads.topology.gpus_per_node
     if arrays is None:
         arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
-    tokens, cost = arrays.tokens, arrays.cost
-    room = loads.capacity - tokens
+    room = loads.capacity - arrays.tokens
     if barred is not None:
         room = np.where(barred, -1, room)
-    work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+    tries = memo.get((length, goal)) if memo is not None else None
+    if tries is None:
+        tries = ring_tries(length, loads, goal)
+        if memo is not None:
+            memo[(length, goal)] = tries
     limit = goal.target * TOLERANCE
+    weight, floor = loads.linear_weight, goal.floor
+    if ring_search.compiled():
+        cost, tokens = arrays.cost, arrays.tokens
+        found = ring_search.place(cost, tokens, room, weight, floor, tries, limit, k, fallback)
+    else:
+        found = _place(tries, arrays, room, weight, floor, limit, k, fallback=fallback)
+    if found is None:
+        if fallback:
+            raise capacity_error(doc, length, "on any GPUs of the pool")
+        return None
+    index, ring = found
+    return place_on(ring, length, loads, tries.wheres[index] == "whole")
+
+
+def _place(
+    tries: Tries,
+    arrays: Arrays,
+    room: np.ndarray,
+    weight: float,
+    floor: int,
+    limit: float,
+    k: int,
+    *,
+    fallback: bool,
+) -> tuple[int, tuple[int, ...]] | None:
+    """``place_ring``'s search with numpy: the index of the try it places and the ring's GPUs,
+    or ``None``. The first try whose members all end within ``limit`` (``_members``); else, with
+    ``fallback``, the soonest of all (``_soonest``)."""
     # A member ends no lower than its GPU's cost: where the ``size``-th least cost plus the
     # ring's key is over the limit, no ``size`` GPUs qualify (``_members``' answer, for less).
-    least = np.sort(cost)
-    tries = []  # (size, tokens per member, member load as each GPU will end, key, where)
-    for size in ring_sizes(length, work, goal.target, loads, goal.member_tokens):
-        places = options(length, size, loads, goal)
-        if not places:
-            continue  # pieces too short to cross nodes, and no node's ring this wide
-        per_rank = most_tokens(length, size)
-        ends = _Ends(arrays, loads.linear_weight, goal.floor, per_rank)
-        for key, where in places:
-            tries.append((size, per_rank, ends, key, where))
-            if float(least[size - 1]) + key > limit:
-                continue
-            ring = ends.members(room, size, key, limit, k, where)
-            if ring is not None:
-                return place_on(ring, length, loads, where == "whole")
-    if not fallback:
-        return None
-    if ring_search.compiled():  # ``_soonest`` in one compiled loop: the same try and GPUs
-        weight, floor = loads.linear_weight, goal.floor
-        plain = [(size, per_rank, key, where) for size, per_rank, _, key, where in tries]
-        found = ring_search.soonest(cost, tokens, room, least, weight, floor, plain, k)
-        if found is None:
-            raise capacity_error(doc, length, "on any GPUs of the pool")
-        return place_on(found[1], length, loads, tries[found[0]][4] == "whole")
-    ring, two_d = _soonest(tries, room, least, k, doc, length)
-    return place_on(ring, length, loads, two_d)
+    least = np.sort(arrays.cost)
+    ends: dict[int, _Ends] = {}  # by tokens per member: a GPU's end depends on nothing else
+    listed = []
+    for size, per_rank, key, where in zip(
+        tries.sizes.tolist(), tries.per_rank.tolist(), tries.keys.tolist(), tries.wheres
+    ):
+        lazy = ends.get(per_rank)
+        if lazy is None:
+            lazy = ends[per_rank] = _Ends(arrays, weight, floor, per_rank)
+        listed.append((size, per_rank, lazy, key, where))
+        if float(least[size - 1]) + key > limit:
+            continue
+        ring = _members(lazy.get(), room, size, key, per_rank, limit, k, where)
+        if ring is not None:
+            return len(listed) - 1, ring
+    return _soonest(listed, room, least, k) if fallback else None
 
 
 def _soonest(
-    tries: list, room: np.ndarray, least: np.ndarray, k: int, doc: int, length: int
-) -> tuple[tuple[int, ...], bool]:
-    """Of ``tries``, the first ring (in their order) whose busiest member ends soonest, and
-    whether it is over whole nodes. Tries come off a heap by what is known of their end, each
-    bound raised as it comes up until the end is known: first the ``size``-th least cost of any
-    GPU (``least``, sorted: a member ends no lower than its cost), then the ``size``-th least
-    end of the GPUs with room (a partition; for a ring inside one node its end itself,
-    ``_node_end``), then the end of the ring ``_members`` finds. The first try to come off with
-    its end known is the soonest (ties: the first), as a look at every one would find."""
+    tries: list, room: np.ndarray, least: np.ndarray, k: int
+) -> tuple[int, tuple[int, ...]] | None:
+    """Of ``tries``, the index of the first ring (in their order) whose busiest member ends
+    soonest, and its GPUs (``None`` where no try finds any). Tries come off a heap by what is
+    known of their end, each bound raised as it comes up until the end is known: first the
+    ``size``-th least cost of any GPU (``least``, sorted: a member ends no lower than its cost),
+    then the ``size``-th least end of the GPUs with room (a partition; for a ring inside one
+    node its end itself, ``_node_end``), then the end of the ring ``_members`` finds. The first
+    try to come off with its end known is the soonest (ties: the first), as a look at every one
+    would find."""
     heap = [
         (float(least[size - 1]) + key, index, 0) for index, (size, *_, key, _) in enumerate(tries)
     ]
@@ -115,7 +185,7 @@ def _soonest(
         _, index, stage = heapq.heappop(heap)
         size, per_rank, lazy, key, where = tries[index]
         if stage == 2:
-            return found[index], where == "whole"
+            return index, found[index]
         ends = lazy.get()
         if stage == 0:
             if where == "node":
@@ -128,14 +198,14 @@ def _soonest(
                 tight = float(np.partition(fits, size - 1)[size - 1]) + key
                 heapq.heappush(heap, (tight, index, 1))
             continue
-        ring = lazy.members(room, size, key, math.inf, k, where)
+        ring = _members(ends, room, size, key, per_rank, math.inf, k, where)
         if ring is None:
             continue
         if where == "node":
-            return ring, False  # its end was known: the least of every bound left
+            return index, ring  # its end was known: the least of every bound left
         found[index] = ring
         heapq.heappush(heap, (float(ends[list(ring)].max()) + key, index, 2))
-    raise capacity_error(doc, length, "on any GPUs of the pool")
+    return None
 
 
 def _node_end(ends: np.ndarray, room: np.ndarray, size: int, per_rank: int, k: int) -> float | None:
@@ -155,17 +225,6 @@ class _Ends:
     def __init__(self, arrays: Arrays, weight: float, floor: int, per_rank: int) -> None:
         self.arrays, self.weight, self.floor, self.per_rank = arrays, weight, floor, per_rank
         self.ends: np.ndarray | None = None
-
-    def members(
-        self, room: np.ndarray, size: int, key: float, limit: float, k: int, where: str
-    ) -> tuple[int, ...] | None:
-        """``_members`` of these ends (``ring_search.members`` where numba compiles it: the
-        same GPUs, without working out the ends as an array)."""
-        if ring_search.compiled():
-            cost, tokens = self.arrays.cost, self.arrays.tokens
-            args = (self.weight, self.floor, size, key, self.per_rank, limit, k, where)
-            return ring_search.members(cost, tokens, room, *args)
-        return _members(self.get(), room, size, key, self.per_rank, limit, k, where)
 
     def get(self) -> np.ndarray:
         if self.ends is None:
