@@ -464,13 +464,13 @@ def test_compiled_stage_three_places_a_node_as_python_does(
 @NEEDS_NUMBA
 @pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100"])
 def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
-    """Stage 3's compiled loop prices a ring over NVLink as ``Loads`` does, to the last bit:
+    """The compiled loops price a ring over NVLink as ``Loads`` does, to the last bit:
     ``rank_share``'s compute and exposed seconds and ``ring_key``, at every size of a node,
     balancing linear seconds or not, over lengths from a few tokens to a million; and it sizes
     the rings as ``zigzag_loads`` and ``min_ring`` do."""
-    from megatron_zeppelin.planner.loops import node_rings
+    from megatron_zeppelin.planner.loops import ring_prices
 
-    assert node_rings.compiled()
+    assert ring_prices.compiled()
     topology = get_topology(cluster, num_nodes=2)
     cost = CostModel.default(get_model("llama-7b"), topology)
     lengths = np.random.default_rng(3).integers(2, 1 << 20, 400).tolist() + [2, 3, 17, 1 << 20]
@@ -480,10 +480,10 @@ def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
         for length in lengths:
             for g in range(1, topology.gpus_per_node + 1):
                 share = loads.rank_share(length, g, "nvlink")
-                assert node_rings._share(length, g, terms) == (share.compute_s, share.exposed_s)
-                assert node_rings._key(length, g, terms) == loads.ring_key(length, g, "nvlink")
-                assert node_rings._most_tokens(length, g) == max(zigzag_loads(length, g))
+                assert ring_prices._share(length, g, terms) == (share.compute_s, share.exposed_s)
+                assert ring_prices._key(length, g, terms) == loads.ring_key(length, g, "nvlink")
+                assert ring_prices._most_tokens(length, g) == max(zigzag_loads(length, g))
     for length in lengths[:100]:  # the narrowest ring that fits, as ``loads.min_ring`` finds it
         for capacity, start in ((4096, 1), (4096, 3), (65_536, 2), (1 << 20, 8)):
             want = min_ring(length, capacity, start=start)
-            assert node_rings._min_ring(length, capacity, start) == (-1 if want is None else want)
+            assert ring_prices._min_ring(length, capacity, start) == (-1 if want is None else want)

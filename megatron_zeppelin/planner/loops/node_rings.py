@@ -9,9 +9,9 @@ one compiled call over its GPUs' loads, with the same float operations in the sa
 same ties (the lower GPU), so it places as ``_place_node`` does
 (``tests/test_placement_shortcuts.py`` compares the two).
 
-A ring's price at each size is worked out here as ``Loads.rank_share`` and ``Loads.ring_key``
-work it out over NVLink, with the same operations on the same terms (``Loads.nvlink_terms``). A
-whole document no GPU has room for (it would become a ring) is left to ``_place_node``: the call
+A ring's price at each size is worked out as ``Loads.rank_share`` and ``Loads.ring_key`` work
+it out over NVLink, with the same operations on the same terms (``ring_prices.py``). A whole
+document no GPU has room for (it would become a ring) is left to ``_place_node``: the call
 answers ``AGAIN`` and the caller's loads are untouched. Compiled by numba where it is installed
 (``loops/jit.py``).
 """
@@ -23,7 +23,14 @@ from collections.abc import Callable
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import jit
+from megatron_zeppelin.planner.loops import jit, ring_prices
+from megatron_zeppelin.planner.loops.ring_prices import (
+    _key,
+    _min_ring,
+    _most_tokens,
+    _share,
+    _zigzag_tokens,
+)
 
 __all__ = ["AGAIN", "FULL", "PLACED", "compiled", "place", "warm"]
 
@@ -77,66 +84,6 @@ def place(
             largest, whole_lengths, whole_seconds, smallest, by_room, hand_on, rings, ranks,
         )
     )  # fmt: skip
-
-
-def _zigzag_tokens(length, size, position):  # noqa: ANN001, ANN202 - compiled by numba
-    """``zigzag_loads(length, size)[position]``: cuts ``round(j * L / 2g)``, halves to even."""
-    n = 2 * size
-    a = np.rint(position * length / n)
-    b = np.rint((position + 1) * length / n)
-    c = np.rint((n - 1 - position) * length / n)
-    d = np.rint((n - position) * length / n)
-    return int(b - a + d - c)
-
-
-def _most_tokens(length, size):  # noqa: ANN001, ANN202 - compiled by numba
-    """``max(zigzag_loads(length, size))``."""
-    most = 0
-    for position in range(size):
-        most = max(most, _zigzag_tokens(length, size, position))
-    return most
-
-
-def _block(pairs, num_tokens, pair_seconds, half, fall):  # noqa: ANN001, ANN202 - compiled
-    """``Loads._block_seconds``."""
-    slowdown = 1.0 + half / num_tokens + (num_tokens / fall if fall else 0.0)
-    return pair_seconds * pairs * slowdown
-
-
-def _share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
-    """``Loads.rank_share(length, g, "nvlink")``: its compute and exposed seconds."""
-    if g == 1:
-        return _block(length * (length + 1) / 2, length, terms[0], terms[1], terms[2]), 0.0
-    chunk = length / g
-    pairs = length * length / (2 * g)
-    own = _block(pairs / g, chunk, terms[0], terms[1], terms[2])
-    rest = _block(pairs * (g - 1) / g, chunk, terms[3], terms[4], terms[5])
-    compute = own + rest + g * terms[6]
-    step = compute / g
-    kv = terms[7] * length / g
-    forward = terms[8] + kv / terms[9] if kv > 0 else 0.0  # ``LinkCost.time``
-    backward = terms[8] + 2 * kv / terms[9] if 2 * kv > 0 else 0.0
-    share = terms[10]
-    waits = max(0.0, forward - share * step)
-    return compute, (g - 1) * (waits + max(0.0, backward - (1 - share) * step))
-
-
-def _key(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
-    """``Loads.ring_key(length, g, "nvlink")``."""
-    compute, waits = _share(length, g, terms)
-    return compute + waits + terms[11] * length / g
-
-
-def _min_ring(length, capacity, start):  # noqa: ANN001, ANN202 - compiled by numba
-    """``loads.min_ring(length, capacity, start=start)``, -1 for ``None``."""
-    g = max(start, -(-length // capacity))
-    if length + 2 * g <= capacity * g and g <= length + 1:
-        return g
-    while g <= length + 1:
-        if _most_tokens(length, g) <= capacity:
-            return g
-        g += 1
-    return -1
 
 
 def _ring(
@@ -256,15 +203,8 @@ def _place(
 
 @functools.cache
 def _compiled() -> Callable | None:
-    """``_place`` compiled (``loops/jit.py``), or ``None`` without numba."""
-    return jit.compile_loops(
-        globals(),
-        "_zigzag_tokens",
-        "_most_tokens",
-        "_block",
-        "_share",
-        "_key",
-        "_min_ring",
-        "_ring",
-        "_place",
-    )
+    """``_place`` compiled (``loops/jit.py``; the prices of ``ring_prices.py`` first), or
+    ``None`` without numba."""
+    if not ring_prices.bind(globals()):
+        return None
+    return jit.compile_loops(globals(), "_ring", "_place")

@@ -1,0 +1,107 @@
+"""A ring's price and sizes for the compiled loops, as ``Loads`` and ``zigzag_loads`` work them out.
+
+The compiled loops that place rings (``node_rings.py``: stage 3 on one node) price a ring at each
+size as ``Loads.rank_share`` and ``Loads.ring_key`` price it over NVLink, with the same float
+operations in the same order on the same terms (``Loads.nvlink_terms``), so to the last bit
+(``tests/test_placement_shortcuts.py`` compares them), and cut it as ``zigzag_loads`` does.
+
+They are compiled here, in this module (``loops/jit.py``), and a loop's module takes them over
+by name before compiling its own (``bind``): a compiled function calls what its module's names
+hold when it is compiled.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+
+from megatron_zeppelin.planner.loops import jit
+
+__all__ = ["bind", "compiled"]
+
+_NAMES = ("_zigzag_tokens", "_most_tokens", "_block", "_share", "_key", "_min_ring")
+"""The functions ``bind`` hands over, helpers first."""
+
+
+def compiled() -> bool:
+    """Whether the functions run compiled in this process."""
+    return _compiled() is not None
+
+
+def bind(namespace: dict) -> bool:
+    """The compiled functions put in ``namespace`` (a loop's module's ``globals()``) under their
+    names, before its loops are compiled; ``False`` (nothing put) without numba."""
+    kernels = _compiled()
+    if kernels is None:
+        return False
+    namespace.update(kernels)
+    return True
+
+
+def _zigzag_tokens(length, size, position):  # noqa: ANN001, ANN202 - compiled by numba
+    """``zigzag_loads(length, size)[position]``: cuts ``round(j * L / 2g)``, halves to even."""
+    n = 2 * size
+    a = np.rint(position * length / n)
+    b = np.rint((position + 1) * length / n)
+    c = np.rint((n - 1 - position) * length / n)
+    d = np.rint((n - position) * length / n)
+    return int(b - a + d - c)
+
+
+def _most_tokens(length, size):  # noqa: ANN001, ANN202 - compiled by numba
+    """``max(zigzag_loads(length, size))``."""
+    most = 0
+    for position in range(size):
+        most = max(most, _zigzag_tokens(length, size, position))
+    return most
+
+
+def _block(pairs, num_tokens, pair_seconds, half, fall):  # noqa: ANN001, ANN202 - compiled
+    """``Loads._block_seconds``."""
+    slowdown = 1.0 + half / num_tokens + (num_tokens / fall if fall else 0.0)
+    return pair_seconds * pairs * slowdown
+
+
+def _share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.rank_share(length, g, "nvlink")``: its compute and exposed seconds."""
+    if g == 1:
+        return _block(length * (length + 1) / 2, length, terms[0], terms[1], terms[2]), 0.0
+    chunk = length / g
+    pairs = length * length / (2 * g)
+    own = _block(pairs / g, chunk, terms[0], terms[1], terms[2])
+    rest = _block(pairs * (g - 1) / g, chunk, terms[3], terms[4], terms[5])
+    compute = own + rest + g * terms[6]
+    step = compute / g
+    kv = terms[7] * length / g
+    forward = terms[8] + kv / terms[9] if kv > 0 else 0.0  # ``LinkCost.time``
+    backward = terms[8] + 2 * kv / terms[9] if 2 * kv > 0 else 0.0
+    share = terms[10]
+    waits = max(0.0, forward - share * step)
+    return compute, (g - 1) * (waits + max(0.0, backward - (1 - share) * step))
+
+
+def _key(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.ring_key(length, g, "nvlink")``."""
+    compute, waits = _share(length, g, terms)
+    return compute + waits + terms[11] * length / g
+
+
+def _min_ring(length, capacity, start):  # noqa: ANN001, ANN202 - compiled by numba
+    """``loads.min_ring(length, capacity, start=start)``, -1 for ``None``."""
+    g = max(start, -(-length // capacity))
+    if length + 2 * g <= capacity * g and g <= length + 1:
+        return g
+    while g <= length + 1:
+        if _most_tokens(length, g) <= capacity:
+            return g
+        g += 1
+    return -1
+
+
+@functools.cache
+def _compiled() -> dict | None:
+    """The functions compiled in this module, by name, or ``None`` without numba."""
+    if jit.compile_loops(globals(), *_NAMES) is None:
+        return None
+    return {name: globals()[name] for name in _NAMES}
