@@ -8,6 +8,7 @@ Tier: pure.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -18,7 +19,7 @@ from hypothesis import strategies as st
 from pool_batches import NEEDS_NUMBA, stress_batch
 
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths
-from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel
+from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, LinkCost
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
@@ -462,27 +463,34 @@ def test_compiled_stage_three_places_a_node_as_python_does(
 
 
 @NEEDS_NUMBA
-@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100"])
+@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100", "slow-nvlink"])
 def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
-    """The compiled loops price a ring over NVLink as ``Loads`` does, to the last bit:
-    ``rank_share``'s compute and exposed seconds and ``ring_key``, at every size of a node,
-    balancing linear seconds or not, over lengths from a few tokens to a million; and it sizes
-    the rings as ``zigzag_loads`` and ``min_ring`` do."""
+    """The compiled loops price a ring as ``Loads`` does, to the last bit: over NVLink,
+    ``rank_share``'s compute and exposed seconds and ``ring_key``, at every size of a node; flat
+    across nodes, ``ring_key``, at every size of the world, routed over four NICs or one;
+    balancing linear seconds or not, over lengths from a few tokens to a million; with NVLink
+    slower than a NIC too. And they size the rings as ``zigzag_loads`` and ``min_ring``
+    do."""
     from megatron_zeppelin.planner.loops import ring_prices
 
     assert ring_prices.compiled()
-    topology = get_topology(cluster, num_nodes=2)
+    topology = get_topology(cluster.replace("slow-nvlink", "zeppelin-C"), num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
-    lengths = np.random.default_rng(3).integers(2, 1 << 20, 400).tolist() + [2, 3, 17, 1 << 20]
-    for balance_linear in (True, False):
-        loads = Loads(topology, 1 << 20, cost, balance_linear=balance_linear)
-        terms = loads.nvlink_terms()
+    if cluster == "slow-nvlink":  # NVLink, not the NIC, sets a direct or routed edge's time
+        cost = dataclasses.replace(cost, nvlink=LinkCost(cost.nic.bytes_per_s / 2, 3e-6))
+    lengths = np.random.default_rng(3).integers(2, 1 << 20, 300).tolist() + [2, 3, 17, 1 << 20]
+    for balance_linear, links in ((True, 1), (False, 1), (True, 4), (False, 4)):
+        loads = Loads(topology, 1 << 20, cost, links, balance_linear=balance_linear)
+        terms = loads.ring_terms()
         for length in lengths:
             for g in range(1, topology.gpus_per_node + 1):
                 share = loads.rank_share(length, g, "nvlink")
                 assert ring_prices._share(length, g, terms) == (share.compute_s, share.exposed_s)
                 assert ring_prices._key(length, g, terms) == loads.ring_key(length, g, "nvlink")
                 assert ring_prices._most_tokens(length, g) == max(zigzag_loads(length, g))
+            for g in range(2, topology.world_size + 1):
+                want = loads.ring_key(length, g, "nic", flat=True)
+                assert ring_prices._flat_key(length, g, terms) == want, (length, g, links)
     for length in lengths[:100]:  # the narrowest ring that fits, as ``loads.min_ring`` finds it
         for capacity, start in ((4096, 1), (4096, 3), (65_536, 2), (1 << 20, 8)):
             want = min_ring(length, capacity, start=start)

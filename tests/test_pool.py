@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 import pytest
+from pool_batches import NEEDS_NUMBA
 
 import megatron_zeppelin.planner.search.search as search
 from megatron_zeppelin.planner.baselines.distributions import STRESS_DISTRIBUTIONS, sample_lengths
@@ -347,3 +348,50 @@ def test_rings_tried_once_per_length_and_goal_place_as_fresh(
         assert got == want, (first, scale, cross)
         assert (remembered.cost, remembered.tokens) == (fresh.cost, fresh.tokens)
     assert 0 < len(shared.tries) < len(ALL_ORDERS) * len(shared.ring_docs)
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100"])
+def test_ring_tries_are_options_size_by_size(cluster: str) -> None:
+    """``pool_rings.ring_tries`` (every size in one compiled call, ``ring_search.tries``)
+    against ``ring_options.options`` asked size by size: the same tries in the same order, the
+    same keys to the last bit, over lengths from a few thousand tokens to
+    a million, targets that make the 2-D scheme worth spreading or not, short and long NIC
+    pieces, routed or not, balancing linear seconds or not, with and without the 2-D
+    scheme."""
+    from megatron_zeppelin.planner.loops import ring_search
+    from megatron_zeppelin.planner.loops.ring_search import PLACES
+    from megatron_zeppelin.planner.place.pool_rings import ring_sizes, ring_tries
+
+    assert ring_search.compiled()
+    from megatron_zeppelin.planner.place.ring_options import PoolGoal, most_tokens, options
+
+    topology = get_topology(cluster, num_nodes=16)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    rng = np.random.default_rng(7)
+    lengths = rng.integers(2_000, 1 << 20, 60).tolist() + [4_096, 65_536, 1 << 20]
+    places = set()
+    for balance_linear, two_d, links in ((True, True, 4), (False, True, 1), (True, False, 1)):
+        loads = Loads(topology, 65_536, cost, links, balance_linear=balance_linear, two_d=two_d)
+        for length in lengths:
+            target = loads.ring_key(length, 8, "nvlink") * float(rng.choice([0.05, 0.3, 1.0]))
+            chunk = int(rng.choice([512, 4_096, 32_768]))
+            goal = PoolGoal(target, int(rng.choice([0, 30_000])), chunk, 65_536)
+            work = loads.ring_seconds(length, 1) + loads.linear_weight * length
+            want = [
+                (size, most_tokens(length, size), key, PLACES[where])
+                for size in ring_sizes(length, work, target, loads, goal.member_tokens)
+                for key, where in options(length, size, loads, goal)
+            ]
+            tries = ring_tries(length, loads, goal)
+            got = list(
+                zip(
+                    tries.sizes.tolist(),
+                    tries.per_rank.tolist(),
+                    tries.keys.tolist(),
+                    tries.places.tolist(),
+                )
+            )
+            assert got == want, (length, goal)
+            places |= {where for *_, where in want}
+    assert places == set(PLACES.values())

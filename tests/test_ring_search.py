@@ -77,7 +77,6 @@ def _random_tries(rng: np.random.Generator, k: int, world: int) -> Tries:
         np.asarray(per_rank, dtype=np.int64),
         np.asarray(keys, dtype=np.float64),
         np.asarray([ring_search.PLACES[where] for where in wheres], dtype=np.int64),
-        wheres,
     )
 
 

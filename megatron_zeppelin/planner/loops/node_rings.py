@@ -73,7 +73,7 @@ def place(
 ) -> int:
     """One node's documents placed on its GPUs' loads (``cost`` ... ``tokens``, by local index,
     changed in place): each ring's members as a bit mask in ``rings`` (0: handed on), each whole
-    document's GPU in ``ranks``. ``terms``: ``Loads.nvlink_terms``; ``packed``: whether
+    document's GPU in ``ranks``. ``terms``: ``Loads.ring_terms``; ``packed``: whether
     ``target`` is the node's mean load to end within. Returns ``PLACED``, ``FULL`` or
     ``AGAIN``; the loads are the caller's to throw away unless ``PLACED``."""
     kernel = _compiled()

@@ -1,9 +1,11 @@
 """A ring's price and sizes for the compiled loops, as ``Loads`` and ``zigzag_loads`` work them out.
 
-The compiled loops that place rings (``node_rings.py``: stage 3 on one node) price a ring at each
-size as ``Loads.rank_share`` and ``Loads.ring_key`` price it over NVLink, with the same float
-operations in the same order on the same terms (``Loads.nvlink_terms``), so to the last bit
+The compiled loops that place rings (``node_rings.py``: stage 3 on one node; ``ring_search.py``:
+the pool's tries of a ring) price a ring at each size as ``Loads.rank_share`` and
+``Loads.ring_key`` price it over NVLink or flat across nodes, with the same float operations in
+the same order on the same terms (``Loads.ring_terms``), so to the last bit
 (``tests/test_placement_shortcuts.py`` compares them), and cut it as ``zigzag_loads`` does.
+Rings over whole nodes with the 2-D scheme stay with ``Loads`` (``schemes.py``).
 
 They are compiled here, in this module (``loops/jit.py``), and a loop's module takes them over
 by name before compiling its own (``bind``): a compiled function calls what its module's names
@@ -20,7 +22,19 @@ from megatron_zeppelin.planner.loops import jit
 
 __all__ = ["bind", "compiled"]
 
-_NAMES = ("_zigzag_tokens", "_most_tokens", "_block", "_share", "_key", "_min_ring")
+_NAMES = (
+    "_zigzag_tokens",
+    "_most_tokens",
+    "_block",
+    "_compute",
+    "_time",
+    "_waits",
+    "_share",
+    "_key",
+    "_edge",
+    "_flat_key",
+    "_min_ring",
+)
 """The functions ``bind`` hands over, helpers first."""
 
 
@@ -63,27 +77,62 @@ def _block(pairs, num_tokens, pair_seconds, half, fall):  # noqa: ANN001, ANN202
     return pair_seconds * pairs * slowdown
 
 
-def _share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
-    """``Loads.rank_share(length, g, "nvlink")``: its compute and exposed seconds."""
-    if g == 1:
-        return _block(length * (length + 1) / 2, length, terms[0], terms[1], terms[2]), 0.0
+def _compute(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.ring_seconds(length, g)`` of a ring of two GPUs or more."""
     chunk = length / g
     pairs = length * length / (2 * g)
     own = _block(pairs / g, chunk, terms[0], terms[1], terms[2])
     rest = _block(pairs * (g - 1) / g, chunk, terms[3], terms[4], terms[5])
-    compute = own + rest + g * terms[6]
-    step = compute / g
-    kv = terms[7] * length / g
-    forward = terms[8] + kv / terms[9] if kv > 0 else 0.0  # ``LinkCost.time``
-    backward = terms[8] + 2 * kv / terms[9] if 2 * kv > 0 else 0.0
-    share = terms[10]
+    return own + rest + g * terms[6]
+
+
+def _time(latency, bytes_per_s, num_bytes):  # noqa: ANN001, ANN202 - compiled by numba
+    """``LinkCost.time``."""
+    return latency + num_bytes / bytes_per_s if num_bytes > 0 else 0.0
+
+
+def _waits(g, step, forward, backward, share):  # noqa: ANN001, ANN202 - compiled by numba
+    """``loads._exposed``: what a ring's ``g - 1`` steps of ``step`` seconds' compute leave of
+    their transfers, ``forward`` and ``backward`` seconds each."""
     waits = max(0.0, forward - share * step)
-    return compute, (g - 1) * (waits + max(0.0, backward - (1 - share) * step))
+    return (g - 1) * (waits + max(0.0, backward - (1 - share) * step))
+
+
+def _share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.rank_share(length, g, "nvlink")``: its compute and exposed seconds."""
+    if g == 1:
+        return _block(length * (length + 1) / 2, length, terms[0], terms[1], terms[2]), 0.0
+    compute = _compute(length, g, terms)
+    kv = terms[7] * length / g
+    forward = _time(terms[8], terms[9], kv)
+    backward = _time(terms[8], terms[9], 2 * kv)
+    return compute, _waits(g, compute / g, forward, backward, terms[10])
 
 
 def _key(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
     """``Loads.ring_key(length, g, "nvlink")``."""
     compute, waits = _share(length, g, terms)
+    return compute + waits + terms[11] * length / g
+
+
+def _edge(num_bytes, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads._step_transfers``' ``edge``: a transfer of ``num_bytes`` over a ring edge across
+    nodes, direct (one NIC: the slower of NVLink and the NIC) or routed over ``num_links`` NICs
+    (a part per NIC, relayed over NVLink at both ends)."""
+    links = terms[14]
+    if links == 1:
+        return max(_time(terms[8], terms[9], num_bytes), _time(terms[12], terms[13], num_bytes))
+    relayed = 1 + 1 / links
+    drain = max(relayed * num_bytes / terms[9], num_bytes / (links * terms[13]))
+    return drain + 2 * terms[8] + terms[12]
+
+
+def _flat_key(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.ring_key(length, g, "nic", flat=True)``: a flat ring of two GPUs or more across
+    nodes, at a member whose edges cross them."""
+    compute = _compute(length, g, terms)
+    kv = terms[7] * length / g
+    waits = _waits(g, compute / g, _edge(kv, terms), _edge(2 * kv, terms), terms[10])
     return compute + waits + terms[11] * length / g
 
 

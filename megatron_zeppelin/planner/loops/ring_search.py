@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import jit
+from megatron_zeppelin.planner.loops import jit, ring_prices
+from megatron_zeppelin.planner.loops.ring_prices import _flat_key, _key, _most_tokens
 
 if TYPE_CHECKING:  # pool_rings calls this module
     from megatron_zeppelin.planner.place.pool_rings import Tries
 
-__all__ = ["PLACES", "compiled", "members", "place", "warm"]
+__all__ = ["PLACES", "compiled", "members", "place", "tries", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
@@ -85,6 +86,26 @@ def place(
     return (int(index), tuple(ring.tolist())) if index >= 0 else None
 
 
+def tries(
+    length: int,
+    sizes: np.ndarray,
+    k: int,
+    capacity: int,
+    nic_chunk: int,
+    two_d: bool,
+    wide: bool,
+    terms: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, bool]:
+    """``ring_options.options`` of each of ``sizes`` (``pool_rings.ring_tries``) compiled: the
+    tries' sizes, tokens per member, keys and places, in order, and whether ``wide``
+    (``ring_options.wide_two_d`` of the document) was asked. A key over whole nodes (the 2-D
+    scheme's, ``Loads``' to price) is left ``nan``; ``terms``: ``Loads.ring_terms``."""
+    kernel = _compiled_tries()
+    assert kernel is not None, "ring_search.tries runs where the loop compiles"
+    *found, asked = kernel(length, sizes, k, capacity, nic_chunk, two_d, wide, terms)
+    return (*found, bool(asked))
+
+
 def compiled() -> bool:
     """Whether ``members`` runs in this process."""
     return _compiled() is not None
@@ -97,6 +118,7 @@ def warm() -> None:
         for where in PLACES:
             members(two, one, one, 0.0, 0, 2, 0.0, 1, 1.0, 1, where)
         _compiled_place()(two, one, one, 0.0, 0, one, one, two, one, 1.0, 1, True)
+        tries(4, np.full(1, 2), 2, 4, 1, True, False, np.ones(15))
 
 
 def _smallest(values, count):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
@@ -400,6 +422,38 @@ def _place(cost, tokens, room, weight, floor, sizes, per_rank, keys, places, lim
     return _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, places, k)
 
 
+def _tries(length, sizes, k, capacity, nic_chunk, two_d, wide, terms):  # noqa: ANN001, ANN202, PLR0913 - compiled by numba
+    """``tries``: size by size, the places ``ring_options.options`` allows in its order (one
+    node; whole nodes; flat across nodes), each's key (``ring_prices``), and the size's most
+    tokens per member."""
+    count = 0
+    found = np.empty(3 * sizes.shape[0], dtype=np.int64)
+    per_rank = np.empty(3 * sizes.shape[0], dtype=np.int64)
+    keys = np.empty(3 * sizes.shape[0])
+    places = np.empty(3 * sizes.shape[0], dtype=np.int64)
+    asked = False
+    for size in sizes:
+        first = count
+        cross = length // size >= nic_chunk or length > k * capacity
+        if size <= k:
+            keys[count], places[count] = _key(length, size, terms), 1
+            count += 1
+        if size % k == 0 and size > k and two_d:
+            spread = size >= 2 * k and length // (size // k) >= nic_chunk
+            asked = asked or (spread and not cross)
+            if cross or (spread and wide):
+                keys[count], places[count] = np.nan, 0
+                count += 1
+        if cross:
+            keys[count], places[count] = _flat_key(length, size, terms), 2
+            count += 1
+        if count > first:
+            most = _most_tokens(length, size)
+            for i in range(first, count):
+                found[i], per_rank[i] = size, most
+    return found[:count], per_rank[:count], keys[:count], places[:count], asked
+
+
 @functools.cache
 def _compiled() -> Callable | None:
     """``_members`` compiled (``loops/jit.py``), or ``None`` without numba."""
@@ -422,3 +476,12 @@ def _compiled_place() -> Callable | None:
         return None
     names = ("_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_place")
     return jit.compile_loops(globals(), *names)
+
+
+@functools.cache
+def _compiled_tries() -> Callable | None:
+    """``_tries`` compiled (the prices of ``ring_prices.py`` first), or ``None`` without
+    numba."""
+    if not ring_prices.bind(globals()):
+        return None
+    return jit.compile_loops(globals(), "_tries")

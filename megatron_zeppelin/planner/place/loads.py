@@ -127,6 +127,8 @@ class Loads:
             diagonal: (flops / eff.flops_per_s, eff.half_tokens, eff.fall_tokens)
             for diagonal, eff in ((True, cost_model.diagonal), (False, cost_model.attention))
         }
+        self._terms: np.ndarray | None = None
+        """``ring_terms``, once asked."""
 
     def _block_seconds(self, pairs: float, num_tokens: float, *, diagonal: bool) -> float:
         """``Efficiency.busy_seconds`` of the cost model, in scalars."""
@@ -234,26 +236,32 @@ class Loads:
             self._keys[key] = value
         return value
 
-    def nvlink_terms(self) -> np.ndarray:
-        """What ``rank_share`` and ``ring_key`` read to price a ring over NVLink, for stage 3's
-        compiled loop (``loops/node_rings.py``, which works them out with the same operations):
-        both curves' ``(seconds per pair, half_tokens, fall_tokens)`` (diagonal first), the
-        overhead per kernel call, the K/V bytes per token, NVLink's latency and bytes per second,
-        ``FWD_SHARE`` and ``linear_weight``."""
-        nvlink = self.cost_model.nvlink
-        return np.asarray(
-            [
-                *(value or 0.0 for value in self._curves[True]),
-                *(value or 0.0 for value in self._curves[False]),
-                self._overhead_s,
-                self._kv_bytes,
-                nvlink.latency_s,
-                nvlink.bytes_per_s,
-                FWD_SHARE,
-                self.linear_weight,
-            ],
-            dtype=np.float64,
-        )
+    def ring_terms(self) -> np.ndarray:
+        """What ``rank_share`` and ``ring_key`` read to price a ring over NVLink, or flat across
+        nodes, for the compiled loops (``loops/ring_prices.py``, which work them out with the
+        same operations): both curves' ``(seconds per pair, half_tokens, fall_tokens)``
+        (diagonal first), the overhead per kernel call, the K/V bytes per token, NVLink's
+        latency and bytes per second, ``FWD_SHARE``, ``linear_weight``, the NICs' latency and
+        bytes per second, and ``num_links``."""
+        if self._terms is None:
+            nvlink, nic = self.cost_model.nvlink, self.cost_model.nic
+            self._terms = np.asarray(
+                [
+                    *(value or 0.0 for value in self._curves[True]),
+                    *(value or 0.0 for value in self._curves[False]),
+                    self._overhead_s,
+                    self._kv_bytes,
+                    nvlink.latency_s,
+                    nvlink.bytes_per_s,
+                    FWD_SHARE,
+                    self.linear_weight,
+                    nic.latency_s,
+                    nic.bytes_per_s,
+                    self.num_links,
+                ],
+                dtype=np.float64,
+            )
+        return self._terms
 
     def best_num_nodes(self, length: int, rest_work: float) -> int:
         """How many whole nodes a document's ring should span so that the step ends soonest:

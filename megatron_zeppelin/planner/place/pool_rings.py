@@ -27,6 +27,8 @@ from megatron_zeppelin.planner.place.ring_options import (
     most_tokens,
     narrowest,
     options,
+    price,
+    wide_two_d,
 )
 from megatron_zeppelin.planner.plan.plan import Tier
 
@@ -59,32 +61,42 @@ class Tries:
     keys: np.ndarray
     """What the ring adds to each member's load there (``options``)."""
     places: np.ndarray
-    """Where, by ``ring_search.PLACES``' code..."""
-    wheres: tuple[str, ...]
-    """... and by name."""
+    """Where, by ``ring_search.PLACES``' code."""
+
+
+_NAMES = {code: where for where, code in ring_search.PLACES.items()}
+_WHOLE = ring_search.PLACES["whole"]
+_TYPES = (np.int64, np.int64, np.float64, np.int64)
+"""``Tries``' columns' types."""
 
 
 def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
-    """``Tries`` of a document of ``length`` under ``goal``, priced by ``loads``."""
+    """``Tries`` of a document of ``length`` under ``goal``, priced by ``loads``: at each size of
+    ``ring_sizes``, the places ``options`` allows. Where numba is installed, every size in one
+    compiled call (``ring_search.tries``: the same tries, the same keys to the last bit), the
+    2-D scheme's keys over whole nodes from ``Loads``."""
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
-    sizes, per_rank, keys, wheres = [], [], [], []
-    for size in ring_sizes(length, work, goal.target, loads, goal.member_tokens):
-        places = options(length, size, loads, goal)
-        if not places:
-            continue  # pieces too short to cross nodes, and no node's ring this wide
-        most = most_tokens(length, size)
-        for key, where in places:
-            sizes.append(size)
-            per_rank.append(most)
-            keys.append(key)
-            wheres.append(where)
-    return Tries(
-        np.asarray(sizes, dtype=np.int64),
-        np.asarray(per_rank, dtype=np.int64),
-        np.asarray(keys, dtype=np.float64),
-        np.asarray([ring_search.PLACES[where] for where in wheres], dtype=np.int64),
-        tuple(wheres),
-    )
+    sizes = ring_sizes(length, work, goal.target, loads, goal.member_tokens)
+    if not ring_search.compiled():
+        found = []
+        for size in sizes:
+            places = options(length, size, loads, goal)
+            if places:  # else pieces too short to cross nodes, and no node's ring this wide
+                most = most_tokens(length, size)
+                found += [(size, most, key, ring_search.PLACES[at]) for key, at in places]
+        columns = list(zip(*found)) if found else [(), (), (), ()]
+        return Tries(*(np.asarray(c, dtype=t) for c, t in zip(columns, _TYPES)))
+    k, terms = loads.topology.gpus_per_node, loads.ring_terms()
+    two_d = loads.two_d is not None
+    array = np.asarray(sizes, dtype=np.int64)
+    args = (length, array, k, loads.capacity, goal.nic_chunk, two_d)
+    *found, asked = ring_search.tries(*args, False, terms)
+    if asked and wide_two_d(length, loads, goal):
+        *found, _ = ring_search.tries(*args, True, terms)
+    tries = Tries(*found)
+    for i in np.flatnonzero(tries.places == _WHOLE).tolist():
+        tries.keys[i] = price(length, int(tries.sizes[i]), loads, two_d=True)
+    return tries
 
 
 def place_ring(
@@ -128,7 +140,7 @@ def place_ring(
             raise capacity_error(doc, length, "on any GPUs of the pool")
         return None
     index, ring = found
-    return place_on(ring, length, loads, tries.wheres[index] == "whole")
+    return place_on(ring, length, loads, int(tries.places[index]) == _WHOLE)
 
 
 def _place(
@@ -150,9 +162,10 @@ def _place(
     least = np.sort(arrays.cost)
     ends: dict[int, _Ends] = {}  # by tokens per member: a GPU's end depends on nothing else
     listed = []
-    for size, per_rank, key, where in zip(
-        tries.sizes.tolist(), tries.per_rank.tolist(), tries.keys.tolist(), tries.wheres
+    for size, per_rank, key, code in zip(
+        tries.sizes.tolist(), tries.per_rank.tolist(), tries.keys.tolist(), tries.places.tolist()
     ):
+        where = _NAMES[code]
         lazy = ends.get(per_rank)
         if lazy is None:
             lazy = ends[per_rank] = _Ends(arrays, weight, floor, per_rank)

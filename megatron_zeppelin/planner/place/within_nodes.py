@@ -292,7 +292,7 @@ def _place_node_compiled(
     gpus = np.zeros(len(docs.whole_docs), dtype=np.int64)
     answer = node_rings.place(
         cost, attention, exposed, tokens, loads.capacity, 0.0 if target is None else target,
-        target is not None, loads.nvlink_terms(),
+        target is not None, loads.ring_terms(),
         np.asarray(docs.ring_lengths, dtype=np.int64),
         np.ascontiguousarray(largest[docs.ring_docs], dtype=np.int64),
         np.asarray(docs.whole_lengths, dtype=np.int64),
