@@ -395,3 +395,35 @@ def test_ring_tries_are_options_size_by_size(cluster: str) -> None:
             assert got == want, (length, goal)
             places |= {where for *_, where in want}
     assert places == set(PLACES.values())
+
+
+def test_distinct_drops_only_placements_made_before() -> None:
+    """``candidate.distinct`` keeps the first of candidates placing every document alike (even
+    placed in another order, their loads' seconds rounding apart), and keeps placements that
+    differ though every GPU holds the same tokens (two documents of one length swapped), or
+    whose tokens differ."""
+    from megatron_zeppelin.planner.place.placement import Placement
+    from megatron_zeppelin.planner.search.candidate import Candidate, distinct
+
+    topology = get_topology("zeppelin-C", num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    array = np.asarray([3_000, 3_000, 5_000, 40_000])
+    ring = Placement(Tier.INTRA, (4, 5, 6, 7))
+
+    def placed(ranks: tuple[int, ...], backwards: bool = False) -> Candidate:
+        placements = [Placement(Tier.LOCAL, (r,)) for r in ranks] + [ring]
+        loads = Loads(topology, 65_536, cost)
+        order = range(len(array))[::-1] if backwards else range(len(array))
+        for doc in order:
+            if doc < len(ranks):
+                loads.add_local(ranks[doc], int(array[doc]))
+            else:
+                loads.add_ring(ring.ring, int(array[doc]))
+        return Candidate(placements, loads, 0, 0, {"attention": max(loads.cost)})
+
+    first, again = placed((0, 1, 2)), placed((0, 1, 2), backwards=True)
+    swapped, other = placed((1, 0, 2)), placed((0, 2, 1))
+    assert again.loads.tokens == swapped.loads.tokens == first.loads.tokens
+    assert other.loads.tokens != first.loads.tokens
+    kept = distinct([first, again, swapped, other, placed((1, 0, 2))])
+    assert [id(c) for c in kept] == [id(first), id(swapped), id(other)]

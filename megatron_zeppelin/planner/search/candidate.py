@@ -213,24 +213,35 @@ def priced(
     layouts: tuple[str, ...],
     **kinds: bool,
 ) -> Candidate:
-    """A placement of the pool or of shares, priced under every layout from its ``loads``."""
+    """A placement of the pool or of shares, priced from its ``loads`` under every layout that
+    can beat the attention layout (``price_linear_layouts``' ``prune``: the best time and its
+    layout are the same; a candidate kept unsimulated is priced under all, ``keep_estimate``)."""
     attention_s = np.add(loads.attention, loads.exposed).tolist()
     predicted = price_linear_layouts(
-        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts
+        loads.tokens, attention_s, loads.topology, loads.cost_model, layouts, prune=True
     )
     return Candidate(placements, loads, promotions, 0, predicted, **kinds)
 
 
 def distinct(found: list[Candidate]) -> list[Candidate]:
     """The candidates less those that repeat an earlier placement (another variant may land on
-    the same one)."""
-    seen, out = set(), []
+    the same one). Placements alike hold alike tokens on every GPU, so a candidate is compared
+    document by document (``_key``: ten thousand documents at a thousand GPUs) only with those
+    kept before it whose GPUs hold the tokens its GPUs hold."""
+    kept: dict[tuple[int, ...], list[Candidate]] = {}
+    out = []
     for candidate in found:
-        key = tuple((p.tier, p.ring, p.tokens) for p in candidate.placements)
-        if key not in seen:
-            seen.add(key)
-            out.append(candidate)
+        same_tokens = kept.setdefault(tuple(candidate.loads.tokens), [])
+        if same_tokens and _key(candidate) in {_key(c) for c in same_tokens}:
+            continue  # it repeats an earlier placement
+        same_tokens.append(candidate)
+        out.append(candidate)
     return out
+
+
+def _key(candidate: Candidate) -> tuple:
+    """Every document's tier, ring and tokens: what makes two placements the same."""
+    return tuple((p.tier, p.ring, p.tokens) for p in candidate.placements)
 
 
 def spans_nodes(found: list[Candidate]) -> bool:
