@@ -102,3 +102,18 @@ def test_compiled_ring_search_is_numpys() -> None:
                 found[fallback] = want
             kinds["fits" if found[False] else "soonest" if found[True] else "none"] += 1
     assert min(kinds["fits"], kinds["soonest"], kinds["none"]) > 0, kinds
+
+
+def test_compiled_sort_is_numpys() -> None:
+    """The compiled loop's sort by hand (``ring_search._sorted``) against ``np.sort``: empty,
+    short and long arrays, random, with many ties, sorted and reversed."""
+    assert ring_search._compiled_place() is not None  # puts the compiled ``_sorted`` in place
+    rng = np.random.default_rng(0)
+    for n in (0, 1, 2, 5, 17, 18, 33, 100, 1024, 8192):
+        for values in (
+            rng.random(n),
+            rng.choice([0.0, 1.0, 1.0 + 2**-52, 2.0], n),
+            np.sort(rng.random(n)),
+            np.sort(rng.random(n))[::-1].copy(),
+        ):
+            assert ring_search._sorted(values).tolist() == np.sort(values).tolist(), n

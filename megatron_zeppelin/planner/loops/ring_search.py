@@ -403,11 +403,56 @@ def _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, pl
     return -1, none
 
 
+def _sorted(values):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
+    """``np.sort(values)`` (a copy), by quicksort by hand, short stretches by insertion
+    (numba's own sort takes seconds to compile): a few thousand values at most."""
+    out = values.copy()
+    stack = np.empty(128, dtype=np.int64)  # stretches left to sort, the shorter side first
+    top = 0
+    low, high = 0, out.shape[0] - 1
+    while True:
+        while high - low > 16:
+            middle = (low + high) // 2  # the median of three as the pivot
+            if out[middle] < out[low]:
+                out[middle], out[low] = out[low], out[middle]
+            if out[high] < out[low]:
+                out[high], out[low] = out[low], out[high]
+            if out[high] < out[middle]:
+                out[high], out[middle] = out[middle], out[high]
+            pivot, i, j = out[middle], low, high
+            while i <= j:
+                while out[i] < pivot:
+                    i += 1
+                while out[j] > pivot:
+                    j -= 1
+                if i <= j:
+                    out[i], out[j] = out[j], out[i]
+                    i += 1
+                    j -= 1
+            if j - low < high - i:  # the longer side waits: the stack stays short
+                stack[top], stack[top + 1] = i, high
+                high = j
+            else:
+                stack[top], stack[top + 1] = low, j
+                low = i
+            top += 2
+        for i in range(low + 1, high + 1):
+            item, at = out[i], i
+            while at > low and out[at - 1] > item:
+                out[at] = out[at - 1]
+                at -= 1
+            out[at] = item
+        if top == 0:
+            return out
+        top -= 2
+        low, high = stack[top], stack[top + 1]
+
+
 def _place(cost, tokens, room, weight, floor, sizes, per_rank, keys, places, limit, k, fallback):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
     """``place``: the tries in order, each skipped where the ``size``-th least load plus its key
     is over ``limit`` (no ``size`` GPUs can end within it), else asked of ``_members`` (best
     fit); the first to find GPUs wins. Else ``_soonest`` where ``fallback``."""
-    least = np.sort(cost)
+    least = _sorted(cost)
     for i in range(sizes.shape[0]):
         if least[sizes[i] - 1] + keys[i] > limit:
             continue
@@ -474,7 +519,7 @@ def _compiled_place() -> Callable | None:
     """``_place`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
     if _compiled() is None:
         return None
-    names = ("_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_place")
+    names = ("_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_sorted", "_place")
     return jit.compile_loops(globals(), *names)
 
 
