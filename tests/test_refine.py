@@ -183,3 +183,33 @@ def test_moves_choose_the_gpu_a_scan_of_every_gpu_chooses(seed: int) -> None:
     assert np.array_equal(ends, want_ends)
     reachable = np.isfinite(want_ends)
     assert np.array_equal(dest[reachable], want_dest[reachable])
+
+
+def test_each_gpu_holds_its_documents_in_order() -> None:
+    """``refine``'s view of a placement: each GPU's local documents in document order, in one
+    row per GPU with room to spare, and each GPU's ring documents; against a plain pass over
+    the placements (rings of one GPU among them, GPUs holding nothing)."""
+    from megatron_zeppelin.planner.loops.local_changes import _SPARE, by_rank
+    from megatron_zeppelin.planner.place.refine import _held
+
+    rng = np.random.default_rng(4)
+    world = 16
+    placements = []
+    for _ in range(300):
+        if rng.random() < 0.1:
+            size = int(rng.integers(1, 5))
+            ring = tuple(sorted(rng.choice(world, size, replace=False).tolist()))
+            placements.append(Placement(Tier.INTRA, ring))
+        else:
+            placements.append(Placement(Tier.LOCAL, (int(rng.integers(0, world - 2)),)))
+    want_local = [[] for _ in range(world)]
+    want_rings = [[] for _ in range(world)]
+    for doc, p in enumerate(placements):
+        for rank in p.ring:
+            (want_local if p.tier == Tier.LOCAL else want_rings)[rank].append(doc)
+    docs, ranks, rings_on = _held(placements, world)
+    rows, count = by_rank(docs, ranks, world)
+    assert rings_on == want_rings
+    assert [row[:n].tolist() for row, n in zip(rows, count.tolist())] == want_local
+    assert rows.shape[1] == max(map(len, want_local)) + _SPARE
+    assert not rows[np.arange(rows.shape[1]) >= count[:, None]].any()  # zeros past each row

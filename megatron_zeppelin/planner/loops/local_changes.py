@@ -33,7 +33,16 @@ import numpy as np
 
 from megatron_zeppelin.planner.loops import jit
 
-__all__ = ["MIN_GAIN", "Change", "Rounds", "best_swap", "compiled", "light_gpus", "warm"]
+__all__ = [
+    "MIN_GAIN",
+    "Change",
+    "Rounds",
+    "best_swap",
+    "by_rank",
+    "compiled",
+    "light_gpus",
+    "warm",
+]
 
 MIN_GAIN = 1e-6
 """A change must lower the pair's peak by this fraction of the busiest load."""
@@ -105,7 +114,7 @@ class Rounds:
 
     def __init__(
         self,
-        on_rank: list[list[int]],
+        held: tuple[np.ndarray, np.ndarray],
         cost: np.ndarray,
         tokens: np.ndarray,
         array: np.ndarray,
@@ -115,9 +124,9 @@ class Rounds:
         capacity: int,
         light: int,
     ) -> None:
+        """``held``: each GPU's local documents in a row and how many (``by_rank``)."""
         self.cost, self.tokens = cost, tokens
-        self.count = np.fromiter(map(len, on_rank), dtype=np.int64, count=len(on_rank))
-        self.docs = _padded(on_rank, int(self.count.max(initial=0)) + _SPARE)
+        self.docs, self.count = held
         self.lengths = np.ascontiguousarray(array, dtype=np.int64)
         self.work = np.ascontiguousarray(work, dtype=np.float64)
         self.attention = np.ascontiguousarray(attention, dtype=np.float64)
@@ -136,10 +145,7 @@ class Rounds:
             self.attention, self.weight, self.capacity, self.light, MIN_GAIN, log,
         )  # fmt: skip
         while status == _FULL:  # a GPU's row of documents is full: wider rows, then on
-            self.docs = _padded(
-                [row[:n].tolist() for row, n in zip(self.docs, self.count.tolist())],
-                max(2 * self.docs.shape[1], 1),
-            )
+            self.docs = _widened(self.docs, self.count, max(2 * self.docs.shape[1], 1))
             more, status = kernel(
                 self.cost, self.tokens, self.docs, self.count, self.lengths, self.work,
                 self.attention, self.weight, self.capacity, self.light, MIN_GAIN, log[made:],
@@ -176,11 +182,23 @@ _STUCK, _LIMIT, _FULL = 0, 1, 2
 whose row of documents is full."""
 
 
-def _padded(on_rank: list[list[int]], width: int) -> np.ndarray:
-    docs = np.zeros((len(on_rank), width), dtype=np.int64)
-    for rank, held in enumerate(on_rank):
-        docs[rank, : len(held)] = held
-    return docs
+def by_rank(docs: np.ndarray, ranks: np.ndarray, world: int) -> tuple[np.ndarray, np.ndarray]:
+    """``Rounds``' rows: the documents ``docs`` (in order) of each GPU (``ranks``, each's) in
+    one row per GPU, in their order, with room to spare (zeros); and how many each holds."""
+    count = np.bincount(ranks, minlength=world).astype(np.int64)
+    order = np.argsort(ranks, kind="stable")
+    rows = np.zeros((world, int(count.max(initial=0)) + _SPARE), dtype=np.int64)
+    first = np.cumsum(count) - count
+    rows[ranks[order], np.arange(len(order)) - first[ranks[order]]] = docs[order]
+    return rows, count
+
+
+def _widened(rows: np.ndarray, count: np.ndarray, width: int) -> np.ndarray:
+    """``rows`` (``by_rank``'s) in rows of ``width``, each GPU's documents kept, zeros after."""
+    wider = np.zeros((rows.shape[0], width), dtype=np.int64)
+    kept = np.arange(rows.shape[1]) < count[:, None]
+    wider[:, : rows.shape[1]] = np.where(kept, rows, 0)
+    return wider
 
 
 def _least(values, k):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments

@@ -27,6 +27,7 @@ numba is installed (``loops/local_changes.py``: the same changes), a round at a 
 from __future__ import annotations
 
 from collections.abc import Callable
+from operator import attrgetter, itemgetter
 from typing import NamedTuple
 
 import numpy as np
@@ -36,6 +37,7 @@ from megatron_zeppelin.planner.loops.local_changes import (
     Change,
     Rounds,
     best_swap,
+    by_rank,
     compiled,
     light_gpus,
 )
@@ -74,21 +76,17 @@ def refine(
     take from. Returns how many changes were made."""
     world = loads.topology.world_size
     work = attention + loads.linear_weight * array
-    on_rank: list[list[int]] = [[] for _ in range(world)]
-    rings_on: list[list[int]] = [[] for _ in range(world)]
-    local = Tier.LOCAL
-    for doc, placement in enumerate(placements):
-        if placement.tier == local:  # one rank: most of a batch's documents
-            on_rank[placement.ring[0]].append(doc)
-        else:
-            for rank in placement.ring:
-                rings_on[rank].append(doc)
+    docs, ranks, rings_on = _held(placements, world)
     cost = np.asarray(loads.cost, dtype=np.float64)
     tokens = np.asarray(loads.tokens, dtype=np.int64)
+    on_rank: list[list[int]] | None = None  # the compiled loop keeps its own
     if compiled():
         weight, capacity = loads.linear_weight, loads.capacity
-        local = Rounds(on_rank, cost, tokens, array, work, attention, weight, capacity, light)
+        held = by_rank(docs, ranks, world)
+        local = Rounds(held, cost, tokens, array, work, attention, weight, capacity, light)
     else:
+        rows, count = by_rank(docs, ranks, world)
+        on_rank = [row[:n].tolist() for row, n in zip(rows, count.tolist())]
         local = _NumpyRounds(on_rank, cost, tokens, array, work, loads, light)
 
     def apply(change: tuple[int, int, int | None], busiest: int) -> None:
@@ -157,6 +155,25 @@ class _NumpyRounds:
         return limit, False
 
 
+def _held(
+    placements: list[Placement], world: int
+) -> tuple[np.ndarray, np.ndarray, list[list[int]]]:
+    """The local (whole) documents, in order, and each one's GPU; and each GPU's ring
+    documents, in order. A batch's documents are mostly local: they are read with C-level maps,
+    the rings one by one."""
+    count = len(placements)
+    tiers = map(attrgetter("tier"), placements)
+    local = np.fromiter(map(Tier.LOCAL.__eq__, tiers), dtype=bool, count=count)
+    firsts = map(itemgetter(0), map(attrgetter("ring"), placements))
+    ranks = np.fromiter(firsts, dtype=np.int64, count=count)
+    rings_on: list[list[int]] = [[] for _ in range(world)]
+    for doc in np.flatnonzero(~local).tolist():
+        for rank in placements[doc].ring:
+            rings_on[rank].append(doc)
+    docs = np.flatnonzero(local)
+    return docs, ranks[docs], rings_on
+
+
 def _apply(
     change: tuple[int, int, int | None],
     busiest: int,
@@ -164,8 +181,9 @@ def _apply(
     attention: np.ndarray,
     placements: list[Placement],
     loads: Loads,
-    on_rank: list[list[int]],
+    on_rank: list[list[int]] | None,
 ) -> None:
+    """A change made: to ``loads``, the placements and, where kept here, ``on_rank``."""
     dest, give, take = change
     for doc, src, dst in ((give, busiest, dest), (take, dest, busiest)):
         if doc is None:
@@ -173,8 +191,9 @@ def _apply(
         length, seconds = int(array[doc]), float(attention[doc])
         loads.add_local(src, -length, -seconds)
         loads.add_local(dst, length, seconds)
-        on_rank[src].remove(doc)
-        on_rank[dst].append(doc)
+        if on_rank is not None:
+            on_rank[src].remove(doc)
+            on_rank[dst].append(doc)
         placements[doc] = Placement(Tier.LOCAL, (dst,))
 
 
