@@ -15,7 +15,8 @@ import pytest
 from pool_batches import NEEDS_NUMBA
 
 from megatron_zeppelin.planner.loops import ring_search
-from megatron_zeppelin.planner.place.pool_rings import Arrays, Tries, _Ends, _members, _place
+from megatron_zeppelin.planner.loops.ring_search import Tries
+from megatron_zeppelin.planner.place.pool_rings import Arrays, _Ends, _members, _place
 
 pytestmark = [pytest.mark.pure, NEEDS_NUMBA]
 

@@ -22,20 +22,34 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_zeppelin.planner.loops import jit, ring_prices
 from megatron_zeppelin.planner.loops.ring_prices import _flat_key, _key, _most_tokens
 
-if TYPE_CHECKING:  # pool_rings calls this module
-    from megatron_zeppelin.planner.place.pool_rings import Tries
-
-__all__ = ["PLACES", "compiled", "members", "place", "tries", "warm"]
+__all__ = ["PLACES", "Tries", "compiled", "members", "place", "tries", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
+
+
+@dataclass(frozen=True)
+class Tries:
+    """Every ring ``pool_rings.place_ring`` may try for one document, in the order it tries
+    them: each size of ``pool_rings.ring_sizes`` with a place to go, and at it each place
+    ``ring_options.options`` allows (``pool_rings.ring_tries``). They depend on the document's
+    length, the goal and the pricing alone, not on the loads, so a placement of many rings works
+    them out once per length and goal (``place_ring``'s ``memo``)."""
+
+    sizes: np.ndarray
+    per_rank: np.ndarray
+    """The most tokens a member takes (``ring_options.most_tokens``)."""
+    keys: np.ndarray
+    """What the ring adds to each member's load there (``ring_options.options``)."""
+    places: np.ndarray
+    """Where, by ``PLACES``' code."""
 
 
 def members(

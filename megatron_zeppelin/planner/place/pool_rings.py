@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.loops import ring_search
+from megatron_zeppelin.planner.loops.ring_search import Tries
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement, capacity_error
 from megatron_zeppelin.planner.place.ring_options import (
@@ -32,7 +33,7 @@ from megatron_zeppelin.planner.place.ring_options import (
 )
 from megatron_zeppelin.planner.plan.plan import Tier
 
-__all__ = ["Arrays", "Tries", "place_on", "place_ring", "ring_sizes", "ring_tries"]
+__all__ = ["Arrays", "place_on", "place_ring", "ring_sizes", "ring_tries"]
 
 
 def ring_sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
@@ -45,23 +46,6 @@ def ring_sizes(length: int, work: float, target: float, loads: Loads, most: int)
     start = min(world, max(low, math.floor(work / target)))
     stop = min(world, 2 * start + 2 * topo.gpus_per_node)
     return [*range(start, stop + 1), *range(start - 1, low - 1, -1)]
-
-
-@dataclass(frozen=True)
-class Tries:
-    """Every ring ``place_ring`` may try for one document, in the order it tries them: each
-    size of ``ring_sizes`` with a place to go, and at it each place ``ring_options.options``
-    allows. They depend on the document's length, the goal and the pricing alone, not on the
-    loads, so a placement of many rings works them out once per length and goal
-    (``place_ring``'s ``memo``)."""
-
-    sizes: np.ndarray
-    per_rank: np.ndarray
-    """The most tokens a member takes (``most_tokens``)."""
-    keys: np.ndarray
-    """What the ring adds to each member's load there (``options``)."""
-    places: np.ndarray
-    """Where, by ``ring_search.PLACES``' code."""
 
 
 _NAMES = {code: where for where, code in ring_search.PLACES.items()}
