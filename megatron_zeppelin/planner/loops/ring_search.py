@@ -297,23 +297,29 @@ def _members(cost, tokens, room, weight, floor, size, key, per_rank, limit, k, w
     return _across(ok, ends, size, k)
 
 
+def _split(work, low, high, pivot):  # noqa: ANN001, ANN202 - compiled by numba
+    """Hoare's partition of ``work[low:high + 1]`` around ``pivot`` (a value in it), in place:
+    ``(i, j)``, everything up to ``j`` at most ``pivot``, everything from ``i`` at least it."""
+    i, j = low, high
+    while i <= j:
+        while work[i] < pivot:
+            i += 1
+        while work[j] > pivot:
+            j -= 1
+        if i <= j:
+            work[i], work[j] = work[j], work[i]
+            i += 1
+            j -= 1
+    return i, j
+
+
 def _kth(values, kth):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
     """The ``kth`` least of ``values`` (from 0), by selection on a copy: what
     ``np.partition(values, kth)[kth]`` gives (numba's own partition takes seconds to compile)."""
     work = values.copy()
     low, high = 0, work.shape[0] - 1
     while low < high:
-        pivot = work[(low + high) // 2]
-        i, j = low, high
-        while i <= j:
-            while work[i] < pivot:
-                i += 1
-            while work[j] > pivot:
-                j -= 1
-            if i <= j:
-                work[i], work[j] = work[j], work[i]
-                i += 1
-                j -= 1
+        i, j = _split(work, low, high, work[(low + high) // 2])
         if kth <= j:
             high = j
         elif kth >= i:
@@ -433,16 +439,7 @@ def _sorted(values):  # noqa: ANN001, ANN202 - compiled by numba, typed by its a
                 out[high], out[low] = out[low], out[high]
             if out[high] < out[middle]:
                 out[high], out[middle] = out[middle], out[high]
-            pivot, i, j = out[middle], low, high
-            while i <= j:
-                while out[i] < pivot:
-                    i += 1
-                while out[j] > pivot:
-                    j -= 1
-                if i <= j:
-                    out[i], out[j] = out[j], out[i]
-                    i += 1
-                    j -= 1
+            i, j = _split(out, low, high, out[middle])
             if j - low < high - i:  # the longer side waits: the stack stays short
                 stack[top], stack[top + 1] = i, high
                 high = j
@@ -533,7 +530,7 @@ def _compiled_place() -> Callable | None:
     """``_place`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
     if _compiled() is None:
         return None
-    names = ("_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_sorted", "_place")
+    names = ("_split", "_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_sorted", "_place")
     return jit.compile_loops(globals(), *names)
 
 
