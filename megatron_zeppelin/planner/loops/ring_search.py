@@ -386,10 +386,10 @@ def _heap_pop(bounds, tries, size):  # noqa: ANN001, ANN202 - compiled by numba
 
 
 def _soonest(cost, tokens, room, least, weight, floor, sizes, per_rank, keys, places, k):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
-    """``soonest``: ``pool_rings._soonest``'s heap of tries by what is known of their end (a
-    try has one entry at a time: ``(bound, index)``, least first), each bound raised as it comes
-    up: the ``size``-th least load plus the key, then ``_bound`` plus the key, then its ring's
-    busiest end plus the key. The first to come off with its end known is the answer."""
+    """``place``'s fallback: ``pool_rings._soonest``'s heap of tries by what is known of their
+    end (a try has one entry at a time: ``(bound, index)``, least first), each bound raised as it
+    comes up: the ``size``-th least load plus the key, then ``_bound`` plus the key, then its
+    ring's busiest end plus the key. The first to come off with its end known is the answer."""
     count = sizes.shape[0]
     bounds, tries = np.empty(count), np.empty(count, dtype=np.int64)
     stage = np.zeros(count, dtype=np.int64)
