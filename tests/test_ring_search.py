@@ -36,8 +36,9 @@ def _random_gpus(rng: np.random.Generator, least_nodes: int):  # noqa: ANN202
 
 @pytest.mark.parametrize("seed", range(300))
 def test_compiled_members_are_numpys(seed: int) -> None:
-    """Random loads with many ties (a few values, GPUs one rounding step apart), rooms that
-    bar some GPUs, every place and a finite or infinite limit; floors that raise some ends."""
+    """The compiled ``_members`` (``ring_search.place``'s answer to each try) against numpy's:
+    random loads with many ties (a few values, GPUs one rounding step apart), rooms that bar
+    some GPUs, every place and a finite or infinite limit; floors that raise some ends."""
     assert ring_search.compiled()
     rng = np.random.default_rng(seed)
     k, world, cost, tokens, room, weight, floor = _random_gpus(rng, least_nodes=1)
@@ -53,9 +54,11 @@ def test_compiled_members_are_numpys(seed: int) -> None:
         key = float(rng.choice([0.0, 0.25, 1.0]))
         for limit in (float(rng.choice([1.0, 1.5, 2.5, 3.5])), math.inf):
             want = _members(ends.get(), room, size, key, per_rank, limit, k, where)
-            got = ring_search.members(
-                cost, tokens, room, weight, floor, size, key, per_rank, limit, k, where
-            )
+            ring = ring_search._compiled()(
+                cost, tokens, room, weight, floor, size, key, per_rank, limit, k,
+                ring_search.PLACES[where], math.isfinite(limit),
+            )  # fmt: skip
+            got = tuple(ring.tolist()) if len(ring) else None
             assert got == want, (where, size, key, limit)
 
 

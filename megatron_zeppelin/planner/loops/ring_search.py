@@ -20,7 +20,6 @@ and adding it to ``Loads``.
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -29,7 +28,7 @@ import numpy as np
 from megatron_zeppelin.planner.loops import jit, ring_prices
 from megatron_zeppelin.planner.loops.ring_prices import _flat_key, _key, _most_tokens
 
-__all__ = ["PLACES", "Tries", "compiled", "members", "place", "tries", "warm"]
+__all__ = ["PLACES", "Tries", "compiled", "place", "tries", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
@@ -50,30 +49,6 @@ class Tries:
     """What the ring adds to each member's load there (``ring_options.options``)."""
     places: np.ndarray
     """Where, by ``PLACES``' code."""
-
-
-def members(
-    cost: np.ndarray,
-    tokens: np.ndarray,
-    room: np.ndarray,
-    weight: float,
-    floor: int,
-    size: int,
-    key: float,
-    per_rank: int,
-    limit: float,
-    k: int,
-    where: str,
-) -> tuple[int, ...] | None:
-    """``pool_rings._members`` of the ends ``pool_rings._Ends`` gives (``cost``, ``tokens``,
-    ``weight``, ``floor``, ``per_rank``), compiled (callers ask ``compiled()`` first)."""
-    kernel = _compiled()
-    assert kernel is not None, "ring_search.members runs where the loop compiles"
-    ring = kernel(
-        cost, tokens, room, float(weight), int(floor), int(size), float(key), int(per_rank),
-        float(limit), int(k), PLACES[where], math.isfinite(limit),
-    )  # fmt: skip
-    return tuple(ring.tolist()) if len(ring) else None
 
 
 def place(
@@ -121,7 +96,7 @@ def tries(
 
 
 def compiled() -> bool:
-    """Whether ``members`` runs in this process."""
+    """Whether ``place`` and ``tries`` run in this process."""
     return _compiled() is not None
 
 
@@ -129,8 +104,6 @@ def warm() -> None:
     """The loops built (or read from numba's cache) now (``search.partition.warm``)."""
     if compiled():
         one, two = np.zeros(2, dtype=np.int64), np.zeros(2, dtype=np.float64)
-        for where in PLACES:
-            members(two, one, one, 0.0, 0, 2, 0.0, 1, 1.0, 1, where)
         _compiled_place()(two, one, one, 0.0, 0, one, one, two, one, 1.0, 1, True)
         tries(4, np.full(1, 2), 2, 4, 1, True, False, np.ones(15))
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_zeppelin.planner.loops import node_rings
-from megatron_zeppelin.planner.place.loads import Loads
+from megatron_zeppelin.planner.place.loads import Loads, LoadsSnapshot
 from megatron_zeppelin.planner.place.placement import (
     CapacityError,
     Heap,
@@ -82,7 +82,8 @@ def place_within_nodes(
         ranks = list(topo.ranks_of_node(node))
         target = batch.target(node, ranks) if choice.pack else None
         mine = [*docs.ring_docs, *docs.whole_docs]
-        key = None if done is None else _node_key(docs, mine, ranks, choice, loads, target)
+        saved, first = loads.snapshot(ranks), len(overflow)
+        key = None if done is None else _node_key(docs, mine, saved, choice, loads, target)
         if key is not None and key in done:
             placed, values, promoted, handed_on = done[key]
             for doc, placement in placed:
@@ -91,7 +92,6 @@ def place_within_nodes(
             promotions += promoted
             overflow += handed_on
             continue
-        saved, first = loads.snapshot(ranks), len(overflow)
         for attempt in _ATTEMPTS:
             try:
                 promoted = _place_node(
@@ -124,21 +124,21 @@ def place_within_nodes(
 def _node_key(
     docs: _NodeDocs,
     mine: list[int],
-    ranks: list[int],
+    held: LoadsSnapshot,
     choice: TierChoice,
     loads: Loads,
     target: float | None,
 ) -> tuple:
     """What ``place_within_nodes``' attempts on one node read: its documents (which ring;
-    ``mine``: all of them), the largest ring each may take, its GPUs' loads, the target, and the
-    balance mode (the linear seconds a token adds)."""
-    held = [(loads.cost[r], loads.attention[r], loads.exposed[r], loads.tokens[r]) for r in ranks]
+    ``mine``: all of them), the largest ring each may take, its GPUs and their loads (``held``,
+    ``Loads.snapshot``), the target, and the balance mode (the linear seconds a token adds)."""
+    ranks, values = held
     return (
         tuple(docs.ring_docs),
         tuple(docs.whole_docs),
         tuple(choice.largest_ring[mine].tolist()),
-        tuple(ranks),
-        tuple(held),
+        ranks,
+        tuple(values),
         target,
         loads.linear_weight,
     )

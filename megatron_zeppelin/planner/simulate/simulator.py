@@ -64,7 +64,7 @@ from megatron_zeppelin.planner.plan.phases import (
     unique_inverse,
     zigzag_blocks,
 )
-from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, Scheme, Tier
+from megatron_zeppelin.planner.plan.plan import AttentionComm, Plan, Route, Tier
 from megatron_zeppelin.planner.plan.schedule import (
     ring_link_bytes,
     ring_schedule,
@@ -306,8 +306,7 @@ def attention_seconds(
     every document is its own pass (no overlap between documents)."""
     world, topology = plan.world_size, plan.topology
     allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
-    scheme = Scheme.TWO_D  # each document's scheme read as a field, not through a property
-    flat = [s for s in plan.sequences if s.scheme != scheme] if plan.has_two_d else plan.sequences
+    flat = [s for s in plan.sequences if not s.is_two_d] if plan.has_two_d else plan.sequences
     local, zigzag, other = split_by_layout(flat, list(range(len(flat))) if sequential else None)
     num_phases = max(map(len, map(attrgetter("ring"), flat)), default=1)
     blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
