@@ -109,9 +109,10 @@ def test_compiled_ring_search_is_numpys() -> None:
 
 
 def test_compiled_sort_is_numpys() -> None:
-    """The compiled loop's sort by hand (``ring_search._sorted``) against ``np.sort``: empty,
-    short and long arrays, random, with many ties, sorted and reversed."""
-    assert ring_search._compiled_place() is not None  # puts the compiled ``_sorted`` in place
+    """The compiled loop's sort by hand (``ring_search._sorted``) and its least few by selection
+    (``_least``, every count from none to all) against ``np.sort``: empty, short and long
+    arrays, random, with many ties, sorted and reversed; the values left as they were."""
+    assert ring_search._compiled_place() is not None  # puts the compiled loops in place
     rng = np.random.default_rng(0)
     for n in (0, 1, 2, 5, 17, 18, 33, 100, 1024, 8192):
         for values in (
@@ -120,4 +121,9 @@ def test_compiled_sort_is_numpys() -> None:
             np.sort(rng.random(n)),
             np.sort(rng.random(n))[::-1].copy(),
         ):
-            assert ring_search._sorted(values).tolist() == np.sort(values).tolist(), n
+            want, given = np.sort(values).tolist(), values.tolist()
+            assert ring_search._sorted(values).tolist() == want, n
+            for count in sorted({0, 1, 2, 7, 8, 33, n // 2, n - 1, n}):
+                if 0 <= count <= n:
+                    assert ring_search._least(values, count).tolist() == want[:count], (n, count)
+            assert values.tolist() == given, n  # each works on a copy

@@ -286,10 +286,10 @@ def _split(work, low, high, pivot):  # noqa: ANN001, ANN202 - compiled by numba
     return i, j
 
 
-def _kth(values, kth):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
-    """The ``kth`` least of ``values`` (from 0), by selection on a copy: what
-    ``np.partition(values, kth)[kth]`` gives (numba's own partition takes seconds to compile)."""
-    work = values.copy()
+def _select(work, kth):  # noqa: ANN001, ANN202 - compiled by numba
+    """``work`` rearranged in place by selection (numba's own partition takes seconds to
+    compile) so that its ``kth`` item (from 0) is the ``kth`` least, none before it greater and
+    none after it less: ``np.partition(work, kth)``'s order, near enough for the values."""
     low, high = 0, work.shape[0] - 1
     while low < high:
         i, j = _split(work, low, high, work[(low + high) // 2])
@@ -299,7 +299,23 @@ def _kth(values, kth):  # noqa: ANN001, ANN202 - compiled by numba, typed by its
             low = i
         else:
             break
-    return work[kth]
+    return work
+
+
+def _kth(values, kth):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
+    """The ``kth`` least of ``values`` (from 0), on a copy: ``np.partition(values, kth)[kth]``."""
+    return _select(values.copy(), kth)[kth]
+
+
+def _least(values, count):  # noqa: ANN001, ANN202 - compiled by numba, typed by its arguments
+    """The ``count`` least of ``values`` in increasing order: ``np.sort(values)[:count]``, by
+    selection and then a sort of those alone (a ring's sizes ask for a few dozen of a thousand
+    GPUs' loads, and sorting all of them took half of ``_place``)."""
+    count = min(count, values.shape[0])
+    work = values.copy()
+    if 0 < count < work.shape[0]:
+        _select(work, count - 1)
+    return _sorted(work[:count])
 
 
 def _bound(cost, tokens, room, weight, floor, size, per_rank, k, where):  # noqa: ANN001, ANN202
@@ -435,8 +451,9 @@ def _sorted(values):  # noqa: ANN001, ANN202 - compiled by numba, typed by its a
 def _place(cost, tokens, room, weight, floor, sizes, per_rank, keys, places, limit, k, fallback):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
     """``place``: the tries in order, each skipped where the ``size``-th least load plus its key
     is over ``limit`` (no ``size`` GPUs can end within it), else asked of ``_members`` (best
-    fit); the first to find GPUs wins. Else ``_soonest`` where ``fallback``."""
-    least = _sorted(cost)
+    fit); the first to find GPUs wins. Else ``_soonest`` where ``fallback``. ``least``: the
+    loads sorted as far as the largest size."""
+    least = _least(cost, sizes.max()) if sizes.shape[0] else cost[:0]
     for i in range(sizes.shape[0]):
         if least[sizes[i] - 1] + keys[i] > limit:
             continue
@@ -503,7 +520,10 @@ def _compiled_place() -> Callable | None:
     """``_place`` compiled (after ``_members``, which it calls), or ``None`` without numba."""
     if _compiled() is None:
         return None
-    names = ("_split", "_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_sorted", "_place")
+    names = (
+        "_split", "_select", "_kth", "_bound", "_heap_push", "_heap_pop", "_soonest", "_sorted",
+        "_least", "_place",
+    )  # fmt: skip
     return jit.compile_loops(globals(), *names)
 
 
