@@ -139,6 +139,15 @@ def _nth_value(values, count, work):  # noqa: ANN001, ANN202 - compiled by numba
     return work[count - 1]
 
 
+def _below(values, bound):  # noqa: ANN001, ANN202 - compiled by numba
+    """How many of ``values`` are less than ``bound``: where fewer than ``count``, their
+    ``count``-th least is not, and a node's GPUs need no sorting to know it loses."""
+    count = 0
+    for value in values:
+        count += value < bound
+    return count
+
+
 def _sorted_small(items):  # noqa: ANN001, ANN202 - compiled by numba
     """``items`` in increasing order, in place, by insertion (a ring's few nodes or GPUs)."""
     for i in range(1, items.shape[0]):
@@ -188,6 +197,8 @@ def _in_node(ok, ends, size, k, best_fit):  # noqa: ANN001, ANN202 - compiled by
             continue
         for j in range(k):
             masked[j] = sign * ends[node * k + j] if ok[node * k + j] else np.inf
+        if pick >= 0 and _below(masked, pick_value) < size:
+            continue  # its value is no less than the pick's: not sorted to learn it
         value = _nth_value(masked, size, work)
         if pick < 0 or value < pick_value:
             pick, pick_value = node, value
@@ -334,7 +345,9 @@ def _bound(cost, tokens, room, weight, floor, size, per_rank, k, where):  # noqa
     if where == 1:
         best, work = np.inf, np.empty(k)
         for node in range(world // k):
-            best = min(best, _nth_value(ends[node * k : (node + 1) * k], size, work))
+            mine = ends[node * k : (node + 1) * k]
+            if _below(mine, best) >= size:  # else its ``size``-th least is no less than best
+                best = min(best, _nth_value(mine, size, work))
         return best
     return _kth(ends, size - 1) if eligible >= size else np.inf
 
@@ -507,6 +520,7 @@ def _compiled() -> Callable | None:
         globals(),
         "_smallest",
         "_nth_value",
+        "_below",
         "_sorted_small",
         "_whole",
         "_in_node",
