@@ -29,6 +29,7 @@ from megatron_zeppelin.planner.plan.plan import SequencePlan
 
 __all__ = [
     "Blocks",
+    "Local",
     "ZigzagRings",
     "attention_blocks",
     "call_key",

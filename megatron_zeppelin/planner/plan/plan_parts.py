@@ -277,11 +277,13 @@ def zigzag_sequences(
     rings: list[tuple[int, ...]],
     tiers: list[Tier],
     shares: dict[int, Sequence[int]] | None = None,
+    ids: Sequence[int] | None = None,
 ) -> tuple[SequencePlan, ...]:
-    """Documents ``0, 1, ...`` of ``lengths`` on ``rings``: whole on a ring of one rank, else
-    zigzagged over it (``zigzag_spans``), or, for the documents of ``shares``, over it with the
-    tokens each member is given (``share_spans``). Most documents are whole: they are built
-    with C-level maps, the rings one by one."""
+    """Documents ``0, 1, ...`` of ``lengths`` (or ``ids``, one per length) on ``rings``: whole
+    on a ring of one rank, else zigzagged over it (``zigzag_spans``), or, for the documents of
+    ``shares`` (by position in ``lengths``), over it with the tokens each member is given
+    (``share_spans``). Most documents are whole: they are built with C-level maps, the rings
+    one by one."""
     num_docs = len(lengths)
     firsts = list(map(itemgetter(0), rings))
     whole = _records(Span, _SPAN_SETTERS, num_docs, firsts, repeat(0), lengths)
@@ -292,7 +294,8 @@ def zigzag_sequences(
             attention[i] = share_spans(lengths[i], ring, shares[i])
         elif len(ring) > 1:
             attention[i] = zigzag_spans(lengths[i], ring)
-    columns = (range(num_docs), lengths, tiers, rings, attention, repeat(Scheme.RING))
+    numbers = range(num_docs) if ids is None else ids
+    columns = (numbers, lengths, tiers, rings, attention, repeat(Scheme.RING))
     return tuple(_records(SequencePlan, _SEQUENCE_SETTERS, num_docs, *columns))
 
 

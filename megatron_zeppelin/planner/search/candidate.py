@@ -7,9 +7,12 @@ simulator's once built and timed (``build``, ``simulate``).
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import compress
+from operator import attrgetter, itemgetter
 
 import numpy as np
 
@@ -17,6 +20,7 @@ from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement
 from megatron_zeppelin.planner.place.schemes import choose_schemes
 from megatron_zeppelin.planner.plan.linear_layout import fastest, price_linear_layouts
+from megatron_zeppelin.planner.plan.phases import Local
 from megatron_zeppelin.planner.plan.plan import Plan, Route, SequencePlan, Tier, zigzag_sequences
 from megatron_zeppelin.planner.plan.routing import build_routes
 from megatron_zeppelin.planner.plan.schedule import routes_by_edge
@@ -41,6 +45,11 @@ class Candidate:
     simulated: dict[str, float] = field(default_factory=dict)
     """The simulator's, for candidates on the shortlist."""
     sequences: tuple[SequencePlan, ...] = ()
+    """Every document's sequence, where laid out beforehand (``spread.py``); else
+    ``all_sequences`` builds them for the candidate kept."""
+    split: tuple[SequencePlan, ...] = ()
+    """The sequences of the documents over rings (``build``), in order: all the simulator needs
+    of a candidate besides its whole documents' ranks and lengths."""
     routes: tuple[Route, ...] = ()
     attention_s: np.ndarray | None = None
     """Attention seconds per rank (compute plus exposed transfers)."""
@@ -56,6 +65,8 @@ class Candidate:
     """Kept for ending close to the batch's least load (``search._settle``)."""
     settled_by_factor: dict[float, bool] = field(default_factory=dict, repr=False)
     """``settled``'s answers so far."""
+    _array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
+    """The batch's lengths (``build``'s)."""
 
     @property
     def balance_linear(self) -> bool:
@@ -141,30 +152,80 @@ class Candidate:
         return [doc for doc, p in enumerate(self.placements) if p.tier != Tier.LOCAL]
 
     def build(self, array: np.ndarray, routing: bool) -> None:
-        """The plan's sequences (zigzag over each ring, with its members' tokens where uneven,
-        unless given) and routes."""
-        if not self.sequences:
-            rings = [p.ring for p in self.placements]
-            tiers = [p.tier for p in self.placements]
-            shares = {d: p.tokens for d, p in enumerate(self.placements) if p.tokens}
-            self.sequences = zigzag_sequences(array.tolist(), rings, tiers, shares)
+        """The sequences of the documents over rings (zigzag over each ring, with its members'
+        tokens where uneven), unless every document's is given, and the routes. The whole
+        documents' records are built only for the candidate kept (``all_sequences``): at ten
+        thousand documents on a thousand GPUs, building them for every candidate timed cost
+        more than timing it."""
+        self._array = array
+        if self.sequences:
+            parts = self.sequences
+        elif self.split:
+            parts = self.split
+        else:
+            docs = self._ring_docs
+            rings = [self.placements[d].ring for d in docs]
+            tiers = [self.placements[d].tier for d in docs]
+            tokens = [self.placements[d].tokens for d in docs]
+            shares = {i: t for i, t in enumerate(tokens) if t}
+            parts = zigzag_sequences(array[docs].tolist(), rings, tiers, shares, ids=docs)
         topology = self.loads.topology
         if self.loads.two_d is not None:  # before routing and the linear layout read the rings
-            self.sequences = choose_schemes(
-                self.sequences, topology, self.loads.cost_model, routing=routing
-            )
-        self.routes = build_routes(self.sequences, topology) if routing else ()
+            parts = choose_schemes(parts, topology, self.loads.cost_model, routing=routing)
+        if self.sequences:
+            self.sequences = parts
+        else:
+            self.split = parts
+        self.routes = build_routes(parts, topology) if routing else ()
+
+    @cached_property
+    def _whole_docs(self) -> np.ndarray:
+        """Which documents are whole on one GPU (the placement is final)."""
+        rings = map(attrgetter("ring"), self.placements)
+        return np.fromiter(map(len, rings), dtype=np.int64, count=len(self.placements)) == 1
+
+    @cached_property
+    def _ring_docs(self) -> list[int]:
+        """The documents over more than one GPU, in order."""
+        return np.flatnonzero(~self._whole_docs).tolist()
+
+    def all_sequences(self) -> tuple[SequencePlan, ...]:
+        """Every document's sequence (after ``build``): the whole documents' built now, the
+        others' as ``build`` made them."""
+        if self.sequences:
+            return self.sequences
+        whole = np.flatnonzero(self._whole_docs).tolist()
+        rings = [self.placements[d].ring for d in whole]
+        tiers = [self.placements[d].tier for d in whole]
+        out: list[SequencePlan | None] = [None] * len(self.placements)
+        built = zigzag_sequences(self._array[whole].tolist(), rings, tiers, ids=whole)
+        deque(map(out.__setitem__, whole, built), maxlen=0)
+        deque(map(out.__setitem__, self._ring_docs, self.split), maxlen=0)
+        return tuple(out)  # type: ignore[arg-type]
 
     def simulate(self, layouts: tuple[str, ...]) -> None:
         """The simulator's layer time per layout (after ``build``): its attention timeline on
-        the attention layout (which is all it reads of a plan), priced under every layout."""
+        the attention layout (which is all it reads of a plan), priced under every layout. The
+        whole documents go to it as arrays (``attention_seconds``' ``whole``)."""
         topology, cost = self.loads.topology, self.loads.cost_model
-        plan = _AttentionView(topology, self.sequences, ((),) * topology.world_size, self.routes)
-        compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan))
+        parts = self.sequences or self.split
+        plan = _AttentionView(topology, parts, ((),) * topology.world_size, self.routes)
+        whole = None if self.sequences else self._whole()
+        compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan), whole=whole)
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
             self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
         )
+
+    def _whole(self) -> Local:
+        """The whole documents as ``phases.split_by_layout`` reads them: pass (all 0), rank and
+        length, in order."""
+        whole = self._whole_docs
+        count = int(np.count_nonzero(whole))
+        rings = compress(map(attrgetter("ring"), self.placements), whole.tolist())
+        ranks = np.fromiter(map(itemgetter(0), rings), dtype=np.int64, count=count)
+        lengths = np.ascontiguousarray(self._array[whole], dtype=np.int64)
+        return np.zeros(count, dtype=np.int64), ranks, lengths
 
     def keep_estimate(self, layouts: tuple[str, ...]) -> None:
         """Take ``Loads``' prediction as the layer time (nothing left to compare it with),

@@ -334,11 +334,11 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
     loads = best.loads
     topology = loads.topology
     tokens = np.asarray(loads.tokens, dtype=np.float64)
-    layout = best.layout
+    layout, sequences = best.layout, best.all_sequences()
     if layout == "attention":  # nothing moves
-        linear, moves = attention_layout(best.sequences, topology.world_size), {}
+        linear, moves = attention_layout(sequences, topology.world_size), {}
     else:
-        by_rank = attention_ranges_by_rank(best.sequences, topology.world_size)
+        by_rank = attention_ranges_by_rank(sequences, topology.world_size)
         linear, moves = build_linear_layout(by_rank, topology, layout)
     tiers = Counter(map(attrgetter("tier"), best.placements))
     counts = {t.value: tiers[t] for t in Tier}
@@ -357,12 +357,12 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "timed_by": "simulator" if best.timed else "planner estimate",
         "remap_tokens": moved_tokens(moves, topology),
         "num_routes": len(best.routes),
-        "two_d_documents": list(map(attrgetter("scheme"), best.sequences)).count(Scheme.TWO_D),
+        "two_d_documents": list(map(attrgetter("scheme"), sequences)).count(Scheme.TWO_D),
         "cost_sources": dict(cost_model.sources),
     }
     return Plan(
         topology=topology,
-        sequences=best.sequences,
+        sequences=sequences,
         linear=linear,
         routes=best.routes,
         capacity=loads.capacity,

@@ -58,6 +58,7 @@ from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, causa
 from megatron_zeppelin.planner.cost.steptime import layer_seconds, remap_seconds
 from megatron_zeppelin.planner.plan.heads import AttentionShape, column_layout, node_members
 from megatron_zeppelin.planner.plan.phases import (
+    Local,
     call_key,
     phase_seconds,
     split_by_layout,
@@ -300,14 +301,21 @@ def attention_seconds(
     routes: dict[tuple[int, int], Route],
     *,
     sequential: bool = False,
+    whole: Local | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Per rank, the attention compute seconds of one layer and the communication seconds it
     does not hide (module docstring). ``routes``: the routes in use, by edge; ``sequential``:
-    every document is its own pass (no overlap between documents)."""
+    every document is its own pass (no overlap between documents); ``whole``: the documents
+    whole on one rank as ``split_by_layout`` reads them, where ``plan.sequences`` lists only
+    the others, in order (a candidate placement timed without building a record for each of
+    its whole documents, ``search/candidate.py``): the same seconds."""
     world, topology = plan.world_size, plan.topology
     allgather = AttentionComm(plan.attention_comm) == AttentionComm.ALLGATHER
     flat = [s for s in plan.sequences if not s.is_two_d] if plan.has_two_d else plan.sequences
     local, zigzag, other = split_by_layout(flat, list(range(len(flat))) if sequential else None)
+    if whole is not None:
+        assert not sequential and not len(local[0]), "whole documents given twice"
+        local = whole
     num_phases = max(map(len, map(attrgetter("ring"), flat)), default=1)
     blocks = zigzag_blocks(zigzag, num_phases, local=local, other=other)
     calls = _Calls(*phase_seconds(blocks, cost, world, merge_ring_phases=allgather))
