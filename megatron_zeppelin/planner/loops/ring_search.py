@@ -140,8 +140,9 @@ def _nth_value(values, count, work):  # noqa: ANN001, ANN202 - compiled by numba
 
 
 def _below(values, bound):  # noqa: ANN001, ANN202 - compiled by numba
-    """How many of ``values`` are less than ``bound``: where fewer than ``count``, their
-    ``count``-th least is not, and a node's GPUs need no sorting to know it loses."""
+    """How many of ``values`` are less than ``bound``. Where fewer than a ring's size are, the
+    size-th least of them is not less than ``bound`` either: a node's GPUs need no sorting to
+    know that the node does not beat the best so far."""
     count = 0
     for value in values:
         count += value < bound
@@ -300,7 +301,8 @@ def _split(work, low, high, pivot):  # noqa: ANN001, ANN202 - compiled by numba
 def _select(work, kth):  # noqa: ANN001, ANN202 - compiled by numba
     """``work`` rearranged in place by selection (numba's own partition takes seconds to
     compile) so that its ``kth`` item (from 0) is the ``kth`` least, none before it greater and
-    none after it less: ``np.partition(work, kth)``'s order, near enough for the values."""
+    none after it less: the values ``np.partition(work, kth)`` puts up to ``kth``, in another
+    order."""
     low, high = 0, work.shape[0] - 1
     while low < high:
         i, j = _split(work, low, high, work[(low + high) // 2])

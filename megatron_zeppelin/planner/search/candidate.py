@@ -146,10 +146,10 @@ class Candidate:
             if rank in placement.ring:
                 yield doc, placement
 
-    @cached_property
+    @property
     def split_docs(self) -> list[int]:
-        """The documents placed over more than one GPU (the placement is final)."""
-        return [doc for doc, p in enumerate(self.placements) if p.tier != Tier.LOCAL]
+        """The documents placed over more than one GPU, in order (the placement is final)."""
+        return self._ring_docs
 
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The sequences of the documents over rings (zigzag over each ring, with its members'
@@ -194,6 +194,7 @@ class Candidate:
         others' as ``build`` made them."""
         if self.sequences:
             return self.sequences
+        assert len(self._array) == len(self.placements), "all_sequences asked before build"
         whole = np.flatnonzero(self._whole_docs).tolist()
         rings = [self.placements[d].ring for d in whole]
         tiers = [self.placements[d].tier for d in whole]
