@@ -14,6 +14,7 @@ from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement
 from megatron_zeppelin.planner.place.schemes import choose_schemes
+from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
 from megatron_zeppelin.planner.plan.plan import Scheme, Tier, zigzag_sequences
 from megatron_zeppelin.planner.plan.routing import build_routes
 from megatron_zeppelin.planner.plan.schedule import routes_by_edge
@@ -82,3 +83,29 @@ def test_a_candidate_times_as_its_whole_plan_would(two_d: bool) -> None:
     view = _AttentionView(topology, whole, ((),) * topology.world_size, routes)
     compute, exposed = attention_seconds(view, cost, routes_by_edge(view))
     assert (compute + exposed).tolist() == candidate.attention_s.tolist()
+
+
+def test_a_timed_candidate_prices_every_layout_for_the_plan_kept() -> None:
+    """``simulate`` prices only the layouts that can beat the attention layout; the best time
+    and layout are those of every layout priced, and ``every_layout`` (what the plan kept
+    shows) gives them all, as pricing them all at once does."""
+    topology = get_topology("dgx-h100", num_nodes=2)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    # The GPU of most attention holding fewest tokens: no layout that moves tokens can win.
+    # Then a long document on a GPU of as many tokens as the rest: one may.
+    for first, rest, pruned in ((30_000, [4_000] * 8, True), (30_000, [2_000], False)):
+        lengths = [first] + rest * 15
+        ranks = [0] + [1 + i // len(rest) for i in range(15 * len(rest))]
+        loads = Loads(topology, 1 << 16, cost)
+        for rank, length in zip(ranks, lengths):
+            loads.add_local(rank, length)
+        placements = [Placement(Tier.LOCAL, (rank,)) for rank in ranks]
+        candidate = Candidate(placements, loads, 0, 0, {"attention": max(loads.cost)})
+        candidate.build(np.asarray(lengths), True)
+        candidate.simulate(LAYOUTS)
+        every = price_linear_layouts(
+            loads.tokens, candidate.attention_s.tolist(), topology, cost, LAYOUTS
+        )
+        assert (len(candidate.simulated) < len(LAYOUTS)) == pruned
+        assert candidate.seconds == min(every.values()) and candidate.layout == fastest(every)
+        assert candidate.every_layout() == every

@@ -67,6 +67,8 @@ class Candidate:
     """``settled``'s answers so far."""
     _array: np.ndarray = field(default_factory=lambda: np.empty(0, np.int64), repr=False)
     """The batch's lengths (``build``'s)."""
+    _layouts: tuple[str, ...] = field(default=(), repr=False)
+    """The layouts ``simulate`` was asked to price."""
 
     @property
     def balance_linear(self) -> bool:
@@ -206,8 +208,10 @@ class Candidate:
 
     def simulate(self, layouts: tuple[str, ...]) -> None:
         """The simulator's layer time per layout (after ``build``): its attention timeline on
-        the attention layout (which is all it reads of a plan), priced under every layout. The
-        whole documents go to it as arrays (``attention_seconds``' ``whole``)."""
+        the attention layout (which is all it reads of a plan), priced under each layout that
+        can beat the attention layout (``price_linear_layouts``' ``prune``: the best time and
+        its layout are the same; ``every_layout`` prices the rest). The whole documents go to
+        it as arrays (``attention_seconds``' ``whole``)."""
         topology, cost = self.loads.topology, self.loads.cost_model
         parts = self.sequences or self.split
         plan = _AttentionView(topology, parts, ((),) * topology.world_size, self.routes)
@@ -215,8 +219,20 @@ class Candidate:
         compute, exposed = attention_seconds(plan, cost, routes_by_edge(plan), whole=whole)
         self.attention_s = compute + exposed
         self.simulated = price_linear_layouts(
-            self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts
+            self.loads.tokens, self.attention_s.tolist(), topology, cost, layouts, prune=True
         )
+        self._layouts = layouts
+
+    def every_layout(self) -> dict[str, float]:
+        """``simulated`` under every layout ``simulate`` was asked for (the plan kept shows
+        them all)."""
+        if self.timed and len(self.simulated) < len(self._layouts):
+            loads = self.loads
+            self.simulated = price_linear_layouts(
+                loads.tokens, self.attention_s.tolist(), loads.topology, loads.cost_model,
+                self._layouts,
+            )  # fmt: skip
+        return self.simulated
 
     def _whole(self) -> Local:
         """The whole documents as ``phases.split_by_layout`` reads them: pass (all 0), rank and

@@ -352,7 +352,7 @@ def _assemble(best: Candidate, cost_model: CostModel, meta: dict) -> Plan:
         "load_imbalance": _imbalance(best.attention_s + cost_model.linear_times(tokens)),
         "attention_token_imbalance": _imbalance(tokens),
         "linear_layout": layout,
-        "linear_layout_seconds": best.simulated,
+        "linear_layout_seconds": best.every_layout(),
         "predicted_step_s": cost_model.model.num_layers * best.seconds,
         "timed_by": "simulator" if best.timed else "planner estimate",
         "remap_tokens": moved_tokens(moves, topology),
