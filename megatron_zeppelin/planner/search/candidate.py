@@ -148,10 +148,10 @@ class Candidate:
             if rank in placement.ring:
                 yield doc, placement
 
-    @property
+    @cached_property
     def split_docs(self) -> list[int]:
         """The documents placed over more than one GPU, in order (the placement is final)."""
-        return self._ring_docs
+        return np.flatnonzero(~self._whole_docs).tolist()
 
     def build(self, array: np.ndarray, routing: bool) -> None:
         """The sequences of the documents over rings (zigzag over each ring, with its members'
@@ -165,7 +165,7 @@ class Candidate:
         elif self.split:
             parts = self.split
         else:
-            docs = self._ring_docs
+            docs = self.split_docs
             rings = [self.placements[d].ring for d in docs]
             tiers = [self.placements[d].tier for d in docs]
             tokens = [self.placements[d].tokens for d in docs]
@@ -182,14 +182,10 @@ class Candidate:
 
     @cached_property
     def _whole_docs(self) -> np.ndarray:
-        """Which documents are whole on one GPU (the placement is final)."""
-        rings = map(attrgetter("ring"), self.placements)
-        return np.fromiter(map(len, rings), dtype=np.int64, count=len(self.placements)) == 1
-
-    @cached_property
-    def _ring_docs(self) -> list[int]:
-        """The documents over more than one GPU, in order."""
-        return np.flatnonzero(~self._whole_docs).tolist()
+        """Which documents are whole on one GPU, a ring of one (what ``phases.split_by_layout``
+        reads as whole; the placement is final)."""
+        sizes = map(len, map(attrgetter("ring"), self.placements))
+        return np.fromiter(sizes, dtype=np.int64, count=len(self.placements)) == 1
 
     def all_sequences(self) -> tuple[SequencePlan, ...]:
         """Every document's sequence (after ``build``): the whole documents' built now, the
@@ -203,7 +199,7 @@ class Candidate:
         out: list[SequencePlan | None] = [None] * len(self.placements)
         built = zigzag_sequences(self._array[whole].tolist(), rings, tiers, ids=whole)
         deque(map(out.__setitem__, whole, built), maxlen=0)
-        deque(map(out.__setitem__, self._ring_docs, self.split), maxlen=0)
+        deque(map(out.__setitem__, self.split_docs, self.split), maxlen=0)
         return tuple(out)  # type: ignore[arg-type]
 
     def simulate(self, layouts: tuple[str, ...]) -> None:
