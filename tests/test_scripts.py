@@ -161,7 +161,7 @@ def test_ring_search_benchmark_times_the_rings_of_one_plan() -> None:
     soonest = int(first.split(", ")[-1].split(" to the soonest")[0])
     assert rings > 100 and 0 < soonest < rings  # both paths of the search are timed
     whole, fits = (float(part.split(" ms")[0].split()[-1]) for part in second.split(", "))
-    assert 0 < fits < whole
+    assert whole > 0 and fits > 0  # both timed (separate passes: no order between them here)
 
 
 @pytest.mark.dist
