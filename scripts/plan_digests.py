@@ -2,7 +2,9 @@
 the planner batch by batch.
 
 A change meant only to make planning faster must leave every plan as it was: the same digest
-(SHA-256 of the plan's JSON, ``megatron/runtime.py:plan_digest``). A change meant to change plans
+(SHA-256 of the plan's JSON as ``megatron/runtime.py:plan_digest`` takes it, but with the meta
+too, less ``meta["candidates"]``: the search's trail of what it placed and timed, which a faster
+search may shorten without changing the plan it keeps). A change meant to change plans
 is judged by each batch's simulated step against the one before. The batches:
 
 - ``sweep``: ``compare_sweep.py``'s configurations, 3 seeds each at fill 0.9 (66 batches);
@@ -46,6 +48,7 @@ from megatron_zeppelin.planner.baselines.distributions import (  # noqa: E402
 )
 from megatron_zeppelin.planner.cost.costmodel import CostModel  # noqa: E402
 from megatron_zeppelin.planner.cost.models import get_model  # noqa: E402
+from megatron_zeppelin.planner.plan.plan import Plan  # noqa: E402
 from megatron_zeppelin.planner.search.partition import plan_batch  # noqa: E402
 from megatron_zeppelin.planner.simulate.simulator import simulate  # noqa: E402
 from megatron_zeppelin.topology.presets import get_topology  # noqa: E402
@@ -128,10 +131,17 @@ def plan_one(batch: Batch) -> dict:
     seconds = time.process_time() - start
     return {
         "key": " ".join(map(str, batch)),
-        "digest": hashlib.sha256(plan.to_json().encode()).hexdigest()[:16],
+        "digest": _digest(plan),
         "step_s": simulate(plan, cost).step_time_s,
         "plan_s": seconds,
     }
+
+
+def _digest(plan: Plan) -> str:
+    """The plan's digest (module docstring): everything but ``meta["candidates"]``."""
+    data = plan.to_dict()
+    data["meta"] = {key: value for key, value in data["meta"].items() if key != "candidates"}
+    return hashlib.sha256(json.dumps(data, separators=(",", ":")).encode()).hexdigest()[:16]
 
 
 def compare(rows: list[dict], path: str) -> None:
