@@ -97,6 +97,37 @@ def test_only_the_best_predicted_pool_placements_are_timed(name: str, gpus: int,
 
 
 @pytest.mark.parametrize(
+    ("name", "fill", "seed"),
+    [
+        ("lognormal", 0.95, 0),
+        ("power-law", 0.95, 1),
+        ("uniform-long", 0.5, 0),
+        ("uniform-long", 0.5, 1),
+    ],
+)
+def test_candidates_left_untimed_could_not_have_been_kept(
+    name: str, fill: float, seed: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shortlisted candidate predicted too far above one timed already is not timed
+    (``search._timed``: behind one of its kind, or a staged one too far behind the pool's
+    fastest to be refined again); timing every one keeps the same plan. These batches leave out a
+    pool placement, a staged one behind another, and a staged one behind the pool."""
+    lengths, topology, cost = _batch(name, 16, fill, seed)
+
+    def planned() -> tuple[dict, int]:
+        plan = plan_batch(lengths, topology=topology, cost_model=cost, capacity=CAPACITY)
+        data = plan.to_dict()
+        timed = sum("simulated_layer_s" in c for c in data["meta"].pop("candidates"))
+        return data, timed
+
+    plan, timed = planned()
+    monkeypatch.setattr(search, "_UNDERCUT", 0.0)  # nothing is ever predicted too far behind
+    every, all_timed = planned()
+    assert timed < all_timed
+    assert plan == every
+
+
+@pytest.mark.parametrize(
     ("name", "gpus", "fill", "seed", "behind"),
     [
         ("mixture", 32, 0.95, 2, True),
@@ -124,8 +155,9 @@ def test_a_staged_placement_timed_far_behind_the_pool_is_not_refined_again(
         c for c in plan.meta["candidates"] if "simulated_layer_s" in c and not c.get("retimed")
     ]
     pool = min(c["simulated_layer_s"] for c in timed if c["placement"] == "pool")
-    staged = min(c["simulated_layer_s"] for c in timed if c["placement"] != "pool")
-    assert (staged > search._RETIME_BEHIND * pool) == behind
+    staged = [c["simulated_layer_s"] for c in timed if c["placement"] != "pool"]
+    # Not timed at all: predicted too far behind to be refined again (``search._timed``).
+    assert (not staged or min(staged) > search._RETIME_BEHIND * pool) == behind
     assert retimed == ([True] if behind else [True, False])
     retimed.clear()
     monkeypatch.setattr(search, "_RETIME_BEHIND", 10.0)

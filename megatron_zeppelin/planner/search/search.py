@@ -20,8 +20,10 @@ documents laid end to end along each node's GPUs).
 Placements are built with ``Loads``' per-document predictions; the staged ones predicted within
 ``_SHORTLIST`` of the best, and the best few pool ones predicted within it of the best staged
 one, are timed with the simulator's own functions (``simulator.attention_seconds``,
-``steptime.layer_seconds``) and the fastest is kept; the plan's ``meta["predicted_step_s"]`` is
-then what ``simulate`` reports for it (``meta["timed_by"] == "simulator"``). The fastest timed
+``steptime.layer_seconds``), the pool's first, less those predicted too far above one timed
+already to matter (``_UNDERCUT``), and the fastest is kept; the plan's
+``meta["predicted_step_s"]`` is then what ``simulate`` reports for it (``meta["timed_by"] ==
+"simulator"``). The fastest timed
 staged placement and the fastest timed pool placement are then each refined again on the
 simulator's per-GPU figures (which see rings across nodes sharing a node's NICs wait on each
 other) and timed once more (``_retime``), the staged one unless it is timed more than
@@ -32,6 +34,7 @@ thousand-GPU plan costs as much as placing it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -88,6 +91,11 @@ holding that many on average (every GPU where documents are few per GPU)..."""
 _RETIME_WEIGHED = 1 << 20
 """... and over all its changes: ``_retime`` makes at most this many over the swaps it weighs
 per change."""
+_UNDERCUT = 0.96
+"""The simulator has timed a shortlisted candidate at most this far below ``Loads``'
+prediction (over the benchmark batches, ``scripts/plan_digests.py``: 0.976 at the least, of
+776 timings): a candidate predicted more than this far above one timed already is not timed
+(``_timed``)."""
 _RETIME_BEHIND = 1.15
 """The fastest timed staged placement is not refined again (``_retime``) where it is timed this
 far above the fastest timed pool placement. Over the benchmark batches
@@ -201,7 +209,7 @@ def _keep_fastest(
     """``search``'s answer from every candidate placed: the staged ones predicted within
     ``_SHORTLIST`` of the best (``_MAX_TIMED`` at most) and the pool ones predicted within it
     of the best staged one (``_MAX_POOL_TIMED`` at most) are built and timed by the simulator
-    (a lone one keeps ``Loads``' prediction); the fastest timed of each kind is refined again on
+    where they can matter (``_timed``; a lone one keeps ``Loads``' prediction); the fastest timed of each kind is refined again on
     the simulator's figures (``_retime``; the staged one unless ``_RETIME_BEHIND`` of the pool
     one), and the fastest of all is kept."""
     within = _SHORTLIST * min(c.predicted_s for c in staged)
@@ -209,12 +217,11 @@ def _keep_fastest(
     # misjudges them by a few percent, not by more).
     shortlist = _best_predicted(staged, within, _MAX_TIMED)
     shortlist += _best_predicted(pooled, within, _MAX_POOL_TIMED)
-    for candidate in shortlist:
-        candidate.build(batch.array, batch.routing)
-        if len(shortlist) > 1:
-            candidate.simulate(batch.layouts)
-        else:
-            candidate.keep_estimate(batch.layouts)
+    if len(shortlist) > 1:
+        shortlist = _timed(batch, shortlist)
+    else:
+        shortlist[0].build(batch.array, batch.routing)
+        shortlist[0].keep_estimate(batch.layouts)
     found = staged + pooled
     best = min(shortlist, key=lambda c: c.seconds)
     if best.timed:
@@ -235,6 +242,27 @@ def _keep_fastest(
                 found.append(retimed)
                 best = min(best, retimed, key=lambda c: c.seconds)
     return best, [c.summary() for c in found], batch.least_load
+
+
+def _timed(batch: _Batch, shortlist: list[Candidate]) -> list[Candidate]:
+    """The candidates of ``shortlist`` built and timed by the simulator, in its order, less
+    those whose prediction says they cannot matter: the pool placements are timed first, best
+    predicted first, then the others. A candidate is passed over where even ``_UNDERCUT`` of its
+    prediction is above a timed one of its kind (it can be neither the fastest nor the fastest
+    of its kind, which ``_retime`` refines), and one not of the pool where that is above
+    ``_RETIME_BEHIND`` times the fastest timed pool placement."""
+    order = sorted(shortlist, key=lambda c: (not c.pooled, c.predicted_s))
+    fastest: dict[bool, float] = {}  # the fastest timed so far, by kind (``c.pooled``)
+    for candidate in order:
+        floor = _UNDERCUT * candidate.predicted_s
+        if floor > fastest.get(candidate.pooled, math.inf):
+            continue
+        if not candidate.pooled and floor > _RETIME_BEHIND * fastest.get(True, math.inf):
+            continue
+        candidate.build(batch.array, batch.routing)
+        candidate.simulate(batch.layouts)
+        fastest[candidate.pooled] = min(candidate.seconds, fastest.get(candidate.pooled, math.inf))
+    return [c for c in shortlist if c.simulated]
 
 
 def _best_predicted(candidates: list[Candidate], within: float, count: int) -> list[Candidate]:
