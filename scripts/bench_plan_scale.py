@@ -209,6 +209,9 @@ def main() -> None:
         + (EMBEDDED if args.embedded else ())
     )
     if args.only:
+        wrong = [i for i in args.only if not 0 <= i < len(shapes)]
+        if wrong:
+            parser.error(f"--only {wrong}: the rows chosen are 0 to {len(shapes) - 1}")
         shapes = tuple(shapes[i] for i in args.only)
     how = "compiled (numba)" if warm() else "numpy (numba not installed)"
     print(f"the planner's inner loops: {how}")

@@ -12,10 +12,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pool_batches import NEEDS_NUMBA
 
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
+from megatron_zeppelin.planner.place import shares
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.shares import MIN_NIC_SHARE, place_shares
 from megatron_zeppelin.planner.plan.linear_layout import attention_layout
@@ -163,6 +165,41 @@ def test_members_across_nodes_keep_a_share_that_hides_their_transfers() -> None:
         )
         assert len({rank // k for rank in p.ring}) > 1
         assert min(p.tokens) * per_token >= 0.5 * MIN_NIC_SHARE * target
+
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize(
+    ("name", "gpus", "fill", "seed"),
+    [
+        ("uniform-long", 16, 0.5, 0),
+        ("uniform-long", 128, 0.5, 1),
+        ("lognormal", 128, 0.5, 0),
+        ("long-tail", 16, 0.95, 1),
+        ("mixture", 128, 0.5, 0),
+    ],
+)
+def test_compiled_line_is_pythons(name: str, gpus: int, fill: float, seed: int) -> None:
+    """``loops/shares_line.py`` lays a batch out as ``shares._lay`` does, at every target from
+    below the least that places every document (no room: ``None``) to above the most the
+    bisection tries: the same rings, members and tokens."""
+    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    tokens = int(fill * gpus * CAPACITY)
+    lengths = sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2)
+    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node)
+    whole = [loads.ring_key(length, 1, "nvlink") for length in lengths]
+    mean = sum(whole) / topology.world_size
+    compiled = shares._compiled_lay(lengths, whole, loads)
+    assert compiled is not None
+    outcomes = set()
+    for factor in np.linspace(0.9, 1.6, 36).tolist():
+        expected = shares._lay(lengths, whole, loads, factor * mean)
+        found = compiled(factor * mean)
+        outcomes.add(expected is None)
+        assert (found is None) == (expected is None), factor
+        if expected is not None:
+            assert shares._listed(found) == expected, factor
+    assert outcomes == {True, False}  # targets with and without room
 
 
 def test_no_room_gives_none() -> None:

@@ -20,21 +20,25 @@ start of the next, each a share sized to what the stretch holds.
    nodes (``MIN_NIC_SHARE`` of a stretch), or that would hold fewer than 2 tokens, hands its
    share to the ring's other members.
 
-The target is the least one at which every document finds room, bisected between the GPUs' mean
-work and ``_MOST`` times it. ``search`` tries this placement where every document is a ring
-(``pool.pool_orders``' ring orders) and keeps it only where the simulator times it faster than
-the others. Measured on the stress batches, it wins where documents are few and all long
-(uniform-long at fill 0.5) and loses where GPUs are nearly full of tokens: each GPU's tokens then
-bind as much as its seconds, and one line cannot even out both.
+The target is the least one at which every document finds room, bisected between the GPUs' mean work
+and ``_MOST`` times it; where numba is installed, each step of the bisection lays the batch out in
+one compiled call (``loops/shares_line.py``: the same members and tokens). ``search`` tries this
+placement where every document is a ring (``pool.pool_orders``' ring orders) and keeps it only where
+the simulator times it faster than the others. Measured on the stress batches, it wins where
+documents are few and all long (uniform-long at fill 0.5) and loses where GPUs are nearly full of
+tokens: each GPU's tokens then bind as much as its seconds, and one line cannot even out both.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
+from functools import partial
 
 import numpy as np
 
+from megatron_zeppelin.planner.loops import shares_line
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement
 from megatron_zeppelin.planner.plan.plan import Tier
@@ -67,20 +71,21 @@ def place_shares(array: np.ndarray, loads: Loads) -> list[Placement] | None:
     lengths = [int(length) for length in array.tolist()]
     whole = [loads.ring_key(length, 1, "nvlink") for length in lengths]
     mean = sum(whole) / loads.topology.world_size
-    laid = _lay(lengths, whole, loads, _MOST * mean)
+    lay = _compiled_lay(lengths, whole, loads) or partial(_lay, lengths, whole, loads)
+    laid = lay(_MOST * mean)
     if laid is None:
         return None
     low, high = 1.0, _MOST
     for _ in range(_BISECTIONS):
         middle = (low + high) / 2
-        trial = _lay(lengths, whole, loads, middle * mean)
+        trial = lay(middle * mean)
         if trial is None:
             low = middle
         else:
             high, laid = middle, trial
     k = loads.topology.gpus_per_node
     placements = []
-    for length, (ring, tokens) in zip(lengths, laid):
+    for length, (ring, tokens) in zip(lengths, _listed(laid)):
         if tokens is None:
             loads.add_local(ring[0], length)
             placements.append(Placement(Tier.LOCAL, ring))
@@ -89,6 +94,41 @@ def place_shares(array: np.ndarray, loads: Loads) -> list[Placement] | None:
         loads.add_shares(ring, length, tokens, "nic" if across else "nvlink")
         placements.append(Placement(Tier.INTER if across else Tier.INTRA, ring, tokens))
     return placements
+
+
+def _compiled_lay(
+    lengths: list[int], whole: list[float], loads: Loads
+) -> Callable[[float], shares_line.Laid | None] | None:
+    """``_lay`` of these documents as one compiled call per target (``loops/shares_line.py``:
+    the same members and tokens), or ``None`` without numba."""
+    if not shares_line.compiled():
+        return None
+    topology = loads.topology
+    return partial(
+        shares_line.lay,
+        np.asarray(lengths, dtype=np.int64),
+        np.asarray(whole, dtype=np.float64),
+        k=topology.gpus_per_node,
+        num_nodes=topology.num_nodes,
+        room=_ROOM * loads.capacity,
+        capacity=loads.capacity,
+        terms=loads.ring_terms(),
+        shares=(MIN_SHARE, MIN_NIC_SHARE, _SPREAD),
+    )
+
+
+def _listed(laid: _Laid | shares_line.Laid) -> _Laid:
+    """``_lay``'s answer, from the compiled loop's arrays where it came from there."""
+    if isinstance(laid, list):
+        return laid
+    offsets, ranks, tokens = (column.tolist() for column in laid)
+    out: _Laid = []
+    for start, stop in zip(offsets, offsets[1:]):
+        if stop - start == 1:
+            out.append(((ranks[start],), None))
+        else:
+            out.append((tuple(ranks[start:stop]), tuple(tokens[start:stop])))
+    return out
 
 
 def _lay(lengths: list[int], whole: list[float], loads: Loads, target: float) -> _Laid | None:

@@ -75,6 +75,7 @@ from megatron_zeppelin.planner.loops import (
     node_lpt,
     node_rings,
     ring_search,
+    shares_line,
     whole_docs,
 )
 from megatron_zeppelin.planner.place.loads import Loads
@@ -382,6 +383,6 @@ def warm() -> bool:
     the first time in an environment, about one after). Whether numba runs them."""
     if not jit.enabled():
         return False
-    for module in (local_changes, node_lpt, node_rings, ring_search, whole_docs):
+    for module in (local_changes, node_lpt, node_rings, ring_search, shares_line, whole_docs):
         module.warm()
     return True

@@ -207,11 +207,11 @@ def _keep_fastest(
     batch: _Batch, staged: list[Candidate], pooled: list[Candidate]
 ) -> tuple[Candidate, list[dict], float | None]:
     """``search``'s answer from every candidate placed: the staged ones predicted within
-    ``_SHORTLIST`` of the best (``_MAX_TIMED`` at most) and the pool ones predicted within it
-    of the best staged one (``_MAX_POOL_TIMED`` at most) are built and timed by the simulator
-    where they can matter (``_timed``; a lone one keeps ``Loads``' prediction); the fastest timed of each kind is refined again on
-    the simulator's figures (``_retime``; the staged one unless ``_RETIME_BEHIND`` of the pool
-    one), and the fastest of all is kept."""
+    ``_SHORTLIST`` of the best (``_MAX_TIMED`` at most) and the pool ones predicted within it of
+    the best staged one (``_MAX_POOL_TIMED`` at most) are built and timed by the simulator where
+    they can matter (``_timed``; a lone one keeps ``Loads``' prediction); the fastest timed of
+    each kind is refined again on the simulator's figures (``_retime``; the staged one unless
+    ``_RETIME_BEHIND`` of the pool one), and the fastest of all is kept."""
     within = _SHORTLIST * min(c.predicted_s for c in staged)
     # The pool's are timed beside the staged shortlist where predicted within it (``Loads``
     # misjudges them by a few percent, not by more).
