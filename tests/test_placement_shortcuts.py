@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from pool_batches import NEEDS_NUMBA, stress_batch
 
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths
+from megatron_zeppelin.planner.cost import steptime
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, LinkCost
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
@@ -26,9 +27,11 @@ from megatron_zeppelin.planner.place.loads import Loads, min_ring
 from megatron_zeppelin.planner.place.placement import place_across_nodes
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.planner.place.within_nodes import _NodeBatch, place_within_nodes
+from megatron_zeppelin.planner.plan import linear_layout
 from megatron_zeppelin.planner.plan.linear_layout import LAYOUTS, fastest, price_linear_layouts
 from megatron_zeppelin.planner.plan.plan import Tier, zigzag_loads
-from megatron_zeppelin.planner.search.partition import PlannerOptions
+from megatron_zeppelin.planner.search import staged
+from megatron_zeppelin.planner.search.partition import PlannerOptions, plan_batch
 from megatron_zeppelin.planner.search.staged import _place
 from megatron_zeppelin.topology.presets import get_topology
 
@@ -164,6 +167,71 @@ def test_unpriced_layouts_are_left_out_where_tokens_are_even() -> None:
             for _ in range(8):
                 loads.add_local(rank, 1050)
     assert list(_pruned(loads)) == ["attention"]
+
+
+def test_the_remappings_least_time_leaves_out_layouts_that_cannot_pay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where a layout's linear seconds alone leave it a chance, the least its remapping can
+    take (``steptime.remap_floor``) may still rule it out: on a batch of a few long documents,
+    placements the search prices whose evened tokens the pruned pricing leaves out that way;
+    the full pricing of each has the attention layout faster, as the bound said."""
+    batch = stress_batch("uniform-long", 16, 0.5, 0)
+    calls: list[tuple] = []
+    original = linear_layout.price_linear_layouts
+
+    def spy(counts, attention_s, topology, cost, candidates=LAYOUTS, *, prune=False):  # noqa: ANN001, ANN202
+        calls.append((list(counts), list(attention_s), candidates, prune))
+        return original(counts, attention_s, topology, cost, candidates, prune=prune)
+
+    for module in (linear_layout, staged):
+        monkeypatch.setattr(module, "price_linear_layouts", spy)
+    plan_batch(
+        batch.array.tolist(),
+        topology=batch.topology,
+        cost_model=batch.cost,
+        capacity=batch.capacity,
+        options=PlannerOptions(pool=False),
+    )
+    topology, cost = batch.topology, batch.cost
+    left_out = 0
+    for counts, attention_s, candidates, prune in calls:
+        if not prune:
+            continue
+        full = original(counts, attention_s, topology, cost, candidates)
+        kept = original(counts, attention_s, topology, cost, candidates, prune=True)
+        attention = np.asarray(attention_s)
+        for name in set(full) - set(kept):
+            group = topology.gpus_per_node if name == "node" else topology.world_size
+            by_tokens = linear_layout._hopeless(
+                counts, None, attention, group, cost, full["attention"]
+            )
+            if not by_tokens:  # left out for its remapping
+                left_out += 1
+                assert full[name] > full["attention"]
+    assert left_out > 0
+
+
+@settings(max_examples=examples(60), deadline=None)
+@given(
+    moves=st.lists(
+        st.tuples(st.integers(0, 31), st.integers(0, 31), st.integers(1, 200_000)),
+        min_size=1,
+        max_size=40,
+    )
+)
+def test_no_remapping_takes_less_than_its_floor(moves: list[tuple[int, int, int]]) -> None:
+    """``steptime.remap_floor`` of the most tokens any rank gives or takes is at most what
+    ``remap_seconds_of`` prices the moves at, whatever ranks they join (NVLink, NICs, both)."""
+    topology, cost = _model()
+    moves = [(a, b, n) for a, b, n in moves if a != b] or [(0, 9, 1)]
+    src, dst, tokens = (np.asarray(column) for column in zip(*moves))
+    gives = np.bincount(src, weights=tokens, minlength=32)
+    takes = np.bincount(dst, weights=tokens, minlength=32)
+    most = int(max(gives.max(), takes.max()))
+    priced = steptime.remap_seconds_of(src, dst, tokens, topology, cost)
+    assert steptime.remap_floor(most, cost) <= priced
+    assert steptime.remap_floor(0, cost) == 0.0
 
 
 def test_node_documents_come_rings_first_then_longest_first() -> None:

@@ -44,6 +44,24 @@ def all_to_all_seconds(
     return _all_to_all(pairs[:, 0], pairs[:, 1], tokens, topology, cost_model, bytes_per_token)
 
 
+def remap_floor(tokens: int, cost_model: CostModel) -> float:
+    """The least ``remap_seconds_of`` any moves in which one rank gives or takes ``tokens``
+    tokens in all can take: in each of its all-to-alls those tokens leave (or reach) that rank
+    through its NVLink port and its NIC, at best both at once, and every all-to-all waits at
+    least the lesser latency. 0 where nothing moves."""
+    if tokens <= 0:
+        return 0.0
+    m = cost_model.model
+    q_bytes = (m.hidden_bytes_per_token() - m.kv_bytes_per_token()) // 2
+    nvlink, nic = cost_model.link("nvlink"), cost_model.link("nic")
+    both = nvlink.bytes_per_s + nic.bytes_per_s
+    latency = min(nvlink.latency_s, nic.latency_s)
+    kv = m.kv_bytes_per_token()
+    one_way = tokens * (q_bytes + kv) / both + latency
+    other_way = tokens * q_bytes / both + latency
+    return 2.0 * (one_way + other_way)
+
+
 def _all_to_all(
     src: np.ndarray,
     dst: np.ndarray,

@@ -186,7 +186,9 @@ def by_rank(docs: np.ndarray, ranks: np.ndarray, world: int) -> tuple[np.ndarray
     """``Rounds``' rows: the documents ``docs`` (in order) of each GPU (``ranks``, each's) in
     one row per GPU, in their order, with room to spare (zeros); and how many each holds."""
     count = np.bincount(ranks, minlength=world).astype(np.int64)
-    order = np.argsort(ranks, kind="stable")
+    # The same stable order; on 16-bit keys numpy sorts by radix, a tenth of the time.
+    keys = ranks.astype(np.uint16) if world <= 1 << 16 else ranks
+    order = np.argsort(keys, kind="stable")
     rows = np.zeros((world, int(count.max(initial=0)) + _SPARE), dtype=np.int64)
     first = np.cumsum(count) - count
     rows[ranks[order], np.arange(len(order)) - first[ranks[order]]] = docs[order]

@@ -35,6 +35,7 @@ from __future__ import annotations
 import functools
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -368,8 +369,8 @@ def _place_whole_compiled(
     start = rings = 0
     while True:
         stop = state.place(lengths, seconds, start, ranks)
-        for doc, rank in zip(docs[start:stop].tolist(), ranks[start:stop].tolist()):
-            placements[doc] = local[rank]
+        given = map(local.__getitem__, ranks[start:stop].tolist())
+        deque(map(placements.__setitem__, docs[start:stop].tolist(), given), maxlen=0)
         state.write_loads()
         if stop == len(docs):
             return rings

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
-from megatron_zeppelin.planner.cost.steptime import layer_seconds, remap_seconds_of
+from megatron_zeppelin.planner.cost.steptime import remap_floor, remap_seconds_of
 from megatron_zeppelin.planner.plan.plan import SequencePlan, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
@@ -250,28 +250,34 @@ def price_linear_layouts(
     With ``prune`` (and the attention layout among them), a layout that moves tokens is left
     out where it cannot beat the attention layout: it takes at least ``max(attention)`` plus
     the linear seconds of its busiest rank's target, ``ceil(tokens / ranks)`` of the fullest
-    group, its remapping besides. The best time, and the layout that has it, stay the same."""
+    group, plus the least its remapping can take with one rank giving or taking as many tokens
+    as the most any does (``steptime.remap_floor``). The best time, and the layout that has it,
+    stay the same."""
     unknown = [c for c in candidates if c not in LAYOUTS]
     if unknown or not candidates:
         raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
     world = topology.world_size
+    attention = np.asarray(attention_s, dtype=np.float64)
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
         group = topology.gpus_per_node if name == "node" else world
         if name == "attention":
-            tokens, remap_s = list(counts), 0.0
-        elif (
-            prune
-            and "attention" in predicted
-            and _hopeless(counts, attention_s, group, cost_model, predicted["attention"])
-        ):
-            continue
+            tokens, remap_s = counts, 0.0
         else:
+            bar = predicted.get("attention") if prune else None
+            if bar is not None and _hopeless(counts, None, attention, group, cost_model, bar):
+                continue
             tokens = _targets(counts, group)
+            if bar is not None and _hopeless(counts, tokens, attention, group, cost_model, bar):
+                continue
             src, dst, moved = _move_arrays(list(counts), tokens, topology)
             remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
-        linear_s = cost_model.linear_times(np.asarray(tokens, dtype=np.float64)).tolist()
-        predicted[name] = layer_seconds(linear_s, attention_s, remap_s)
+        linear = cost_model.linear_times(np.asarray(tokens, dtype=np.float64))
+        # ``layer_seconds``, on arrays: the same sums and maxima.
+        if remap_s > 0:
+            predicted[name] = float(linear.max()) + remap_s + float(attention.max())
+        else:
+            predicted[name] = float((linear + attention).max())
     return predicted
 
 
@@ -281,16 +287,23 @@ _NO_WIN = 1.0 + 1e-12
 
 def _hopeless(
     counts: Sequence[int],
-    attention_s: Sequence[float],
+    targets: list[int] | None,
+    attention: np.ndarray,
     group: int,
     cost_model: CostModel,
     attention_layout_s: float,
 ) -> bool:
     """Whether a layout evening tokens over groups of ``group`` ranks is bound to take longer
-    than the attention layout's ``attention_layout_s`` (``price_linear_layouts``' ``prune``)."""
-    fullest = int(np.asarray(counts, dtype=np.int64).reshape(-1, group).sum(axis=1).max())
+    than the attention layout's ``attention_layout_s`` (``price_linear_layouts``' ``prune``):
+    from the fullest group's tokens alone, or with the layout's ``targets``, its remapping's
+    least time too."""
+    held = np.asarray(counts, dtype=np.int64)
+    fullest = int(held.reshape(-1, group).sum(axis=1).max())
     linear_s = float(cost_model.linear_times(np.asarray([-(-fullest // group)]))[0])
-    return linear_s + max(attention_s) > _NO_WIN * attention_layout_s
+    remap_s = 0.0
+    if targets is not None:
+        remap_s = remap_floor(int(np.abs(held - np.asarray(targets)).max()), cost_model)
+    return linear_s + remap_s + float(attention.max()) > _NO_WIN * attention_layout_s
 
 
 def fastest(predicted: dict[str, float]) -> str:
