@@ -26,10 +26,14 @@ Moves = dict[tuple[int, int], int]
 
 
 def layer_seconds(linear_s: Sequence[float], attention_s: Sequence[float], remap_s: float) -> float:
-    """One layer's time from each rank's linear and attention seconds (module docstring)."""
+    """One layer's time from each rank's linear and attention seconds (module docstring), as
+    lists or arrays (the planner prices thousands of layouts on arrays: the same sums and
+    maxima)."""
+    linear = np.asarray(linear_s, dtype=np.float64)
+    attention = np.asarray(attention_s, dtype=np.float64)
     if remap_s > 0:
-        return max(linear_s) + remap_s + max(attention_s)
-    return max(a + b for a, b in zip(linear_s, attention_s))
+        return float(linear.max()) + remap_s + float(attention.max())
+    return float((linear + attention).max())
 
 
 def all_to_all_seconds(

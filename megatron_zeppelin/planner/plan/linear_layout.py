@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
-from megatron_zeppelin.planner.cost.steptime import remap_floor, remap_seconds_of
+from megatron_zeppelin.planner.cost.steptime import layer_seconds, remap_floor, remap_seconds_of
 from megatron_zeppelin.planner.plan.plan import SequencePlan, TokenRange
 from megatron_zeppelin.topology.model import Topology
 
@@ -273,11 +273,7 @@ def price_linear_layouts(
             src, dst, moved = _move_arrays(list(counts), tokens, topology)
             remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
         linear = cost_model.linear_times(np.asarray(tokens, dtype=np.float64))
-        # ``layer_seconds``, on arrays: the same sums and maxima.
-        if remap_s > 0:
-            predicted[name] = float(linear.max()) + remap_s + float(attention.max())
-        else:
-            predicted[name] = float((linear + attention).max())
+        predicted[name] = layer_seconds(linear, attention, remap_s)
     return predicted
 
 
