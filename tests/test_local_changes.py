@@ -149,21 +149,31 @@ def test_order_kept_after_two_values_change_is_a_stable_sort(seed: int) -> None:
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_a_move_goes_where_a_pass_over_every_gpu_sends_it(seed: int) -> None:
-    """``_move_to``, along the GPUs by load, against a pass over every GPU in rank order: with
-    loads whose sums with the document's seconds round alike (a lower rank a little more
-    loaded ends at the very same sum, and takes it), GPUs short of room, and none with room."""
+def test_moves_go_where_a_pass_over_every_gpu_sends_them(seed: int) -> None:
+    """``_moves``, one walk along the GPUs by load for every document of the busiest GPU,
+    against a pass over every GPU in rank order for each: with loads whose sums with a
+    document's seconds round alike (a lower rank a little more loaded ends at the very same
+    sum, and takes it), GPUs short of room for some documents and not others, documents of one
+    length, and some no GPU has room for."""
     assert local_changes.compiled()
     rng = np.random.default_rng(seed)
-    world = int(rng.integers(2, 80))
-    work = float(rng.choice([1.0, 0.5, 2.0**-3]))
+    world, count = int(rng.integers(2, 80)), int(rng.integers(1, 12))
     cost = rng.choice([0.0, 2.0**-60, 2.0**-58, 0.25, 0.25 + 2.0**-55, 1.0], size=world)
     tokens = rng.integers(0, 10, size=world)
-    most, busiest = int(rng.integers(-1, 10)), int(rng.integers(world))
+    capacity, busiest = 10, int(rng.integers(world))
+    lengths = rng.integers(0, 12, size=count)
+    work = rng.choice([1.0, 0.5, 2.0**-3], size=count)
+    mine = np.arange(count, dtype=np.int64)
     by_load = np.argsort(cost, kind="stable").astype(np.int64)
-    end, at = local_changes._move_to(cost, tokens, by_load, busiest, most, work)
-    want_end, want_at = np.inf, -1
-    for r in range(world):
-        if r != busiest and tokens[r] <= most and cost[r] + work < want_end:
-            want_end, want_at = cost[r] + work, r
-    assert (end, at) == (want_end, want_at)
+    ends, ats = np.empty(count), np.empty(count, dtype=np.int64)
+    order = np.empty(count, dtype=np.int64)
+    local_changes._moves(
+        cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order
+    )
+    for i in range(count):
+        want_end, want_at = np.inf, -1
+        for r in range(world):
+            fits = tokens[r] <= capacity - lengths[i]
+            if r != busiest and fits and cost[r] + work[i] < want_end:
+                want_end, want_at = cost[r] + work[i], r
+        assert (ends[i], ats[i]) == (want_end, want_at)

@@ -17,7 +17,8 @@ Two implementations make the same changes, in the same order, with the same floa
 - where numba is installed (``loops/jit.py``), ``Rounds``: every round in one compiled loop
   over plain arrays (``_rounds``), which the caller then replays on ``Loads`` and the
   placements. A round there costs microseconds instead of the tenth of a millisecond or more of
-  numpy calls: a move's GPU is found along the GPUs kept sorted by load (``_move_to``), and the
+  numpy calls: every move's GPU is found in one walk along the GPUs kept sorted by load
+  (``_moves``), and the
   swap search passes over a GPU whose load alone is above the best peak so far and over a
   document that sheds too little to beat it (both exact: a pair's peak is at least either), and
   over a GPU whose load leaves no swap of it below the best peak (``_SLACK``).
@@ -275,6 +276,8 @@ def _rounds(
     # Every GPU by (load, rank), kept the same way: a move looks along it for the least loaded
     # GPU with room, not over every GPU.
     by_load = _least(cost, world)
+    # ``_moves``' answers for the busiest GPU's documents, and its order of them.
+    ends, ats, short = np.empty(width), np.empty(width, np.int64), np.empty(width, np.int64)
     made = 0
     while made < log.shape[0]:
         busiest = np.argmax(cost)
@@ -282,12 +285,14 @@ def _rounds(
         if n == 0:
             return made, 0
         top = cost[busiest]
-        # Moves: each document to the least loaded other GPU with room (``_move_to``).
+        # Moves: each document to the least loaded other GPU with room (``_moves``).
         best_peak, give, dest, take = np.inf, -1, -1, -1
         move_i, move_dest = -1, -1
+        mine = docs[busiest]
+        _moves(cost, tokens, by_load, busiest, mine, n, lengths, work, capacity, ends, ats, short)
         for i in range(n):
-            doc = docs[busiest, i]
-            end, at = _move_to(cost, tokens, by_load, busiest, capacity - lengths[doc], work[doc])
+            doc = mine[i]
+            end, at = ends[i], ats[i]
             shed = top - work[doc]
             peak = shed if shed >= end else end
             if peak < best_peak:
@@ -341,28 +346,45 @@ def _rounds(
     return made, 1
 
 
-def _move_to(cost, tokens, by_load, busiest, most, work):  # noqa: ANN001, ANN202 - compiled by numba
-    """Where a document of ``work`` seconds off ``busiest`` ends soonest, and that end: of the
-    other GPUs holding at most ``most`` tokens, the one whose load plus ``work`` is least, the
-    lowest rank on ties (a pass over every GPU in rank order finds the same). Along
-    ``by_load`` (every GPU by load, then rank) the first with room has the least load; a GPU a
-    little more loaded may end at the very same sum (rounding), so the walk goes on while the
-    sums are equal, and stops at the first greater (the sum never falls as the load rises).
-    ``(inf, -1)`` where no GPU has room."""
-    end, at = np.inf, -1
-    for index in range(by_load.shape[0]):
-        r = by_load[index]
-        if r == busiest or tokens[r] > most:
+def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """Where each of the first ``count`` documents ``mine`` (off ``busiest``) ends soonest
+    (``ats[i]``) and that end (``ends[i]``): of the other GPUs with room for it (holding at most
+    ``capacity`` less its length in tokens), the one whose load plus its ``work`` is least, the
+    lowest rank on ties (a pass over every GPU in rank order finds the same); ``(inf, -1)``
+    where none has room. One walk along ``by_load`` (every GPU by load, then rank) serves them
+    all: taken shortest first (``order``), each document's first GPU with room, the least
+    loaded, is no earlier along it than the one before's. From there a GPU a little more loaded
+    may end at the very same sum (rounding), so the look goes on while the sums are equal and
+    stops at the first greater: the sum never falls as the load rises, so no GPU past it, with
+    room or without, ends as soon."""
+    for i in range(count):  # shortest first, ties in order (insertion: a few dozen at most)
+        j = i
+        while j > 0 and lengths[mine[order[j - 1]]] > lengths[mine[i]]:
+            order[j] = order[j - 1]
+            j -= 1
+        order[j] = i
+    world = by_load.shape[0]
+    first = 0
+    for k in range(count):
+        i = order[k]
+        most = capacity - lengths[mine[i]]
+        while first < world and (by_load[first] == busiest or tokens[by_load[first]] > most):
+            first += 1
+        if first == world:
+            ends[i], ats[i] = np.inf, -1
             continue
-        ends = cost[r] + work
-        if at < 0:
-            end, at = ends, r
-        elif ends == end:
-            if r < at:
+        at = by_load[first]
+        end = cost[at] + work[mine[i]]
+        for index in range(first + 1, world):
+            r = by_load[index]
+            if r == busiest:
+                continue
+            sum_r = cost[r] + work[mine[i]]
+            if sum_r > end:
+                break
+            if sum_r == end and tokens[r] <= most and r < at:
                 at = r
-        else:
-            break
-    return end, at
+        ends[i], ats[i] = end, at
 
 
 def _reorder(values, order, one, other):  # noqa: ANN001, ANN202 - compiled by numba
@@ -413,5 +435,5 @@ def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):
 def _compiled() -> Callable | None:
     """``_rounds`` compiled (``loops/jit.py``), or ``None`` without numba."""
     return jit.compile_loops(
-        globals(), "_sift_down", "_least", "_reorder", "_move_to", "_move", "_rounds"
+        globals(), "_sift_down", "_least", "_reorder", "_moves", "_move", "_rounds"
     )
