@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from pool_batches import NEEDS_NUMBA
+from pool_batches import NEEDS_NUMBA, stress_batch
 
 from megatron_zeppelin.planner.baselines.distributions import sample_lengths
 from megatron_zeppelin.planner.cost.costmodel import CostModel
@@ -169,24 +169,18 @@ def test_members_across_nodes_keep_a_share_that_hides_their_transfers() -> None:
 
 @NEEDS_NUMBA
 @pytest.mark.parametrize(
-    ("name", "gpus", "fill", "seed"),
-    [
-        ("uniform-long", 16, 0.5, 0),
-        ("uniform-long", 128, 0.5, 1),
-        ("lognormal", 128, 0.5, 0),
-        ("long-tail", 16, 0.95, 1),
-        ("mixture", 128, 0.5, 0),
-    ],
+    "batch",
+    ["uniform-long 16 0.5 0", "uniform-long 128 0.5 1", "lognormal 128 0.5 0"]
+    + ["long-tail 16 0.95 1", "mixture 128 0.5 0"],
 )
-def test_compiled_line_is_pythons(name: str, gpus: int, fill: float, seed: int) -> None:
+def test_compiled_line_is_pythons(batch: str) -> None:
     """``loops/shares_line.py`` lays a batch out as ``shares._lay`` does, at every target from
     below the least that places every document (no room: ``None``) to above the most the
     bisection tries: the same rings, members and tokens."""
-    topology = get_topology("zeppelin-C", num_nodes=gpus // 8)
-    cost = CostModel.default(get_model("llama-7b"), topology)
-    tokens = int(fill * gpus * CAPACITY)
-    lengths = sample_lengths(name, num_tokens=tokens, seed=seed, max_length=tokens // 2)
-    loads = Loads(topology, CAPACITY, cost, topology.nics_per_node)
+    name, gpus, fill, seed = batch.split()
+    drawn = stress_batch(name, int(gpus), float(fill), int(seed))
+    lengths, topology = drawn.array.tolist(), drawn.topology
+    loads = Loads(topology, CAPACITY, drawn.cost, topology.nics_per_node)
     whole = [loads.ring_key(length, 1, "nvlink") for length in lengths]
     mean = sum(whole) / topology.world_size
     compiled = shares._compiled_lay(lengths, whole, loads)
