@@ -18,10 +18,10 @@ Two implementations make the same changes, in the same order, with the same floa
   over plain arrays (``_rounds``), which the caller then replays on ``Loads`` and the
   placements. A round there costs microseconds instead of the tenth of a millisecond or more of
   numpy calls: every move's GPU is found in one walk along the GPUs kept sorted by load
-  (``_moves``), and the
-  swap search passes over a GPU whose load alone is above the best peak so far and over a
-  document that sheds too little to beat it (both exact: a pair's peak is at least either), and
-  over a GPU whose load leaves no swap of it below the best peak (``_SLACK``).
+  (``_moves``), and the swap search passes over a GPU whose load alone is above the best peak
+  so far and over a document that sheds too little to beat it (both exact: a pair's peak is at
+  least either), and over a GPU whose load leaves no swap of it below the best peak
+  (``_SLACK``).
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def _rounds(
     return made, 1
 
 
-def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order):  # noqa: ANN001, ANN202, PLR0913 - compiled by numba
     """Where each of the first ``count`` documents ``mine`` (off ``busiest``) ends soonest
     (``ats[i]``) and that end (``ends[i]``): of the other GPUs with room for it (holding at most
     ``capacity`` less its length in tokens), the one whose load plus its ``work`` is least, the

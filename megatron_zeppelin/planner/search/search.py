@@ -23,13 +23,12 @@ one, are timed with the simulator's own functions (``simulator.attention_seconds
 ``steptime.layer_seconds``), the pool's first, less those predicted too far above one timed
 already to matter (``_UNDERCUT``), and the fastest is kept; the plan's
 ``meta["predicted_step_s"]`` is then what ``simulate`` reports for it (``meta["timed_by"] ==
-"simulator"``). The fastest timed
-staged placement and the fastest timed pool placement are then each refined again on the
-simulator's per-GPU figures (which see rings across nodes sharing a node's NICs wait on each
-other) and timed once more (``_retime``), the staged one unless it is timed more than
-``_RETIME_BEHIND`` above the pool one; the fastest of all stays. A lone candidate keeps
-``Loads``' prediction (``"planner estimate"``): there is nothing to choose, and timing a
-thousand-GPU plan costs as much as placing it.
+"simulator"``). The fastest timed staged placement and the fastest timed pool placement are then
+each refined again on the simulator's per-GPU figures (which see rings across nodes sharing a
+node's NICs wait on each other) and timed once more (``_retime``), the staged one unless it is
+timed more than ``_RETIME_BEHIND`` above the pool one; the fastest of all stays. A lone
+candidate keeps ``Loads``' prediction (``"planner estimate"``): there is nothing to choose, and
+timing a thousand-GPU plan costs as much as placing it.
 """
 
 from __future__ import annotations
