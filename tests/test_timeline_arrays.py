@@ -19,6 +19,7 @@ from megatron_zeppelin.planner.plan.heads import column_layout, head_plan
 from megatron_zeppelin.planner.plan.linear_layout import attention_layout
 from megatron_zeppelin.planner.plan.phases import (
     attention_blocks,
+    is_zigzag,
     split_by_layout,
     unique_inverse,
     zigzag_blocks,
@@ -97,6 +98,38 @@ def test_column_layout_is_the_head_plans_layout(docs) -> None:  # noqa: ANN001
     assert got_messages.num_steps == want_messages.num_steps
     for field in ("group", "src", "dst", "tokens"):
         np.testing.assert_array_equal(getattr(got_messages, field), getattr(want_messages, field))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    length=st.integers(12, 400),  # every chunk of a ring of 6 holds a token
+    ring=st.lists(st.integers(0, 7), min_size=2, max_size=6, unique=True),
+    change=st.sampled_from(["none", "swap", "rank", "drop"]),
+    where=st.integers(0, 11),
+)
+def test_zigzag_layout_is_two_spans_per_ring_position_in_ring_order(
+    length: int, ring: list[int], change: str, where: int
+) -> None:
+    """``is_zigzag`` (read at C level) says what its definition says: a document's spans are
+    two per ring position, in ring order. Spans as ``zigzag_spans`` lays them are; one moved to
+    another rank, or one left out, are not; two swapped are where both are on one rank."""
+    spans = list(zigzag_spans(length, tuple(ring)))
+    at = where % len(spans)
+    if change == "swap":
+        spans[at], spans[-1] = spans[-1], spans[at]
+    elif change == "rank":
+        spans[at] = dataclasses.replace(spans[at], rank=max(ring) + 1)
+    elif change == "drop":
+        del spans[at]
+    seq = SequencePlan(0, length, Tier.INTRA, tuple(ring), tuple(spans))
+    by_definition = len(spans) == 2 * len(ring) and all(
+        spans[2 * i].rank == r and spans[2 * i + 1].rank == r for i, r in enumerate(ring)
+    )
+    assert is_zigzag(seq) == by_definition
+    if change == "none":
+        assert by_definition
+    elif change in ("rank", "drop"):
+        assert not by_definition
 
 
 @settings(max_examples=60, deadline=None)

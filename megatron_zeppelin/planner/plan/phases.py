@@ -41,6 +41,9 @@ __all__ = [
     "zigzag_blocks",
 ]
 
+_RING, _LENGTH, _RANK = attrgetter("ring"), attrgetter("length"), attrgetter("rank")
+_BOUNDS = attrgetter("start", "end")
+
 
 @dataclass(frozen=True)
 class Blocks:
@@ -72,10 +75,11 @@ def causal_pairs_array(
 
 def is_zigzag(seq: SequencePlan) -> bool:
     """Spans are two per ring position, in ring order (``plan.zigzag_spans``)."""
-    spans, ring = seq.attention, seq.ring
+    spans, ring = seq.attention, tuple(seq.ring)
     if len(spans) != 2 * len(ring):
         return False
-    return all(spans[2 * i].rank == r and spans[2 * i + 1].rank == r for i, r in enumerate(ring))
+    ranks = tuple(map(_RANK, spans))  # read at C level: the planner asks of every ring it times
+    return ranks[0::2] == ring and ranks[1::2] == ring
 
 
 class _Rows:
@@ -128,7 +132,7 @@ class ZigzagRings:
         """``(pass, document)`` pairs of one ring size, every one ``is_zigzag``."""
         g = len(docs[0][1].ring)
         bounds = np.asarray(
-            [[(s.start, s.end) for s in seq.attention] for _, seq in docs], dtype=np.int64
+            [list(map(_BOUNDS, seq.attention)) for _, seq in docs], dtype=np.int64
         ).reshape(len(docs), g, 2, 2)
         rings = np.asarray([seq.ring for _, seq in docs], dtype=np.int64)
         return cls(bounds, rings, np.asarray([p for p, _ in docs], dtype=np.int64))
@@ -136,7 +140,6 @@ class ZigzagRings:
 
 Local = tuple[np.ndarray, np.ndarray, np.ndarray]
 """Documents whole on one rank: ``(pass, rank, length)`` arrays."""
-_RING, _LENGTH = attrgetter("ring"), attrgetter("length")
 
 
 def split_by_layout(
