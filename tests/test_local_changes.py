@@ -166,9 +166,8 @@ def test_moves_go_where_a_pass_over_every_gpu_sends_them(seed: int) -> None:
     mine = np.arange(count, dtype=np.int64)
     by_load = np.argsort(cost, kind="stable").astype(np.int64)
     ends, ats = np.empty(count), np.empty(count, dtype=np.int64)
-    order = np.empty(count, dtype=np.int64)
     local_changes._moves(
-        cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order
+        cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats
     )
     for i in range(count):
         want_end, want_at = np.inf, -1

@@ -276,8 +276,8 @@ def _rounds(
     # Every GPU by (load, rank), kept the same way: a move looks along it for the least loaded
     # GPU with room, not over every GPU.
     by_load = _least(cost, world)
-    # ``_moves``' answers for the busiest GPU's documents, and its order of them.
-    ends, ats, short = np.empty(width), np.empty(width, np.int64), np.empty(width, np.int64)
+    # ``_moves``' answers for the busiest GPU's documents.
+    ends, ats = np.empty(width), np.empty(width, np.int64)
     made = 0
     while made < log.shape[0]:
         busiest = np.argmax(cost)
@@ -289,7 +289,7 @@ def _rounds(
         best_peak, give, dest, take = np.inf, -1, -1, -1
         move_i, move_dest = -1, -1
         mine = docs[busiest]
-        _moves(cost, tokens, by_load, busiest, mine, n, lengths, work, capacity, ends, ats, short)
+        _moves(cost, tokens, by_load, busiest, mine, n, lengths, work, capacity, ends, ats)
         for i in range(n):
             doc = mine[i]
             end, at = ends[i], ats[i]
@@ -346,23 +346,22 @@ def _rounds(
     return made, 1
 
 
-def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats, order):  # noqa: ANN001, ANN202, PLR0913 - compiled by numba
+def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity, ends, ats):  # noqa: ANN001, ANN202, PLR0913 - compiled by numba
     """Where each of the first ``count`` documents ``mine`` (off ``busiest``) ends soonest
     (``ats[i]``) and that end (``ends[i]``): of the other GPUs with room for it (holding at most
     ``capacity`` less its length in tokens), the one whose load plus its ``work`` is least, the
     lowest rank on ties (a pass over every GPU in rank order finds the same); ``(inf, -1)``
     where none has room. One walk along ``by_load`` (every GPU by load, then rank) serves them
-    all: taken shortest first (``order``), each document's first GPU with room, the least
-    loaded, is no earlier along it than the one before's. From there a GPU a little more loaded
-    may end at the very same sum (rounding), so the look goes on while the sums are equal and
-    stops at the first greater: the sum never falls as the load rises, so no GPU past it, with
-    room or without, ends as soon."""
-    for i in range(count):  # shortest first, ties in order (insertion: a few dozen at most)
-        j = i
-        while j > 0 and lengths[mine[order[j - 1]]] > lengths[mine[i]]:
-            order[j] = order[j - 1]
-            j -= 1
-        order[j] = i
+    all: taken shortest first (``_least``: a GPU's documents sit longest first, so a sort by
+    insertion would take the square of their number), each document's first GPU with room, the
+    least loaded, is no earlier along it than the one before's. From there a GPU a little more
+    loaded may end at the very same sum (rounding), so the look goes on while the sums are equal
+    and stops at the first greater: the sum never falls as the load rises, so no GPU past it,
+    with room or without, ends as soon."""
+    sizes = np.empty(count, dtype=np.int64)
+    for i in range(count):
+        sizes[i] = lengths[mine[i]]
+    order = _least(sizes, count)
     world = by_load.shape[0]
     first = 0
     for k in range(count):
