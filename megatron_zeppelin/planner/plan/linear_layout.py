@@ -257,19 +257,25 @@ def price_linear_layouts(
     if unknown or not candidates:
         raise ValueError(f"linear layouts must be among {LAYOUTS}, got {list(candidates)}")
     world = topology.world_size
+    held = np.asarray(counts, dtype=np.int64)
     attention = np.asarray(attention_s, dtype=np.float64)
+    busiest = float(attention.max())
     predicted: dict[str, float] = {}
     for name in sorted(candidates, key=LAYOUTS.index):  # least moving first: wins ties
         group = topology.gpus_per_node if name == "node" else world
         if name == "attention":
             tokens, remap_s = counts, 0.0
         else:
-            bar = predicted.get("attention") if prune else None
-            if bar is not None and _hopeless(counts, None, attention, group, cost_model, bar):
-                continue
+            bar = _NO_WIN * predicted["attention"] if prune and "attention" in predicted else None
+            if bar is not None:
+                linear_s = _fullest_target_seconds(held, group, cost_model)
+                if linear_s + busiest > bar:
+                    continue  # its tokens alone rule it out
             tokens = _targets(counts, group)
-            if bar is not None and _hopeless(counts, tokens, attention, group, cost_model, bar):
-                continue
+            if bar is not None:
+                most = int(np.abs(held - np.asarray(tokens)).max())
+                if linear_s + remap_floor(most, cost_model) + busiest > bar:
+                    continue  # and with the least its remapping can take
             src, dst, moved = _move_arrays(list(counts), tokens, topology)
             remap_s = remap_seconds_of(src, dst, moved, topology, cost_model)
         linear = cost_model.linear_times(np.asarray(tokens, dtype=np.float64))
@@ -281,25 +287,12 @@ _NO_WIN = 1.0 + 1e-12
 """A bound this far above the attention layout's time rules a layout out, rounding aside."""
 
 
-def _hopeless(
-    counts: Sequence[int],
-    targets: list[int] | None,
-    attention: np.ndarray,
-    group: int,
-    cost_model: CostModel,
-    attention_layout_s: float,
-) -> bool:
-    """Whether a layout evening tokens over groups of ``group`` ranks is bound to take longer
-    than the attention layout's ``attention_layout_s`` (``price_linear_layouts``' ``prune``):
-    from the fullest group's tokens alone, or with the layout's ``targets``, its remapping's
-    least time too."""
-    held = np.asarray(counts, dtype=np.int64)
+def _fullest_target_seconds(held: np.ndarray, group: int, cost_model: CostModel) -> float:
+    """The linear seconds of the busiest rank of a layout evening ``held`` tokens over groups of
+    ``group`` ranks: ``ceil(tokens / group)`` of the fullest group (``price_linear_layouts``'
+    ``prune``)."""
     fullest = int(held.reshape(-1, group).sum(axis=1).max())
-    linear_s = float(cost_model.linear_times(np.asarray([-(-fullest // group)]))[0])
-    remap_s = 0.0
-    if targets is not None:
-        remap_s = remap_floor(int(np.abs(held - np.asarray(targets)).max()), cost_model)
-    return linear_s + remap_s + float(attention.max()) > _NO_WIN * attention_layout_s
+    return float(cost_model.linear_times(np.asarray([-(-fullest // group)]))[0])
 
 
 def fastest(predicted: dict[str, float]) -> str:
