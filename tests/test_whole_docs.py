@@ -1,6 +1,7 @@
 """Tier: pure. The pool placement with its compiled loops (``planner/loops/whole_docs.py`` for
-the whole documents, ``ring_search.py`` for the rings' GPUs) against numpy's: the same
-placement of every document and the same loads, to the last bit, on every pool order.
+the whole documents, ``ring_line.py`` for the rings, each ring's GPUs searched by
+``ring_search.py``) against ring by ring with the compiled search alone, and against numpy's:
+the same placement of every document and the same loads, to the last bit, on every pool order.
 
 Skipped where numba is not installed (the ``fast`` extra).
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import pytest
 from pool_batches import NEEDS_NUMBA, pool_placed, stress_batch
 
-from megatron_zeppelin.planner.loops import ring_search, whole_docs
+from megatron_zeppelin.planner.loops import ring_line, ring_search, whole_docs
 from megatron_zeppelin.planner.place import pool as pool_module
 from megatron_zeppelin.planner.place import pool_rings
 from megatron_zeppelin.planner.place.pool import ALL_ORDERS
@@ -46,19 +47,22 @@ def test_compiled_pool_places_as_numpy(
     monkeypatch: pytest.MonkeyPatch, name: str, gpus: int, capacity: int, fill: float, seed: int,
     order: int,
 ) -> None:  # fmt: skip
-    assert whole_docs.compiled() and ring_search.compiled()
-    compiled = _pool(name, gpus, capacity, fill, seed, order)
+    assert whole_docs.compiled() and ring_search.compiled() and ring_line.compiled()
+    line = _pool(name, gpus, capacity, fill, seed, order)
+    monkeypatch.setattr(pool_module.ring_line, "compiled", lambda: False)
+    ring_by_ring = _pool(name, gpus, capacity, fill, seed, order)
     monkeypatch.setattr(whole_docs, "compiled", lambda: False)
     monkeypatch.setattr(pool_rings.ring_search, "compiled", lambda: False)
     assert pool_module.whole_docs.compiled() is False
     numpy = _pool(name, gpus, capacity, fill, seed, order)
-    (placements, promotions, loads), (want, want_promotions, want_loads) = compiled, numpy
-    assert placements == want
-    assert promotions == want_promotions
-    assert loads.cost == want_loads.cost
-    assert loads.attention == want_loads.attention
-    assert loads.exposed == want_loads.exposed
-    assert loads.tokens == want_loads.tokens
-    assert any(p.tier == Tier.LOCAL for p in placements)
+    want, want_promotions, want_loads = numpy
+    for placements, promotions, loads in (line, ring_by_ring):
+        assert placements == want
+        assert promotions == want_promotions
+        assert loads.cost == want_loads.cost
+        assert loads.attention == want_loads.attention
+        assert loads.exposed == want_loads.exposed
+        assert loads.tokens == want_loads.tokens
+    assert any(p.tier == Tier.LOCAL for p in want)
     if name.startswith("fixed-"):
         assert promotions > 0, "no whole document was left without room: the ring path untried"

@@ -28,7 +28,7 @@ import numpy as np
 from megatron_zeppelin.planner.loops import jit, ring_prices
 from megatron_zeppelin.planner.loops.ring_prices import _flat_key, _key, _most_tokens
 
-__all__ = ["PLACES", "Tries", "compiled", "place", "tries", "warm"]
+__all__ = ["PLACES", "Tries", "compiled", "kernel", "place", "tries", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
@@ -49,6 +49,11 @@ class Tries:
     """What the ring adds to each member's load there (``ring_options.options``)."""
     places: np.ndarray
     """Where, by ``PLACES``' code."""
+    shares: np.ndarray | None = None
+    """Per try, one row: where its place is whole nodes, ``Loads.rank_share``'s compute seconds
+    and exposed seconds at a member whose edges cross nodes and at one whose edges stay inside
+    (the 2-D scheme's price, which ``Loads`` works out); ``nan`` elsewhere (``ring_line.py``
+    prices those rings itself). ``None`` where no compiled loop reads it."""
 
 
 def place(
@@ -98,6 +103,12 @@ def tries(
 def compiled() -> bool:
     """Whether ``place`` and ``tries`` run in this process."""
     return _compiled() is not None
+
+
+def kernel() -> Callable | None:
+    """``place``'s compiled loop, for a compiled loop to call (``ring_line.py``), or ``None``
+    without numba."""
+    return _compiled_place()
 
 
 def warm() -> None:

@@ -41,17 +41,20 @@ from typing import NamedTuple
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import whole_docs
+from megatron_zeppelin.planner.loops import ring_line, whole_docs
+from megatron_zeppelin.planner.loops.ring_search import PLACES
 from megatron_zeppelin.planner.place.least_load import least_load
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import (
     Heap,
     Placement,
     TierChoice,
+    capacity_error,
     local_placement,
 )
-from megatron_zeppelin.planner.place.pool_rings import Arrays, place_ring, ring_sizes
+from megatron_zeppelin.planner.place.pool_rings import Arrays, place_ring, ring_sizes, ring_tries
 from megatron_zeppelin.planner.place.ring_options import TOLERANCE, PoolGoal, price
+from megatron_zeppelin.planner.plan.plan import Tier
 
 __all__ = [
     "ALL_ORDERS",
@@ -107,6 +110,8 @@ ALL_ORDERS = tuple(dict.fromkeys((*POOL_ORDERS, *POOL_RETRIES, *RING_ORDERS, *RI
 _MEMBER_ROOM = 0.5
 """A ring member takes at most the GPUs' mean tokens and this share of the room it leaves
 (``_member_tokens``)."""
+_NODE = PLACES["node"]
+"""A ring's place on one node (over NVLink), by ``ring_search``'s code."""
 _TARGET_ROUNDS = 3
 """Rounds of sizing every ring against the target and raising the target by what they add."""
 
@@ -198,13 +203,46 @@ def place_pool(
     whole = whole[np.lexsort((whole, -array[whole]))]
     count = early_count(batch, first)
     promotions = _place_whole(whole[:count], array, choice.attention, loads, placements, goal)
-    arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
-    for doc in batch.ring_docs:
-        placement = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays, memo=batch.tries)
-        placements[doc] = placement
-        arrays.update(placement.ring, loads)  # type: ignore[union-attr]
+    if ring_line.compiled():
+        _place_rings_compiled(batch, loads, goal, placements)
+    else:
+        arrays = Arrays(np.asarray(loads.cost), np.asarray(loads.tokens))
+        for doc in batch.ring_docs:
+            placed = place_ring(doc, int(array[doc]), loads, goal, arrays=arrays, memo=batch.tries)
+            placements[doc] = placed
+            arrays.update(placed.ring, loads)  # type: ignore[union-attr]
     promotions += _place_whole(whole[count:], array, choice.attention, loads, placements, goal)
     return placements, promotions  # type: ignore[return-value]
+
+
+def _place_rings_compiled(
+    batch: PoolBatch, loads: Loads, goal: PoolGoal, placements: list[Placement | None]
+) -> None:
+    """``place_pool``'s rings in one compiled call (``ring_line.py``: the same GPUs and loads as
+    ``place_ring`` ring by ring), their tries from ``batch``'s memo."""
+    docs, memo = batch.ring_docs, batch.tries
+    lengths = batch.array[docs].tolist()
+    tries = []
+    for length in lengths:
+        found = memo.get((length, goal))
+        if found is None:
+            found = memo[(length, goal)] = ring_tries(length, loads, goal)
+        tries.append(found)
+    line = ring_line.Line(
+        np.asarray(loads.cost), np.asarray(loads.attention), np.asarray(loads.exposed),
+        np.asarray(loads.tokens),
+    )  # fmt: skip
+    k, limit = loads.topology.gpus_per_node, goal.target * TOLERANCE
+    weight, terms = loads.linear_weight, loads.ring_terms()
+    stop, places, rings = ring_line.place(
+        line, lengths, tries, loads.capacity, weight, goal.floor, limit, k, terms
+    )
+    loads.cost[:], loads.attention[:] = line.cost.tolist(), line.attention.tolist()
+    loads.exposed[:], loads.tokens[:] = line.exposed.tolist(), line.tokens.tolist()
+    for doc, where, ring in zip(docs, places, rings):
+        placements[doc] = Placement(Tier.INTRA if where == _NODE else Tier.INTER, ring)
+    if stop < len(docs):
+        raise capacity_error(docs[stop], lengths[stop], "on any GPUs of the pool")
 
 
 def early_count(batch: PoolBatch, first: float | None) -> int:

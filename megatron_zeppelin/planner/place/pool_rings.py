@@ -58,7 +58,7 @@ def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
     """``Tries`` of a document of ``length`` under ``goal``, priced by ``loads``: at each size of
     ``ring_sizes``, the places ``options`` allows. Where numba is installed, every size in one
     compiled call (``ring_search.tries``: the same tries, the same keys to the last bit), the
-    2-D scheme's keys over whole nodes from ``Loads``."""
+    2-D scheme's keys and shares over whole nodes from ``Loads`` (``Tries.shares``)."""
     work = loads.ring_seconds(length, 1) + loads.linear_weight * length
     sizes = ring_sizes(length, work, goal.target, loads, goal.member_tokens)
     if not ring_search.compiled():
@@ -77,9 +77,13 @@ def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
     *found, asked = ring_search.tries(*args, False, terms)
     if asked and wide_two_d(length, loads, goal):
         *found, _ = ring_search.tries(*args, True, terms)
-    tries = Tries(*found)
+    shares = np.full((len(found[0]), 3), np.nan)
+    tries = Tries(*found, shares)
     for i in np.flatnonzero(tries.places == _WHOLE).tolist():
-        tries.keys[i] = price(length, int(tries.sizes[i]), loads, two_d=True)
+        size = int(tries.sizes[i])
+        tries.keys[i] = price(length, size, loads, two_d=True)
+        share = loads.rank_share(length, size, "nic", loads.num_links)
+        shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)
     return tries
 
 

@@ -74,6 +74,7 @@ from megatron_zeppelin.planner.loops import (
     local_changes,
     node_lpt,
     node_rings,
+    ring_line,
     ring_search,
     shares_line,
     whole_docs,
@@ -383,6 +384,14 @@ def warm() -> bool:
     the first time in an environment, about one after). Whether numba runs them."""
     if not jit.enabled():
         return False
-    for module in (local_changes, node_lpt, node_rings, ring_search, shares_line, whole_docs):
+    for module in (
+        local_changes,
+        node_lpt,
+        node_rings,
+        ring_line,
+        ring_search,
+        shares_line,
+        whole_docs,
+    ):
         module.warm()
     return True

@@ -1,0 +1,213 @@
+"""One pool order's rings (``pool.place_pool``) placed in one compiled call.
+
+The pool places a batch's rings one after the other, longest first, each where
+``pool_rings.place_ring`` finds it GPUs on the loads the rings before it left. The search for a
+ring's GPUs is compiled already (``ring_search.py``), but each ring still cost Python its turn:
+the search's arguments, adding the ring to ``Loads`` member by member, and the arrays kept in
+step. Where few documents share a GPU, a thousand-GPU batch has hundreds of rings per order and
+the turns took as long as the searches.
+
+Here the whole line runs compiled: each ring's tries (``pool_rings.ring_tries``, worked out
+before, as they depend on the length and the goal alone) are searched by ``ring_search``'s own
+loop, and the ring is added to the loads as ``Loads.add_ring`` adds it: each member's zigzag
+tokens (``ring_prices._zigzag_tokens``), and its share priced as ``Loads.rank_share`` prices it
+over NVLink, or flat across nodes (a member whose edges stay inside its node waits less), with
+the same float operations in the same order. A ring over whole nodes may take the 2-D scheme,
+which ``Loads`` prices (``schemes.py``): its share comes with its try (``Tries.shares``). The
+same GPUs and the same loads to the last bit (``tests/test_whole_docs.py`` compares the three
+ways: this line, ring by ring compiled, and numpy). Compiled by numba where it is installed
+(``loops/jit.py``).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import numpy as np
+
+from megatron_zeppelin.planner.loops import jit, ring_prices, ring_search
+from megatron_zeppelin.planner.loops.ring_prices import (
+    _compute,
+    _edge,
+    _share,
+    _time,
+    _waits,
+    _zigzag_tokens,
+)
+from megatron_zeppelin.planner.loops.ring_search import Tries
+from megatron_zeppelin.planner.loops.ring_search import _place as _search
+
+__all__ = ["Line", "compiled", "place", "warm"]
+
+_NODE = ring_search.PLACES["node"]
+_WHOLE = ring_search.PLACES["whole"]
+
+
+def compiled() -> bool:
+    """Whether ``place`` runs in this process."""
+    return _compiled() is not None
+
+
+def warm() -> None:
+    """The loop built (or read from numba's cache) now (``search.partition.warm``)."""
+    if compiled():
+        tries = Tries(
+            np.asarray([2, 4], dtype=np.int64), np.asarray([2, 1], dtype=np.int64),
+            np.asarray([0.1, 0.1]), np.asarray([_NODE, 2], dtype=np.int64),
+            np.full((2, 3), np.nan),
+        )  # fmt: skip
+        loads = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4, dtype=np.int64)
+        place(Line(*loads), [4], [tries], 8, 0.0, 0, 1.0, 2, np.ones(15))
+
+
+class Line:
+    """Every GPU's ``Loads`` figures as arrays (``cost``, ``attention``, ``exposed``,
+    ``tokens``), which ``place`` adds the rings to."""
+
+    def __init__(
+        self, cost: np.ndarray, attention: np.ndarray, exposed: np.ndarray, tokens: np.ndarray
+    ) -> None:
+        self.cost, self.attention, self.exposed, self.tokens = cost, attention, exposed, tokens
+
+
+def place(
+    line: Line,
+    lengths: list[int],
+    tries: list[Tries],
+    capacity: int,
+    weight: float,
+    floor: int,
+    limit: float,
+    k: int,
+    terms: np.ndarray,
+) -> tuple[int, list[int], list[tuple[int, ...]]]:
+    """The documents of ``lengths`` (with their ``tries``) placed one after the other as
+    ``pool_rings.place_ring`` places them, each with its fallback, added to ``line``: how many
+    were placed (all, or up to the first that finds no GPUs), and for each its try's place
+    (``ring_search.PLACES``) and its ring. ``terms``: ``Loads.ring_terms``."""
+    kernel = _compiled()
+    assert kernel is not None, "ring_line.place runs where the loop compiles"
+    if not tries:
+        return 0, [], []
+    counts = np.fromiter((len(t.sizes) for t in tries), dtype=np.int64, count=len(tries))
+    offsets = np.zeros(len(tries) + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    columns = [np.concatenate([getattr(t, name) for t in tries]) for name in _COLUMNS]
+    chosen = np.empty(len(tries), dtype=np.int64)
+    ring_at = np.zeros(len(tries) + 1, dtype=np.int64)
+    ranks = np.empty(int(columns[0].sum()), dtype=np.int64)  # room for any ring each may try
+    stop = kernel(
+        line.cost, line.attention, line.exposed, line.tokens, capacity, float(weight),
+        int(floor), float(limit), int(k), np.asarray(lengths, dtype=np.int64), offsets, *columns,
+        terms, chosen, ring_at, ranks,
+    )  # fmt: skip
+    places = columns[3][chosen[:stop]].tolist()
+    flat, at = ranks.tolist(), ring_at.tolist()
+    rings = [tuple(flat[at[i] : at[i + 1]]) for i in range(stop)]
+    return int(stop), places, rings
+
+
+_COLUMNS = ("sizes", "per_rank", "keys", "places", "shares")
+"""``Tries``' columns, in the order the loop takes them."""
+
+
+def _flat_share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.rank_share(length, g, "nic", flat=True)``: its compute seconds, and its exposed
+    seconds at a member whose ring edges cross nodes and at one whose edges stay inside its
+    node (a routed edge's parts relayed over NVLink)."""
+    compute = _compute(length, g, terms)
+    kv = terms[7] * length / g
+    step = compute / g
+    links = terms[14]
+    relayed = 1 + 1 / links if links > 1 else 1.0
+    edge = _waits(g, step, _edge(kv, terms), _edge(2 * kv, terms), terms[10])
+    forward = _time(terms[8], terms[9], relayed * kv)
+    backward = _time(terms[8], terms[9], relayed * (2 * kv))
+    return compute, edge, _waits(g, step, forward, backward, terms[10])
+
+
+def _add(cost, attention, exposed, tokens, ring, length, place, share, weight, k, terms):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """``Loads.add_ring`` of a ring found at ``place``: over NVLink on one node, else across
+    nodes (``share``: a 2-D-capable ring's ``(compute, crossing, inner)``, ``Tries.shares``)."""
+    g = ring.shape[0]
+    if place == 1:
+        compute, waits = _share(length, g, terms)
+        for position in range(g):
+            rank, n = ring[position], _zigzag_tokens(length, g, position)
+            cost[rank] += compute + waits + weight * n
+            attention[rank] += compute
+            exposed[rank] += waits
+            tokens[rank] += n
+        return
+    if place == 0:
+        compute, edge, inner = share[0], share[1], share[2]
+    else:
+        compute, edge, inner = _flat_share(length, g, terms)
+    for position in range(g):
+        rank, n = ring[position], _zigzag_tokens(length, g, position)
+        node = rank // k
+        before = ring[position - 1] // k if position > 0 else ring[g - 1] // k
+        after = ring[position + 1] // k if position < g - 1 else ring[0] // k
+        waits = edge if before != node or after != node else inner
+        cost[rank] += compute + waits + weight * n
+        attention[rank] += compute
+        exposed[rank] += waits
+        tokens[rank] += n
+
+
+def _line(
+    cost,
+    attention,
+    exposed,
+    tokens,
+    capacity,
+    weight,
+    floor,
+    limit,
+    k,
+    lengths,
+    offsets,
+    sizes,
+    per_rank,
+    keys,
+    places,
+    shares,
+    terms,
+    chosen,
+    ring_at,
+    ranks,
+):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """``place``: ring after ring, ``ring_search``'s search with its fallback on the loads so
+    far, then ``_add``; the index of the first ring no GPUs take, or the number of rings."""
+    room = np.empty(cost.shape[0], dtype=np.int64)
+    for i in range(lengths.shape[0]):
+        for r in range(cost.shape[0]):
+            room[r] = capacity - tokens[r]
+        low, high = offsets[i], offsets[i + 1]
+        index, ring = _search(
+            cost, tokens, room, weight, floor, sizes[low:high], per_rank[low:high],
+            keys[low:high], places[low:high], limit, k, True,
+        )  # fmt: skip
+        if index < 0:
+            return i
+        at = low + index
+        chosen[i] = at
+        _add(
+            cost, attention, exposed, tokens, ring, lengths[i], places[at], shares[at], weight,
+            k, terms,
+        )  # fmt: skip
+        ring_at[i + 1] = ring_at[i] + ring.shape[0]
+        ranks[ring_at[i] : ring_at[i + 1]] = ring
+    return lengths.shape[0]
+
+
+@functools.cache
+def _compiled() -> Callable | None:
+    """``_line`` compiled (after ``ring_search``'s search and ``ring_prices``' prices, which it
+    calls), or ``None`` without numba."""
+    search = ring_search.kernel()
+    if search is None or not ring_prices.bind(globals()):
+        return None
+    globals()["_search"] = search
+    return jit.compile_loops(globals(), "_flat_share", "_add", "_line")
