@@ -23,8 +23,9 @@ from megatron_zeppelin.planner.cost import steptime
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, LinkCost
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
+from megatron_zeppelin.planner.place import within_nodes
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
-from megatron_zeppelin.planner.place.placement import place_across_nodes
+from megatron_zeppelin.planner.place.placement import CapacityError, place_across_nodes
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
 from megatron_zeppelin.planner.place.within_nodes import _NodeBatch, place_within_nodes
 from megatron_zeppelin.planner.plan import linear_layout
@@ -367,11 +368,15 @@ def test_compiled_stage_two_gives_the_nodes_numpy_gives(
 
 
 @pytest.mark.parametrize(("distribution", "seed"), [("lognormal", 0), ("long-tail", 0)])
-def test_nodes_placed_before_are_placed_as_from_scratch(distribution: str, seed: int) -> None:
+def test_nodes_placed_before_are_placed_as_from_scratch(
+    monkeypatch: pytest.MonkeyPatch, distribution: str, seed: int
+) -> None:
     """Stage 3 with the nodes of earlier placements at hand (``place_within_nodes``' ``done``,
-    shared by the staged tries of a batch) places every try as it would from scratch: the same
-    rings, the same loads to the last bit, the same predictions; and it does find nodes placed
-    before (a batch of few documents per node, its tries a ring apart)."""
+    shared by the staged tries of a batch, where numba does not place every node in one call)
+    places every try as it would from scratch: the same rings, the same loads to the last bit,
+    the same predictions; and it does find nodes placed before (a batch of few documents per
+    node, its tries a ring apart)."""
+    monkeypatch.setattr(within_nodes.node_rings, "compiled", lambda: False)
     topology, cost = _model()
     capacity = 32_768
     lengths = np.asarray(sample_lengths(distribution, num_tokens=400_000, seed=seed))
@@ -400,12 +405,17 @@ def test_nodes_placed_before_are_placed_as_from_scratch(distribution: str, seed:
 
 
 @pytest.mark.parametrize("pack", [True, False])
-def test_a_node_is_placed_as_before_only_where_its_documents_and_loads_are(pack: bool) -> None:
-    """``place_within_nodes``' ``done`` hands back a node placed before only for the same
-    documents on the same loads: a GPU already loaded otherwise, or a whole document given to
-    another node, is placed afresh (as with nothing at hand); with rings packed to the node's
-    mean load (which both change) and without."""
+def test_a_node_is_placed_as_before_only_where_its_documents_and_loads_are(
+    monkeypatch: pytest.MonkeyPatch, pack: bool
+) -> None:
+    """``place_within_nodes``' ``done`` (where numba does not place every node in one call)
+    hands back a node placed before only for the same documents on the same loads: a GPU
+    already loaded otherwise, or a whole document given to another node, is placed afresh (as
+    with nothing at hand); with rings packed to the node's mean load (which both change) and
+    without."""
     from dataclasses import replace
+
+    monkeypatch.setattr(within_nodes.node_rings, "compiled", lambda: False)
 
     topology, cost = _model()
     lengths = np.asarray(sample_lengths("wlbllm", num_tokens=300_000, seed=3), dtype=np.int64)
@@ -527,6 +537,95 @@ def test_compiled_stage_three_places_a_node_as_python_does(
         within.node_rings.FULL,
         within.node_rings.AGAIN,
     }
+
+
+@NEEDS_NUMBA
+def test_compiled_stage_three_places_every_node_as_python_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stage 3 over every node in one compiled call (``node_rings.place_nodes``) against numpy's
+    node by node: staged placements of batches tight enough that a node's first attempt runs out
+    of room, a later one hands rings on, and a whole document finds no GPU (the node is then
+    placed in Python between calls), packed to each node's mean load or not, balancing linear
+    seconds or not. The same placements, promotions, loads to the last bit and predictions."""
+    seen: set = set()
+    place_nodes = within_nodes.node_rings.place_nodes
+
+    def watched(*args):  # noqa: ANN002, ANN202 - node_rings.place_nodes' own
+        stop, attempt = place_nodes(*args)
+        loads, start, used = args[0], args[8], args[9][2]
+        seen.update(("attempt", a) for a in used[start:stop].tolist())
+        if stop < len(loads[0]) // args[3]:
+            seen.add(("again", attempt))
+        return stop, attempt
+
+    def placed(case: tuple, count: int, pack: bool, balance: bool, compiled: bool) -> tuple:
+        monkeypatch.setattr(within_nodes.node_rings, "compiled", lambda: compiled)
+        monkeypatch.setattr(within_nodes.node_rings, "place_nodes", watched)
+        batch = stress_batch(*case)
+
+        def new_loads() -> Loads:
+            topology = batch.topology
+            return Loads(topology, batch.capacity, batch.cost, topology.nics_per_node,
+                         balance_linear=balance, two_d=True)  # fmt: skip
+
+        base = assign_tiers(batch.array, new_loads(), _rules(batch.topology, batch.cost))
+        extra = np.flatnonzero(base.splittable)
+        rings = tuple(extra[np.lexsort((extra, -batch.array[extra]))][:count].tolist())
+        choice = dataclasses.replace(base.with_rings(list(rings)), pack=pack)
+        try:
+            found = _place(batch.array, choice, new_loads(), LAYOUTS, count, {}, rings)
+        except CapacityError as error:
+            return (str(error),)
+        loads = found.loads
+        figures = loads.cost, loads.attention, loads.exposed, loads.tokens
+        return found.placements, found.promotions, *figures, found.predicted
+
+    cases = [
+        ("lognormal", 16, 0.97, 0, 4_096),
+        ("lognormal", 32, 0.97, 0, 4_096),
+        ("fixed-2500", 16, 0.9, 0, 8_192),
+        ("wikipedia", 32, 0.97, 0, 4_096),
+    ]
+    placements = 0
+    for case in cases:
+        for count, pack, balance in ((0, True, True), (2, False, True), (1, True, False)):
+            want = placed(case, count, pack, balance, compiled=False)
+            assert placed(case, count, pack, balance, compiled=True) == want, (case, count)
+            placements += len(want) > 1
+    assert placements >= 10, "too few placements found room"
+    assert {("attempt", 0), ("attempt", 2), ("again", 0), ("again", 2)} <= seen, seen
+
+
+@NEEDS_NUMBA
+def test_compiled_stage_three_hands_a_ring_on_and_places_whole_documents_by_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node whose ring finds no room on its GPUs at any size (it is handed on, at the last
+    attempt) and whose whole documents then go to the GPU with the most room, not the least
+    loaded one: compiled over every node as numpy places it node by node."""
+    topology, cost = _model()
+    capacity = 1_000
+    lengths = np.asarray([5_000, 50, 40], dtype=np.int64)  # a ring, two whole documents
+    base = assign_tiers(lengths, Loads(topology, 1 << 20, cost), _rules(topology, cost))
+    split = np.asarray([True, False, False])
+    choice = dataclasses.replace(base, split=split, inter=~split & split, wanted_nodes={})
+    by_node: list[list[int]] = [[0, 1, 2]] + [[] for _ in range(topology.num_nodes - 1)]
+
+    def placed(compiled: bool) -> tuple:
+        monkeypatch.setattr(within_nodes.node_rings, "compiled", lambda: compiled)
+        loads = Loads(topology, capacity, cost)
+        # GPU 0 busy with room, GPU 1 idle and nearly full, the others busy and full.
+        for rank, (tokens, seconds) in enumerate([(100, 5.0), (900, 0.0)] + [(950, 9.0)] * 6):
+            loads.add_local(rank, tokens, seconds)
+        placements: list = [None] * len(lengths)
+        promotions = place_within_nodes(lengths, choice, by_node, loads, placements)
+        return placements, promotions, loads.cost, loads.attention, loads.exposed, loads.tokens
+
+    want = placed(compiled=False)
+    assert want[0][1].ring == (0,) and want[0][2].ring == (0,), "not by room"
+    assert want[0][0].ring[0] >= topology.gpus_per_node, "the ring was not handed on"
+    assert placed(compiled=True) == want
 
 
 @NEEDS_NUMBA

@@ -4,9 +4,9 @@
 the node's GPUs (``placement.place_intra``) or one GPU, rings first, longest first, then the
 whole documents by LPT; a node whose documents do not fit is placed again with a looser
 ``_Attempt``, and what the last attempt hands on goes wherever room is left
-(``placement.place_anywhere``). One node's attempt runs in one compiled loop where numba is
-installed (``loops/node_rings.py``), and a node placed alike in an earlier staged try is placed
-as it was then (``done``).
+(``placement.place_anywhere``). Where numba is installed, every node's attempts run in one
+compiled call (``loops/node_rings.py``); without it, a node placed alike in an earlier staged
+try is placed as it was then (``done``).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import heapq
 import itertools
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,58 +68,122 @@ def place_within_nodes(
     """Level 2 on every node (``_place_node``); a node whose documents do not fit is placed
     again with the next ``_Attempt``. Documents the last attempt hands on go wherever room is
     left (``place_anywhere``). Returns how many documents capacity moved to a higher tier.
-    ``done``: the nodes placed before (by ``_node_key``), shared by placements of one batch
-    with the same cost model, capacity and topology: a node whose documents, loads and target
-    are those of one placed before is placed as it was (the staged placement's tries differ in
-    a few documents, and most nodes of a batch of few documents per node come out alike)."""
-    topo = loads.topology
-    k = topo.gpus_per_node
-    spread = np.full(len(lengths), k, dtype=np.int64)
+    Where numba is installed, every node in one compiled call (``_place_nodes_compiled``: the
+    same rings, GPUs and loads). Else ``done``: the nodes placed before (by ``_node_key``),
+    shared by placements of one batch with the same cost model, capacity and topology: a node
+    whose documents, loads and target are those of one placed before is placed as it was (the
+    staged placement's tries differ in a few documents, and most nodes of a batch of few
+    documents per node come out alike)."""
     batch = _NodeBatch(lengths, choice, by_node, loads)
-    promotions = 0
     overflow: list[int] = []
-    for node in range(topo.num_nodes):
-        docs = batch.docs(node)
-        ranks = list(topo.ranks_of_node(node))
-        target = batch.target(node, ranks) if choice.pack else None
-        mine = [*docs.ring_docs, *docs.whole_docs]
-        saved, first = loads.snapshot(ranks), len(overflow)
-        key = None if done is None else _node_key(docs, mine, saved, choice, loads, target)
-        if key is not None and key in done:
-            placed, values, promoted, handed_on = done[key]
-            for doc, placement in placed:
-                placements[doc] = placement
-            loads.restore(values)
-            promotions += promoted
-            overflow += handed_on
-            continue
-        for attempt in _ATTEMPTS:
-            try:
-                promoted = _place_node(
-                    docs,
-                    ranks,
-                    choice,
-                    k if attempt.spread else 2,
-                    spread if attempt.spread else choice.largest_ring,
-                    loads,
-                    placements,
-                    target=target,
-                    by_room=attempt.by_room,
-                    overflow=overflow if attempt.hand_on else None,
-                    local=batch.local,
-                )
-                break
-            except CapacityError:
-                assert not attempt.hand_on, "the last attempt hands leftovers on instead of failing"
-                loads.restore(saved)
-        promotions += promoted
-        if key is not None:
-            placed = [(doc, placements[doc]) for doc in mine]
-            done[key] = (placed, loads.snapshot(ranks), promoted, overflow[first:])
+    if node_rings.compiled():
+        promotions = _place_nodes_compiled(batch, loads, placements, overflow)
+    else:
+        promotions = 0
+        for node in range(loads.topology.num_nodes):
+            promotions += _place_node_attempts(batch, node, loads, placements, overflow, done)
     for doc in longest_first(overflow, lengths):
         placements[doc] = place_anywhere(doc, int(lengths[doc]), loads)
         promotions += 1
     return promotions
+
+
+def _place_node_attempts(
+    batch: _NodeBatch,
+    node: int,
+    loads: Loads,
+    placements: list[Placement | None],
+    overflow: list[int],
+    done: dict | None,
+    first_attempt: int = 0,
+) -> int:
+    """One node's documents by ``_place_node``, attempt after attempt from ``first_attempt``
+    until one places them all, or as placed before (``done``); how many became rings for lack
+    of room."""
+    choice, k = batch.choice, loads.topology.gpus_per_node
+    docs = batch.docs(node)
+    ranks = list(loads.topology.ranks_of_node(node))
+    target = batch.target(node, ranks) if choice.pack else None
+    mine = [*docs.ring_docs, *docs.whole_docs]
+    saved, first = loads.snapshot(ranks), len(overflow)
+    key = None if done is None else _node_key(docs, mine, saved, choice, loads, target)
+    if key is not None and key in done:
+        placed, values, promoted, handed_on = done[key]
+        for doc, placement in placed:
+            placements[doc] = placement
+        loads.restore(values)
+        overflow += handed_on
+        return promoted
+    for attempt in _ATTEMPTS[first_attempt:]:
+        try:
+            promoted = _place_node(
+                docs,
+                ranks,
+                choice,
+                k if attempt.spread else 2,
+                batch.spread if attempt.spread else choice.largest_ring,
+                loads,
+                placements,
+                target=target,
+                by_room=attempt.by_room,
+                overflow=overflow if attempt.hand_on else None,
+                local=batch.local,
+            )
+            break
+        except CapacityError:
+            assert not attempt.hand_on, "the last attempt hands leftovers on instead of failing"
+            loads.restore(saved)
+    if key is not None:
+        placed = [(doc, placements[doc]) for doc in mine]
+        done[key] = (placed, loads.snapshot(ranks), promoted, overflow[first:])
+    return promoted
+
+
+def _place_nodes_compiled(
+    batch: _NodeBatch, loads: Loads, placements: list[Placement | None], overflow: list[int]
+) -> int:
+    """``place_within_nodes``' nodes in one compiled call (``node_rings.place_nodes``: each
+    node's attempts as ``_place_node_attempts`` makes them), on copies of the loads written
+    back at the end; a node where a whole document finds no GPU with room (it would become a
+    ring) is placed by ``_place_node_attempts`` from that attempt, between calls. How many
+    documents became rings for lack of room."""
+    choice, k, nodes = batch.choice, loads.topology.gpus_per_node, loads.topology.num_nodes
+    arrays = (
+        np.asarray(loads.cost, dtype=np.float64), np.asarray(loads.attention, dtype=np.float64),
+        np.asarray(loads.exposed, dtype=np.float64), np.asarray(loads.tokens, dtype=np.int64),
+    )  # fmt: skip
+    less = 0.0 if loads.balance_linear else loads.token_weight
+    lengths = np.asarray(batch.lengths, dtype=np.int64)
+    given = batch.given, batch.given_at, np.asarray(choice.work, dtype=np.float64), lengths
+    docs = batch.sorted_docs()
+    rings = np.zeros(len(docs[1]), dtype=np.int64)
+    gpus = np.zeros(len(docs[1]), dtype=np.int64)
+    used = np.full(nodes, -1, dtype=np.int64)  # each node's attempt; -1: placed in Python
+    terms, promotions, start = loads.ring_terms(), 0, 0
+    while True:
+        stop, attempt = node_rings.place_nodes(
+            arrays, loads.capacity, terms, k, choice.pack, less, given, docs, start,
+            (rings, gpus, used),
+        )  # fmt: skip
+        _write(arrays, loads)
+        if stop == nodes:
+            break
+        promotions += _place_node_attempts(batch, stop, loads, placements, overflow, None, attempt)
+        mine = slice(stop * k, (stop + 1) * k)
+        for array, values in zip(
+            arrays, (loads.cost, loads.attention, loads.exposed, loads.tokens)
+        ):
+            array[mine] = values[mine]
+        start = stop + 1
+    batch.placed(used >= 0, rings, gpus, placements, overflow)
+    return promotions
+
+
+def _write(arrays: tuple[np.ndarray, ...], loads: Loads) -> None:
+    """``Loads`` given the compiled loop's figures (the same values: the same operations)."""
+    cost, attention, exposed, tokens = arrays
+    loads.cost[:], loads.attention[:] = cost.tolist(), attention.tolist()
+    loads.exposed[:], loads.tokens[:] = exposed.tolist(), tokens.tolist()
 
 
 def _node_key(
@@ -165,16 +230,23 @@ class _NodeBatch:
     ) -> None:
         self.by_node, self.choice, self.loads = by_node, choice, loads
         docs = np.fromiter(itertools.chain.from_iterable(by_node), dtype=np.int64)
-        node = np.repeat(np.arange(len(by_node)), [len(d) for d in by_node])
+        counts = [len(d) for d in by_node]
+        node = np.repeat(np.arange(len(by_node)), counts)
+        self.given, self.given_at = docs, np.concatenate(([0], np.cumsum(counts)))
+        """The documents stage 2 gave each node, in its order, and where each node's start."""
         # Node, then rings before whole documents, then longest first, then lower index.
         sort = np.lexsort((docs, -lengths[docs], ~choice.split[docs], node))
-        self._docs, node = docs[sort], node[sort]
+        self._docs, self._node = docs[sort], node[sort]
         self._lengths_of_docs = lengths[self._docs]
-        self._cuts = np.searchsorted(
-            node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
-        ).tolist()
+        self._cut_array = np.searchsorted(
+            self._node * 2 + ~choice.split[self._docs], np.arange(2 * len(by_node) + 1)
+        )
+        self._cuts = self._cut_array.tolist()
         self.local = [local_placement(r) for r in range(loads.topology.world_size)]
-        self._lengths = lengths
+        self.lengths = lengths
+        k = loads.topology.gpus_per_node
+        self.spread = np.full(len(lengths), k, dtype=np.int64)
+        """Every ring over all of a node's GPUs (the last ``_Attempt``'s largest rings)."""
 
     def docs(self, node: int) -> _NodeDocs:
         """Node ``node``'s documents (lists made per node: a million documents at once would
@@ -194,8 +266,49 @@ class _NodeBatch:
         docs, loads = self.by_node[node], self.loads
         total = float(sum(self.choice.work[docs].tolist()))
         if not loads.balance_linear:  # only attention is balanced: less the linear seconds
-            total -= loads.token_weight * float(sum(self._lengths[docs].tolist()))
+            total -= loads.token_weight * float(sum(self.lengths[docs].tolist()))
         return (sum(loads.cost[r] for r in ranks) + total) / len(ranks)
+
+    def sorted_docs(self) -> tuple[np.ndarray, ...]:
+        """Every node's documents as ``node_rings.place_nodes`` takes them: where each node's
+        rings and whole documents start, every document's length, largest ring and attention
+        seconds on one GPU, in ``docs``' order (rings then whole documents, node by node)."""
+        docs, lengths = self._docs, self._lengths_of_docs
+        largest = np.ascontiguousarray(self.choice.largest_ring[docs], dtype=np.int64)
+        seconds = np.ascontiguousarray(self.choice.attention[docs], dtype=np.float64)
+        return self._cut_array, lengths, largest, lengths, seconds
+
+    def placed(
+        self,
+        nodes: np.ndarray,
+        rings: np.ndarray,
+        gpus: np.ndarray,
+        placements: list[Placement | None],
+        overflow: list[int],
+    ) -> None:
+        """The placements of the documents of ``nodes`` (a mask) from ``place_nodes``' answer:
+        each ring's members (a bit mask of the node's GPUs; 0: handed on, into ``overflow``)
+        and each whole document's GPU, by position in ``sorted_docs``' order."""
+        k = self.loads.topology.gpus_per_node
+        split = self.choice.split[self._docs]
+        mine = nodes[self._node]
+        whole = mine & ~split
+        ranks = (self._node[whole] * k + gpus[whole]).tolist()
+        given = map(self.local.__getitem__, ranks)
+        deque(map(placements.__setitem__, self._docs[whole].tolist(), given), maxlen=0)
+        members = _members_of_masks(k)
+        ring = mine & split
+        for doc, node, mask in zip(
+            self._docs[ring].tolist(), self._node[ring].tolist(), rings[ring].tolist()
+        ):
+            if mask == 0:  # no room: handed on
+                overflow.append(doc)
+                placements[doc] = None
+                continue
+            first = node * k
+            members_of = tuple(first + j for j in members[mask])
+            tier = Tier.LOCAL if len(members_of) == 1 else Tier.INTRA
+            placements[doc] = Placement(tier, members_of)
 
 
 def _place_node(

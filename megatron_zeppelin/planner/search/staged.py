@@ -21,10 +21,11 @@ mixtures are covered: a linear layout that moves tokens only inside nodes remaps
 pays), less those a bound shows cannot beat the attention layout (its ``prune``).
 
 Placements of one batch share what does not change between them: stage 1 per balance mode and
-scheme, the inter-node rings per stage 1, stage 2 for both packings of the same rings, and stage
-3's nodes: a node given the same documents on the same loads as in an earlier placement is
-placed as it was then (``within_nodes.place_within_nodes``; on batches of few documents per node,
-where the tries are many, most nodes of a try).
+scheme, the inter-node rings per stage 1, stage 2 for both packings of the same rings, and,
+without numba (which places every node of a try in one compiled call), stage 3's nodes: a node
+given the same documents on the same loads as in an earlier placement is placed as it was then
+(``within_nodes.place_within_nodes``; on batches of few documents per node, where the tries are
+many, most nodes of a try).
 """
 
 from __future__ import annotations
