@@ -23,7 +23,7 @@ from megatron_zeppelin.planner.cost import steptime
 from megatron_zeppelin.planner.cost.costmodel import FWD_SHARE, CostModel, LinkCost
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.loops import node_lpt
-from megatron_zeppelin.planner.place import within_nodes
+from megatron_zeppelin.planner.place import placement, within_nodes
 from megatron_zeppelin.planner.place.loads import Loads, min_ring
 from megatron_zeppelin.planner.place.placement import CapacityError, place_across_nodes
 from megatron_zeppelin.planner.place.tiers import TierRules, assign_tiers, chunk_thresholds
@@ -355,10 +355,31 @@ def test_compiled_stage_two_gives_the_nodes_numpy_gives(
         by_node, promotions = place_across_nodes(batch.array, choice, loads, placements)
         return by_node, promotions, placements, loads
 
+    def read(balance: bool) -> tuple:
+        """What the loop reads: every document's work on its node (each a ring of the node's
+        GPUs where it may be: its sizes and their prices) and the nodes' shares of the
+        inter-node rings placed first."""
+        loads = Loads(batch.topology, batch.capacity, batch.cost, balance_linear=balance)
+        choice = assign_tiers(batch.array, loads, batch.rules)
+        choice = choice.with_rings(np.flatnonzero(choice.splittable).tolist())
+        placements: list = [None] * len(batch.array)
+        placement.place_inter_documents(batch.array, choice, loads, placements)
+        rest = np.arange(len(batch.array))
+        k = batch.topology.gpus_per_node
+        work = placement._placed_work(batch.array, rest, choice, loads)
+        shares = [placement._ring_shares(loads, n, k) for n in range(batch.topology.num_nodes)]
+        if node_lpt.compiled():
+            busy, held = node_lpt.ring_shares(*placement._arrays(loads), k)
+            shares = list(zip(busy.tolist(), held.tolist()))
+        return work.tolist(), shares, int(choice.split.sum())
+
     assert node_lpt.compiled()
     by_node, promotions, placements, loads = stage_two()
+    read_compiled = read(True), read(False)
     monkeypatch.setattr(node_lpt, "compiled", lambda: False)
     want_by_node, want_promotions, want_placements, want_loads = stage_two()
+    assert read_compiled == (read(True), read(False))
+    assert read_compiled[0][2] > 0, "no document is a ring of a node's GPUs"
     assert by_node == want_by_node
     assert (promotions, placements) == (want_promotions, want_placements)
     assert loads.cost == want_loads.cost and loads.tokens == want_loads.tokens

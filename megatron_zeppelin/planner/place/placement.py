@@ -191,7 +191,11 @@ def _nodes_by_lpt(
     # again only for the nodes a promoted document's ring lands on.
     works_given: list[list[float]] = [[] for _ in range(num_nodes)]
     tokens_given = [0] * num_nodes
-    shares = [_ring_shares(loads, n, k) for n in range(num_nodes)]
+    if node_lpt.compiled():
+        busy, held = node_lpt.ring_shares(*_arrays(loads), k)
+        shares = list(zip(busy.tolist(), held.tolist()))
+    else:
+        shares = [_ring_shares(loads, n, k) for n in range(num_nodes)]
 
     def nodes() -> _Nodes:
         """Node loads: their GPUs' inter-node shares plus the documents given to them so far,
@@ -265,6 +269,12 @@ def _nodes_by_lpt(
     return by_node, promotions
 
 
+def _arrays(loads: Loads) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``Loads``' attention, exposed seconds and tokens as arrays."""
+    attention = np.asarray(loads.attention, dtype=np.float64)
+    return attention, np.asarray(loads.exposed, dtype=np.float64), np.asarray(loads.tokens)
+
+
 def _ring_shares(loads: Loads, node: int, k: int) -> tuple[float, int]:
     """What the GPUs of ``node`` hold so far (the inter-node rings' shares): their attention
     and exposed seconds, and their tokens."""
@@ -282,7 +292,14 @@ def _placed_work(
     key = choice.work[rest].copy()
     k = loads.topology.gpus_per_node
     share = float(choice.work.sum()) / loads.topology.world_size
-    for i in np.flatnonzero(choice.split[rest]).tolist():
+    rings = np.flatnonzero(choice.split[rest])
+    if node_lpt.compiled():  # the same sizes and sums, in one compiled loop
+        ring_lengths = np.ascontiguousarray(lengths[rest[rings]], dtype=np.int64)
+        found = np.empty(len(rings))
+        terms, weight = loads.ring_terms(), loads.token_weight
+        key[rings] = node_lpt.placed_work(ring_lengths, share, k, terms, weight, found)
+        return key
+    for i in rings.tolist():
         length = int(lengths[rest[i]])
         for g in range(2, k + 1):
             finish = loads.ring_finish(length, g, "nvlink")
