@@ -18,6 +18,7 @@ from megatron_zeppelin.planner.baselines.distributions import STRESS_DISTRIBUTIO
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
 from megatron_zeppelin.planner.cost.thresholds import tier_thresholds
+from megatron_zeppelin.planner.loops import ring_line
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.pool import (
     ALL_ORDERS,
@@ -364,8 +365,9 @@ def test_rings_tried_once_per_length_and_goal_place_as_fresh(
     name: str, gpus: int, fill: float, seed: int
 ) -> None:
     """Every order placed with one ``PoolBatch`` (its memo of ring tries filled by the orders
-    before) places every document and load as an order placed from scratch; the memo is read
-    again (fewer tries kept than rings placed). Keying the tries by length alone, not by the
+    before: by length and goal, or with numba every ring's at once by goal) places every
+    document and load as an order placed from scratch; the memo is read again (fewer tries
+    kept than rings placed, or than orders). Keying the tries by length alone, not by the
     goal, fails it: the orders' targets differ."""
     from pool_batches import stress_batch
 
@@ -379,7 +381,10 @@ def test_rings_tried_once_per_length_and_goal_place_as_fresh(
         want = place_pool(batch.array, choice, fresh, chunk, first, scale, cross=cross)
         assert got == want, (first, scale, cross)
         assert (remembered.cost, remembered.tokens) == (fresh.cost, fresh.tokens)
-    assert 0 < len(shared.tries) < len(ALL_ORDERS) * len(shared.ring_docs)
+    if ring_line.compiled():  # every ring's tries at once, per goal
+        assert 0 < len(shared.lines) < len(ALL_ORDERS), "no two orders share a goal"
+    else:
+        assert 0 < len(shared.tries) < len(ALL_ORDERS) * len(shared.ring_docs)
 
 
 @NEEDS_NUMBA
@@ -428,6 +433,55 @@ def test_ring_tries_are_options_size_by_size(cluster: str) -> None:
             places |= {where for *_, where in want}
     assert places == set(PLACES.values())
 
+
+@NEEDS_NUMBA
+@pytest.mark.parametrize("cluster", ["zeppelin-C", "dgx-h100", "slow-nvlink"])
+def test_ring_tries_of_every_length_at_once_are_each_lengths(cluster: str) -> None:
+    """``pool_rings.ring_tries_all`` (every length's sizes and tries in one compiled call,
+    ``ring_line.tries``) against ``ring_tries`` length by length: the same tries in the same
+    order, keys to the last bit, where each length's start, and over whole nodes the 2-D
+    scheme's share (``Loads.rank_share``: compute seconds, exposed at a member whose edges
+    cross nodes and at one whose edges do not); lengths that may take the 2-D scheme wide
+    among them, routed or not, balancing linear seconds or not, with and without the 2-D
+    scheme."""
+    import dataclasses
+
+    from megatron_zeppelin.planner.cost.costmodel import LinkCost
+    from megatron_zeppelin.planner.loops.ring_search import PLACES
+    from megatron_zeppelin.planner.place.pool_rings import ring_tries, ring_tries_all
+    from megatron_zeppelin.planner.place.ring_options import PoolGoal, wide_two_d
+
+    topology = get_topology(cluster.replace("slow-nvlink", "zeppelin-C"), num_nodes=16)
+    cost = CostModel.default(get_model("llama-7b"), topology)
+    if cluster == "slow-nvlink":  # the flat ring beats the 2-D scheme over some whole nodes
+        cost = dataclasses.replace(cost, nvlink=LinkCost(cost.nic.bytes_per_s / 2, 3e-6))
+    rng = np.random.default_rng(11)
+    lengths = np.asarray(rng.integers(2_000, 1 << 20, 40).tolist() + [4_096, 65_536, 1 << 20])
+    wide, whole, inner = 0, 0, 0
+    for balance_linear, two_d, links in ((True, True, 4), (False, True, 1), (True, False, 1)):
+        loads = Loads(topology, 65_536, cost, links, balance_linear=balance_linear, two_d=two_d)
+        for factor, chunk, most in ((0.05, 512, 65_536), (0.3, 4_096, 20_000), (1.0, 32_768, 0)):
+            target = loads.ring_key(1 << 18, 8, "nvlink") * factor
+            goal = PoolGoal(target, 30_000 if most == 20_000 else 0, chunk, most or 65_536)
+            found, offsets = ring_tries_all(lengths, loads, goal)
+            for i, length in enumerate(lengths.tolist()):
+                want = ring_tries(length, loads, goal)
+                at = slice(int(offsets[i]), int(offsets[i + 1]))
+                for column in ("sizes", "per_rank", "keys", "places"):
+                    got = getattr(found, column)[at].tolist()
+                    assert got == getattr(want, column).tolist(), (length, goal, column)
+                rows = np.flatnonzero(want.places == PLACES["whole"]).tolist()
+                for j in rows:
+                    share = loads.rank_share(length, int(want.sizes[j]), "nic", links)
+                    expect = [share.compute_s, share.exposed_at(True), share.exposed_at(False)]
+                    assert found.shares[at][j].tolist() == expect, (length, goal)
+                    inner += expect[1] != expect[2]
+                assert np.isnan(np.delete(found.shares[at], rows, axis=0)).all()
+                whole += len(rows)
+                wide += two_d and wide_two_d(length, loads, goal)
+    assert whole > 0 and wide > 0, (whole, wide)
+    assert whole > 0 and wide > 0, (whole, wide)
+    assert inner > 0 or cluster != "slow-nvlink", "no flat ring over whole nodes beat the 2-D"
 
 def test_distinct_drops_only_placements_made_before() -> None:
     """``candidate.distinct`` keeps the first of candidates placing every document alike (even

@@ -22,6 +22,7 @@ ways: this line, ring by ring compiled, and numpy). Compiled by numba where it i
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -30,15 +31,16 @@ from megatron_zeppelin.planner.loops import jit, ring_prices, ring_search
 from megatron_zeppelin.planner.loops.ring_prices import (
     _compute,
     _edge,
+    _min_ring,
     _share,
     _time,
     _waits,
     _zigzag_tokens,
 )
-from megatron_zeppelin.planner.loops.ring_search import Tries
+from megatron_zeppelin.planner.loops.ring_search import Tries, _tries
 from megatron_zeppelin.planner.loops.ring_search import _place as _search
 
-__all__ = ["Line", "compiled", "place", "warm"]
+__all__ = ["Line", "compiled", "place", "tries", "warm"]
 
 _NODE = ring_search.PLACES["node"]
 _WHOLE = ring_search.PLACES["whole"]
@@ -50,15 +52,12 @@ def compiled() -> bool:
 
 
 def warm() -> None:
-    """The loop built (or read from numba's cache) now (``search.partition.warm``)."""
+    """The loops built (or read from numba's cache) now (``search.partition.warm``)."""
     if compiled():
-        tries = Tries(
-            np.asarray([2, 4], dtype=np.int64), np.asarray([2, 1], dtype=np.int64),
-            np.asarray([0.1, 0.1]), np.asarray([_NODE, 2], dtype=np.int64),
-            np.full((2, 3), np.nan),
-        )  # fmt: skip
+        lengths, terms = np.asarray([1000, 4000]), np.ones(15)
+        found, offsets, _ = tries(lengths, 2, 4, 8192, (0.1, 100, 4096), True, terms)
         loads = np.zeros(4), np.zeros(4), np.zeros(4), np.zeros(4, dtype=np.int64)
-        place(Line(*loads), [4], [tries], 8, 0.0, 0, 1.0, 2, np.ones(15))
+        place(Line(*loads), [1000, 4000], found, offsets, 8192, 0.0, 0, 1.0, 2, terms)
 
 
 class Line:
@@ -74,7 +73,8 @@ class Line:
 def place(
     line: Line,
     lengths: list[int],
-    tries: list[Tries],
+    tries: Tries,
+    offsets: np.ndarray,
     capacity: int,
     weight: float,
     floor: int,
@@ -82,27 +82,26 @@ def place(
     k: int,
     terms: np.ndarray,
 ) -> tuple[int, list[int], list[tuple[int, ...]]]:
-    """The documents of ``lengths`` (with their ``tries``) placed one after the other as
-    ``pool_rings.place_ring`` places them, each with its fallback, added to ``line``: how many
-    were placed (all, or up to the first that finds no GPUs), and for each its try's place
-    (``ring_search.PLACES``) and its ring. ``terms``: ``Loads.ring_terms``."""
+    """The documents of ``lengths`` placed one after the other as ``pool_rings.place_ring``
+    places them, each with its fallback, added to ``line``: how many were placed (all, or up to
+    the first that finds no GPUs), and for each its try's place (``ring_search.PLACES``) and
+    its ring. ``tries``: every document's, one after the other, each's starting at its
+    ``offsets`` (one more than the documents; ``tries`` gives them so). ``terms``:
+    ``Loads.ring_terms``."""
     kernel = _compiled()
     assert kernel is not None, "ring_line.place runs where the loop compiles"
-    if not tries:
+    if not lengths:
         return 0, [], []
-    counts = np.fromiter((len(t.sizes) for t in tries), dtype=np.int64, count=len(tries))
-    offsets = np.zeros(len(tries) + 1, dtype=np.int64)
-    np.cumsum(counts, out=offsets[1:])
-    columns = [np.concatenate([getattr(t, name) for t in tries]) for name in _COLUMNS]
-    chosen = np.empty(len(tries), dtype=np.int64)
-    ring_at = np.zeros(len(tries) + 1, dtype=np.int64)
-    ranks = np.empty(int(columns[0].sum()), dtype=np.int64)  # room for any ring each may try
+    columns = [getattr(tries, name) for name in _COLUMNS]
+    chosen = np.empty(len(lengths), dtype=np.int64)
+    ring_at = np.zeros(len(lengths) + 1, dtype=np.int64)
+    ranks = np.empty(int(tries.sizes.sum()), dtype=np.int64)  # room for any ring each may try
     stop = kernel(
         line.cost, line.attention, line.exposed, line.tokens, capacity, float(weight),
         int(floor), float(limit), int(k), np.asarray(lengths, dtype=np.int64), offsets, *columns,
         terms, chosen, ring_at, ranks,
     )  # fmt: skip
-    places = columns[3][chosen[:stop]].tolist()
+    places = tries.places[chosen[:stop]].tolist()
     flat, at = ranks.tolist(), ring_at.tolist()
     rings = [tuple(flat[at[i] : at[i + 1]]) for i in range(stop)]
     return int(stop), places, rings
@@ -202,12 +201,85 @@ def _line(
     return lengths.shape[0]
 
 
+def tries(
+    lengths: np.ndarray,
+    k: int,
+    world: int,
+    capacity: int,
+    goal: tuple[float, int, int],
+    two_d: bool,
+    terms: np.ndarray,
+) -> tuple[Tries, np.ndarray, np.ndarray]:
+    """``pool_rings.ring_tries`` of every length at once, as one ``Tries`` (where each length's
+    start: ``offsets``, one more than the lengths), and which lengths asked whether they may
+    take the 2-D scheme wide (``ring_options.wide_two_d``: those are left for ``ring_tries``,
+    as are the 2-D keys and shares over whole nodes, ``nan``). ``goal``: the target load, the
+    per-rank tokens below which a ring does not cross nodes, and the most tokens a member takes
+    (``ring_options.PoolGoal``)."""
+    kernel = _compiled_tries()
+    assert kernel is not None, "ring_line.tries runs where the loop compiles"
+    target, nic_chunk, most = goal
+    *columns, offsets, asked = kernel(
+        lengths, int(k), int(world), int(capacity), float(target), int(nic_chunk), int(most),
+        bool(two_d), terms,
+    )  # fmt: skip
+    return Tries(*columns, np.full((len(columns[0]), 3), np.nan)), offsets, asked
+
+
+def _sizes(length, work, target, k, world, capacity, most):  # noqa: ANN001, ANN202 - compiled
+    """``pool_rings.ring_sizes`` (``ring_options.narrowest`` the least of them)."""
+    low = _min_ring(length, most, 1)
+    low = _min_ring(length, capacity, 1) if low < 0 else low
+    low = max(2, 2 if low < 0 else low)
+    start = min(world, max(low, math.floor(work / target)))
+    stop = min(world, 2 * start + 2 * k)
+    sizes = np.empty(stop - low + 1, dtype=np.int64)
+    for i in range(stop - start + 1):
+        sizes[i] = start + i
+    for i in range(start - low):
+        sizes[stop - start + 1 + i] = start - 1 - i
+    return sizes
+
+
+def _all_tries(lengths, k, world, capacity, target, nic_chunk, most, two_d, terms):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
+    """``tries``: each length's sizes, then its tries at them (``ring_search._tries``, not
+    wide), one after the other."""
+    count = lengths.shape[0]
+    offsets = np.zeros(count + 1, dtype=np.int64)
+    asked = np.zeros(count, dtype=np.bool_)
+    parts = []
+    for i in range(count):
+        length = lengths[i]
+        work = _share(length, 1, terms)[0] + terms[11] * length
+        sizes = _sizes(length, work, target, k, world, capacity, most)
+        found = _tries(length, sizes, k, capacity, nic_chunk, two_d, False, terms)
+        parts.append(found)
+        asked[i] = found[4]
+        offsets[i + 1] = offsets[i] + found[0].shape[0]
+    total = offsets[count]
+    sizes, per_rank = np.empty(total, dtype=np.int64), np.empty(total, dtype=np.int64)
+    keys, places = np.empty(total), np.empty(total, dtype=np.int64)
+    for i in range(count):
+        low, high = offsets[i], offsets[i + 1]
+        sizes[low:high], per_rank[low:high] = parts[i][0], parts[i][1]
+        keys[low:high], places[low:high] = parts[i][2], parts[i][3]
+    return sizes, per_rank, keys, places, offsets, asked
+
+
 @functools.cache
 def _compiled() -> Callable | None:
     """``_line`` compiled (after ``ring_search``'s search and ``ring_prices``' prices, which it
     calls), or ``None`` without numba."""
-    search = ring_search.kernel()
-    if search is None or not ring_prices.bind(globals()):
+    kernels = ring_search.kernels()
+    if kernels is None or not ring_prices.bind(globals()):
         return None
-    globals()["_search"] = search
+    globals()["_search"], globals()["_tries"] = kernels
     return jit.compile_loops(globals(), "_flat_share", "_add", "_line")
+
+
+@functools.cache
+def _compiled_tries() -> Callable | None:
+    """``_all_tries`` compiled (after ``_compiled``, which binds what it calls), or ``None``."""
+    if _compiled() is None:
+        return None
+    return jit.compile_loops(globals(), "_sizes", "_all_tries")

@@ -28,7 +28,7 @@ import numpy as np
 from megatron_zeppelin.planner.loops import jit, ring_prices
 from megatron_zeppelin.planner.loops.ring_prices import _flat_key, _key, _most_tokens
 
-__all__ = ["PLACES", "Tries", "compiled", "kernel", "place", "tries", "warm"]
+__all__ = ["PLACES", "Tries", "compiled", "kernels", "place", "tries", "warm"]
 
 PLACES = {"whole": 0, "node": 1, "any": 2}
 """``ring_options.options``' places, by their code in the compiled loop."""
@@ -105,10 +105,11 @@ def compiled() -> bool:
     return _compiled() is not None
 
 
-def kernel() -> Callable | None:
-    """``place``'s compiled loop, for a compiled loop to call (``ring_line.py``), or ``None``
-    without numba."""
-    return _compiled_place()
+def kernels() -> tuple[Callable, Callable] | None:
+    """``place``'s and ``tries``' compiled loops, for compiled loops to call (``ring_line.py``),
+    or ``None`` without numba."""
+    search, tries = _compiled_place(), _compiled_tries()
+    return None if search is None or tries is None else (search, tries)
 
 
 def warm() -> None:

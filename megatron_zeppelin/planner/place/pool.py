@@ -52,7 +52,12 @@ from megatron_zeppelin.planner.place.placement import (
     capacity_error,
     local_placement,
 )
-from megatron_zeppelin.planner.place.pool_rings import Arrays, place_ring, ring_sizes, ring_tries
+from megatron_zeppelin.planner.place.pool_rings import (
+    Arrays,
+    place_ring,
+    ring_sizes,
+    ring_tries_all,
+)
 from megatron_zeppelin.planner.place.ring_options import TOLERANCE, PoolGoal, price
 from megatron_zeppelin.planner.plan.plan import Tier
 
@@ -139,6 +144,9 @@ class PoolBatch:
     """``_member_tokens``: the most tokens a ring member takes."""
     tries: dict = field(default_factory=dict, compare=False, repr=False)
     """``pool_rings.place_ring``'s memo of every order's rings (priced by ``pricing``)."""
+    lines: dict = field(default_factory=dict, compare=False, repr=False)
+    """Where numba is installed, every ring's tries at once (``pool_rings.ring_tries_all``), by
+    goal: orders of the same goal try the same rings."""
 
     @functools.cached_property
     def target(self) -> float:
@@ -219,15 +227,13 @@ def _place_rings_compiled(
     batch: PoolBatch, loads: Loads, goal: PoolGoal, placements: list[Placement | None]
 ) -> None:
     """``place_pool``'s rings in one compiled call (``ring_line.py``: the same GPUs and loads as
-    ``place_ring`` ring by ring), their tries from ``batch``'s memo."""
-    docs, memo = batch.ring_docs, batch.tries
-    lengths = batch.array[docs].tolist()
-    tries = []
-    for length in lengths:
-        found = memo.get((length, goal))
-        if found is None:
-            found = memo[(length, goal)] = ring_tries(length, loads, goal)
-        tries.append(found)
+    ``place_ring`` ring by ring), their tries worked out at once per goal (``batch.lines``)."""
+    docs = batch.ring_docs
+    lengths = batch.array[docs]
+    found = batch.lines.get(goal)
+    if found is None:
+        found = batch.lines[goal] = ring_tries_all(lengths, loads, goal)
+    lengths = lengths.tolist()
     line = ring_line.Line(
         np.asarray(loads.cost), np.asarray(loads.attention), np.asarray(loads.exposed),
         np.asarray(loads.tokens),
@@ -235,7 +241,7 @@ def _place_rings_compiled(
     k, limit = loads.topology.gpus_per_node, goal.target * TOLERANCE
     weight, terms = loads.linear_weight, loads.ring_terms()
     stop, places, rings = ring_line.place(
-        line, lengths, tries, loads.capacity, weight, goal.floor, limit, k, terms
+        line, lengths, *found, loads.capacity, weight, goal.floor, limit, k, terms
     )
     loads.cost[:], loads.attention[:] = line.cost.tolist(), line.attention.tolist()
     loads.exposed[:], loads.tokens[:] = line.exposed.tolist(), line.tokens.tolist()

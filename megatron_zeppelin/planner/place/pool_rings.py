@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_zeppelin.planner.loops import ring_search
+from megatron_zeppelin.planner.loops import ring_line, ring_search
 from megatron_zeppelin.planner.loops.ring_search import Tries
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.placement import Placement, capacity_error
@@ -33,7 +33,7 @@ from megatron_zeppelin.planner.place.ring_options import (
 )
 from megatron_zeppelin.planner.plan.plan import Tier
 
-__all__ = ["Arrays", "place_on", "place_ring", "ring_sizes", "ring_tries"]
+__all__ = ["Arrays", "place_on", "place_ring", "ring_sizes", "ring_tries", "ring_tries_all"]
 
 
 def ring_sizes(length: int, work: float, target: float, loads: Loads, most: int) -> list[int]:
@@ -85,6 +85,44 @@ def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
         share = loads.rank_share(length, size, "nic", loads.num_links)
         shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)
     return tries
+
+
+def ring_tries_all(lengths: np.ndarray, loads: Loads, goal: PoolGoal) -> tuple[Tries, np.ndarray]:
+    """``ring_tries`` of each of ``lengths``, one after the other in one ``Tries``, and where
+    each length's start (one more than the lengths), worked out in one compiled call
+    (``ring_line.tries``) but for a length that may take the 2-D scheme wide
+    (``ring_options.wide_two_d``, asked of ``Loads``), whose tries come from ``ring_tries``,
+    and the 2-D scheme's keys and shares over whole nodes, also from ``Loads``. Only where
+    numba is installed."""
+    topo, two_d = loads.topology, loads.two_d is not None
+    limits = goal.target, goal.nic_chunk, goal.member_tokens
+    found, offsets, asked = ring_line.tries(
+        lengths, topo.gpus_per_node, topo.world_size, loads.capacity, limits, two_d,
+        loads.ring_terms(),
+    )  # fmt: skip
+    wide = [i for i in np.flatnonzero(asked).tolist() if wide_two_d(int(lengths[i]), loads, goal)]
+    if wide:  # those lengths' tries again, wide, in their place
+        parts = [_slice(found, offsets, i) for i in range(len(lengths))]
+        for i in wide:
+            parts[i] = ring_tries(int(lengths[i]), loads, goal)
+        found = Tries(*(np.concatenate([getattr(t, c) for t in parts]) for c in _COLUMNS))
+        offsets = np.concatenate(([0], np.cumsum([len(t.sizes) for t in parts])))
+    owner = np.repeat(np.arange(len(lengths)), np.diff(offsets))
+    for i in np.flatnonzero(found.places == _WHOLE).tolist():
+        length, size = int(lengths[owner[i]]), int(found.sizes[i])
+        found.keys[i] = price(length, size, loads, two_d=True)
+        share = loads.rank_share(length, size, "nic", loads.num_links)
+        found.shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)  # type: ignore[index]
+    return found, offsets
+
+
+_COLUMNS = ("sizes", "per_rank", "keys", "places", "shares")
+
+
+def _slice(tries: Tries, offsets: np.ndarray, i: int) -> Tries:
+    """The tries of the ``i``-th length of ``tries`` (``ring_tries_all``)."""
+    at = slice(int(offsets[i]), int(offsets[i + 1]))
+    return Tries(*(getattr(tries, c)[at] for c in _COLUMNS))
 
 
 def place_ring(
