@@ -92,7 +92,7 @@ def place(
     assert kernel is not None, "ring_line.place runs where the loop compiles"
     if not lengths:
         return 0, [], []
-    columns = [getattr(tries, name) for name in _COLUMNS]
+    columns = tries.columns()
     chosen = np.empty(len(lengths), dtype=np.int64)
     ring_at = np.zeros(len(lengths) + 1, dtype=np.int64)
     ranks = np.empty(int(tries.sizes.sum()), dtype=np.int64)  # room for any ring each may try
@@ -105,10 +105,6 @@ def place(
     flat, at = ranks.tolist(), ring_at.tolist()
     rings = [tuple(flat[at[i] : at[i + 1]]) for i in range(stop)]
     return int(stop), places, rings
-
-
-_COLUMNS = ("sizes", "per_rank", "keys", "places", "shares")
-"""``Tries``' columns, in the order the loop takes them."""
 
 
 def _flat_share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba

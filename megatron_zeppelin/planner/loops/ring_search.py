@@ -55,6 +55,10 @@ class Tries:
     (the 2-D scheme's price, which ``Loads`` works out); ``nan`` elsewhere (``ring_line.py``
     prices those rings itself). ``None`` where no compiled loop reads it."""
 
+    def columns(self) -> tuple:
+        """The columns in their order (``shares`` last)."""
+        return self.sizes, self.per_rank, self.keys, self.places, self.shares
+
 
 def place(
     cost: np.ndarray,

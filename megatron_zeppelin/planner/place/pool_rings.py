@@ -77,13 +77,8 @@ def ring_tries(length: int, loads: Loads, goal: PoolGoal) -> Tries:
     *found, asked = ring_search.tries(*args, False, terms)
     if asked and wide_two_d(length, loads, goal):
         *found, _ = ring_search.tries(*args, True, terms)
-    shares = np.full((len(found[0]), 3), np.nan)
-    tries = Tries(*found, shares)
-    for i in np.flatnonzero(tries.places == _WHOLE).tolist():
-        size = int(tries.sizes[i])
-        tries.keys[i] = price(length, size, loads, two_d=True)
-        share = loads.rank_share(length, size, "nic", loads.num_links)
-        shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)
+    tries = Tries(*found, np.full((len(found[0]), 3), np.nan))
+    _price_whole(tries, np.full(len(tries.sizes), length), loads)
     return tries
 
 
@@ -105,24 +100,27 @@ def ring_tries_all(lengths: np.ndarray, loads: Loads, goal: PoolGoal) -> tuple[T
         parts = [_slice(found, offsets, i) for i in range(len(lengths))]
         for i in wide:
             parts[i] = ring_tries(int(lengths[i]), loads, goal)
-        found = Tries(*(np.concatenate([getattr(t, c) for t in parts]) for c in _COLUMNS))
+        found = Tries(*map(np.concatenate, zip(*(t.columns() for t in parts))))
         offsets = np.concatenate(([0], np.cumsum([len(t.sizes) for t in parts])))
-    owner = np.repeat(np.arange(len(lengths)), np.diff(offsets))
-    for i in np.flatnonzero(found.places == _WHOLE).tolist():
-        length, size = int(lengths[owner[i]]), int(found.sizes[i])
-        found.keys[i] = price(length, size, loads, two_d=True)
-        share = loads.rank_share(length, size, "nic", loads.num_links)
-        found.shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)  # type: ignore[index]
+    _price_whole(found, np.repeat(lengths, np.diff(offsets)), loads)
     return found, offsets
 
 
-_COLUMNS = ("sizes", "per_rank", "keys", "places", "shares")
+def _price_whole(tries: Tries, lengths: np.ndarray, loads: Loads) -> None:
+    """The tries over whole nodes of ``tries`` (each of a document of ``lengths``, per try)
+    priced by ``Loads``, the 2-D scheme where faster: their keys and shares (``Tries``)."""
+    assert tries.shares is not None, "Tries.shares kept"
+    for i in np.flatnonzero(tries.places == _WHOLE).tolist():
+        length, size = int(lengths[i]), int(tries.sizes[i])
+        tries.keys[i] = price(length, size, loads, two_d=True)
+        share = loads.rank_share(length, size, "nic", loads.num_links)
+        tries.shares[i] = share.compute_s, share.exposed_at(True), share.exposed_at(False)
 
 
 def _slice(tries: Tries, offsets: np.ndarray, i: int) -> Tries:
     """The tries of the ``i``-th length of ``tries`` (``ring_tries_all``)."""
     at = slice(int(offsets[i]), int(offsets[i + 1]))
-    return Tries(*(getattr(tries, c)[at] for c in _COLUMNS))
+    return Tries(*(column[at] for column in tries.columns()))
 
 
 def place_ring(
