@@ -135,17 +135,30 @@ def test_compiled_light_gpus_are_numpys(seed: int) -> None:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_order_kept_after_two_values_change_is_a_stable_sort(seed: int) -> None:
-    """``_reorder`` against a fresh stable argsort, with ties and GPUs that empty (``inf``)."""
+    """``_reorder`` (each changed index walked to its place from where it stood) against a fresh
+    stable argsort, with ties, GPUs that empty (``inf``), two indices side by side or that cross
+    each other, and where each stands kept in step; and ``_busiest`` (from the end of the order)
+    against ``np.argmax``."""
     assert local_changes.compiled()
     rng = np.random.default_rng(seed)
     size = int(rng.integers(2, 70))
     values = rng.choice([0.5, 1.0, 1.5, 2.0, np.inf], size=size)
     order = np.argsort(values, kind="stable").astype(np.int64)
-    for _ in range(20):
-        one, other = rng.choice(size, size=2, replace=False)
-        values[one], values[other] = rng.choice([0.25, 1.0, 1.75, np.inf], size=2)
-        local_changes._reorder(values, order, int(one), int(other))
+    at = np.argsort(order).astype(np.int64)
+    for _ in range(40):
+        if rng.random() < 0.3:  # neighbours in the order
+            first = int(rng.integers(0, size - 1))
+            one, other = order[first], order[first + 1]
+        else:
+            one, other = rng.choice(size, size=2, replace=False)
+        values[one], values[other] = rng.choice([0.25, 1.0, 1.75, 2.5, np.inf], size=2)
+        local_changes._reorder(values, order, at, int(one), int(other))
         assert order.tolist() == np.argsort(values, kind="stable").tolist()
+        assert at.tolist() == np.argsort(order).tolist()
+        finite = np.where(np.isfinite(values), values, -1.0)
+        assert local_changes._busiest(finite, np.argsort(finite, kind="stable")) == np.argmax(
+            finite
+        )
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -483,6 +483,7 @@ def test_ring_tries_of_every_length_at_once_are_each_lengths(cluster: str) -> No
     assert whole > 0 and wide > 0, (whole, wide)
     assert inner > 0 or cluster != "slow-nvlink", "no flat ring over whole nodes beat the 2-D"
 
+
 def test_distinct_drops_only_placements_made_before() -> None:
     """``candidate.distinct`` keeps the first of candidates placing every document alike (even
     placed in another order, their loads' seconds rounding apart), and keeps placements that

@@ -18,7 +18,8 @@ Two implementations make the same changes, in the same order, with the same floa
   over plain arrays (``_rounds``), which the caller then replays on ``Loads`` and the
   placements. A round there costs microseconds instead of the tenth of a millisecond or more of
   numpy calls: every move's GPU is found in one walk along the GPUs kept sorted by load
-  (``_moves``), and the swap search passes over a GPU whose load alone is above the best peak
+  (``_moves``; the busiest GPU is at its end, and after a change its two GPUs walk from where
+  they stood to their new places, ``_reorder``), and the swap search passes over a GPU whose load alone is above the best peak
   so far and over a document that sheds too little to beat it (both exact: a pair's peak is at
   least either), and over a GPU whose load leaves no swap of it below the best peak
   (``_SLACK``).
@@ -266,6 +267,8 @@ def _rounds(
     with room, the swap ``best_swap`` picks, loads changed as ``Loads.add_local`` changes
     them."""
     world, width = cost.shape[0], docs.shape[1]
+    if count[np.argmax(cost)] == 0:
+        return 0, 0  # the busiest GPU holds no local document: nothing to order the GPUs for
     holders = np.empty(world)
     for r in range(world):
         holders[r] = cost[r] if count[r] > 0 else np.inf
@@ -276,11 +279,15 @@ def _rounds(
     # Every GPU by (load, rank), kept the same way: a move looks along it for the least loaded
     # GPU with room, not over every GPU.
     by_load = _least(cost, world)
+    # Where each GPU stands in each (``_reorder`` moves a changed GPU along from there).
+    at_order, at_load = np.empty(world, np.int64), np.empty(world, np.int64)
+    for i in range(world):
+        at_order[order[i]], at_load[by_load[i]] = i, i
     # ``_moves``' answers for the busiest GPU's documents.
     ends, ats = np.empty(width), np.empty(width, np.int64)
     made = 0
     while made < log.shape[0]:
-        busiest = np.argmax(cost)
+        busiest = _busiest(cost, by_load)
         n = count[busiest]
         if n == 0:
             return made, 0
@@ -339,8 +346,8 @@ def _rounds(
             _move(take, dest, busiest, cost, tokens, docs, count, lengths, attention, weight)
         for r in (busiest, dest):
             holders[r] = cost[r] if count[r] > 0 else np.inf
-        _reorder(holders, order, busiest, dest)
-        _reorder(cost, by_load, busiest, dest)
+        _reorder(holders, order, at_order, busiest, dest)
+        _reorder(cost, by_load, at_load, busiest, dest)
         log[made, 0], log[made, 1], log[made, 2], log[made, 3] = busiest, dest, give, take
         made += 1
     return made, 1
@@ -386,29 +393,55 @@ def _moves(cost, tokens, by_load, busiest, mine, count, lengths, work, capacity,
         ends[i], ats[i] = end, at
 
 
-def _reorder(values, order, one, other):  # noqa: ANN001, ANN202 - compiled by numba
-    """``order`` (every index by value then index) sorted again after the values of ``one`` and
-    ``other`` changed: both taken out, the rest closed up (still in order), then each put back
-    where a binary search over the rest finds its place."""
-    size = order.shape[0]
-    kept = 0
-    for i in range(size):
-        if order[i] != one and order[i] != other:
-            order[kept] = order[i]
-            kept += 1
-    for item in (one, other):
-        low, high = 0, kept
-        while low < high:
-            mid = (low + high) // 2
-            there = order[mid]
-            if values[there] < values[item] or (values[there] == values[item] and there < item):
-                low = mid + 1
-            else:
-                high = mid
-        for i in range(kept, low, -1):
-            order[i] = order[i - 1]
-        order[low] = item
-        kept += 1
+def _busiest(cost, by_load):  # noqa: ANN001, ANN202 - compiled by numba
+    """``np.argmax(cost)``, the first GPU of the greatest load, from the end of ``by_load``
+    (every GPU by load, then rank): back along the GPUs of that load to the first of them."""
+    at = by_load.shape[0] - 1
+    while at > 0 and cost[by_load[at - 1]] == cost[by_load[at]]:
+        at -= 1
+    return by_load[at]
+
+
+def _after(values, one, other):  # noqa: ANN001, ANN202 - compiled by numba
+    """Whether ``one`` comes after ``other`` by value, then index."""
+    return values[one] > values[other] or (values[one] == values[other] and one > other)
+
+
+def _walk(values, order, at, item, skip):  # noqa: ANN001, ANN202 - compiled by numba
+    """``item`` moved along ``order`` (``at``: where each stands) from where it stands to its
+    place by value, then index, among every other but ``skip``, stepped over where met."""
+    size, here = order.shape[0], at[item]
+    left = here - 1
+    if left >= 0 and order[left] == skip:
+        left -= 1
+    right = here + 1
+    if right < size and order[right] == skip:
+        right += 1
+    step = 0
+    if left >= 0 and _after(values, order[left], item):
+        step = -1
+    elif right < size and _after(values, item, order[right]):
+        step = 1
+    if step == 0:
+        return
+    while 0 <= here + step < size:
+        there = order[here + step]
+        if there != skip:
+            past = _after(values, there, item) if step < 0 else _after(values, item, there)
+            if not past:
+                break
+        order[here], at[there] = there, here
+        here += step
+    order[here], at[item] = item, here
+
+
+def _reorder(values, order, at, one, other):  # noqa: ANN001, ANN202 - compiled by numba
+    """``order`` (every index by value then index; ``at``: where each stands) sorted again after
+    the values of ``one`` and ``other`` changed: ``one`` walked to its place among the others
+    but ``other`` (the rest are in order), then ``other`` to its place among all, as an
+    insertion sort of the two would place them (the same order as sorting every index)."""
+    _walk(values, order, at, one, other)
+    _walk(values, order, at, other, -1)
 
 
 def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):  # noqa: ANN001, ANN202, E501
@@ -434,5 +467,14 @@ def _move(doc, src, dst, cost, tokens, docs, count, lengths, attention, weight):
 def _compiled() -> Callable | None:
     """``_rounds`` compiled (``loops/jit.py``), or ``None`` without numba."""
     return jit.compile_loops(
-        globals(), "_sift_down", "_least", "_reorder", "_moves", "_move", "_rounds"
+        globals(),
+        "_sift_down",
+        "_least",
+        "_busiest",
+        "_after",
+        "_walk",
+        "_reorder",
+        "_moves",
+        "_move",
+        "_rounds",
     )
