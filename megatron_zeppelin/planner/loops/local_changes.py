@@ -19,10 +19,10 @@ Two implementations make the same changes, in the same order, with the same floa
   placements. A round there costs microseconds instead of the tenth of a millisecond or more of
   numpy calls: every move's GPU is found in one walk along the GPUs kept sorted by load
   (``_moves``; the busiest GPU is at its end, and after a change its two GPUs walk from where
-  they stood to their new places, ``_reorder``), and the swap search passes over a GPU whose load alone is above the best peak
-  so far and over a document that sheds too little to beat it (both exact: a pair's peak is at
-  least either), and over a GPU whose load leaves no swap of it below the best peak
-  (``_SLACK``).
+  they stood to their new places, ``_reorder``), and the swap search passes over a GPU whose
+  load alone is above the best peak so far and over a document that sheds too little to beat
+  it (both exact: a pair's peak is at least either), and over a GPU whose load leaves no swap
+  of it below the best peak (``_SLACK``).
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ from megatron_zeppelin.planner.loops.local_changes import (
 )
 from megatron_zeppelin.planner.place.loads import Loads
 from megatron_zeppelin.planner.place.members import move_member, replace_ring
-from megatron_zeppelin.planner.place.placement import Placement
+from megatron_zeppelin.planner.place.placement import Placement, local_placement
 from megatron_zeppelin.planner.place.pool import PoolGoal
 from megatron_zeppelin.planner.plan.plan import Tier
 
@@ -194,7 +194,7 @@ def _apply(
         if on_rank is not None:
             on_rank[src].remove(doc)
             on_rank[dst].append(doc)
-        placements[doc] = Placement(Tier.LOCAL, (dst,))
+        placements[doc] = local_placement(dst)
 
 
 def _resize(
