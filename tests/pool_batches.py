@@ -75,3 +75,10 @@ def pool_placed(batch: Batch, order: int | tuple) -> tuple[list[Placement], int,
         batch.array, choice, loads, batch.rules.chunks[1], first, scale, cross=cross
     )
     return placements, promotions, loads, choice
+
+
+def assert_same_loads(loads: Loads, want: Loads) -> None:
+    """Every GPU's cost, attention and exposed seconds and tokens, bit for bit (the same float
+    operations in the same order)."""
+    for name in ("cost", "attention", "exposed", "tokens"):
+        assert getattr(loads, name) == getattr(want, name), name

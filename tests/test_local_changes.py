@@ -12,7 +12,7 @@ import copy
 
 import numpy as np
 import pytest
-from pool_batches import CAPACITY, NEEDS_NUMBA, pool_placed, stress_batch
+from pool_batches import CAPACITY, NEEDS_NUMBA, assert_same_loads, pool_placed, stress_batch
 
 from megatron_zeppelin.planner.cost.costmodel import CostModel
 from megatron_zeppelin.planner.cost.models import get_model
@@ -52,11 +52,7 @@ def _assert_same(compiled, numpy) -> None:  # noqa: ANN001
     (placements, loads, made), (want_placements, want_loads, want_made) = compiled, numpy
     assert made == want_made
     assert placements == want_placements
-    # Bit for bit: the same float operations in the same order.
-    assert loads.cost == want_loads.cost
-    assert loads.attention == want_loads.attention
-    assert loads.exposed == want_loads.exposed
-    assert loads.tokens == want_loads.tokens
+    assert_same_loads(loads, want_loads)
 
 
 @pytest.mark.parametrize(

@@ -155,13 +155,14 @@ def test_planning_at_scale_benchmark_prints_plan_and_step_times() -> None:
 @pytest.mark.dist
 def test_ring_search_benchmark_times_the_rings_of_one_plan() -> None:
     out = run_script("scripts/bench_ring_search.py", "--only", "2", "--repeats", "1")
-    first, second = out.splitlines()[-2:]
+    first, second, third = out.splitlines()[-3:]
     assert first.startswith("lognormal 1024 GPUs 50% dgx-h100 llama-7b, seed 0:"), first
     rings = int(first.split(" rings searched")[0].split()[-1])
     soonest = int(first.split(", ")[-1].split(" to the soonest")[0])
     assert rings > 100 and 0 < soonest < rings  # both paths of the search are timed
     whole, fits = (float(part.split(" ms")[0].split()[-1]) for part in second.split(", "))
     assert whole > 0 and fits > 0  # both timed (separate passes: no order between them here)
+    assert third.startswith("rings' lines: ") and int(third.split()[-3]) > 0, third
 
 
 @pytest.mark.dist

@@ -9,7 +9,7 @@ Skipped where numba is not installed (the ``fast`` extra).
 from __future__ import annotations
 
 import pytest
-from pool_batches import NEEDS_NUMBA, pool_placed, stress_batch
+from pool_batches import NEEDS_NUMBA, assert_same_loads, pool_placed, stress_batch
 
 from megatron_zeppelin.planner.loops import ring_line, ring_search, whole_docs
 from megatron_zeppelin.planner.place import pool as pool_module
@@ -59,10 +59,7 @@ def test_compiled_pool_places_as_numpy(
     for placements, promotions, loads in (line, ring_by_ring):
         assert placements == want
         assert promotions == want_promotions
-        assert loads.cost == want_loads.cost
-        assert loads.attention == want_loads.attention
-        assert loads.exposed == want_loads.exposed
-        assert loads.tokens == want_loads.tokens
+        assert_same_loads(loads, want_loads)
     assert any(p.tier == Tier.LOCAL for p in want)
     if name.startswith("fixed-"):
         assert promotions > 0, "no whole document was left without room: the ring path untried"

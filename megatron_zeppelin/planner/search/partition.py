@@ -384,14 +384,7 @@ def warm() -> bool:
     the first time in an environment, about one after). Whether numba runs them."""
     if not jit.enabled():
         return False
-    for module in (
-        local_changes,
-        node_lpt,
-        node_rings,
-        ring_line,
-        ring_search,
-        shares_line,
-        whole_docs,
-    ):
+    loops = (local_changes, node_lpt, node_rings, ring_line, ring_search, shares_line, whole_docs)
+    for module in loops:
         module.warm()
     return True
