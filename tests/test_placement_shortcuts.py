@@ -656,13 +656,13 @@ def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
     ``rank_share``'s compute and exposed seconds and ``ring_key``, at every size of a node; flat
     across nodes, ``ring_key``, at every size of the world, routed over four NICs or one;
     balancing linear seconds or not, over lengths from a few tokens to a million; with NVLink
-    slower than a NIC too; and flat across nodes (``ring_line.py``), ``rank_share``'s compute and
-    both exposed seconds, at a member whose edges cross nodes and at one whose do not. And they
-    size the rings as ``zigzag_loads`` and ``min_ring``
-    do."""
-    from megatron_zeppelin.planner.loops import ring_line, ring_prices
+    slower than a NIC too; and flat across nodes (``_flat_share``, which ``ring_line.py`` adds
+    rings with), ``rank_share``'s compute and both exposed seconds, at a member whose edges
+    cross nodes and at one whose do not. And they size the rings as ``zigzag_loads`` and
+    ``min_ring`` do."""
+    from megatron_zeppelin.planner.loops import ring_prices
 
-    assert ring_prices.compiled() and ring_line.compiled()
+    assert ring_prices.compiled()
     inner_waits = 0
     topology = get_topology(cluster.replace("slow-nvlink", "zeppelin-C"), num_nodes=4)
     cost = CostModel.default(get_model("llama-7b"), topology)
@@ -683,7 +683,7 @@ def test_compiled_ring_prices_are_the_loads_own(cluster: str) -> None:
                 assert ring_prices._flat_key(length, g, terms) == want, (length, g, links)
                 share = loads.rank_share(length, g, "nic", links, flat=True)
                 inner = share.exposed_at(False)
-                assert ring_line._flat_share(length, g, terms) == (
+                assert ring_prices._flat_share(length, g, terms) == (
                     share.compute_s, share.exposed_s, inner
                 ), (length, g, links)  # fmt: skip
                 inner_waits += inner > 0

@@ -29,12 +29,9 @@ import numpy as np
 
 from megatron_zeppelin.planner.loops import jit, ring_prices, ring_search
 from megatron_zeppelin.planner.loops.ring_prices import (
-    _compute,
-    _edge,
+    _flat_share,
     _min_ring,
     _share,
-    _time,
-    _waits,
     _zigzag_tokens,
 )
 from megatron_zeppelin.planner.loops.ring_search import Tries, _tries
@@ -107,26 +104,11 @@ def place(
     return int(stop), places, rings
 
 
-def _flat_share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
-    """``Loads.rank_share(length, g, "nic", flat=True)``: its compute seconds, and its exposed
-    seconds at a member whose ring edges cross nodes and at one whose edges stay inside its
-    node (a routed edge's parts relayed over NVLink)."""
-    compute = _compute(length, g, terms)
-    kv = terms[7] * length / g
-    step = compute / g
-    links = terms[14]
-    relayed = 1 + 1 / links if links > 1 else 1.0
-    edge = _waits(g, step, _edge(kv, terms), _edge(2 * kv, terms), terms[10])
-    forward = _time(terms[8], terms[9], relayed * kv)
-    backward = _time(terms[8], terms[9], relayed * (2 * kv))
-    return compute, edge, _waits(g, step, forward, backward, terms[10])
-
-
 def _add(cost, attention, exposed, tokens, ring, length, place, share, weight, k, terms):  # noqa: ANN001, ANN202, E501, PLR0913 - compiled by numba
     """``Loads.add_ring`` of a ring found at ``place``: over NVLink on one node, else across
     nodes (``share``: a 2-D-capable ring's ``(compute, crossing, inner)``, ``Tries.shares``)."""
     g = ring.shape[0]
-    if place == 1:
+    if place == _NODE:
         compute, waits = _share(length, g, terms)
         for position in range(g):
             rank, n = ring[position], _zigzag_tokens(length, g, position)
@@ -135,7 +117,7 @@ def _add(cost, attention, exposed, tokens, ring, length, place, share, weight, k
             exposed[rank] += waits
             tokens[rank] += n
         return
-    if place == 0:
+    if place == _WHOLE:
         compute, edge, inner = share[0], share[1], share[2]
     else:
         compute, edge, inner = _flat_share(length, g, terms)
@@ -270,7 +252,7 @@ def _compiled() -> Callable | None:
     if kernels is None or not ring_prices.bind(globals()):
         return None
     globals()["_search"], globals()["_tries"] = kernels
-    return jit.compile_loops(globals(), "_flat_share", "_add", "_line")
+    return jit.compile_loops(globals(), "_add", "_line")
 
 
 @functools.cache

@@ -1,7 +1,8 @@
 """A ring's price and sizes for the compiled loops, as ``Loads`` and ``zigzag_loads`` work them out.
 
 The compiled loops that place rings (``node_rings.py``: stage 3 on one node; ``ring_search.py``:
-the pool's tries of a ring) price a ring at each size as ``Loads.rank_share`` and
+the pool's tries of a ring; ``ring_line.py``: the pool's rings added to the loads, with each
+member's share) price a ring at each size as ``Loads.rank_share`` and
 ``Loads.ring_key`` price it over NVLink or flat across nodes, with the same float operations in
 the same order on the same terms (``Loads.ring_terms``), so to the last bit
 (``tests/test_placement_shortcuts.py`` compares them), and cut it as ``zigzag_loads`` does.
@@ -32,6 +33,7 @@ _NAMES = (
     "_share",
     "_key",
     "_edge",
+    "_flat_share",
     "_flat_key",
     "_min_ring",
 )
@@ -127,12 +129,26 @@ def _edge(num_bytes, terms):  # noqa: ANN001, ANN202 - compiled by numba
     return drain + 2 * terms[8] + terms[12]
 
 
+def _flat_share(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
+    """``Loads.rank_share(length, g, "nic", flat=True)`` of a flat ring of two GPUs or more
+    across nodes: its compute seconds, and its exposed seconds at a member whose ring edges
+    cross nodes and at one whose edges stay inside its node (a routed edge's parts relayed over
+    NVLink)."""
+    compute = _compute(length, g, terms)
+    kv = terms[7] * length / g
+    step = compute / g
+    links = terms[14]
+    relayed = 1 + 1 / links if links > 1 else 1.0
+    edge = _waits(g, step, _edge(kv, terms), _edge(2 * kv, terms), terms[10])
+    forward = _time(terms[8], terms[9], relayed * kv)
+    backward = _time(terms[8], terms[9], relayed * (2 * kv))
+    return compute, edge, _waits(g, step, forward, backward, terms[10])
+
+
 def _flat_key(length, g, terms):  # noqa: ANN001, ANN202 - compiled by numba
     """``Loads.ring_key(length, g, "nic", flat=True)``: a flat ring of two GPUs or more across
     nodes, at a member whose edges cross them."""
-    compute = _compute(length, g, terms)
-    kv = terms[7] * length / g
-    waits = _waits(g, compute / g, _edge(kv, terms), _edge(2 * kv, terms), terms[10])
+    compute, waits, _ = _flat_share(length, g, terms)
     return compute + waits + terms[11] * length / g
 
 
